@@ -1,0 +1,32 @@
+# Two entry points, each self-sufficient on a fresh machine:
+#   make demo  - pipeline training with an injected failure and its recovery (embedded defaults)
+#   make test  - the test suite
+# Both create .venv if missing and install the project with its dev extra.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.swiftlog-installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 first: this pin resolves to the CPU wheel kept on disk on this kind of machine
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/swiftlog demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) bench/store_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,127 @@
+"""Every error the log store raises, in one place.
+
+Hierarchy::
+
+    SwiftlogError                       base of everything swiftlog raises on purpose
+    ├── InvalidNameError (ValueError)   a run / channel / segment name that is not allowed
+    ├── InvalidKeyError (ValueError)    a record key out of range or malformed bytes
+    ├── CodecError                      a blob that is not a swiftlog tensor record
+    ├── StoreError                      a log-store operation failed
+    │   ├── RecordNotFoundError (KeyError)   no tier holds the key
+    │   ├── CorruptRecordError          checksum mismatch: the bytes are never returned
+    │   ├── StoreFullError              disk full (ENOSPC/EDQUOT) or LMDB map cannot grow
+    │   ├── ColdTierUnavailableError    object store unreachable or failing (retryable)
+    │   ├── ColdTierError               object store refused an operation (not retryable)
+    │   └── StoreClosedError            use after close()
+    └── ConfigError (ValueError)        a configuration value that cannot work
+
+Each error carries ``retryable`` (may the same call succeed later?) and, where it makes sense,
+the record key or object path it concerns, plus a hint that tells the reader what to do.
+Backend errors (lmdb, OSError, botocore) are translated at the boundary with ``raise ... from e``
+so the cause stays attached.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+__all__ = [
+    "SwiftlogError",
+    "InvalidNameError",
+    "InvalidKeyError",
+    "CodecError",
+    "StoreError",
+    "RecordNotFoundError",
+    "CorruptRecordError",
+    "StoreFullError",
+    "ColdTierUnavailableError",
+    "ColdTierError",
+    "StoreClosedError",
+    "ConfigError",
+    "translate_os_error",
+]
+
+
+class SwiftlogError(Exception):
+    """Base class. ``retryable`` says whether repeating the same call may succeed."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, hint: str | None = None, **context: Any) -> None:
+        self.hint = hint
+        self.context = context
+        full = message if hint is None else f"{message} (hint: {hint})"
+        super().__init__(full)
+
+
+class InvalidNameError(SwiftlogError, ValueError):
+    """A run, channel or object name that is empty, too long, or could escape its directory."""
+
+
+class InvalidKeyError(SwiftlogError, ValueError):
+    """A record key with a field out of range, or bytes that are not an encoded key."""
+
+
+class ConfigError(SwiftlogError, ValueError):
+    """A configuration value that cannot work; the message names the field and the bad value."""
+
+
+class CodecError(SwiftlogError):
+    """A blob that is not a valid swiftlog tensor record (bad magic, header, dtype, or length)."""
+
+
+class StoreError(SwiftlogError):
+    """A log-store operation failed. ``key`` names the record when there is one."""
+
+    def __init__(self, message: str, *, key: Any = None, hint: str | None = None, **context: Any) -> None:
+        self.key = key
+        super().__init__(message, hint=hint, **context)
+
+
+class RecordNotFoundError(StoreError, KeyError):
+    """No tier holds the record (never written, or garbage-collected)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class CorruptRecordError(StoreError):
+    """Stored bytes do not match their checksum. The bytes are never returned."""
+
+
+class StoreFullError(StoreError):
+    """The hot tier cannot take more data: disk full or the LMDB map cannot grow."""
+
+    retryable = True
+
+
+class ColdTierUnavailableError(StoreError):
+    """The object store is unreachable or answering with server errors; records stay hot."""
+
+    retryable = True
+
+
+class ColdTierError(StoreError):
+    """The object store refused an operation for a reason that retrying will not fix."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after close()."""
+
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def translate_os_error(exc: OSError, what: str, *, key: Any = None) -> StoreError:
+    """Map an OSError from the local disk to a StoreError that says what failed.
+
+    Never raises; returns the error for the caller to ``raise ... from exc``.
+    """
+    if exc.errno in _FULL_ERRNOS:
+        return StoreFullError(
+            f"{what}: disk full ({exc.strerror})",
+            key=key,
+            hint="free space under the store root or run GC after a checkpoint",
+        )
+    return StoreError(f"{what}: {exc.strerror or exc}", key=key)

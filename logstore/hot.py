@@ -1,0 +1,730 @@
+"""The hot tier: LMDB as the index of append-only segment files, one environment per writer.
+
+Layout under a node's store root::
+
+    <root>/<run>/<writer>/index/          LMDB environment (data.mdb, lock.mdb)
+    <root>/<run>/<writer>/segments/<id>.seg   segment files (see logstore.segment)
+    <root>/<run>/<writer>/writer.lock     flock held by the one process that appends
+
+Why this layout: record bytes never enter LMDB, so a rolling window (append new iterations,
+GC old ones) cannot fragment LMDB's free pages; deleting a dead segment returns its space to the
+filesystem at once. LMDB holds only small fixed-size index entries and segment states, and gives
+other processes (server, CLI) consistent reads while the trainer writes.
+
+Sub-databases:
+- ``records``:  encoded RecordKey -> (segment id, blob offset, blob length, blob xxh3, raw length)
+- ``segments``: segment id (u64) -> JSON SegmentMeta (channel, iteration range, state, sizes)
+- ``meta``:     counters and small documents (next segment id, checkpoints)
+
+Durability modes (``durability``):
+- ``"process"`` (default): a put returns after the frame was written (page cache) and the index
+  transaction committed without fsync. Survives the death of the writing process (SIGKILL,
+  OOM); a power loss or kernel crash can lose the last records and roll the index back to a
+  consistent earlier state.
+- ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns.
+
+Crash consistency: frames are written before the index entry that points to them commits, so
+an acknowledged record is always complete. On open, the writer truncates every open segment to
+the end recorded in the index (dropping frames whose commit never happened) and seals it.
+
+Never: holds an LMDB transaction across user code; returns bytes it did not checksum.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from logstore.errors import (
+    ConfigError,
+    CorruptRecordError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    translate_os_error,
+)
+from logstore.keys import Channel, RecordKey, channel_range
+from logstore.segment import (
+    FILE_HEADER,
+    FILE_HEADER_SIZE,
+    FRAME_HEADER_SIZE,
+    blob_checksum,
+    build_footer,
+    encode_frame_header,
+    scan_frames,
+)
+
+__all__ = ["HotTier", "SegmentMeta", "Location", "OPEN", "SEALED", "UPLOADED", "EVICTED"]
+
+logger = logging.getLogger(__name__)
+
+OPEN, SEALED, UPLOADED, EVICTED = "open", "sealed", "uploaded", "evicted"
+
+_REC = struct.Struct(">QQQQQ")
+_U64 = struct.Struct(">Q")
+_MAX_MAP = 1 << 40
+
+
+@dataclass(slots=True)
+class SegmentMeta:
+    """State of one segment. ``end`` is the acknowledged end of data (frames) in the file."""
+
+    id: int
+    channel: str
+    lo: int
+    hi: int
+    state: str = OPEN
+    end: int = FILE_HEADER_SIZE
+    file_size: int = FILE_HEADER_SIZE
+    records: int = 0
+    live: int = 0
+    live_bytes: int = 0
+    raw_bytes: int = 0
+    cold_name: str | None = None
+    created: float = field(default_factory=time.time)
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, data: bytes) -> SegmentMeta:
+        return cls(**json.loads(data))
+
+    @property
+    def chan(self) -> Channel:
+        return Channel.parse(self.channel)
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a record's blob is: a segment of one writer, at an offset."""
+
+    writer: str
+    segment: SegmentMeta
+    offset: int
+    length: int
+    checksum: int
+    raw_len: int
+
+
+class _RWLock:
+    """Many readers or one exclusive holder; used so an LMDB map resize never races a transaction."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class _EnvHandle:
+    """One LMDB environment per process and path (LMDB forbids opening it twice in a process)."""
+
+    def __init__(self, path: Path, sync: bool, map_size: int) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self.env = lmdb.open(
+            str(path), map_size=map_size, max_dbs=4, subdir=True, sync=sync, metasync=sync,
+            readahead=False, max_readers=512, lock=True,
+        )
+        # stale reader slots of dead processes would pin old pages forever
+        self.env.reader_check()
+        self.rw = _RWLock()
+        self.refs = 0
+        self.db_rec = self.env.open_db(b"records")
+        self.db_seg = self.env.open_db(b"segments")
+        self.db_meta = self.env.open_db(b"meta")
+
+
+_ENVS: dict[str, _EnvHandle] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _open_env(path: Path, sync: bool, map_size: int) -> _EnvHandle:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        h = _ENVS.get(key)
+        if h is None or h.pid != os.getpid():  # after fork, never reuse the parent's env
+            h = _ENVS[key] = _EnvHandle(Path(key), sync, map_size)
+        h.refs += 1
+        return h
+
+
+def _release_env(h: _EnvHandle) -> None:
+    with _ENVS_LOCK:
+        h.refs -= 1
+        if h.refs <= 0 and h.pid == os.getpid():
+            _ENVS.pop(str(h.path), None)
+            h.env.close()
+
+
+class HotTier:
+    """One writer's hot tier. ``owner=True`` takes the writer lock and may append.
+
+    Any process may open a writer's directory with ``owner=False`` to read, collect garbage
+    (index deletes + removal of dead, non-open segments) and inspect, while the owner writes.
+    Thread-safe within a process.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        owner: bool,
+        durability: str = "process",
+        segment_iters: int = 4,
+        segment_max_bytes: int = 256 << 20,
+        map_size: int = 64 << 20,
+        on_seal: Callable[[SegmentMeta], None] | None = None,
+    ) -> None:
+        if durability not in ("process", "fsync"):
+            raise ConfigError(f"durability {durability!r} not supported", hint="use 'process' or 'fsync'")
+        if segment_iters < 1:
+            raise ConfigError(f"segment_iters must be >= 1, got {segment_iters}")
+        self.dir = Path(directory)
+        self.writer = self.dir.name
+        self.owner = owner
+        self.durability = durability
+        self.segment_iters = segment_iters
+        self.segment_max_bytes = segment_max_bytes
+        self.on_seal = on_seal
+        self._seg_dir = self.dir / "segments"
+        self._wlock = threading.RLock()
+        self._active: dict[str, tuple[int, int]] = {}  # channel name -> (segment id, fd)
+        self._closed = False
+        self._lock_fd: int | None = None
+        try:
+            if owner:
+                self._seg_dir.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = os.open(self.dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                    raise StoreError(
+                        f"another process is already writing {self.dir}",
+                        hint="give each writing process its own writer name",
+                    ) from None
+            elif not (self.dir / "index").is_dir():
+                raise StoreError(f"no hot tier at {self.dir}")
+            self._handle = _open_env(self.dir / "index", durability == "fsync", map_size)
+        except OSError as e:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise translate_os_error(e, f"opening hot tier {self.dir}") from e
+        except lmdb.Error as e:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
+        self.env = self._handle.env
+        self._rw = self._handle.rw
+        self._db_rec = self._handle.db_rec
+        self._db_seg = self._handle.db_seg
+        self._db_meta = self._handle.db_meta
+        if owner:
+            self._recover()
+
+    # ------------------------------------------------------------------ LMDB plumbing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"hot tier {self.dir} is closed")
+
+    @contextmanager
+    def _read(self) -> Iterator[lmdb.Transaction]:
+        """A short read transaction. Adopts a map grown by another process (MapResizedError)."""
+        self._check_open()
+        for _ in range(3):
+            with self._rw.shared():
+                try:
+                    txn = self.env.begin()
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    try:
+                        yield txn
+                    finally:
+                        txn.abort()
+                    return
+            with self._rw.exclusive():
+                self.env.set_mapsize(0)
+        raise StoreError(f"LMDB index of {self.dir} keeps being resized; retry")
+
+    def _write(self, fn: Callable[[lmdb.Transaction], object]) -> object:
+        """Run ``fn`` in a write transaction, growing the map on MapFullError."""
+        self._check_open()
+        while True:
+            try:
+                with self._rw.shared(), self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError as e:
+                size = self.env.info()["map_size"]
+                if size * 2 > _MAX_MAP:
+                    raise StoreFullError(f"LMDB index of {self.dir} is at its size limit", hint="run GC") from e
+                with self._rw.exclusive():
+                    try:
+                        self.env.set_mapsize(size * 2)
+                    except lmdb.Error as e2:
+                        raise StoreFullError(f"cannot grow LMDB index of {self.dir}: {e2}") from e2
+                logger.info("hot tier %s: LMDB map grown to %d MiB", self.dir, size * 2 >> 20)
+            except lmdb.MapResizedError:
+                with self._rw.exclusive():
+                    self.env.set_mapsize(0)
+            except lmdb.DiskError as e:
+                raise StoreFullError(f"LMDB index of {self.dir}: {e}") from e
+            except lmdb.Error as e:
+                if "No space left" in str(e):
+                    raise StoreFullError(f"LMDB index of {self.dir}: disk full") from e
+                raise StoreError(f"LMDB index of {self.dir}: {e}") from e
+
+    def _get_seg(self, txn: lmdb.Transaction, seg_id: int) -> SegmentMeta | None:
+        raw = txn.get(_U64.pack(seg_id), db=self._db_seg)
+        return None if raw is None else SegmentMeta.loads(raw)
+
+    def _put_seg(self, txn: lmdb.Transaction, meta: SegmentMeta) -> None:
+        txn.put(_U64.pack(meta.id), meta.dumps(), db=self._db_seg)
+
+    def seg_path(self, seg_id: int) -> Path:
+        return self._seg_dir / f"{seg_id:010d}.seg"
+
+    # ------------------------------------------------------------------ writer side
+    def _recover(self) -> None:
+        """Truncate open segments to their acknowledged end and seal them (owner only)."""
+        for meta in self.segments():
+            if meta.state != OPEN:
+                continue
+            path = self.seg_path(meta.id)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                logger.warning("hot tier %s: open segment %d lost its file; dropping its index entries", self.dir, meta.id)
+                self._drop_segment_entries(meta.id)
+                continue
+            if size > meta.end:
+                logger.info("hot tier %s: truncating segment %d from %d to acknowledged end %d", self.dir, meta.id, size, meta.end)
+                os.truncate(path, meta.end)
+            self._seal(meta.id)
+
+    def _drop_segment_entries(self, seg_id: int) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
+            cur = txn.cursor(db=self._db_rec)
+            doomed = [k for k, v in cur if _REC.unpack(v)[0] == seg_id]
+            for k in doomed:
+                txn.delete(k, db=self._db_rec)
+            txn.delete(_U64.pack(seg_id), db=self._db_seg)
+
+        self._write(fn)
+
+    def _new_segment(self, channel: Channel, iteration: int) -> tuple[int, int]:
+        def fn(txn: lmdb.Transaction) -> SegmentMeta:
+            raw = txn.get(b"next_seg", db=self._db_meta)
+            seg_id = 1 if raw is None else _U64.unpack(raw)[0]
+            txn.put(b"next_seg", _U64.pack(seg_id + 1), db=self._db_meta)
+            meta = SegmentMeta(id=seg_id, channel=channel.name, lo=iteration, hi=iteration)
+            self._put_seg(txn, meta)
+            return meta
+
+        meta = self._write(fn)
+        path = self.seg_path(meta.id)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, FILE_HEADER, 0)
+        except OSError as e:
+            raise translate_os_error(e, f"creating segment {path}") from e
+        return meta.id, fd
+
+    def _active_for(self, key: RecordKey, pending_end: dict[int, int]) -> tuple[int, int]:
+        """Active segment (id, fd) for ``key``, rolling to a new one when the range or size is exceeded."""
+        name = key.channel.name
+        cur = self._active.get(name)
+        if cur is not None:
+            seg_id, fd = cur
+            with self._read() as txn:
+                meta = self._get_seg(txn, seg_id)
+            end = pending_end.get(seg_id, meta.end if meta else 0)
+            bucket = key.iteration // self.segment_iters
+            if (
+                meta is None
+                or meta.state != OPEN
+                or bucket != meta.lo // self.segment_iters
+                or key.iteration < meta.lo
+                or end >= self.segment_max_bytes
+            ):
+                self._active.pop(name)
+                os.close(fd)
+                if meta is not None and meta.state == OPEN:
+                    pending_end.pop(seg_id, None)
+                    self._seal(seg_id)
+                cur = None
+        if cur is None:
+            cur = self._new_segment(key.channel, key.iteration)
+            self._active[name] = cur
+        return cur
+
+    def append(self, items: list[tuple[RecordKey, bytes | memoryview, int]]) -> None:
+        """Append encoded records ``(key, blob, raw_len)`` and commit their index entries.
+
+        Returns only after the whole batch is acknowledged (see module docstring for what that
+        means per durability mode). On failure nothing of the batch is acknowledged: frames
+        already written are truncated away and the error is raised (StoreFullError when the
+        disk is full).
+        """
+        if not self.owner:
+            raise StoreError(f"hot tier {self.dir} was opened read-only", hint="open it with owner=True")
+        if not items:
+            return
+        with self._wlock:
+            self._check_open()
+            start_end: dict[int, int] = {}
+            pending_end: dict[int, int] = {}
+            fds: dict[int, int] = {}
+            entries: list[tuple[bytes, int, int, int, int, int, int]] = []
+            try:
+                for key, blob, raw_len in items:
+                    seg_id, fd = self._active_for(key, pending_end)
+                    if seg_id not in pending_end:
+                        with self._read() as txn:
+                            pending_end[seg_id] = self._get_seg(txn, seg_id).end
+                        start_end[seg_id] = pending_end[seg_id]
+                        fds[seg_id] = fd
+                    pos = pending_end[seg_id]
+                    kb = key.encode()
+                    cs = blob_checksum(blob)
+                    hdr = encode_frame_header(kb, len(blob), cs)
+                    n = os.pwritev(fd, [hdr, blob], pos)
+                    if n != len(hdr) + len(blob):
+                        raise OSError(28, "short write (disk full?)")
+                    pending_end[seg_id] = pos + n
+                    entries.append((kb, seg_id, pos + FRAME_HEADER_SIZE, len(blob), cs, raw_len, key.iteration))
+                if self.durability == "fsync":
+                    for fd in fds.values():
+                        os.fdatasync(fd)
+                self._write(lambda txn: self._commit_entries(txn, entries, pending_end))
+            except BaseException as e:
+                # nothing of this batch is acknowledged: cut the files back
+                for seg_id, end in start_end.items():
+                    try:
+                        os.ftruncate(fds[seg_id], end)
+                    except OSError:
+                        pass
+                if isinstance(e, OSError):
+                    raise translate_os_error(e, f"appending to hot tier {self.dir}", key=items[0][0]) from e
+                raise
+
+    def _commit_entries(self, txn: lmdb.Transaction, entries, pending_end: dict[int, int]) -> None:
+        metas: dict[int, SegmentMeta] = {}
+
+        def meta_of(seg_id: int) -> SegmentMeta | None:
+            if seg_id not in metas:
+                m = self._get_seg(txn, seg_id)
+                if m is None:
+                    return None
+                metas[seg_id] = m
+            return metas[seg_id]
+
+        for kb, seg_id, off, ln, cs, raw_len, it in entries:
+            old = txn.get(kb, db=self._db_rec)
+            if old is not None:
+                o_seg, _, o_len, _, o_raw = _REC.unpack(old)
+                om = meta_of(o_seg)
+                if om is not None:
+                    om.live -= 1
+                    om.live_bytes -= o_len
+                    om.raw_bytes -= o_raw
+            txn.put(kb, _REC.pack(seg_id, off, ln, cs, raw_len), db=self._db_rec)
+            m = meta_of(seg_id)
+            m.records += 1
+            m.live += 1
+            m.live_bytes += ln
+            m.raw_bytes += raw_len
+            m.lo = min(m.lo, it)
+            m.hi = max(m.hi, it)
+        for seg_id, end in pending_end.items():
+            m = meta_of(seg_id)
+            if m is not None:
+                m.end = m.file_size = end
+        for m in metas.values():
+            self._put_seg(txn, m)
+
+    def _seal(self, seg_id: int) -> SegmentMeta | None:
+        """Append the footer to an open segment and mark it sealed (owner only)."""
+        with self._read() as txn:
+            meta = self._get_seg(txn, seg_id)
+        if meta is None or meta.state != OPEN:
+            return meta
+        path = self.seg_path(seg_id)
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                entries = list(scan_frames(fd, meta.end))
+                footer = build_footer(entries, meta.end)
+                os.pwrite(fd, footer, meta.end)
+                os.ftruncate(fd, meta.end + len(footer))
+                if self.durability == "fsync":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise translate_os_error(e, f"sealing segment {path}") from e
+
+        def fn(txn: lmdb.Transaction) -> SegmentMeta | None:
+            m = self._get_seg(txn, seg_id)
+            if m is None:
+                return None
+            m.state = SEALED
+            m.file_size = meta.end + len(footer)
+            self._put_seg(txn, m)
+            return m
+
+        sealed = self._write(fn)
+        if sealed is not None and self.on_seal is not None:
+            self.on_seal(sealed)
+        return sealed
+
+    def seal_all(self, channels: set[str] | None = None) -> list[SegmentMeta]:
+        """Seal every open segment of this writer (owner only), or only those of ``channels``
+        (channel names). Returns what was sealed."""
+        out = []
+        with self._wlock:
+            for name, (seg_id, fd) in list(self._active.items()):
+                if channels is not None and name not in channels:
+                    continue
+                os.close(fd)
+                del self._active[name]
+                m = self._seal(seg_id)
+                if m is not None:
+                    out.append(m)
+        return out
+
+    def set_state(self, seg_id: int, state: str, *, cold_name: str | None = None) -> SegmentMeta | None:
+        """Move a segment to ``state`` (uploaded / evicted); removes the local file on eviction."""
+
+        def fn(txn: lmdb.Transaction) -> SegmentMeta | None:
+            m = self._get_seg(txn, seg_id)
+            if m is None:
+                return None
+            m.state = state
+            if cold_name is not None:
+                m.cold_name = cold_name
+            self._put_seg(txn, m)
+            return m
+
+        m = self._write(fn)
+        if m is not None and state == EVICTED:
+            self.seg_path(seg_id).unlink(missing_ok=True)
+        return m
+
+    # ------------------------------------------------------------------ reading
+    def segments(self) -> list[SegmentMeta]:
+        with self._read() as txn:
+            return [SegmentMeta.loads(v) for _, v in txn.cursor(db=self._db_seg)]
+
+    def segment(self, seg_id: int) -> SegmentMeta | None:
+        with self._read() as txn:
+            return self._get_seg(txn, seg_id)
+
+    def lookup(self, key: RecordKey) -> Location | None:
+        with self._read() as txn:
+            raw = txn.get(key.encode(), db=self._db_rec)
+            if raw is None:
+                return None
+            seg_id, off, ln, cs, raw_len = _REC.unpack(raw)
+            meta = self._get_seg(txn, seg_id)
+        if meta is None:
+            return None
+        return Location(self.writer, meta, off, ln, cs, raw_len)
+
+    def read_local(self, loc: Location) -> bytes | None:
+        """The blob at ``loc`` from the local segment file, checksum-verified; None if the file is gone."""
+        path = self.seg_path(loc.segment.id)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            blob = os.pread(fd, loc.length, loc.offset)
+        finally:
+            os.close(fd)
+        if len(blob) != loc.length or blob_checksum(blob) != loc.checksum:
+            raise CorruptRecordError(
+                f"corrupt record in hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}",
+                key=None,
+            )
+        return blob
+
+    def keys(
+        self,
+        channel: Channel | None = None,
+        it_lo: int = 0,
+        it_hi: int | None = None,
+        *,
+        after: bytes | None = None,
+        limit: int | None = None,
+    ) -> list[tuple[RecordKey, Location]]:
+        """Index entries (key order) of one channel's iteration range, or of everything.
+
+        ``after`` (an encoded key) starts strictly after that key and ``limit`` stops after that
+        many entries, so a caller can page through a large index reading only one page.
+        """
+        out: list[tuple[RecordKey, Location]] = []
+        if limit is not None and limit <= 0:
+            return out
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db_rec)
+            if channel is None:
+                start, end = b"", None
+            else:
+                start, end = channel_range(channel, it_lo, it_hi)
+            if after is not None and after >= start:
+                start = after
+            if not (cur.set_range(start) if start else cur.first()):
+                return out
+            seg_cache: dict[int, SegmentMeta | None] = {}
+            for kb, v in cur.iternext():
+                if end is not None and kb >= end:
+                    break
+                if kb == after:
+                    continue
+                seg_id, off, ln, cs, raw_len = _REC.unpack(v)
+                if seg_id not in seg_cache:
+                    seg_cache[seg_id] = self._get_seg(txn, seg_id)
+                meta = seg_cache[seg_id]
+                if meta is not None:
+                    out.append((RecordKey.decode(kb), Location(self.writer, meta, off, ln, cs, raw_len)))
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
+
+    def channels(self) -> set[str]:
+        return {m.channel for m in self.segments()}
+
+    # ------------------------------------------------------------------ GC
+    def gc(self, watermarks: dict[int, int], *, dry_run: bool) -> tuple[list[RecordKey], list[SegmentMeta]]:
+        """Delete index entries of records below their owner's watermark; then remove segments
+        that are not open and hold no live record. Returns (keys, segments) deleted (or that
+        would be, with ``dry_run``). Never touches a record at or above its watermark.
+        """
+        doomed: list[bytes] = []
+        for name in sorted(self.channels()):
+            ch = Channel.parse(name)
+            wm = watermarks.get(ch.owner)
+            if not wm:
+                continue
+            doomed.extend(k.encode() for k, _ in self.keys(ch, 0, wm))
+        dead_segments: list[SegmentMeta] = []
+        if dry_run:
+            # segments that would become empty
+            left: dict[int, int] = {m.id: m.live for m in self.segments()}
+            with self._read() as txn:
+                for kb in doomed:
+                    raw = txn.get(kb, db=self._db_rec)
+                    if raw is not None:
+                        left[_REC.unpack(raw)[0]] -= 1
+            dead_segments = [m for m in self.segments() if m.state != OPEN and left.get(m.id, 0) <= 0]
+            return [RecordKey.decode(k) for k in doomed], dead_segments
+
+        def fn(txn: lmdb.Transaction) -> None:
+            metas: dict[int, SegmentMeta] = {}
+            for kb in doomed:
+                raw = txn.get(kb, db=self._db_rec)
+                if raw is None:
+                    continue
+                seg_id, _, ln, _, raw_len = _REC.unpack(raw)
+                m = metas.get(seg_id) or self._get_seg(txn, seg_id)
+                if m is not None:
+                    m.live -= 1
+                    m.live_bytes -= ln
+                    m.raw_bytes -= raw_len
+                    metas[seg_id] = m
+                txn.delete(kb, db=self._db_rec)
+            for m in metas.values():
+                self._put_seg(txn, m)
+
+        self._write(fn)
+        for m in self.segments():
+            if m.state != OPEN and m.live <= 0:
+                self._write(lambda txn, i=m.id: txn.delete(_U64.pack(i), db=self._db_seg))
+                self.seg_path(m.id).unlink(missing_ok=True)
+                dead_segments.append(m)
+        return [RecordKey.decode(k) for k in doomed], dead_segments
+
+    # ------------------------------------------------------------------ documents
+    def put_doc(self, name: str, obj: dict) -> None:
+        data = json.dumps(obj, sort_keys=True).encode()
+        self._write(lambda txn: txn.put(b"doc/" + name.encode(), data, db=self._db_meta))
+
+    def docs(self, prefix: str = "") -> dict[str, dict]:
+        p = b"doc/" + prefix.encode()
+        out = {}
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db_meta)
+            if cur.set_range(p):
+                for k, v in cur:
+                    if not k.startswith(p):
+                        break
+                    out[k[4:].decode()] = json.loads(v)
+        return out
+
+    # ------------------------------------------------------------------ sizes
+    def disk_bytes(self) -> int:
+        """Bytes on disk: LMDB files plus segment files (what a rolling window must bound)."""
+        total = 0
+        for sub in (self.dir / "index", self._seg_dir):
+            if sub.is_dir():
+                for p in sub.iterdir():
+                    try:
+                        total += p.stat().st_blocks * 512
+                    except FileNotFoundError:
+                        pass
+        return total
+
+    def close(self) -> None:
+        """Seal nothing, release everything. Open segments stay open and are sealed at next open."""
+        if self._closed:
+            return
+        with self._wlock:
+            for _, fd in self._active.values():
+                os.close(fd)
+            self._active.clear()
+            self._closed = True
+            _release_env(self._handle)
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

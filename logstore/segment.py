@@ -1,0 +1,145 @@
+"""Segment files: the unit of storage shared by the hot tier (local file) and the cold tier (object).
+
+A segment holds the records of ONE channel over a contiguous iteration range, appended in
+arrival order. While open it lives only in the hot tier; sealing appends an index footer, and
+the sealed file is uploaded byte-for-byte as an immutable cold object, so an offset recorded by
+the hot index is valid in the cold object too.
+
+Layout (all integers big-endian)::
+
+    file header   MAGIC (8 bytes) | version u32 | reserved u32                       16 bytes
+    frame         b"SWRF" | key (19) | blob_len u64 | blob_xxh3 u64 | hdr_crc u32       43 bytes
+                  blob (blob_len bytes: a logstore.codec tensor record)
+    ...           more frames
+    footer index  n x (key (19) | offset u64 | length u64 | xxh3 u64)                  43 bytes each
+    trailer       index_offset u64 | n u64 | index_xxh3 u64 | END_MAGIC (8)            32 bytes
+
+``hdr_crc`` (zlib.crc32 of the frame header fields) detects a torn or corrupt frame header;
+``blob_xxh3`` detects corrupt record bytes without decoding them. ``offset`` in the index is
+the blob's offset. A key may appear twice (a re-sent record): the later frame wins.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from logstore.errors import CodecError, CorruptRecordError
+from logstore.keys import KEY_SIZE, RecordKey
+
+__all__ = [
+    "FILE_HEADER",
+    "FILE_HEADER_SIZE",
+    "FRAME_HEADER_SIZE",
+    "TRAILER_SIZE",
+    "IndexEntry",
+    "blob_checksum",
+    "encode_frame_header",
+    "scan_frames",
+    "build_footer",
+    "parse_trailer",
+    "parse_index",
+]
+
+MAGIC = b"SWLSEG\x00\x01"
+VERSION = 1
+FILE_HEADER = MAGIC + struct.pack(">II", VERSION, 0)
+FILE_HEADER_SIZE = len(FILE_HEADER)
+
+_FRAME = struct.Struct(">4s19sQQ")
+_FRAME_CRC = struct.Struct(">I")
+FRAME_MAGIC = b"SWRF"
+FRAME_HEADER_SIZE = _FRAME.size + _FRAME_CRC.size  # 43
+
+_ENTRY = struct.Struct(">19sQQQ")
+_TRAILER = struct.Struct(">QQQ8s")
+END_MAGIC = b"SWLEND01"
+TRAILER_SIZE = _TRAILER.size  # 32
+
+
+def blob_checksum(blob: bytes | memoryview) -> int:
+    """xxh3-64 of the stored record bytes (what frames and indexes carry)."""
+    return xxhash.xxh3_64_intdigest(blob)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """Where one record's blob sits inside a segment."""
+
+    key: RecordKey
+    offset: int
+    length: int
+    checksum: int
+
+
+def encode_frame_header(key_bytes: bytes, blob_len: int, checksum: int) -> bytes:
+    head = _FRAME.pack(FRAME_MAGIC, key_bytes, blob_len, checksum)
+    return head + _FRAME_CRC.pack(zlib.crc32(head))
+
+
+def _decode_frame_header(buf: bytes, where: str) -> tuple[bytes, int, int]:
+    head, (crc,) = buf[: _FRAME.size], _FRAME_CRC.unpack(buf[_FRAME.size : FRAME_HEADER_SIZE])
+    magic, key_bytes, blob_len, checksum = _FRAME.unpack(head)
+    if magic != FRAME_MAGIC or zlib.crc32(head) != crc:
+        raise CorruptRecordError(f"corrupt frame header at {where}", key=where)
+    return key_bytes, blob_len, checksum
+
+
+def scan_frames(fd: int, end: int | None = None) -> Iterator[IndexEntry]:
+    """Yield the frames of a segment file open as ``fd``, in file order, reading headers only.
+
+    Stops at ``end`` (exclusive; default: file size) or at the first torn/corrupt header, which
+    it raises as CorruptRecordError. Never reads blob bytes.
+    """
+    size = os.fstat(fd).st_size if end is None else end
+    head = os.pread(fd, FILE_HEADER_SIZE, 0)
+    if head[:8] != MAGIC:
+        raise CodecError("not a swiftlog segment file (bad magic)")
+    pos = FILE_HEADER_SIZE
+    while pos + FRAME_HEADER_SIZE <= size:
+        buf = os.pread(fd, FRAME_HEADER_SIZE, pos)
+        if buf[:4] == END_MAGIC[:4] or buf[:4] != FRAME_MAGIC:
+            # start of the footer of a sealed segment
+            break
+        key_bytes, blob_len, checksum = _decode_frame_header(buf, f"offset {pos}")
+        off = pos + FRAME_HEADER_SIZE
+        if off + blob_len > size:
+            raise CorruptRecordError(f"torn frame at offset {pos}: blob runs past end {size}", key=f"offset {pos}")
+        yield IndexEntry(RecordKey.decode(key_bytes), off, blob_len, checksum)
+        pos = off + blob_len
+
+
+def build_footer(entries: list[IndexEntry], index_offset: int) -> bytes:
+    """Index + trailer to append at ``index_offset`` when sealing a segment."""
+    index = b"".join(_ENTRY.pack(e.key.encode(), e.offset, e.length, e.checksum) for e in entries)
+    trailer = _TRAILER.pack(index_offset, len(entries), xxhash.xxh3_64_intdigest(index), END_MAGIC)
+    return index + trailer
+
+
+def parse_trailer(trailer: bytes, where: str) -> tuple[int, int, int]:
+    """(index_offset, n_entries, index_checksum) from a sealed segment's last TRAILER_SIZE bytes."""
+    if len(trailer) != TRAILER_SIZE:
+        raise CorruptRecordError(f"segment {where}: short trailer ({len(trailer)} bytes)", key=where)
+    index_offset, n, csum, magic = _TRAILER.unpack(trailer)
+    if magic != END_MAGIC:
+        raise CorruptRecordError(f"segment {where}: bad trailer magic (not sealed or corrupt)", key=where)
+    return index_offset, n, csum
+
+
+def parse_index(index: bytes, n: int, checksum: int, where: str) -> list[IndexEntry]:
+    """Decode a footer index, verifying its checksum. Raises CorruptRecordError naming ``where``."""
+    if len(index) != n * _ENTRY.size or xxhash.xxh3_64_intdigest(index) != checksum:
+        raise CorruptRecordError(f"segment {where}: index checksum mismatch", key=where)
+    out = []
+    for i in range(n):
+        kb, off, ln, cs = _ENTRY.unpack_from(index, i * _ENTRY.size)
+        out.append(IndexEntry(RecordKey.decode(kb), off, ln, cs))
+    return out
+
+
+assert KEY_SIZE == 19

@@ -1,0 +1,897 @@
+"""The tiered log store: hot LMDB-indexed segments on the node, sealed segments in the cold tier.
+
+One ``LogStore`` serves one run on one node's store root. A training process opens it with a
+``writer`` name and appends; the server, the CLI and the replay engine open the same root
+without a writer and read every writer's hot tier plus the cold tier (reads fall through
+hot -> cold, and a key is never returned unless its checksums match).
+
+Background upload: sealing a segment queues it for the uploader thread, which copies the sealed
+file byte-for-byte to the cold tier (commit marker last). Upload state lives in the hot tier's
+LMDB index and is reconciled against the cold listing at open, so a crash at any point
+converges (uploads are idempotent). While the object store is down, segments simply stay
+``sealed`` in the hot tier and uploads resume with backoff; ``stats()`` reports the backlog and
+the last error.
+
+Retention: ``register_checkpoint(stage, c)`` records a durable checkpoint (in the cold tier when
+there is one: it is the place every node and a replacement can read; and in the local index).
+The watermark of stage k is its newest registered iteration. ``gc()`` deletes, in both tiers,
+exactly the records received by stage k below k's watermark (see ``Channel.owner``): hot index
+entries at once, hot segment files and cold objects once every record in them is garbage.
+Reads and scans never return a record below its watermark.
+
+Never: blocks a caller on the object store except in ``flush``/``verify``/``gc``; deletes a record
+at or above its owner's watermark; returns bytes that fail their checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from logstore import codec
+from logstore.cold import ColdTier
+from logstore.errors import (
+    ColdTierUnavailableError,
+    ConfigError,
+    CorruptRecordError,
+    RecordNotFoundError,
+    StoreError,
+    StoreFullError,
+    SwiftlogError,
+)
+from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
+from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
+from logstore.segment import TRAILER_SIZE, blob_checksum, parse_index, parse_trailer
+
+__all__ = ["StoreConfig", "LogStore", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
+
+logger = logging.getLogger(__name__)
+
+_COLD_SEG_RE = re.compile(r"^(?P<lo>\d{12})-(?P<hi>\d{12})\.(?P<writer>[A-Za-z0-9._-]+)\.(?P<seg>\d{10})\.seg$")
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """Configuration of one LogStore.
+
+    root: the node's store root directory (hot tiers live under ``root/run/writer``).
+    run: run id (a safe name).
+    writer: this process's writer name (e.g. ``stage2``); None opens the store read-only
+        (reads, stats, verify, GC and checkpoint registration still work).
+    cold_url: ``file:///dir``, a plain directory path, or ``s3://bucket/prefix``; None = hot only.
+    cold_options: fsspec storage options for the cold tier (s3: endpoint_url, key, secret...).
+    durability: "process" (survive process death; default) or "fsync" (survive power loss).
+    segment_iters: iterations per segment (segments align to multiples of it); smaller means
+        finer-grained GC and upload, more objects.
+    segment_max_bytes: a segment is sealed early when it reaches this size.
+    upload: run the background uploader (writer stores with a cold tier only).
+    max_backlog_bytes: sealed-but-not-uploaded bytes beyond which ``put`` raises StoreFullError
+        (the caller records a gap); None = bounded only by the disk.
+    hot_max_bytes: after upload, evict the oldest uploaded segments from the hot tier while it
+        holds more than this many bytes; None = keep until GC.
+    codec: tensor codec for ``put`` ("auto", "planes", "zstd", "raw").
+    stale_upload_age: multipart uploads older than this are aborted by ``gc``.
+    """
+
+    root: str | os.PathLike[str]
+    run: str
+    writer: str | None = None
+    cold_url: str | None = None
+    cold_options: dict[str, Any] = field(default_factory=dict)
+    durability: str = "process"
+    segment_iters: int = 4
+    segment_max_bytes: int = 64 << 20
+    upload: bool = True
+    max_backlog_bytes: int | None = None
+    hot_max_bytes: int | None = None
+    codec: str = "auto"
+    stale_upload_age: timedelta = timedelta(hours=1)
+
+    def __post_init__(self) -> None:
+        validate_run(self.run)
+        if self.writer is not None:
+            validate_name(self.writer, "writer name")
+        if self.segment_iters < 1:
+            raise ConfigError(f"segment_iters must be >= 1, got {self.segment_iters}")
+        if self.segment_max_bytes < 1 << 16:
+            raise ConfigError(f"segment_max_bytes must be >= 64 KiB, got {self.segment_max_bytes}")
+        if self.codec not in ("auto", "planes", "zstd", "raw"):
+            raise ConfigError(f"codec {self.codec!r} unknown", hint="use auto, planes, zstd or raw")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    stage: int
+    iteration: int
+    uri: str | None = None
+    registered_at: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class GcReport:
+    dry_run: bool
+    watermarks: dict[int, int]
+    hot_records: int = 0
+    hot_segments: int = 0
+    hot_bytes: int = 0
+    cold_segments: int = 0
+    cold_bytes: int = 0
+    aborted_uploads: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # deleted (or to delete) record keys, first 1000
+    segments: list[str] = field(default_factory=list)  # cold objects deleted (or to delete)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    hot_checked: int = 0
+    cold_checked: int = 0
+    cold_segments: int = 0
+    problems: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """Where one record lives and what it weighs, from the indexes alone (no record bytes read).
+
+    tier: "hot" (a segment file on this node) or "cold" (only in the object store: never
+    uploaded from here, or evicted). writer: the writer whose segment holds it. stored_bytes:
+    length of the encoded blob. raw_bytes: the tensor's raw size (None when only a cold footer
+    was read). checksum: xxh3-64 of the encoded blob (what frames and footers store).
+    segment: the hot segment path relative to the run directory, or the cold object name.
+    """
+
+    key: RecordKey
+    tier: str
+    writer: str
+    stored_bytes: int
+    raw_bytes: int | None
+    checksum: int
+    segment: str
+
+
+@dataclass(frozen=True, slots=True)
+class _ColdSeg:
+    name: str
+    channel: Channel
+    lo: int
+    hi: int
+    writer: str
+    size: int
+    records: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+def list_runs(root: str | os.PathLike[str]) -> list[str]:
+    """Runs with a hot tier under ``root`` (directories with at least one writer index)."""
+    p = Path(root)
+    if not p.is_dir():
+        return []
+    return sorted(d.name for d in p.iterdir() if d.is_dir() and any((w / "index").is_dir() for w in d.iterdir() if w.is_dir()))
+
+
+class LogStore:
+    """Tiered store of one run on one node. Thread-safe; see the module docstring."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.run = config.run
+        self.root = Path(config.root)
+        self._run_dir = self.root / self.run
+        self._closed = False
+        self._lock = threading.RLock()
+        self._upload_lock = threading.Lock()
+        self._readers: dict[str, HotTier] = {}
+        self._readers_scanned = 0.0
+        self._footers: OrderedDict[str, dict[bytes, Any]] = OrderedDict()
+        self._cold_list: dict[str, list[_ColdSeg]] | None = None
+        self._cold_list_at = 0.0
+        self._wm_cache: dict[int, int] = {}
+        self._wm_at = 0.0
+        self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
+        self._last_error: tuple[float, str] | None = None
+        self._backlog_bytes = 0
+        self.cold: ColdTier | None = None
+        if config.cold_url:
+            self.cold = ColdTier(config.cold_url, storage_options=config.cold_options or None)
+        self.hot: HotTier | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._uploader: threading.Thread | None = None
+        if config.writer is not None:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+            self.hot = HotTier(
+                self._run_dir / config.writer,
+                owner=True,
+                durability=config.durability,
+                segment_iters=config.segment_iters,
+                segment_max_bytes=config.segment_max_bytes,
+                on_seal=lambda m: self._wake.set(),
+            )
+            self._readers[config.writer] = self.hot
+            self._backlog_bytes = self._compute_backlog()
+            if self.cold is not None and config.upload:
+                self._reconcile_uploads()
+                self._uploader = threading.Thread(target=self._upload_loop, name=f"swiftlog-upload-{self.run}", daemon=True)
+                self._uploader.start()
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str], run: str, **kwargs: Any) -> LogStore:
+        """Shorthand for ``LogStore(StoreConfig(root=root, run=run, **kwargs))``."""
+        return cls(StoreConfig(root=root, run=run, **kwargs))
+
+    def __enter__(self) -> LogStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================== writing
+    def put(self, key: RecordKey, tensor: torch.Tensor) -> None:
+        """Encode and append one tensor record; returns once acknowledged by the hot tier."""
+        self.put_many([(key, tensor)])
+
+    def put_many(self, items: Iterable[tuple[RecordKey, torch.Tensor]]) -> None:
+        """Encode and append several records in one index transaction."""
+        blobs = []
+        for key, t in items:
+            blob = codec.encode_tensor(t, codec=self.config.codec)
+            blobs.append((key, blob, t.numel() * t.element_size()))
+        self._append(blobs)
+
+    def put_blob(self, key: RecordKey, blob: bytes | memoryview) -> None:
+        """Append an already-encoded record (``logstore.codec.encode_tensor`` output)."""
+        self.put_blobs([(key, blob)])
+
+    def put_blobs(self, items: Iterable[tuple[RecordKey, bytes | memoryview]]) -> None:
+        self._append([(k, b, codec.read_header(b).raw_len) for k, b in items])
+
+    def _append(self, items: list[tuple[RecordKey, bytes | memoryview, int]]) -> None:
+        hot = self._writer_hot()
+        mb = self.config.max_backlog_bytes
+        if mb is not None and self._backlog_bytes > mb:
+            raise StoreFullError(
+                f"upload backlog {self._backlog_bytes} bytes exceeds max_backlog_bytes={mb}",
+                key=items[0][0] if items else None,
+                hint="the cold tier is unreachable or too slow; see stats()['upload']",
+            )
+        hot.append(items)
+
+    def _writer_hot(self) -> HotTier:
+        if self._closed:
+            from logstore.errors import StoreClosedError
+
+            raise StoreClosedError(f"store of run {self.run!r} is closed")
+        if self.hot is None:
+            raise StoreError("this store was opened without a writer name", hint="pass writer=... to write")
+        return self.hot
+
+    def record_gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
+        """Note that a record was not logged (queue overflow, store full...). The plan sees gaps."""
+        doc = {"channel": channel.name, "iteration": iteration, "micro_batch": micro_batch, "reason": reason, "at": time.time()}
+        name = f"gap/{channel.name}/{iteration:012d}-{micro_batch:06d}"
+        hot = self._writer_hot()
+        hot.put_doc(name, doc)
+        if self.cold is not None:
+            try:
+                self.cold.put_doc(f"{self.run}/gaps/{channel.name}/{iteration:012d}-{micro_batch:06d}.json", doc)
+            except SwiftlogError as e:
+                self._note_error(e)
+
+    def gaps(self) -> list[dict[str, Any]]:
+        """Every recorded gap, from all hot tiers of this node and the cold tier."""
+        seen: dict[tuple, dict] = {}
+        for hot in self._hot_tiers():
+            for d in hot.docs("gap/").values():
+                seen[(d["channel"], d["iteration"], d["micro_batch"])] = d
+        if self.cold is not None:
+            try:
+                for name in self.cold.list_docs(f"{self.run}/gaps/"):
+                    d = self.cold.get_doc(name)
+                    if d:
+                        seen[(d["channel"], d["iteration"], d["micro_batch"])] = d
+            except SwiftlogError as e:
+                self._note_error(e)
+        return [seen[k] for k in sorted(seen)]
+
+    # ================================================================== reading
+    def get(self, key: RecordKey) -> torch.Tensor:
+        """The tensor stored under ``key``, checksum-verified. Raises RecordNotFoundError or
+        CorruptRecordError (naming the key); never returns wrong bytes."""
+        return codec.decode_tensor(self.get_blob(key), key=key)
+
+    def get_blob(self, key: RecordKey) -> bytes:
+        """The encoded record under ``key`` (verified against its stored checksum)."""
+        wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
+        if key.iteration < wm:
+            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
+        for hot in self._hot_tiers():
+            loc = hot.lookup(key)
+            if loc is None:
+                continue
+            blob = self._read_loc(hot, loc, key)
+            if blob is not None:
+                return blob
+        if self.cold is not None:
+            blob = self._cold_get(key)
+            if blob is not None:
+                return blob
+        raise RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
+
+    def _read_loc(self, hot: HotTier, loc: Location, key: RecordKey) -> bytes | None:
+        try:
+            blob = hot.read_local(loc)
+        except CorruptRecordError as e:
+            raise CorruptRecordError(f"corrupt record {key} in hot tier ({hot.dir}): checksum mismatch", key=key) from e
+        if blob is None and loc.segment.cold_name and self.cold is not None:
+            blob = self.cold.read_range(loc.segment.cold_name, loc.offset, loc.length)
+            if blob_checksum(blob) != loc.checksum:
+                raise CorruptRecordError(f"corrupt record {key} in cold object {loc.segment.cold_name}", key=key)
+        return blob
+
+    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
+        """Every key (both tiers, deduplicated, key order) of ``channel`` in ``[it_lo, it_hi)``,
+        or of all channels; keys below their watermark are left out."""
+        found: set[RecordKey] = set()
+        for hot in self._hot_tiers():
+            found.update(k for k, _ in hot.keys(channel, it_lo, it_hi))
+        if self.cold is not None:
+            for seg in self._cold_segments(channel, it_lo, it_hi):
+                for kb in self._footer(seg.name):
+                    k = RecordKey.decode(kb)
+                    if channel is None or (k.iteration >= it_lo and (it_hi is None or k.iteration < it_hi)):
+                        found.add(k)
+        wm = self.watermarks(max_age=2.0)
+        return sorted(k for k in found if k.iteration >= wm.get(k.channel.owner, 0))
+
+    def scan(self, channel: Channel, it_lo: int = 0, it_hi: int | None = None) -> Iterator[tuple[RecordKey, torch.Tensor]]:
+        """Records of ``channel`` in ``[it_lo, it_hi)`` in key order, from whichever tier holds them."""
+        for k in self.keys(channel, it_lo, it_hi):
+            yield k, self.get(k)
+
+    def channels(self) -> list[Channel]:
+        names: set[str] = set()
+        for hot in self._hot_tiers():
+            names |= hot.channels()
+        if self.cold is not None:
+            names |= set(self._cold_index().keys())
+        return sorted(Channel.parse(n) for n in names)
+
+    def list_records(
+        self,
+        channel: Channel | None = None,
+        it_lo: int = 0,
+        it_hi: int | None = None,
+        *,
+        kinds: Iterable[Kind] | None = None,
+        micro_batch: int | None = None,
+        after: RecordKey | None = None,
+        limit: int = 1000,
+    ) -> list[RecordInfo]:
+        """One page of records in key order: at most ``limit``, strictly after ``after``.
+
+        Filters: ``channel`` (else every channel, or those whose kind is in ``kinds``), iterations
+        ``[it_lo, it_hi)``, ``micro_batch``. Both tiers, deduplicated (a record still in a local
+        segment file is reported as hot); records below their watermark are left out. Reads only
+        indexes, and only about one page of each: pass the last key of a page as ``after`` for
+        the next one (an empty page means the end).
+        """
+        if not isinstance(limit, int) or limit < 1:
+            raise ConfigError(f"limit must be an int >= 1, got {limit!r}")
+        kind_set = None if kinds is None else {Kind(k) for k in kinds}
+        wm = self.watermarks(max_age=2.0)
+        after_b = after.encode() if after is not None else None
+        out: list[RecordInfo] = []
+        for ch in [channel] if channel is not None else self.channels():
+            if (kind_set is not None and ch.kind not in kind_set) or (after is not None and ch < after.channel):
+                continue
+            lo = max(it_lo, wm.get(ch.owner, 0))
+            if it_hi is not None and lo >= it_hi:
+                continue
+            out.extend(self._channel_page(ch, lo, it_hi, micro_batch, after_b, limit - len(out)))
+            if len(out) >= limit:
+                break
+        return out
+
+    def _channel_page(self, ch: Channel, lo: int, hi: int | None, mb: int | None, after: bytes | None, need: int) -> list[RecordInfo]:
+        """The first ``need`` records of one channel after ``after``: each source's first page, merged."""
+        found: dict[bytes, RecordInfo] = {}
+        batch_size = need if mb is None else max(need, 256)
+        for hot in self._hot_tiers():
+            cursor, got = after, 0
+            while got < need:
+                batch = hot.keys(ch, lo, hi, after=cursor, limit=batch_size)
+                for k, loc in batch:
+                    if mb is not None and k.micro_batch != mb:
+                        continue
+                    got += 1
+                    kb = k.encode()
+                    prev = found.get(kb)
+                    if prev is None or (prev.tier == "cold" and loc.segment.state != EVICTED):
+                        if loc.segment.state == EVICTED:
+                            found[kb] = RecordInfo(k, "cold", hot.writer, loc.length, loc.raw_len, loc.checksum, loc.segment.cold_name or "")
+                        else:
+                            found[kb] = RecordInfo(k, "hot", hot.writer, loc.length, loc.raw_len, loc.checksum,
+                                                   f"{hot.writer}/segments/{loc.segment.id:010d}.seg")
+                if len(batch) < batch_size:
+                    break
+                cursor = batch[-1][0].encode()
+        if self.cold is not None:
+            for seg in sorted(self._cold_segments(ch, lo, hi), key=lambda s: (s.lo, s.name)):
+                if len(found) >= need and seg.lo > RecordKey.decode(sorted(found)[need - 1]).iteration:
+                    break  # every key of this and later segments sorts after the page
+                for kb, e in self._footer(seg.name).items():
+                    if (after is not None and kb <= after) or kb in found:
+                        continue
+                    k = RecordKey.decode(kb)
+                    if k.iteration < lo or (hi is not None and k.iteration >= hi) or (mb is not None and k.micro_batch != mb):
+                        continue
+                    found[kb] = RecordInfo(k, "cold", seg.writer, e.length, None, e.checksum, seg.name)
+        return [found[kb] for kb in sorted(found)[:need]]
+
+    # ---------------------------------------------------------------- hot tiers of the node
+    def _hot_tiers(self) -> list[HotTier]:
+        """Own hot tier plus every other writer's under root/run (opened read-only, cached)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._readers_scanned > 1.0 and self._run_dir.is_dir():
+                self._readers_scanned = now
+                for d in sorted(self._run_dir.iterdir()):
+                    if d.name not in self._readers and (d / "index").is_dir():
+                        try:
+                            self._readers[d.name] = HotTier(d, owner=False)
+                        except StoreError as e:
+                            logger.warning("cannot open hot tier %s: %s", d, e)
+            return list(self._readers.values())
+
+    # ---------------------------------------------------------------- cold tier reads
+    def _cold_index(self, refresh: bool = False) -> dict[str, list[_ColdSeg]]:
+        assert self.cold is not None
+        with self._lock:
+            if refresh or self._cold_list is None or time.monotonic() - self._cold_list_at > 5.0:
+                out: dict[str, list[_ColdSeg]] = {}
+                for info in self.cold.list_segments(f"{self.run}/segments/"):
+                    parts = info.name.split("/")
+                    m = _COLD_SEG_RE.match(parts[-1])
+                    if m is None or len(parts) < 2:
+                        continue
+                    ch = Channel.parse(parts[-2])
+                    meta = info.meta or {}
+                    out.setdefault(ch.name, []).append(
+                        _ColdSeg(info.name, ch, int(m["lo"]), int(m["hi"]), m["writer"], info.size,
+                                 int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)))
+                    )
+                self._cold_list = out
+                self._cold_list_at = time.monotonic()
+            return self._cold_list
+
+    def _cold_segments(self, channel: Channel | None, it_lo: int = 0, it_hi: int | None = None, refresh: bool = False) -> list[_ColdSeg]:
+        idx = self._cold_index(refresh)
+        segs = [s for n, v in idx.items() if channel is None or n == channel.name for s in v]
+        return [s for s in segs if s.hi >= it_lo and (it_hi is None or s.lo < it_hi)]
+
+    def _footer(self, name: str) -> dict[bytes, Any]:
+        """Index of a cold segment (key bytes -> entry), cached (LRU)."""
+        assert self.cold is not None
+        with self._lock:
+            if name in self._footers:
+                self._footers.move_to_end(name)
+                return self._footers[name]
+        trailer = self.cold.read_range(name, -TRAILER_SIZE, TRAILER_SIZE)
+        off, n, csum = parse_trailer(trailer, name)
+        index = self.cold.read_range(name, off, n * 43) if n else b""
+        entries = {e.key.encode(): e for e in parse_index(index, n, csum, name)}
+        with self._lock:
+            self._footers[name] = entries
+            while len(self._footers) > 512:
+                self._footers.popitem(last=False)
+        return entries
+
+    def _cold_get(self, key: RecordKey) -> bytes | None:
+        kb = key.encode()
+        for refresh in (False, time.monotonic() - self._cold_list_at > 0.5):
+            for seg in self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh):
+                e = self._footer(seg.name).get(kb)
+                if e is None:
+                    continue
+                blob = self.cold.read_range(seg.name, e.offset, e.length)
+                if blob_checksum(blob) != e.checksum:
+                    raise CorruptRecordError(f"corrupt record {key} in cold object {seg.name}: checksum mismatch", key=key)
+                return blob
+        return None
+
+    # ================================================================== upload
+    def _compute_backlog(self) -> int:
+        return sum(m.file_size for m in self.hot.segments() if m.state == SEALED) if self.hot else 0
+
+    def _cold_name(self, m: SegmentMeta, writer: str | None = None) -> str:
+        return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self.config.writer}.{m.id:010d}.seg"
+
+    def _reconcile_uploads(self) -> None:
+        """After a restart: segments already committed in the cold tier are marked uploaded."""
+        try:
+            committed = {s.name for segs in self._cold_index(refresh=True).values() for s in segs}
+        except SwiftlogError as e:
+            self._note_error(e)
+            return
+        for m in self.hot.segments():
+            if m.state == SEALED and self._cold_name(m) in committed:
+                self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))
+
+    def _upload_pending(self) -> int:
+        """Upload every sealed segment now (caller's thread). Raises the first cold-tier error."""
+        assert self.hot is not None and self.cold is not None
+        n = 0
+        with self._upload_lock:
+            for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: m.id):
+                name = self._cold_name(m)
+                meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": self.config.writer,
+                        "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}
+                path = self.hot.seg_path(m.id)
+                if not path.exists():
+                    continue  # garbage-collected meanwhile
+                self.cold.put_segment(name, str(path), meta=meta)
+                self.hot.set_state(m.id, UPLOADED, cold_name=name)
+                self._upload_stats["uploaded_segments"] += 1
+                self._upload_stats["uploaded_bytes"] += m.file_size
+                n += 1
+            self._backlog_bytes = self._compute_backlog()
+            with self._lock:
+                self._cold_list = None
+            self._evict()
+        return n
+
+    def _evict(self) -> None:
+        limit = self.config.hot_max_bytes
+        if limit is None or self.hot is None:
+            return
+        segs = self.hot.segments()
+        total = sum(m.file_size for m in segs if m.state != EVICTED)
+        for m in sorted((m for m in segs if m.state == UPLOADED), key=lambda m: (m.lo, m.id)):
+            if total <= limit:
+                break
+            self.hot.set_state(m.id, EVICTED)
+            total -= m.file_size
+
+    def _upload_loop(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self._upload_pending()
+                backoff = 0.1
+            except SwiftlogError as e:
+                self._note_error(e)
+                self._backlog_bytes = self._compute_backlog()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._wake.set()
+            except Exception as e:  # a bad item must not kill the uploader
+                logger.exception("uploader: unexpected error")
+                self._note_error(e)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._wake.set()
+
+    def _note_error(self, e: BaseException) -> None:
+        self._upload_stats["errors"] += 1
+        self._last_error = (time.time(), f"{type(e).__name__}: {e}")
+        logger.warning("run %s: cold tier error: %s", self.run, e)
+
+    def seal(self, channels: Iterable[Channel] | None = None) -> None:
+        """Seal the open segments of ``channels`` (all when None) and wake the uploader.
+
+        Never waits for the upload: use it to ship small, precious streams (inputs, targets,
+        digests) off the node promptly without blocking the caller on the object store.
+        """
+        hot = self._writer_hot()
+        hot.seal_all(None if channels is None else {c.name for c in channels})
+        self._wake.set()
+
+    def flush(self) -> int:
+        """Seal every open segment and upload everything to the cold tier now.
+
+        Returns the number of segments uploaded. Raises ColdTierUnavailableError (records stay
+        safe in the hot tier) when the object store cannot take them.
+        """
+        hot = self._writer_hot()
+        hot.seal_all()
+        if self.cold is None:
+            return 0
+        try:
+            return self._upload_pending()
+        except SwiftlogError as e:
+            self._note_error(e)
+            raise
+
+    def upload_sealed(self) -> dict[str, Any]:
+        """Upload every sealed, not yet uploaded segment of every writer of this run on this node.
+
+        What a process that is not the writer (the admin server, the CLI) can flush: sealing
+        stays the writer's job, so open segments are never touched; they are listed under
+        ``open`` (their writer seals them when they roll over, on ``seal``/``flush``/``close``,
+        or when it reopens after a crash). Safe while writers run: an upload is idempotent (same
+        bytes, same name, commit marker last), so racing a writer's own uploader only repeats
+        work. Returns ``{"uploaded": [cold names], "uploaded_bytes", "already_uploaded",
+        "open": [{"writer", "channel", "lo", "hi", "records", "bytes"}]}``. Raises ConfigError
+        without a cold tier and ColdTierUnavailableError when the object store cannot take the
+        segments (they stay sealed in the hot tier).
+        """
+        if self.cold is None:
+            raise ConfigError(f"run {self.run!r}: no cold tier configured", hint="open the store with cold_url=...")
+        rep: dict[str, Any] = {"uploaded": [], "uploaded_bytes": 0, "already_uploaded": 0, "open": []}
+        with self._upload_lock:
+            try:
+                for hot in self._hot_tiers():
+                    for m in sorted(hot.segments(), key=lambda m: m.id):
+                        if m.state == OPEN:
+                            rep["open"].append({"writer": hot.writer, "channel": m.channel, "lo": m.lo, "hi": m.hi,
+                                                "records": m.live, "bytes": m.end})
+                            continue
+                        if m.state != SEALED:
+                            rep["already_uploaded"] += 1
+                            continue
+                        name = self._cold_name(m, hot.writer)
+                        meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
+                                "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}
+                        try:
+                            self.cold.put_segment(name, str(hot.seg_path(m.id)), meta=meta)
+                        except StoreError:
+                            cur = hot.segment(m.id)
+                            if cur is None or cur.state != SEALED or not hot.seg_path(m.id).exists():
+                                continue  # garbage-collected or uploaded by its writer meanwhile
+                            raise
+                        cur = hot.segment(m.id)
+                        if cur is not None and cur.state == SEALED:
+                            hot.set_state(m.id, UPLOADED, cold_name=name)
+                        rep["uploaded"].append(name)
+                        rep["uploaded_bytes"] += m.file_size
+            except SwiftlogError as e:
+                self._note_error(e)
+                raise
+            finally:
+                with self._lock:
+                    self._cold_list = None
+        return rep
+
+    # ================================================================== checkpoints and GC
+    def register_checkpoint(self, stage: int, iteration: int, *, uri: str | None = None, meta: dict[str, Any] | None = None) -> CheckpointInfo:
+        """Record that stage ``stage``'s checkpoint at ``iteration`` is durable.
+
+        From now on records received by ``stage`` below ``iteration`` are garbage (deleted by
+        the next ``gc``). Written to the cold tier (shared by every node) when configured, and to
+        the local index. Raises ColdTierUnavailableError if the cold tier cannot record it.
+        """
+        if not isinstance(stage, int) or stage < 0 or not isinstance(iteration, int) or iteration < 0:
+            raise ConfigError(f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}")
+        info = CheckpointInfo(stage, iteration, uri, time.time(), dict(meta or {}))
+        doc = asdict(info)
+        if self.cold is not None:
+            self.cold.put_doc(f"{self.run}/checkpoints/stage{stage:05d}/{iteration:012d}.json", doc)
+        hots = [self.hot] if self.hot is not None else self._hot_tiers()[:1]
+        for hot in hots:
+            hot.put_doc(f"ckpt/stage{stage:05d}/{iteration:012d}", doc)
+        with self._lock:
+            if iteration > self._wm_cache.get(stage, -1):
+                self._wm_cache[stage] = iteration
+        return info
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every registered checkpoint (cold tier and local), sorted by (stage, iteration)."""
+        found: dict[tuple[int, int], CheckpointInfo] = {}
+        for hot in self._hot_tiers():
+            for d in hot.docs("ckpt/").values():
+                found[(d["stage"], d["iteration"])] = CheckpointInfo(**d)
+        if self.cold is not None:
+            for name in self.cold.list_docs(f"{self.run}/checkpoints/"):
+                d = self.cold.get_doc(name)
+                if d:
+                    found[(d["stage"], d["iteration"])] = CheckpointInfo(**d)
+        return [found[k] for k in sorted(found)]
+
+    def watermarks(self, max_age: float = 0.0) -> dict[int, int]:
+        """stage -> newest durable checkpoint iteration. ``max_age`` allows a cached answer."""
+        with self._lock:
+            if max_age and time.monotonic() - self._wm_at < max_age:
+                return dict(self._wm_cache)
+        wm: dict[int, int] = {}
+        try:
+            for c in self.checkpoints():
+                wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
+        except SwiftlogError as e:
+            if max_age:  # a read path: fall back to what we knew
+                self._note_error(e)
+                return dict(self._wm_cache)
+            raise
+        with self._lock:
+            for s, it in self._wm_cache.items():
+                wm[s] = max(wm.get(s, 0), it)
+            self._wm_cache = dict(wm)
+            self._wm_at = time.monotonic()
+        return wm
+
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Delete every record received by a stage below that stage's watermark, in both tiers.
+
+        Idempotent; safe while writers append (open segments are never removed). ``dry_run``
+        lists what would be deleted without deleting. Nothing at or above a watermark is touched.
+        Also aborts multipart uploads older than ``stale_upload_age``.
+        """
+        wm = self.watermarks()
+        rep = GcReport(dry_run=dry_run, watermarks=wm)
+        for hot in self._hot_tiers():
+            keys, segs = hot.gc(wm, dry_run=dry_run)
+            rep.hot_records += len(keys)
+            rep.hot_segments += len(segs)
+            rep.hot_bytes += sum(m.file_size for m in segs if m.state != EVICTED)
+            rep.keys.extend(str(k) for k in keys[: max(0, 1000 - len(rep.keys))])
+        if self.cold is not None:
+            for seg in self._cold_segments(None, refresh=True):
+                w = wm.get(seg.channel.owner)
+                if w and seg.hi < w:
+                    rep.cold_segments += 1
+                    rep.cold_bytes += seg.size
+                    rep.segments.append(seg.name)
+                    if not dry_run:
+                        self.cold.delete_segment(seg.name)
+            if not dry_run:
+                rep.aborted_uploads = self.cold.abort_stale_uploads(self.config.stale_upload_age, prefix=f"{self.run}/")
+                with self._lock:
+                    self._cold_list = None
+                    for name in rep.segments:
+                        self._footers.pop(name, None)
+        if self.hot is not None:
+            self._backlog_bytes = self._compute_backlog()
+        return rep
+
+    # ================================================================== inspection
+    def stats(self) -> dict[str, Any]:
+        """Records and bytes per tier and channel, raw vs stored, upload backlog and errors."""
+        hot_tot = {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "disk_bytes": 0,
+                   "segments": {OPEN: 0, SEALED: 0, UPLOADED: 0, EVICTED: 0}}
+        chans: dict[str, dict[str, Any]] = {}
+
+        def add(name: str, tier: str, lo: int, hi: int, records: int, stored: int, raw: int) -> None:
+            c = chans.setdefault(name, {}).setdefault(tier, {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "lo": lo, "hi": hi})
+            c["records"] += records
+            c["stored_bytes"] += stored
+            c["raw_bytes"] += raw
+            c["lo"], c["hi"] = min(c["lo"], lo), max(c["hi"], hi)
+
+        for hot in self._hot_tiers():
+            hot_tot["disk_bytes"] += hot.disk_bytes()
+            for m in hot.segments():
+                hot_tot["segments"][m.state] = hot_tot["segments"].get(m.state, 0) + 1
+                if m.state == EVICTED or m.live <= 0:
+                    continue
+                hot_tot["records"] += m.live
+                hot_tot["stored_bytes"] += m.live_bytes
+                hot_tot["raw_bytes"] += m.raw_bytes
+                add(m.channel, "hot", m.lo, m.hi, m.live, m.live_bytes, m.raw_bytes)
+        cold_tot: dict[str, Any] | None = None
+        if self.cold is not None:
+            cold_tot = {"segments": 0, "records": 0, "stored_bytes": 0, "raw_bytes": 0, "object_bytes": 0, "error": None}
+            try:
+                for seg in self._cold_segments(None, refresh=True):
+                    cold_tot["segments"] += 1
+                    cold_tot["records"] += seg.records
+                    cold_tot["stored_bytes"] += seg.stored_bytes
+                    cold_tot["raw_bytes"] += seg.raw_bytes
+                    cold_tot["object_bytes"] += seg.size
+                    add(seg.channel.name, "cold", seg.lo, seg.hi, seg.records, seg.stored_bytes, seg.raw_bytes)
+            except SwiftlogError as e:
+                cold_tot["error"] = str(e)
+        stored = hot_tot["stored_bytes"] or 0
+        return {
+            "run": self.run,
+            "hot": hot_tot,
+            "cold": cold_tot,
+            "compression_ratio": (hot_tot["raw_bytes"] / stored) if stored else None,
+            "channels": chans,
+            "upload": {
+                **self._upload_stats,
+                "backlog_bytes": self._backlog_bytes if self.hot else None,
+                "last_error": self._last_error[1] if self._last_error else None,
+                "last_error_at": self._last_error[0] if self._last_error else None,
+            },
+        }
+
+    def verify(self, progress: Callable[[str, int, int], None] | None = None) -> VerifyReport:
+        """Check every checksum in both tiers (blob checksums and each tensor's raw checksum).
+
+        Never raises for a corrupt record: it is listed in the report. ``progress(tier, done,
+        total)`` is called as work advances.
+        """
+        rep = VerifyReport()
+        hots = self._hot_tiers()
+        entries = [(hot, k, loc) for hot in hots for k, loc in hot.keys()]
+        for i, (hot, k, loc) in enumerate(entries):
+            try:
+                blob = hot.read_local(loc)
+                if blob is not None:
+                    codec.verify_blob(blob, key=k)
+                    rep.hot_checked += 1
+            except (CorruptRecordError, SwiftlogError) as e:
+                rep.problems.append({"tier": "hot", "key": str(k), "where": f"{hot.dir}/segments/{loc.segment.id:010d}.seg@{loc.offset}", "error": str(e)})
+            if progress is not None:
+                progress("hot", i + 1, len(entries))
+        if self.cold is not None:
+            segs = self._cold_segments(None, refresh=True)
+            for i, seg in enumerate(segs):
+                rep.cold_segments += 1
+                try:
+                    data = self.cold.read(seg.name)
+                    entries_c = self._footer(seg.name).values()
+                except SwiftlogError as e:
+                    rep.problems.append({"tier": "cold", "key": "", "where": seg.name, "error": str(e)})
+                    continue
+                for e in entries_c:
+                    blob = data[e.offset : e.offset + e.length]
+                    try:
+                        if blob_checksum(blob) != e.checksum:
+                            raise CorruptRecordError(f"corrupt record {e.key} in cold object {seg.name}: checksum mismatch", key=e.key)
+                        codec.verify_blob(blob, key=e.key)
+                        rep.cold_checked += 1
+                    except SwiftlogError as err:
+                        rep.problems.append({"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)})
+                if progress is not None:
+                    progress("cold", i + 1, len(segs))
+        return rep
+
+    # ================================================================== lifecycle
+    def close(self, *, flush: bool = False) -> None:
+        """Seal open segments, stop the uploader and release the tiers.
+
+        ``flush=True`` also uploads everything first (errors are logged, not raised: the data
+        stays in the hot tier). Never deletes anything.
+        """
+        if self._closed:
+            return
+        try:
+            if self.hot is not None:
+                try:
+                    if flush:
+                        self.flush()
+                    else:
+                        self.hot.seal_all()
+                except SwiftlogError as e:
+                    logger.warning("close of run %s: %s", self.run, e)
+        finally:
+            self._stop.set()
+            self._wake.set()
+            if self._uploader is not None:
+                self._uploader.join(timeout=30)
+            with self._lock:
+                for hot in self._readers.values():
+                    hot.close()
+                self._readers.clear()
+            if self.cold is not None:
+                self.cold.close()
+            self._closed = True

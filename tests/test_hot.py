@@ -1,0 +1,150 @@
+"""Hot tier: LMDB index + segment files. Crash recovery, concurrent readers, GC bounds, map growth."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from logstore.errors import CorruptRecordError, StoreError
+from logstore.hot import OPEN, SEALED, HotTier
+from logstore.keys import Channel, RecordKey
+
+ACT = Channel.activation(0)
+
+
+def _blob(i: int, n: int = 1000) -> bytes:
+    return (i.to_bytes(8, "big") * (n // 8 + 1))[:n]
+
+
+def test_append_lookup_and_roll(tmp_path: Path) -> None:
+    h = HotTier(tmp_path / "r" / "w", owner=True, segment_iters=2)
+    for it in range(6):
+        h.append([(RecordKey(ACT, it, mb), _blob(it * 10 + mb), 1000) for mb in range(3)])
+    segs = h.segments()
+    assert [(m.lo, m.hi, m.state) for m in segs] == [(0, 1, SEALED), (2, 3, SEALED), (4, 5, OPEN)]
+    for it in range(6):
+        for mb in range(3):
+            loc = h.lookup(RecordKey(ACT, it, mb))
+            assert h.read_local(loc) == _blob(it * 10 + mb)
+    assert h.lookup(RecordKey(ACT, 9)) is None
+    assert [k.iteration for k, _ in h.keys(ACT, 2, 4)] == [2, 2, 2, 3, 3, 3]
+    h.close()
+
+
+def test_second_writer_refused_reader_allowed(tmp_path: Path) -> None:
+    h = HotTier(tmp_path / "r" / "w", owner=True)
+    h.append([(RecordKey(ACT, 0), b"x" * 10, 10)])
+    code = textwrap.dedent(
+        f"""
+        from logstore.hot import HotTier
+        from logstore.errors import StoreError
+        try:
+            HotTier({str(tmp_path / 'r' / 'w')!r}, owner=True)
+            print("WROTE")
+        except StoreError as e:
+            print("REFUSED", e)
+        r = HotTier({str(tmp_path / 'r' / 'w')!r}, owner=False)
+        print("READ", len(r.keys()))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "REFUSED another process is already writing" in out.stdout, out.stderr
+    assert "READ 1" in out.stdout
+    h.close()
+
+
+def test_overwrite_same_key_latest_wins(tmp_path: Path) -> None:
+    h = HotTier(tmp_path / "r" / "w", owner=True)
+    k = RecordKey(ACT, 3, 1)
+    h.append([(k, b"old" * 10, 30)])
+    h.append([(k, b"new" * 10, 30)])
+    assert h.read_local(h.lookup(k)) == b"new" * 10
+    assert sum(m.live for m in h.segments()) == 1
+    h.close()
+
+
+def test_corrupt_byte_detected(tmp_path: Path) -> None:
+    h = HotTier(tmp_path / "r" / "w", owner=True)
+    k = RecordKey(ACT, 0)
+    h.append([(k, _blob(1), 1000)])
+    loc = h.lookup(k)
+    path = h.seg_path(loc.segment.id)
+    data = bytearray(path.read_bytes())
+    data[loc.offset + 17] ^= 0x04
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecordError):
+        h.read_local(loc)
+    h.close()
+
+
+def test_gc_rolling_window_stays_within_1_5x_live(tmp_path: Path) -> None:
+    """Write 200 iterations, checkpoint every 20, GC each time: disk <= 1.5x live data."""
+    h = HotTier(tmp_path / "r" / "w", owner=True, segment_iters=4, map_size=1 << 20)
+    rec = 64 << 10
+    ratios = []
+    for it in range(200):
+        h.append([(RecordKey(ACT, it, mb), os.urandom(rec), rec) for mb in range(4)])
+        if it % 20 == 19:
+            h.gc({1: it + 1 - 20}, dry_run=False)  # keep the last checkpoint interval live
+            live = sum(m.live_bytes for m in h.segments())
+            ratios.append(h.disk_bytes() / live)
+    assert max(ratios[2:]) <= 1.5, ratios
+    h.close()
+
+
+def test_map_grows_by_itself(tmp_path: Path) -> None:
+    h = HotTier(tmp_path / "r" / "w", owner=True, map_size=64 << 10, segment_iters=1000)
+    for it in range(3000):
+        h.append([(RecordKey(ACT, it), b"z", 1)])
+    assert h.env.info()["map_size"] > 64 << 10
+    assert len(h.keys()) == 3000
+    h.close()
+
+
+def test_sigkill_mid_write_keeps_acknowledged_records(tmp_path: Path) -> None:
+    d = tmp_path / "r" / "w"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from logstore.hot import HotTier
+        from logstore.keys import Channel, RecordKey
+        h = HotTier({str(d)!r}, owner=True, segment_iters=3)
+        it = 0
+        while True:
+            blob = (str(it) * 5000).encode()[:20000]
+            h.append([(RecordKey(Channel.activation(0), it, mb), blob, len(blob)) for mb in range(2)])
+            print(it, flush=True)  # acknowledged
+            it += 1
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    acked = -1
+    t0 = time.monotonic()
+    while acked < 40 and time.monotonic() - t0 < 60:
+        acked = int(p.stdout.readline())
+    p.kill()
+    p.wait()
+    # whatever is in the pipe was acknowledged too
+    for line in p.stdout:
+        acked = max(acked, int(line))
+    h = HotTier(d, owner=True, segment_iters=3)
+    assert all(m.state != OPEN for m in h.segments())  # recovered: open segments sealed
+    for it in range(acked + 1):
+        blob = (str(it) * 5000).encode()[:20000]
+        for mb in range(2):
+            assert h.read_local(h.lookup(RecordKey(ACT, it, mb))) == blob
+    # the store keeps working after recovery
+    h.append([(RecordKey(ACT, acked + 100), b"after", 5)])
+    assert h.read_local(h.lookup(RecordKey(ACT, acked + 100))) == b"after"
+    h.close()
+
+
+def test_reader_only_open_of_missing_dir_is_clear(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no hot tier"):
+        HotTier(tmp_path / "nope", owner=False)
