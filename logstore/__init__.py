@@ -22,11 +22,12 @@ from logstore.errors import (
     SwiftlogError,
 )
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
-from logstore.store import CheckpointInfo, GcReport, LogStore, StoreConfig, VerifyReport, list_runs
+from logstore.store import CheckpointInfo, Encoded, GcReport, LogStore, StoreConfig, VerifyReport, list_runs
 
 __all__ = [
     "LogStore",
     "StoreConfig",
+    "Encoded",
     "CheckpointInfo",
     "GcReport",
     "VerifyReport",

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import lmdb
@@ -59,6 +59,7 @@ from logstore.segment import (
     FILE_HEADER,
     FILE_HEADER_SIZE,
     FRAME_HEADER_SIZE,
+    IndexEntry,
     blob_checksum,
     build_footer,
     encode_frame_header,
@@ -95,15 +96,21 @@ class SegmentMeta:
     created: float = field(default_factory=time.time)
 
     def dumps(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return json.dumps([getattr(self, f) for f in _SEG_FIELDS], separators=(",", ":")).encode()
 
     @classmethod
     def loads(cls, data: bytes) -> SegmentMeta:
-        return cls(**json.loads(data))
+        return cls(*json.loads(data))
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
 
     @property
     def chan(self) -> Channel:
         return Channel.parse(self.channel)
+
+
+_SEG_FIELDS = [f.name for f in fields(SegmentMeta)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +123,27 @@ class Location:
     length: int
     checksum: int
     raw_len: int
+
+
+@dataclass(slots=True)
+class _Open:
+    """The owner's view of an open segment: only the owner appends, so ``end`` (acknowledged end
+    of data) and ``lo`` can live in memory; other processes only ever change live counters."""
+
+    id: int
+    fd: int
+    lo: int
+    end: int
+    index: list[IndexEntry] = field(default_factory=list)  # committed frames, for the footer
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Frames written by one append() call and not yet committed to the index."""
+
+    entries: list[tuple[bytes, int, int, int, int, int, int]] = field(default_factory=list)
+    pending_end: dict[int, int] = field(default_factory=dict)
+    segs: dict[int, _Open] = field(default_factory=dict)
 
 
 class _RWLock:
@@ -162,7 +190,7 @@ class _EnvHandle:
         self.pid = os.getpid()
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=4, subdir=True, sync=sync, metasync=sync,
-            readahead=False, max_readers=512, lock=True,
+            readahead=False, max_readers=512, lock=True, writemap=True,
         )
         # stale reader slots of dead processes would pin old pages forever
         self.env.reader_check()
@@ -227,7 +255,7 @@ class HotTier:
         self.on_seal = on_seal
         self._seg_dir = self.dir / "segments"
         self._wlock = threading.RLock()
-        self._active: dict[str, tuple[int, int]] = {}  # channel name -> (segment id, fd)
+        self._active: dict[str, _Open] = {}  # channel name -> its open segment (owner only)
         self._closed = False
         self._lock_fd: int | None = None
         try:
@@ -352,7 +380,7 @@ class HotTier:
 
         self._write(fn)
 
-    def _new_segment(self, channel: Channel, iteration: int) -> tuple[int, int]:
+    def _new_segment(self, channel: Channel, iteration: int) -> _Open:
         def fn(txn: lmdb.Transaction) -> SegmentMeta:
             raw = txn.get(b"next_seg", db=self._db_meta)
             seg_id = 1 if raw is None else _U64.unpack(raw)[0]
@@ -368,43 +396,40 @@ class HotTier:
             os.pwrite(fd, FILE_HEADER, 0)
         except OSError as e:
             raise translate_os_error(e, f"creating segment {path}") from e
-        return meta.id, fd
+        return _Open(meta.id, fd, iteration, FILE_HEADER_SIZE)
 
-    def _active_for(self, key: RecordKey, pending_end: dict[int, int]) -> tuple[int, int]:
-        """Active segment (id, fd) for ``key``, rolling to a new one when the range or size is exceeded."""
+    def _active_for(self, key: RecordKey, batch: _Batch) -> _Open:
+        """Open segment for ``key``, rolling to a new one when its iteration bucket or size is
+        exceeded. Frames of ``batch`` pending in a segment about to be sealed are committed first."""
         name = key.channel.name
         cur = self._active.get(name)
         if cur is not None:
-            seg_id, fd = cur
-            with self._read() as txn:
-                meta = self._get_seg(txn, seg_id)
-            end = pending_end.get(seg_id, meta.end if meta else 0)
-            bucket = key.iteration // self.segment_iters
+            end = batch.pending_end.get(cur.id, cur.end)
             if (
-                meta is None
-                or meta.state != OPEN
-                or bucket != meta.lo // self.segment_iters
-                or key.iteration < meta.lo
+                key.iteration // self.segment_iters != cur.lo // self.segment_iters
+                or key.iteration < cur.lo
                 or end >= self.segment_max_bytes
             ):
-                self._active.pop(name)
-                os.close(fd)
-                if meta is not None and meta.state == OPEN:
-                    pending_end.pop(seg_id, None)
-                    self._seal(seg_id)
+                if cur.id in batch.pending_end:
+                    self._commit_batch(batch)
+                del self._active[name]
+                os.close(cur.fd)
+                self._seal(cur.id, cur.index)
                 cur = None
         if cur is None:
-            cur = self._new_segment(key.channel, key.iteration)
-            self._active[name] = cur
+            cur = self._active[name] = self._new_segment(key.channel, key.iteration)
         return cur
 
-    def append(self, items: list[tuple[RecordKey, bytes | memoryview, int]]) -> None:
-        """Append encoded records ``(key, blob, raw_len)`` and commit their index entries.
+    def append(self, items: list[tuple[RecordKey, bytes | memoryview, int] | tuple[RecordKey, bytes | memoryview, int, int | None]]) -> None:
+        """Append encoded records ``(key, blob, raw_len[, checksum])`` and commit their index entries.
+
+        ``checksum`` is the blob's xxh3 (``segment.blob_checksum``) when the caller computed it
+        off this thread; omitted or None, it is computed here.
 
         Returns only after the whole batch is acknowledged (see module docstring for what that
-        means per durability mode). On failure nothing of the batch is acknowledged: frames
-        already written are truncated away and the error is raised (StoreFullError when the
-        disk is full).
+        means per durability mode). On failure the records not yet acknowledged are truncated
+        away and the error is raised (StoreFullError when the disk is full); a batch that spans
+        a segment roll may be acknowledged in part (each record is either fully there or not).
         """
         if not self.owner:
             raise StoreError(f"hot tier {self.dir} was opened read-only", hint="open it with owner=True")
@@ -412,41 +437,49 @@ class HotTier:
             return
         with self._wlock:
             self._check_open()
-            start_end: dict[int, int] = {}
-            pending_end: dict[int, int] = {}
-            fds: dict[int, int] = {}
-            entries: list[tuple[bytes, int, int, int, int, int, int]] = []
+            batch = _Batch()
             try:
-                for key, blob, raw_len in items:
-                    seg_id, fd = self._active_for(key, pending_end)
-                    if seg_id not in pending_end:
-                        with self._read() as txn:
-                            pending_end[seg_id] = self._get_seg(txn, seg_id).end
-                        start_end[seg_id] = pending_end[seg_id]
-                        fds[seg_id] = fd
-                    pos = pending_end[seg_id]
+                for item in items:
+                    key, blob, raw_len = item[0], item[1], item[2]
+                    cs = item[3] if len(item) > 3 else None
+                    seg = self._active_for(key, batch)
+                    pos = batch.pending_end.setdefault(seg.id, seg.end)
+                    batch.segs[seg.id] = seg
                     kb = key.encode()
-                    cs = blob_checksum(blob)
+                    if cs is None:
+                        cs = blob_checksum(blob)
                     hdr = encode_frame_header(kb, len(blob), cs)
-                    n = os.pwritev(fd, [hdr, blob], pos)
+                    n = os.pwritev(seg.fd, [hdr, blob], pos)
                     if n != len(hdr) + len(blob):
                         raise OSError(28, "short write (disk full?)")
-                    pending_end[seg_id] = pos + n
-                    entries.append((kb, seg_id, pos + FRAME_HEADER_SIZE, len(blob), cs, raw_len, key.iteration))
-                if self.durability == "fsync":
-                    for fd in fds.values():
-                        os.fdatasync(fd)
-                self._write(lambda txn: self._commit_entries(txn, entries, pending_end))
+                    batch.pending_end[seg.id] = pos + n
+                    batch.entries.append((kb, seg.id, pos + FRAME_HEADER_SIZE, len(blob), cs, raw_len, key.iteration))
+                self._commit_batch(batch)
             except BaseException as e:
-                # nothing of this batch is acknowledged: cut the files back
-                for seg_id, end in start_end.items():
-                    try:
-                        os.ftruncate(fds[seg_id], end)
-                    except OSError:
-                        pass
+                # what is not committed is not acknowledged: cut the files back
+                for seg_id, seg in batch.segs.items():
+                    if seg_id in batch.pending_end:
+                        try:
+                            os.ftruncate(seg.fd, seg.end)
+                        except OSError:
+                            pass
                 if isinstance(e, OSError):
                     raise translate_os_error(e, f"appending to hot tier {self.dir}", key=items[0][0]) from e
                 raise
+
+    def _commit_batch(self, batch: _Batch) -> None:
+        if not batch.entries:
+            return
+        if self.durability == "fsync":
+            for seg_id in batch.pending_end:
+                os.fdatasync(batch.segs[seg_id].fd)
+        self._write(lambda txn: self._commit_entries(txn, batch.entries, batch.pending_end))
+        for seg_id, end in batch.pending_end.items():
+            batch.segs[seg_id].end = end
+        for kb, seg_id, off, ln, cs, _, _ in batch.entries:
+            batch.segs[seg_id].index.append(IndexEntry(RecordKey.decode(kb), off, ln, cs))
+        batch.entries = []
+        batch.pending_end = {}
 
     def _commit_entries(self, txn: lmdb.Transaction, entries, pending_end: dict[int, int]) -> None:
         metas: dict[int, SegmentMeta] = {}
@@ -483,8 +516,9 @@ class HotTier:
         for m in metas.values():
             self._put_seg(txn, m)
 
-    def _seal(self, seg_id: int) -> SegmentMeta | None:
-        """Append the footer to an open segment and mark it sealed (owner only)."""
+    def _seal(self, seg_id: int, index: list[IndexEntry] | None = None) -> SegmentMeta | None:
+        """Append the footer to an open segment and mark it sealed (owner only). ``index`` is the
+        owner's in-memory list of committed frames; without it the frames are scanned."""
         with self._read() as txn:
             meta = self._get_seg(txn, seg_id)
         if meta is None or meta.state != OPEN:
@@ -493,7 +527,7 @@ class HotTier:
         try:
             fd = os.open(path, os.O_RDWR)
             try:
-                entries = list(scan_frames(fd, meta.end))
+                entries = index if index is not None else list(scan_frames(fd, meta.end))
                 footer = build_footer(entries, meta.end)
                 os.pwrite(fd, footer, meta.end)
                 os.ftruncate(fd, meta.end + len(footer))
@@ -523,12 +557,12 @@ class HotTier:
         (channel names). Returns what was sealed."""
         out = []
         with self._wlock:
-            for name, (seg_id, fd) in list(self._active.items()):
+            for name, cur in list(self._active.items()):
                 if channels is not None and name not in channels:
                     continue
-                os.close(fd)
+                os.close(cur.fd)
                 del self._active[name]
-                m = self._seal(seg_id)
+                m = self._seal(cur.id, cur.index)
                 if m is not None:
                     out.append(m)
         return out
@@ -720,8 +754,8 @@ class HotTier:
         if self._closed:
             return
         with self._wlock:
-            for _, fd in self._active.values():
-                os.close(fd)
+            for cur in self._active.values():
+                os.close(cur.fd)
             self._active.clear()
             self._closed = True
             _release_env(self._handle)

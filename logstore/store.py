@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,7 +54,7 @@ from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, Seg
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
 from logstore.segment import TRAILER_SIZE, blob_checksum, parse_index, parse_trailer
 
-__all__ = ["StoreConfig", "LogStore", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
+__all__ = ["StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,15 @@ class StoreConfig:
             raise ConfigError(f"segment_max_bytes must be >= 64 KiB, got {self.segment_max_bytes}")
         if self.codec not in ("auto", "planes", "zstd", "raw"):
             raise ConfigError(f"codec {self.codec!r} unknown", hint="use auto, planes, zstd or raw")
+
+
+class Encoded(NamedTuple):
+    """An encoded record ready for ``LogStore.put_encoded`` (made by ``LogStore.encode``)."""
+
+    key: RecordKey
+    blob: bytes
+    raw_len: int
+    checksum: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,20 +266,32 @@ class LogStore:
 
     def put_many(self, items: Iterable[tuple[RecordKey, torch.Tensor]]) -> None:
         """Encode and append several records in one index transaction."""
-        blobs = []
-        for key, t in items:
-            blob = codec.encode_tensor(t, codec=self.config.codec)
-            blobs.append((key, blob, t.numel() * t.element_size()))
-        self._append(blobs)
+        self.put_encoded([self.encode(key, t) for key, t in items])
+
+    def encode(self, key: RecordKey, tensor: torch.Tensor) -> Encoded:
+        """Encode a record for ``put_encoded``: the CPU work (compression, checksums) of a put,
+        which callers run on their own worker threads so the single writer thread only does I/O.
+        Pure function of its inputs; touches no tier."""
+        blob = codec.encode_tensor(tensor, codec=self.config.codec)
+        return Encoded(key, blob, tensor.numel() * tensor.element_size(), blob_checksum(blob))
+
+    def put_encoded(self, records: Iterable[Encoded]) -> None:
+        """Append records made by :meth:`encode`, in one index transaction."""
+        self._append([tuple(r) for r in records])
 
     def put_blob(self, key: RecordKey, blob: bytes | memoryview) -> None:
         """Append an already-encoded record (``logstore.codec.encode_tensor`` output)."""
         self.put_blobs([(key, blob)])
 
-    def put_blobs(self, items: Iterable[tuple[RecordKey, bytes | memoryview]]) -> None:
-        self._append([(k, b, codec.read_header(b).raw_len) for k, b in items])
+    def put_blobs(self, items: Iterable[tuple[RecordKey, bytes | memoryview] | tuple[RecordKey, bytes | memoryview, int]]) -> None:
+        """Append already-encoded records in one index transaction.
 
-    def _append(self, items: list[tuple[RecordKey, bytes | memoryview, int]]) -> None:
+        Items are ``(key, blob)`` or ``(key, blob, raw_len)``; passing the raw length (known to
+        whoever encoded the blob) saves parsing the header here.
+        """
+        self._append([(it[0], it[1], it[2] if len(it) == 3 else codec.read_header(it[1]).raw_len, None) for it in items])
+
+    def _append(self, items: list[tuple[RecordKey, bytes | memoryview, int, int | None]]) -> None:
         hot = self._writer_hot()
         mb = self.config.max_backlog_bytes
         if mb is not None and self._backlog_bytes > mb:
