@@ -233,3 +233,25 @@ def test_object_store_down_keeps_records_hot_and_resumes(tmp_path: Path, cold_ba
     assert [k.iteration for k in r.keys(ACT)] == [it for it in range(first // 2, 6) for _ in range(2)]
     assert len(r.keys(GRAD)) == 12 - first
     r.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("cold_env", ["moto", "seaweedfs"], indirect=True)
+def test_gc_aborts_stale_multipart_upload(tmp_path: Path, cold_backend, cold_env) -> None:
+    """An uploader that died mid-multipart leaves an in-progress upload: never visible as a
+    segment, and aborted by the store's GC."""
+    from datetime import timedelta
+
+    s = _open(tmp_path / "node", cold_backend, upload=False, stale_upload_age=timedelta(0))
+    _fill(s, range(2))
+    s.flush()
+    c = cold_env.client()
+    key = f"{cold_env.prefix}/run1/segments/act_1_2/000000000004-000000000005.stage1.0000000099.seg"
+    up = c.create_multipart_upload(Bucket=cold_env.server.bucket, Key=key)
+    c.upload_part(Bucket=cold_env.server.bucket, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"x" * (5 << 20))
+    assert len(s.keys(ACT)) == 4  # the partial upload is invisible
+    rep = s.gc()
+    assert len(rep.aborted_uploads) == 1
+    assert cold_env.multipart_uploads() == []
+    assert len(s.keys(ACT)) == 4
+    s.close()
