@@ -669,6 +669,18 @@ class HotTier:
     def channels(self) -> set[str]:
         return {m.channel for m in self.segments()}
 
+    def record_channels(self) -> list[Channel]:
+        """Channels with at least one index entry, in key order: one cursor seek per channel."""
+        out: list[Channel] = []
+        with self._read() as txn:
+            cur = txn.cursor(db=self._db_rec)
+            ok = cur.first()
+            while ok:
+                ch = RecordKey.decode(cur.key()).channel
+                out.append(ch)
+                ok = cur.set_range(channel_range(ch)[1])
+        return out
+
     # ------------------------------------------------------------------ GC
     def gc(self, watermarks: dict[int, int], *, dry_run: bool) -> tuple[list[RecordKey], list[SegmentMeta]]:
         """Delete index entries of records below their owner's watermark; then remove segments

@@ -219,6 +219,8 @@ class LogStore:
         self._footers: OrderedDict[str, dict[bytes, Any]] = OrderedDict()
         self._cold_list: dict[str, list[_ColdSeg]] | None = None
         self._cold_list_at = 0.0
+        self._cold_epoch = 0  # bumped (under _lock) whenever _cold_list is invalidated
+        self._cold_listing = threading.Lock()  # one cold listing at a time, never under _lock
         self._wm_cache: dict[int, int] = {}
         self._wm_at = 0.0
         self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
@@ -427,7 +429,7 @@ class LogStore:
         wm = self.watermarks(max_age=2.0)
         after_b = after.encode() if after is not None else None
         out: list[RecordInfo] = []
-        for ch in [channel] if channel is not None else self.channels():
+        for ch in [channel] if channel is not None else self._record_channels():
             if (kind_set is not None and ch.kind not in kind_set) or (after is not None and ch < after.channel):
                 continue
             lo = max(it_lo, wm.get(ch.owner, 0))
@@ -437,6 +439,26 @@ class LogStore:
             if len(out) >= limit:
                 break
         return out
+
+    def _record_channels(self) -> list[Channel]:
+        """Channels with records in some tier (cheaper than channels(): no scan of segment metadata)."""
+        found: set[Channel] = set()
+        for hot in self._hot_tiers():
+            found.update(hot.record_channels())
+        if self.cold is not None:
+            found.update(Channel.parse(n) for n in self._cold_index())
+        return sorted(found)
+
+    @staticmethod
+    def _uploaded_from(seg: _ColdSeg, hots: dict[str, HotTier]) -> bool:
+        """True when ``seg`` is the upload of a segment still known to a hot tier of this node,
+        whose index then holds every live record of it (no need to read its footer)."""
+        hot = hots.get(seg.writer)
+        m = _COLD_SEG_RE.match(seg.name.rsplit("/", 1)[-1])
+        if hot is None or m is None:
+            return False
+        meta = hot.segment(int(m["seg"]))
+        return meta is not None and meta.cold_name == seg.name
 
     def _channel_page(self, ch: Channel, lo: int, hi: int | None, mb: int | None, after: bytes | None, need: int) -> list[RecordInfo]:
         """The first ``need`` records of one channel after ``after``: each source's first page, merged."""
@@ -462,9 +484,18 @@ class LogStore:
                     break
                 cursor = batch[-1][0].encode()
         if self.cold is not None:
+            hots = {h.writer: h for h in self._hot_tiers()}
+            # segments wholly before the cursor cannot hold a key of this page
+            after_it = RecordKey.decode(after).iteration if after is not None and after[:5] == RecordKey(ch, 0).encode()[:5] else None
+            cutoff = RecordKey.decode(sorted(found)[need - 1]).iteration if len(found) >= need else None
             for seg in sorted(self._cold_segments(ch, lo, hi), key=lambda s: (s.lo, s.name)):
-                if len(found) >= need and seg.lo > RecordKey.decode(sorted(found)[need - 1]).iteration:
+                if after_it is not None and seg.hi < after_it:
+                    continue
+                if cutoff is not None and seg.lo > cutoff:
                     break  # every key of this and later segments sorts after the page
+                if self._uploaded_from(seg, hots):
+                    continue
+                added = False
                 for kb, e in self._footer(seg.name).items():
                     if (after is not None and kb <= after) or kb in found:
                         continue
@@ -472,6 +503,9 @@ class LogStore:
                     if k.iteration < lo or (hi is not None and k.iteration >= hi) or (mb is not None and k.micro_batch != mb):
                         continue
                     found[kb] = RecordInfo(k, "cold", seg.writer, e.length, None, e.checksum, seg.name)
+                    added = True
+                if added and len(found) >= need:
+                    cutoff = RecordKey.decode(sorted(found)[need - 1]).iteration
         return [found[kb] for kb in sorted(found)[:need]]
 
     # ---------------------------------------------------------------- hot tiers of the node
@@ -490,25 +524,57 @@ class LogStore:
             return list(self._readers.values())
 
     # ---------------------------------------------------------------- cold tier reads
+    def refresh_cold_listing(self) -> None:
+        """List the cold tier now, so that reads keep using a fresh listing without paying for it.
+
+        For long-lived readers (the admin server) to call from a background thread every few
+        seconds. Raises ColdTierUnavailableError like any listing; a no-op without a cold tier.
+        """
+        if self.cold is not None:
+            self._cold_index(refresh=True)
+
     def _cold_index(self, refresh: bool = False) -> dict[str, list[_ColdSeg]]:
+        """The committed cold segments by channel name; a listing is reused for 5 s.
+
+        The listing runs outside ``_lock`` (it can take long on an object store), one at a time;
+        while one thread lists, the others keep using the previous listing unless they asked for
+        ``refresh`` or there is none yet. A listing that raced an invalidation is not cached.
+        """
         assert self.cold is not None
         with self._lock:
-            if refresh or self._cold_list is None or time.monotonic() - self._cold_list_at > 5.0:
-                out: dict[str, list[_ColdSeg]] = {}
-                for info in self.cold.list_segments(f"{self.run}/segments/"):
-                    parts = info.name.split("/")
-                    m = _COLD_SEG_RE.match(parts[-1])
-                    if m is None or len(parts) < 2:
-                        continue
-                    ch = Channel.parse(parts[-2])
-                    meta = info.meta or {}
-                    out.setdefault(ch.name, []).append(
-                        _ColdSeg(info.name, ch, int(m["lo"]), int(m["hi"]), m["writer"], info.size,
-                                 int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)))
-                    )
-                self._cold_list = out
-                self._cold_list_at = time.monotonic()
-            return self._cold_list
+            cur, epoch = self._cold_list, self._cold_epoch
+            if cur is not None and not refresh and time.monotonic() - self._cold_list_at <= 5.0:
+                return cur
+        if cur is not None and not refresh:
+            if not self._cold_listing.acquire(blocking=False):
+                return cur
+        else:
+            self._cold_listing.acquire()
+        try:
+            if not refresh:
+                with self._lock:  # another thread may have listed while we waited
+                    if self._cold_list is not None and self._cold_list is not cur:
+                        return self._cold_list
+            started = time.monotonic()
+            out: dict[str, list[_ColdSeg]] = {}
+            for info in self.cold.list_segments(f"{self.run}/segments/"):
+                parts = info.name.split("/")
+                m = _COLD_SEG_RE.match(parts[-1])
+                if m is None or len(parts) < 2:
+                    continue
+                ch = Channel.parse(parts[-2])
+                meta = info.meta or {}
+                out.setdefault(ch.name, []).append(
+                    _ColdSeg(info.name, ch, int(m["lo"]), int(m["hi"]), m["writer"], info.size,
+                             int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)))
+                )
+            with self._lock:
+                if self._cold_epoch == epoch:
+                    self._cold_list = out
+                    self._cold_list_at = started
+            return out
+        finally:
+            self._cold_listing.release()
 
     def _cold_segments(self, channel: Channel | None, it_lo: int = 0, it_hi: int | None = None, refresh: bool = False) -> list[_ColdSeg]:
         idx = self._cold_index(refresh)
@@ -583,6 +649,7 @@ class LogStore:
             self._backlog_bytes = self._compute_backlog()
             with self._lock:
                 self._cold_list = None
+                self._cold_epoch += 1
             self._evict()
         return n
 
@@ -700,6 +767,7 @@ class LogStore:
             finally:
                 with self._lock:
                     self._cold_list = None
+                    self._cold_epoch += 1
         return rep
 
     # ================================================================== checkpoints and GC
@@ -786,6 +854,7 @@ class LogStore:
                 rep.aborted_uploads = self.cold.abort_stale_uploads(self.config.stale_upload_age, prefix=f"{self.run}/")
                 with self._lock:
                     self._cold_list = None
+                    self._cold_epoch += 1
                     for name in rep.segments:
                         self._footers.pop(name, None)
         if self.hot is not None:

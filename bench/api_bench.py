@@ -1,0 +1,219 @@
+"""Admin API benchmark: summary and listing latency, record download throughput, with a writer running.
+
+Setup (all real processes, loopback only):
+- a run with 10,000 small records on one channel (act_0_1, 2500 iterations x 4 micro-batches,
+  written and flushed by a writer process) plus, for the download test, 16 activation records of
+  16 MiB (bf16 [16, 512, 1024]: one micro-batch of a mid-size model) and 32 of 1 MiB, in a node
+  root with a file:// cold tier;
+- ``swiftlog serve`` over that root (subprocess);
+- a "training process": a writer process that keeps logging two more channels of the same run
+  (32-64 KiB tensors, background upload to the cold tier on) during every measurement.
+
+Measured:
+- ``summary_p50_ms`` / ``summary_p99_ms``: GET /v1/runs/{run} (the server's summary cache: a few
+  seconds stale at most, refreshed in the background); ``summary_uncached_ms`` is one full
+  computation (``?fresh=true``) for reference;
+- ``list_p99_ms``: GET /v1/runs/{run}/records, one page (the default 100 records) at a random
+  position of the 10,000-record channel (cursor-based, as a client pages);
+- ``download_vs_direct``: throughput of downloading the 16 MiB records one after the other through
+  the raw endpoint (http.client on one keep-alive connection, checksum header verified, as a
+  replay fetch would) over that of ``LogStore.get_blob`` on the same records in this process.
+  Each round reads every record both ways, back to back, and the reported ratio is the median of
+  the per-round ratios (the machine is shared and noisy: pairing cancels slow load swings).
+  ``download_vs_direct_1mib`` is the same for 1 MiB records, where the fixed cost of a request
+  (about 1.5 ms here) dominates; ``download_vs_direct_4_connections`` fetches the 16 MiB records
+  over 4 connections at once (a replay prefetching ahead) against the same sequential direct read.
+
+Writes bench/results/api.json. Run: ``python bench/api_bench.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import xxhash  # noqa: E402
+
+from logstore import LogStore  # noqa: E402
+from logstore.keys import Channel, RecordKey  # noqa: E402
+from server.node import encode_cursor  # noqa: E402
+from server.testing import TOKEN, ServerProcess, start_writer, stop_writer, subprocess_env  # noqa: E402
+
+RUN = "bench"
+SMALL = Channel.activation(0)  # 10,000 records
+BIG = Channel.activation(1)  # download records, 16 MiB raw each
+BIG_SHAPE = (16, 512, 1024)
+MID = Channel.activation(2)  # download records, 1 MiB raw each
+MID_SHAPE = (4, 256, 512)
+
+
+def _write(root: Path, cold_url: str, writer: str, ch: Channel, iterations: int, mbs: int, shape: tuple[int, ...]) -> None:
+    cmd = [sys.executable, "-m", "server.testing", "write", "--root", str(root), "--run", RUN, "--stage", "0", "--stages", "1",
+           "--writer", writer, "--channels", ch.name, "--iterations", str(iterations), "--micro-batches", str(mbs),
+           "--shape", ",".join(map(str, shape)), "--cold-url", cold_url, "--flush", "--segment-iters", "4"]  # fmt: skip
+    subprocess.run(cmd, env=subprocess_env(), check=True, capture_output=True, text=True, timeout=900)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="requests per latency measurement")
+    ap.add_argument("--rounds", type=int, default=9, help="paired download rounds")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "api.json")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="swiftlog-api-bench-") as tmp:
+        base = Path(tmp)
+        root, cold_url = base / "node", f"file://{base / 'cold'}"
+        t0 = time.perf_counter()
+        _write(root, cold_url, "stage0", SMALL, 2500, 4, (2, 8, 16))
+        _write(root, cold_url, "stage1", BIG, 4, 4, BIG_SHAPE)
+        _write(root, cold_url, "stage2", MID, 8, 4, MID_SHAPE)
+        setup_s = time.perf_counter() - t0
+        trainer = start_writer(root, RUN, writer="trainer", channels=[Channel.activation(3), Channel.gradient(3)],
+                               micro_batches=4, shape=(4, 64, 64), sleep=0.01, cold_url=cold_url, duration=3600)  # fmt: skip
+        try:
+            with ServerProcess(root, token=TOKEN, cold_url=cold_url) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+                time.sleep(3.0)  # the trainer is up and writing
+                assert trainer.poll() is None, stop_writer(trainer)
+                load_before = os.getloadavg()[0]
+                result = _measure(c, root, cold_url, args)
+                result["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+                result["writer_alive_throughout"] = trainer.poll() is None
+        finally:
+            err = stop_writer(trainer)
+        written = len(LogStore.open(root, RUN).keys(Channel.activation(3)))
+        if trainer.returncode not in (0, None):
+            raise SystemExit(f"writer failed: {err[-2000:]}")
+    result.update({
+        "writer_records_written": written,
+        "setup_s": round(setup_s, 1),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+    })  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespace) -> dict:
+    # -- summary
+    t = time.perf_counter()
+    assert c.get(f"/v1/runs/{RUN}", params={"fresh": "true"}).status_code == 200
+    uncached_ms = 1000 * (time.perf_counter() - t)
+    lat = []
+    for _ in range(args.requests):
+        t = time.perf_counter()
+        r = c.get(f"/v1/runs/{RUN}")
+        lat.append(1000 * (time.perf_counter() - t))
+        assert r.status_code == 200
+    s = r.json()
+    small_records = next(ch for ch in s["channels"] if ch["name"] == SMALL.name)["hot"]["records"]
+
+    # -- listing: one page (default size) at random positions of the 10,000-record channel
+    store = LogStore.open(root, RUN, cold_url=cold_url)
+    keys = store.keys(SMALL)
+    assert len(keys) == 10_000, len(keys)
+    rng = random.Random(0)
+    list_lat = []
+    for i in range(args.requests):
+        params = {"channel": SMALL.name}
+        if i % 4:
+            params["cursor"] = encode_cursor(keys[rng.randrange(len(keys) - 200)])
+        t = time.perf_counter()
+        r = c.get(f"/v1/runs/{RUN}/records", params=params)
+        list_lat.append(1000 * (time.perf_counter() - t))
+        assert r.status_code == 200 and len(r.json()["records"]) == 100
+    whole_lat = []
+    for _ in range(20):  # for reference: no channel filter (the whole run, key order)
+        t = time.perf_counter()
+        assert c.get(f"/v1/runs/{RUN}/records").status_code == 200
+        whole_lat.append(1000 * (time.perf_counter() - t))
+
+    # -- download vs direct
+    local = threading.local()
+
+    def download(k: RecordKey) -> int:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection("127.0.0.1", c.base_url.port, timeout=60)
+        conn.request("GET", f"/v1/runs/{RUN}/records/{k}/raw")
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200 or r.getheader("x-swiftlog-checksum") != f"{xxhash.xxh3_64_intdigest(body):016x}":
+            raise SystemExit(f"bad download of {k}: {r.status}")
+        return len(body)
+
+    def compare(keys: list[RecordKey], rounds: int, connections: int = 1) -> tuple[float, float, float, int]:
+        pool = ThreadPoolExecutor(connections)
+        nbytes = sum(len(store.get_blob(k)) for k in keys)  # also warms the page cache for both sides
+        for k in keys[:2]:
+            download(k)
+        ratios, direct, http_ = [], [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for k in keys:
+                store.get_blob(k)
+            td = time.perf_counter() - t
+            t = time.perf_counter()
+            got = sum(pool.map(download, keys))
+            th = time.perf_counter() - t
+            assert got == nbytes
+            ratios.append(td / th)
+            direct.append(nbytes / td / 1e6)
+            http_.append(nbytes / th / 1e6)
+        pool.shutdown()
+        return statistics.median(ratios), statistics.median(http_), statistics.median(direct), nbytes // len(keys)
+
+    big = [RecordKey(BIG, it, mb) for it in range(4) for mb in range(4)]
+    mid = [RecordKey(MID, it, mb) for it in range(8) for mb in range(4)]
+    ratio, h_med, d_med, big_bytes = compare(big, args.rounds)
+    ratio_mid, h_mid, d_mid, mid_bytes = compare(mid, args.rounds)
+    ratio_par, h_par, _, _ = compare(big, args.rounds, connections=4)
+    store.close()
+    return {
+        "summary_p50_ms": round(_pct(lat, 50), 2),
+        "summary_p99_ms": round(_pct(lat, 99), 2),
+        "summary_uncached_ms": round(uncached_ms, 1),
+        "list_p50_ms": round(_pct(list_lat, 50), 2),
+        "list_p99_ms": round(_pct(list_lat, 99), 2),
+        "list_page_size": 100,
+        "list_run_records": small_records,
+        "list_whole_run_first_page_p50_ms": round(_pct(whole_lat, 50), 2),
+        "download_vs_direct": round(ratio, 3),
+        "download_mb_s": round(h_med, 1),
+        "direct_mb_s": round(d_med, 1),
+        "download_records": len(big),
+        "download_record_stored_bytes": big_bytes,
+        "download_record_raw_bytes": 16 * 512 * 1024 * 2,
+        "download_vs_direct_1mib": round(ratio_mid, 3),
+        "download_1mib_mb_s": round(h_mid, 1),
+        "direct_1mib_mb_s": round(d_mid, 1),
+        "download_1mib_record_stored_bytes": mid_bytes,
+        "download_vs_direct_4_connections": round(ratio_par, 3),
+        "download_4_connections_mb_s": round(h_par, 1),
+        "requests_per_latency_measurement": args.requests,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Shared options, output and error handling of the ``swiftlog`` subcommands.
+
+Every subcommand is thin: it parses its options, calls one :class:`server.node.Node` method inside
+:func:`handle_errors`, and prints the result as rich tables or, with ``--json``, as the same JSON
+the admin API returns. Expected errors print ``error: ...`` and ``hint: ...`` on stderr (never a
+traceback) and exit with the codes of :mod:`server.errors`:
+0 ok, 1 problems found, 2 usage or bad input, 3 not found, 4 unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+
+from logstore.errors import SwiftlogError
+from server.errors import EXIT_NOT_FOUND, EXIT_USAGE, classify
+from server.node import Node
+from server.settings import ENV_COLD_OPTIONS, ENV_COLD_URL, ENV_ROOT
+
+__all__ = [
+    "RootOpt",
+    "RunOpt",
+    "OptionalRunOpt",
+    "ColdUrlOpt",
+    "ColdOptionOpt",
+    "JsonOpt",
+    "console",
+    "err_console",
+    "fail",
+    "handle_errors",
+    "make_node",
+    "parse_cold_options",
+    "print_json",
+    "human_bytes",
+]
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+RootOpt = Annotated[Path, typer.Option("--root", envvar=ENV_ROOT, help="the node's store root", show_default=False)]
+RunOpt = Annotated[str, typer.Option("--run", "-r", help="run id")]
+OptionalRunOpt = Annotated[str | None, typer.Option("--run", "-r", help="run id")]
+ColdUrlOpt = Annotated[
+    str | None, typer.Option("--cold-url", envvar=ENV_COLD_URL, help="cold tier: file:///dir or s3://bucket/prefix")
+]
+ColdOptionOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--cold-option",
+        help=f"cold tier storage option KEY=VALUE (repeatable; JSON values; {ENV_COLD_OPTIONS} holds a JSON object)",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
+
+
+def fail(message: str, *, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
+    """Print an error (and hint) on stderr; return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    if hint:
+        err_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def handle_errors() -> Iterator[None]:
+    """Turn swiftlog errors into a message and an exit code; let everything else crash loudly."""
+    try:
+        yield
+    except SwiftlogError as e:
+        p = classify(e)
+        msg = p.message if p.key is None or p.key in p.message else f"{p.message} [{p.key}]"
+        raise fail(msg, hint=p.hint, code=p.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def parse_cold_options(items: list[str] | None) -> dict[str, Any]:
+    """``SWIFTLOG_COLD_OPTIONS`` (a JSON object) updated by ``--cold-option KEY=VALUE`` flags."""
+    opts: dict[str, Any] = {}
+    env = os.environ.get(ENV_COLD_OPTIONS)
+    if env:
+        try:
+            loaded = json.loads(env)
+        except ValueError as e:
+            raise fail(f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}') from None
+        if not isinstance(loaded, dict):
+            raise fail(f"{ENV_COLD_OPTIONS} must be a JSON object")
+        opts.update(loaded)
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise fail(f"--cold-option {item!r} is not KEY=VALUE")
+        try:
+            opts[k] = json.loads(v)
+        except ValueError:
+            opts[k] = v
+    return opts
+
+
+def make_node(root: Path, cold_url: str | None = None, cold_options: list[str] | None = None) -> Node:
+    """A Node over ``root`` (which must exist), with summaries always computed fresh."""
+    if not root.is_dir():
+        raise fail(f"store root {str(root)!r} does not exist", hint=f"pass --root or set {ENV_ROOT}", code=EXIT_NOT_FOUND)
+    return Node(root, cold_url=cold_url, cold_options=parse_cold_options(cold_options), summary_ttl=0.0, summary_max_stale=0.0)
+
+
+def print_json(obj: BaseModel | dict[str, Any] | list[Any]) -> None:
+    """JSON on stdout, exactly as the API would return it."""
+    text = obj.model_dump_json(indent=2) if isinstance(obj, BaseModel) else json.dumps(obj, indent=2)
+    print(text, flush=True)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{n} B"

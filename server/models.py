@@ -1,0 +1,279 @@
+"""Typed request and response bodies of the admin API (and the ``--json`` output of the CLI).
+
+Conventions: sizes are bytes; iteration ranges in summaries are inclusive (``first_iteration`` ..
+``last_iteration``), filters are half-open (``it_lo`` <= iteration < ``it_hi``); checksums are
+16 lowercase hex digits of an xxh3-64; times are Unix seconds. Every error body is
+:class:`ErrorResponse`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ErrorDetail",
+    "ErrorResponse",
+    "Health",
+    "RunBrief",
+    "RunList",
+    "TierRange",
+    "ChannelSummary",
+    "SegmentStates",
+    "HotTierSummary",
+    "ColdTierSummary",
+    "Checkpoint",
+    "Watermark",
+    "Gap",
+    "RunSummary",
+    "KindName",
+    "RecordEntry",
+    "RecordPage",
+    "TensorStats",
+    "RecordDetail",
+    "CheckpointRequest",
+    "CheckpointList",
+    "GcRequest",
+    "GcResult",
+    "OpenSegment",
+    "FlushResult",
+    "VerifyProblem",
+    "VerifyResult",
+    "RecoveryPlan",
+    "MAX_API_ITERATION",
+]
+
+MAX_STAGE = 0xFFFF
+# Iterations the API accepts: the largest integer a JSON number (an IEEE double in most clients)
+# holds exactly. Keys go to 2**63-1, but beyond 2**53 JSON clients silently round.
+MAX_API_ITERATION = 2**53 - 1
+KindName = Literal["activation", "gradient", "input", "target", "meta", "digest"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------- errors
+class ErrorDetail(_Model):
+    code: str = Field(description="machine-readable, e.g. record_not_found, invalid_name, unauthorized")
+    message: str
+    hint: str | None = Field(None, description="what to do about it")
+    key: str | None = Field(None, description="the record key or object the error concerns")
+    retryable: bool = Field(False, description="may the same request succeed later?")
+
+
+class ErrorResponse(_Model):
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------------------------- health, runs
+class Health(_Model):
+    status: Literal["ok"] = "ok"
+    version: str
+    root: str
+    root_exists: bool
+    cold_tier: bool = Field(description="a cold tier URL is configured")
+    runs: int
+    auth: Literal["token", "insecure-loopback", "read-only"] = Field(
+        description="how mutating endpoints are guarded: token, loopback without token, or refused"
+    )
+
+
+class RunBrief(_Model):
+    run: str
+    writers: list[str] = Field(description="writer (hot tier) directories of the run on this node")
+
+
+class RunList(_Model):
+    runs: list[RunBrief]
+
+
+# ---------------------------------------------------------------------------------- summary
+class TierRange(_Model):
+    records: int
+    stored_bytes: int
+    raw_bytes: int
+    first_iteration: int | None = None
+    last_iteration: int | None = None
+
+
+class ChannelSummary(_Model):
+    name: str = Field(description="e.g. act_0_1, grad_2_1, input_0")
+    kind: KindName
+    src: int
+    dst: int
+    owner: int = Field(description="the stage whose checkpoint makes older records garbage")
+    hot: TierRange | None = None
+    cold: TierRange | None = None
+
+
+class SegmentStates(_Model):
+    open: int = 0
+    sealed: int = 0
+    uploaded: int = 0
+    evicted: int = 0
+
+
+class HotTierSummary(TierRange):
+    disk_bytes: int = Field(description="LMDB index plus segment files on disk")
+    segments: SegmentStates
+    writers: list[str]
+
+
+class ColdTierSummary(TierRange):
+    segments: int
+    object_bytes: int
+    error: str | None = Field(None, description="why the cold tier could not be listed, if it could not")
+
+
+class Checkpoint(_Model):
+    stage: int
+    iteration: int
+    uri: str | None = None
+    registered_at: float = 0.0
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class Watermark(_Model):
+    stage: int
+    iteration: int = Field(description="newest durable checkpoint: records received by the stage below it are garbage")
+
+
+class Gap(_Model):
+    channel: str
+    iteration: int
+    micro_batch: int
+    reason: str
+    at: float
+
+
+class RunSummary(_Model):
+    run: str
+    as_of: float = Field(description="when this summary was computed (it may be served from a short cache)")
+    stages: list[int]
+    channels: list[ChannelSummary]
+    hot: HotTierSummary
+    cold: ColdTierSummary | None = Field(None, description="None when no cold tier is configured")
+    raw_bytes: int = Field(description="raw tensor bytes held on this node (hot tier)")
+    stored_bytes: int = Field(description="encoded bytes held on this node (hot tier)")
+    compression_ratio: float | None = Field(None, description="raw / stored over the hot tier (the cold tier if the hot one is empty)")
+    checkpoints: list[Checkpoint]
+    watermarks: list[Watermark]
+    gaps: list[Gap]
+
+
+# ---------------------------------------------------------------------------------- records
+class RecordEntry(_Model):
+    key: str = Field(description="e.g. act_0_1/it5/mb2/p0")
+    channel: str
+    kind: KindName
+    iteration: int
+    micro_batch: int
+    part: int
+    tier: Literal["hot", "cold"]
+    writer: str
+    stored_bytes: int
+    raw_bytes: int | None = Field(None, description="None when only the cold segment index was read")
+    checksum: str = Field(description="xxh3-64 of the encoded blob (hex)")
+
+
+class RecordPage(_Model):
+    run: str
+    records: list[RecordEntry]
+    next_cursor: str | None = Field(None, description="pass as cursor= for the next page; None at the end")
+
+
+class TensorStats(_Model):
+    numel: int
+    min: float | None = Field(None, description="over finite values; None if there are none")
+    max: float | None = None
+    mean: float | None = None
+    norm: float | None = Field(None, description="L2 norm over finite values")
+    nan_count: int = 0
+    inf_count: int = 0
+
+
+class RecordDetail(RecordEntry):
+    dtype: str
+    shape: list[int]
+    codec: str
+    raw_checksum: str = Field(description="xxh3-64 of the raw tensor bytes, from the record header (hex)")
+    stats: TensorStats | None = None
+    stats_skipped: str | None = Field(None, description="why stats is None")
+
+
+# ---------------------------------------------------------------------------------- checkpoints, gc, flush
+class CheckpointRequest(_Model):
+    stage: int = Field(ge=0, le=MAX_STAGE)
+    iteration: int = Field(ge=0, le=MAX_API_ITERATION)
+    uri: str | None = Field(None, max_length=4096, description="where the checkpoint is readable from a replacement")
+    meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded)")
+
+
+class CheckpointList(_Model):
+    run: str
+    checkpoints: list[Checkpoint]
+    watermarks: list[Watermark]
+
+
+class GcRequest(_Model):
+    confirm: bool = Field(False, description="false (default): dry run, report only; true: delete")
+
+
+class GcResult(_Model):
+    run: str
+    dry_run: bool
+    watermarks: list[Watermark]
+    hot_records: int
+    hot_segments: int
+    hot_bytes: int
+    cold_segments: int
+    cold_bytes: int
+    aborted_uploads: list[str]
+    keys: list[str] = Field(description="record keys deleted (or that would be), first 1000")
+    segments: list[str] = Field(description="cold objects deleted (or that would be)")
+
+
+class OpenSegment(_Model):
+    writer: str
+    channel: str
+    first_iteration: int
+    last_iteration: int
+    records: int
+    bytes: int
+
+
+class FlushResult(_Model):
+    run: str
+    uploaded_segments: int
+    uploaded_bytes: int
+    already_uploaded: int
+    open_segments: list[OpenSegment] = Field(
+        description="still open in their writer: only the writer seals them (at a segment boundary, "
+        "on its flush/close, or when it restarts), so they are not in the cold tier yet"
+    )
+
+
+class VerifyProblem(_Model):
+    tier: str
+    key: str
+    where: str
+    error: str
+
+
+class VerifyResult(_Model):
+    run: str
+    ok: bool
+    hot_checked: int
+    cold_checked: int
+    cold_segments: int
+    problems: list[VerifyProblem]
+
+
+class RecoveryPlan(_Model):
+    run: str
+    failed_stages: list[int]
+    planner: str
+    plan: Any = Field(description="what the planner returned, as JSON")

@@ -1,0 +1,57 @@
+"""What every router shares: the node dependency, validated path parameters, documented errors."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Path, Request
+
+from server.models import ErrorResponse
+from server.node import Node
+
+__all__ = ["API_PREFIX", "get_node", "RunId", "RecordKeyPath", "RUN_PATTERN", "KEY_PATTERN", "CHANNEL_PATTERN", "errors"]
+
+API_PREFIX = "/v1"  # set on each router (not at include time) so every route knows its full path
+
+# logstore.keys.validate_name as a regular expression without look-arounds: starts with a letter
+# or digit, then [A-Za-z0-9._-] with no two dots in a row; at most 128 characters (maxLength).
+RUN_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
+CHANNEL_PATTERN = r"^(act|grad|input|target|meta|digest)_[0-9]{1,5}(_[0-9]{1,5})?$"
+KEY_PATTERN = r"^(act|grad|input|target|meta|digest)_[0-9]{1,5}(_[0-9]{1,5})?/it[0-9]{1,19}(/mb[0-9]{1,10})?(/p[0-9]{1,5})?$"
+
+RunId = Annotated[
+    str,
+    Path(description="run id: 1-128 of [A-Za-z0-9._-], starting with a letter or digit, no '..'",
+         pattern=RUN_PATTERN, min_length=1, max_length=128, examples=["run-1"]),
+]  # fmt: skip
+RecordKeyPath = Annotated[
+    str,
+    Path(description="record key, e.g. act_0_1/it5/mb2/p0 (mb and p default to 0)",
+         pattern=KEY_PATTERN, max_length=128, examples=["act_0_1/it0/mb0/p0"]),
+]  # fmt: skip
+
+_DESCRIPTIONS = {
+    400: "bad input (invalid name, key, cursor or filter)",
+    401: "missing or invalid bearer token",
+    403: "mutating endpoints are disabled on this server",
+    404: "no such run or record (or garbage-collected)",
+    409: "corrupt record (checksum mismatch), or no cold tier configured",
+    413: "request body too large",
+    422: "request does not match the schema",
+    501: "feature not installed (recovery planning before replay/ lands)",
+    502: "the object store refused the operation",
+    503: "the object store is unreachable (retryable)",
+    507: "the hot tier is full",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for the given error statuses plus those any route may answer
+    (bad input, auth, not found, corrupt data, oversized body, object store trouble)."""
+    codes = sorted({400, 401, 403, 404, 409, 413, 422, 502, 503, *statuses})
+    return {c: {"model": ErrorResponse, "description": _DESCRIPTIONS[c]} for c in codes}
+
+
+async def get_node(request: Request) -> Node:
+    """The app's Node (async: a dependency without I/O must not cost a thread-pool hop)."""
+    return request.app.state.node

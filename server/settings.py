@@ -1,0 +1,199 @@
+"""Settings of the admin server: one validated, immutable object built from flags, environment and defaults.
+
+Which source wins: an explicit value (a ``swiftlog serve`` flag, a keyword to :meth:`Settings.from_env`)
+beats the environment variable, which beats the default. Every environment variable is a named
+constant below.
+
+Security rules enforced here, before anything binds a socket:
+
+- The server binds ``127.0.0.1`` by default and refuses any non-loopback ``host`` without a token.
+- Mutating endpoints (every POST) need ``Authorization: Bearer <token>``. With no token configured
+  they are refused (403), unless ``allow_insecure_loopback_writes`` is set, which lets loopback
+  clients mutate without a token; it is refused together with a non-loopback host.
+- Reading endpoints need the token too when ``require_token_for_reads`` is true; by default that
+  is the case exactly when the host is not loopback (``/v1/health`` and ``/metrics`` stay open).
+
+Never: reads files, opens stores or touches the network; pydantic stays in this layer (the log
+store's own configuration is a dataclass).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from logstore.errors import ConfigError
+
+__all__ = [
+    "Settings",
+    "is_loopback",
+    "ENV_ROOT",
+    "ENV_COLD_URL",
+    "ENV_COLD_OPTIONS",
+    "ENV_TOKEN",
+    "ENV_HOST",
+    "ENV_PORT",
+    "ENV_ALLOW_INSECURE_LOOPBACK_WRITES",
+    "ENV_PLANNER",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "MIN_TOKEN_LENGTH",
+]
+
+ENV_ROOT = "SWIFTLOG_ROOT"  # the node's store root
+ENV_COLD_URL = "SWIFTLOG_COLD_URL"  # file:///dir or s3://bucket/prefix
+ENV_COLD_OPTIONS = "SWIFTLOG_COLD_OPTIONS"  # JSON object of fsspec storage options
+ENV_TOKEN = "SWIFTLOG_TOKEN"  # bearer token for mutating endpoints
+ENV_HOST = "SWIFTLOG_HOST"
+ENV_PORT = "SWIFTLOG_PORT"
+ENV_ALLOW_INSECURE_LOOPBACK_WRITES = "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES"  # "1"/"true" to enable
+ENV_PLANNER = "SWIFTLOG_PLANNER"  # "module:function" of the recovery planner
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+MIN_TOKEN_LENGTH = 16
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1); False for anything else,
+    including names that merely resolve to loopback (never resolved: a name can change)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseModel):
+    """Everything the server needs; validated at construction, immutable afterwards.
+
+    Sizes are bytes, durations seconds.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: Path = Field(description="the node's store root (every run under it is served)")
+    cold_url: str | None = Field(None, description="cold tier URL shared by the node's runs; None = hot only")
+    cold_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options of the cold tier")
+    token: SecretStr | None = Field(None, description=f"bearer token (>= {MIN_TOKEN_LENGTH} characters)")
+    allow_insecure_loopback_writes: bool = Field(
+        False, description="with no token, let loopback clients use mutating endpoints (local development only)"
+    )
+    require_token_for_reads: bool | None = Field(
+        None, description="reads need the token too; None = exactly when host is not loopback"
+    )
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="0 picks a free port")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024, description="largest accepted request body")
+    default_page_size: int = Field(100, ge=1, le=100_000)
+    max_page_size: int = Field(1000, ge=1, le=100_000)
+    max_tensor_stats_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="records with more raw bytes get no min/max/mean/norm"
+    )
+    summary_ttl: float = Field(2.0, ge=0.0, le=3600.0, description="a run summary younger than this is served as is")
+    summary_max_stale: float = Field(
+        60.0, ge=0.0, le=86400.0, description="an older one is still served while a refresh runs, up to this age"
+    )
+    cold_refresh_interval: float = Field(
+        3.0, ge=0.5, le=3600.0, description="seconds between background cold-tier listings of recently used runs"
+    )
+    max_open_runs: int = Field(64, ge=1, le=10_000, description="read-only stores kept open (least recently used closed)")
+    planner: str = Field("replay.plan:plan_recovery", description="'module:function' of the recovery planner")
+    log_level: str = "info"
+
+    @field_validator("token")
+    @classmethod
+    def _token_strength(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"token must have at least {MIN_TOKEN_LENGTH} characters (use e.g. `openssl rand -hex 24`)")
+        return v
+
+    @field_validator("planner")
+    @classmethod
+    def _planner_form(cls, v: str) -> str:
+        mod, sep, fn = v.partition(":")
+        if not sep or not mod or not fn:
+            raise ValueError(f"planner {v!r} must be 'module:function'")
+        return v
+
+    @model_validator(mode="after")
+    def _bind_rules(self) -> Settings:
+        if self.require_token_for_reads and self.token is None:
+            raise ValueError("require_token_for_reads needs a token: set one or drop the option")
+        if self.default_page_size > self.max_page_size:
+            raise ValueError(f"default_page_size {self.default_page_size} exceeds max_page_size {self.max_page_size}")
+        if not is_loopback(self.host):
+            if self.token is None:
+                raise ValueError(
+                    f"refusing to serve on non-loopback address {self.host!r} without a token: "
+                    f"set {ENV_TOKEN} or pass --token, or bind 127.0.0.1"
+                )
+            if self.allow_insecure_loopback_writes:
+                raise ValueError("allow_insecure_loopback_writes is only allowed with a loopback host")
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def reads_need_token(self) -> bool:
+        if self.require_token_for_reads is None:
+            return not is_loopback(self.host)
+        return self.require_token_for_reads
+
+    @property
+    def auth_mode(self) -> str:
+        """"token", "insecure-loopback" or "read-only" (mutations refused)."""
+        if self.token is not None:
+            return "token"
+        return "insecure-loopback" if self.allow_insecure_loopback_writes else "read-only"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **explicit: Any) -> Settings:
+        """Build settings: ``explicit`` values (None means "not given") over ``env`` (default
+        ``os.environ``) over defaults. Raises ConfigError naming the bad value."""
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        if env.get(ENV_ROOT):
+            values["root"] = env[ENV_ROOT]
+        if env.get(ENV_COLD_URL):
+            values["cold_url"] = env[ENV_COLD_URL]
+        if env.get(ENV_COLD_OPTIONS):
+            try:
+                values["cold_options"] = json.loads(env[ENV_COLD_OPTIONS])
+            except ValueError as e:
+                raise ConfigError(f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}') from None
+        if env.get(ENV_TOKEN):
+            values["token"] = env[ENV_TOKEN]
+        if env.get(ENV_HOST):
+            values["host"] = env[ENV_HOST]
+        if env.get(ENV_PORT):
+            values["port"] = env[ENV_PORT]
+        if env.get(ENV_ALLOW_INSECURE_LOOPBACK_WRITES):
+            values["allow_insecure_loopback_writes"] = env[ENV_ALLOW_INSECURE_LOOPBACK_WRITES].lower() in _TRUE
+        if env.get(ENV_PLANNER):
+            values["planner"] = env[ENV_PLANNER]
+        values.update({k: v for k, v in explicit.items() if v is not None})
+        if "root" not in values:
+            raise ConfigError("no store root given", hint=f"pass --root or set {ENV_ROOT}")
+        return cls.build(**values)
+
+    @classmethod
+    def build(cls, **values: Any) -> Settings:
+        """``Settings(**values)``, with pydantic's ValidationError turned into one ConfigError."""
+        from pydantic import ValidationError
+
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            msgs = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()
+            )
+            raise ConfigError(f"invalid server settings: {msgs}") from None

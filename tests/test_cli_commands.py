@@ -1,0 +1,196 @@
+"""The ``swiftlog`` CLI, run as a subprocess (``python -m server.cli``) on a store written by real writer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from logstore import LogStore
+from logstore.hot import HotTier
+from logstore.keys import Channel, RecordKey
+from server.testing import StoreFixture, sample_tensor, subprocess_env
+
+pytest_plugins = ["server.pytest_fixtures"]
+
+
+def swiftlog(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in subprocess_env().items() if not k.startswith("SWIFTLOG_")}
+    return subprocess.run([sys.executable, "-m", "server.cli", *map(str, args)], env={**base, **(env or {}), "COLUMNS": "200"},
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def swiftlog_all(*calls: tuple) -> list[subprocess.CompletedProcess[str]]:
+    """Independent invocations, run concurrently (each pays the interpreter and torch start-up)."""
+    def one(call: tuple) -> subprocess.CompletedProcess[str]:
+        env = call[-1] if call and isinstance(call[-1], dict) else None
+        return swiftlog(*(call[:-1] if env is not None else call), env=env)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return list(pool.map(one, calls))
+
+
+def _ok(p: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    return p
+
+
+def _fails(p: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert p.returncode == code, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
+    for n in needles:
+        assert n in p.stderr, (n, p.stderr)
+
+
+def test_ls_runs_and_records(written_store: StoreFixture) -> None:
+    root = written_store.root
+    p, pj, pr, pt = swiftlog_all(
+        ("ls", "--root", root),
+        ("ls", "--json", {"SWIFTLOG_ROOT": str(root)}),  # SWIFTLOG_ROOT instead of --root
+        ("ls", "--root", root, "--run", "run-a", "--kind", "gradient", "--it-lo", "6", "--mb", "1",
+         "--cold-url", written_store.cold_url, "--limit", "2", "--all", "--json"),
+        ("ls", "--root", root, "-r", "run-a", "-c", "act_0_1", "-n", "3"),
+    )  # fmt: skip
+    assert "run-a" in _ok(p).stdout and "stage0, stage1, stage2, stage3" in p.stdout
+    assert json.loads(_ok(pj).stdout) == {"runs": [{"run": "run-a", "writers": ["stage0", "stage1", "stage2", "stage3"]}]}
+    page = json.loads(_ok(pr).stdout)
+    want = [str(k) for k in written_store.keys() if k.channel.kind.name == "GRADIENT" and k.iteration >= 6 and k.micro_batch == 1]
+    assert [r["key"] for r in page["records"]] == want and page["next_cursor"] is None
+    assert {r["tier"] for r in page["records"]} == {"hot", "cold"}  # stage 3's gradients are cold-only
+    table = _ok(pt).stdout
+    assert "act_0_1/it0/mb0/p0" in table and "act_0_1/it1/mb0/p0" in table and "more: --cursor" in table
+
+
+def test_stat_and_show(written_store: StoreFixture) -> None:
+    root, cold = written_store.root, written_store.cold_url
+    key = RecordKey(Channel.gradient(2), 4, 1)
+    sj, st, dj, dt = swiftlog_all(
+        ("stat", "--root", root, "--run", "run-a", "--cold-url", cold, "--json"),
+        ("stat", "--root", root, "--run", "run-a"),
+        ("show", str(key), "--root", root, "--run", "run-a", "--json"),
+        ("show", "grad_3_2/it7/mb1", "--root", root, "--run", "run-a", "--cold-url", cold),
+    )
+    s = json.loads(_ok(sj).stdout)
+    assert s["stages"] == [0, 1, 2, 3] and s["cold"]["segments"] > 0 and len(s["gaps"]) == 1
+    table = _ok(st).stdout
+    assert "grad_2_1" in table and "not configured (--cold-url)" in table and "test: queue overflow" in table
+    d = json.loads(_ok(dj).stdout)
+    want = sample_tensor(key.channel, 4, 1).to(torch.float64)
+    assert d["shape"] == [2, 8, 16] and d["dtype"] == "float32" and d["tier"] == "hot"
+    assert d["stats"]["norm"] == pytest.approx(float(want.norm())) and d["stats"]["mean"] == pytest.approx(float(want.mean()))
+    out = _ok(dt).stdout
+    assert "cold / stage3" in out and "min / max" in out
+
+
+def test_export_pt_and_npy(written_store: StoreFixture, tmp_path: Path) -> None:
+    key = RecordKey(Channel.activation(1), 2, 0)  # bfloat16: numpy has no such dtype
+    want = sample_tensor(key.channel, 2, 0)
+    pt, npy = tmp_path / "a.pt", tmp_path / "a.npy"
+    common = ("--root", written_store.root, "--run", "run-a")
+    p_pt, p_npy, p_fmt = swiftlog_all(("export", str(key), *common, "-o", pt), ("export", str(key), *common, "-o", npy, "--json"),
+                                      ("export", str(key), *common, "-o", tmp_path / "a.txt"))  # fmt: skip
+    _ok(p_pt)
+    assert torch.equal(torch.load(pt), want) and torch.load(pt).dtype == torch.bfloat16
+    meta = json.loads(_ok(p_npy).stdout)
+    assert meta["format"] == "npy" and "float32" in meta["note"]
+    assert np.array_equal(np.load(npy), want.float().numpy())
+    _fails(p_fmt, 2, "*.pt or *.npy")
+    _fails(swiftlog("export", str(key), *common, "-o", npy), 2, "exists", "--force")
+
+
+def test_verify_reports_a_flipped_byte(store_copy: StoreFixture) -> None:
+    args = ("--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)
+    p = _ok(swiftlog("verify", *args))
+    assert "run-a: ok" in p.stdout
+    key = RecordKey(Channel.activation(0), 1, 1)
+    hot = HotTier(store_copy.root / "run-a" / "stage0", owner=False)
+    loc = hot.lookup(key)
+    seg = hot.seg_path(loc.segment.id)
+    hot.close()
+    assert seg.parent.name == "segments" and seg.suffix == ".seg"
+    with open(seg, "r+b") as f:
+        f.seek(loc.offset + loc.length // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    show_args = ("show", str(key), "--root", store_copy.root, "--run", "run-a")
+    p, pj, show = swiftlog_all(("verify", *args), ("verify", *args, "--json"), show_args)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "1 problem(s)" in p.stdout and str(key) in p.stdout and "Traceback" not in p.stderr
+    rep = json.loads(pj.stdout)
+    assert pj.returncode == 1 and rep["ok"] is False and [pr["key"] for pr in rep["runs"][0]["problems"]] == [str(key)]
+    # reading it fails loudly, naming the key, and never prints wrong numbers
+    _fails(show, 1, str(key), "corrupt")
+
+
+def test_gc_dry_run_then_confirm(store_copy: StoreFixture) -> None:
+    st = LogStore.open(store_copy.root, "run-a", cold_url=store_copy.cold_url)
+    st.register_checkpoint(1, 5, uri="file:///ckpt/1/5")
+    st.close()
+    garbage = [k for k in store_copy.keys() if k.channel.owner == 1 and k.iteration < 5]
+    args = ("--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)
+    p_dry, p_out = swiftlog_all(("gc", *args, "--json"), ("gc", *args))
+    dry = json.loads(_ok(p_dry).stdout)
+    assert dry["dry_run"] and sorted(dry["keys"]) == sorted(map(str, garbage))
+    out = _ok(p_out).stdout
+    assert "would delete" in out and "pass --confirm to delete" in out
+    done = json.loads(_ok(swiftlog("gc", *args, "--confirm", "--json")).stdout)
+    assert not done["dry_run"] and sorted(done["keys"]) == sorted(map(str, garbage))
+    left = json.loads(_ok(swiftlog("ls", *args, "--all", "--json")).stdout)["records"]
+    assert len(left) == len(store_copy.keys()) - len(garbage)
+
+
+def test_flush(store_copy: StoreFixture) -> None:
+    _fails(swiftlog("flush", "--root", store_copy.root, "--run", "run-a"), 2, "no cold tier configured", "--cold-url")
+    rep = json.loads(_ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--json",
+                                  env={"SWIFTLOG_COLD_URL": store_copy.cold_url})).stdout)  # fmt: skip
+    assert rep["uploaded_segments"] > 0 and rep["open_segments"] == []
+    out = _ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)).stdout
+    assert "uploaded 0 segment(s)" in out
+
+
+ERRORS = [
+    (("ls", "--root", "/nonexistent/swiftlog-root"), 3, "does not exist"),
+    (("stat", "--run", "no-such-run"), 3, "run 'no-such-run' not found"),
+    (("stat", "--run", "../etc"), 2, "invalid run id"),
+    (("show", "act_0_1/it999", "--run", "run-a"), 3, "not found"),
+    (("show", "act_0_9/it1", "--run", "run-a"), 2, "activation channel must go"),
+    (("ls", "--run", "run-a", "--cursor", "zz"), 2, "invalid cursor"),
+    (("plan", "--run", "run-a", "--failed", "9"), 2, "outside the pipeline"),
+    # the planner is pluggable; a missing one says so and exits 4 (unavailable)
+    (("plan", "--run", "run-a", "--failed", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"), 4,
+     "recovery planning is not available until replay/ lands"),
+]
+
+
+def test_errors_say_what_to_do_and_exit_codes_mean_something(written_store: StoreFixture) -> None:
+    env = {"SWIFTLOG_ROOT": str(written_store.root)}
+    help_code = "import sys; from server.cli import main; sys.argv = ['swiftlog', '--help']; main()"
+    results = swiftlog_all(*[(*args, env) for args, _, _ in ERRORS], ("show", "--root", written_store.root), ("--help",))
+    for (_args, code, needle), p in zip(ERRORS, results, strict=False):
+        _fails(p, code, needle)
+    usage, help_ = results[-2:]
+    assert usage.returncode == 2 and "Missing" in usage.stderr and "Traceback" not in usage.stderr
+    p = subprocess.run([sys.executable, "-c", help_code], env=subprocess_env({"COLUMNS": "200"}),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0 and help_.returncode == 0 and "Usage: swiftlog" in p.stdout
+    for cmd in ("ls", "stat", "show", "export", "verify", "gc", "flush", "plan", "serve", "demo"):
+        assert f" {cmd} " in p.stdout and f" {cmd} " in help_.stdout
+
+
+def test_demo(tmp_path: Path) -> None:
+    """The recovery demo (short): a stage killed mid-interval is recovered in place, bit-exact."""
+    report = json.loads(_ok(swiftlog("demo", "--dir", tmp_path / "demo", "--iterations", "8", "--checkpoint-every", "4", "--json", timeout=240)).stdout)
+    assert report["ok"] is True and report["verification"]["verified"] and report["final_state"]["bit_exact"]
+    assert report["plan"]["checkpoint_iteration"] == 4 and report["plan"]["resume_iteration"] == 6
+    assert report["global_rollback"]["bit_exact"] and report["global_rollback"]["resumed_s"] > 0
+    for f in ("report.json", "report.md", "progress.png"):
+        assert (tmp_path / "demo" / f).stat().st_size > 0

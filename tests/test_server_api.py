@@ -1,0 +1,233 @@
+"""The admin API, over a real uvicorn server in a subprocess and a store written by real writer processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import xxhash
+
+from logstore import codec
+from logstore.keys import Channel, Kind, RecordKey
+from server.testing import ServerProcess, StoreFixture, sample_tensor, start_writer, stop_writer
+
+pytest_plugins = ["server.pytest_fixtures"]
+
+
+@pytest.fixture(scope="module")
+def client(api_server: ServerProcess) -> httpx.Client:
+    with httpx.Client(base_url=api_server.url, timeout=30) as c:
+        yield c
+
+
+def _all_pages(client: httpx.Client, run: str, **params: object) -> list[dict]:
+    out, cursor = [], None
+    while True:
+        q = {**params, **({"cursor": cursor} if cursor else {})}
+        r = client.get(f"/v1/runs/{run}/records", params=q)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        out += page["records"]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return out
+
+
+def test_health_and_runs(client: httpx.Client, written_store: StoreFixture) -> None:
+    h = client.get("/v1/health").json()
+    assert h["status"] == "ok" and h["root_exists"] and h["cold_tier"] and h["auth"] == "token" and h["runs"] == 1
+    runs = client.get("/v1/runs").json()["runs"]
+    assert runs == [{"run": "run-a", "writers": ["stage0", "stage1", "stage2", "stage3"]}]
+
+
+def test_summary(client: httpx.Client, written_store: StoreFixture) -> None:
+    s = client.get("/v1/runs/run-a", params={"fresh": "true"}).json()
+    assert s["stages"] == [0, 1, 2, 3]
+    names = {c["name"] for c in s["channels"]}
+    assert {"act_0_1", "act_2_3", "grad_3_2", "grad_1_0", "input_0", "target_3", "digest_3_2", "meta_2"} <= names
+    by = {c["name"]: c for c in s["channels"]}
+    # stage 3 evicted everything it uploaded: its channels are cold-only, iterations 0..7
+    assert by["grad_3_2"]["hot"] is None and by["grad_3_2"]["cold"]["first_iteration"] == 0
+    assert by["grad_3_2"]["cold"]["last_iteration"] == 7 and by["grad_3_2"]["cold"]["records"] == 16
+    assert by["act_0_1"]["hot"]["records"] == 16 and by["act_0_1"]["owner"] == 1
+    assert s["hot"]["writers"] == ["stage0", "stage1", "stage2", "stage3"]
+    assert s["hot"]["segments"]["evicted"] > 0 and s["hot"]["segments"]["sealed"] > 0
+    assert s["cold"]["segments"] > 0 and s["cold"]["error"] is None
+    assert s["raw_bytes"] > 0 and s["stored_bytes"] > 0 and s["compression_ratio"] > 0
+    assert s["checkpoints"] == [] and s["watermarks"] == []
+    assert [(g["channel"], g["iteration"]) for g in s["gaps"]] == [("act_1_2", 3)]
+    # served from the cache within the TTL: same as_of
+    assert client.get("/v1/runs/run-a").json()["as_of"] == client.get("/v1/runs/run-a").json()["as_of"]
+
+
+def test_records_pagination_covers_every_record_once(client: httpx.Client, written_store: StoreFixture) -> None:
+    got = _all_pages(client, "run-a", limit=7)
+    assert [r["key"] for r in got] == [str(k) for k in written_store.keys()]
+    tiers = {r["channel"]: r["tier"] for r in got}
+    assert tiers["grad_3_2"] == "cold" and tiers["act_0_1"] == "hot"
+    r0 = got[0]
+    assert set(r0) == {"key", "channel", "kind", "iteration", "micro_batch", "part", "tier", "writer",
+                       "stored_bytes", "raw_bytes", "checksum"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "pred"),
+    [
+        ({"channel": "act_1_2"}, lambda k: k.channel == Channel.activation(1)),
+        ({"kind": "gradient"}, lambda k: k.channel.kind is Kind.GRADIENT),
+        ({"kind": "target", "it_lo": 2, "it_hi": 5}, lambda k: k.channel.kind is Kind.TARGET and 2 <= k.iteration < 5),
+        ({"micro_batch": 1, "it_lo": 6}, lambda k: k.micro_batch == 1 and k.iteration >= 6),
+        ({"channel": "grad_3_2", "micro_batch": 0, "it_hi": 3},
+         lambda k: k.channel == Channel.gradient(3) and k.micro_batch == 0 and k.iteration < 3),
+    ],
+)
+def test_record_filters(client: httpx.Client, written_store: StoreFixture, params: dict, pred) -> None:
+    got = [r["key"] for r in _all_pages(client, "run-a", limit=5, **params)]
+    assert got == [str(k) for k in written_store.keys() if pred(k)]
+    assert got
+
+
+def test_record_detail_and_raw_download(client: httpx.Client) -> None:
+    for key in (RecordKey(Channel.activation(0), 3, 1), RecordKey(Channel.gradient(3), 5, 0), RecordKey(Channel.input(0), 0, 1)):
+        want = sample_tensor(key.channel, key.iteration, key.micro_batch)
+        d = client.get(f"/v1/runs/run-a/records/{key}")
+        assert d.status_code == 200, d.text
+        d = d.json()
+        assert d["key"] == str(key) and d["shape"] == list(want.shape) and d["dtype"] == str(want.dtype).removeprefix("torch.")
+        w64 = want.to(torch.float64)
+        assert d["stats"]["min"] == pytest.approx(float(w64.min())) and d["stats"]["max"] == pytest.approx(float(w64.max()))
+        assert d["stats"]["mean"] == pytest.approx(float(w64.mean())) and d["stats"]["norm"] == pytest.approx(float(w64.norm()))
+        assert d["tier"] == ("cold" if key.channel.src == 3 else "hot")
+        raw = client.get(f"/v1/runs/run-a/records/{key}/raw")
+        assert raw.status_code == 200 and raw.headers["content-type"] == "application/octet-stream"
+        assert raw.headers["x-swiftlog-checksum"] == f"{xxhash.xxh3_64_intdigest(raw.content):016x}" == d["checksum"]
+        assert raw.headers["x-swiftlog-key"] == str(key)
+        assert torch.equal(codec.decode_tensor(raw.content), want)
+    # short forms of a key: mb and part default to 0
+    assert client.get("/v1/runs/run-a/records/meta_2/it4").json()["key"] == "meta_2/it4/mb0/p0"
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [
+        ("/v1/runs/run-a/records/act_0_1/it99/mb0", 404, "record_not_found"),
+        ("/v1/runs/run-a/records/act_0_1/it99/mb0/raw", 404, "record_not_found"),
+        ("/v1/runs/run-a/records/act_0_5/it1", 400, "invalid_key"),
+        ("/v1/runs/run-a/records/bogus", 422, "invalid_request"),
+        ("/v1/runs/nope", 404, "run_not_found"),
+        ("/v1/runs/nope/records", 404, "run_not_found"),
+        ("/v1/runs/run-a/records?cursor=" + "ff" * 19, 400, "bad_request"),
+        ("/v1/runs/run-a/records?channel=act_0_1&kind=gradient", 400, "bad_request"),
+        ("/v1/runs/run-a/records?it_lo=5&it_hi=2", 400, "bad_request"),
+        ("/v1/runs/run-a/records?limit=100000", 422, "invalid_request"),
+        ("/v1/runs/run-a/records?limit=0", 422, "invalid_request"),
+        ("/v1/runs/run-a/records?it_lo=-1", 422, "invalid_request"),
+        ("/v1/nothing-here", 404, "not_found"),
+    ],
+)
+def test_errors_are_json_4xx(client: httpx.Client, path: str, status: int, code: str) -> None:
+    r = client.get(path)
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["code"] == code and body["message"]
+
+
+def test_recovery_plan_from_the_replay_planner(client: httpx.Client) -> None:
+    # the shared store has no registered checkpoint: replay is impossible and the plan says why
+    r = client.get("/v1/runs/run-a/recovery-plan", params={"failed": [1]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["planner"] == "replay.plan:plan_recovery" and body["failed_stages"] == [1]
+    plan = body["plan"]
+    assert plan["possible"] is False and plan["recommended"] == "global_rollback"
+    assert "no registered checkpoint" in plan["reasons"][0] and plan["fallback"]["iteration"] is None
+    assert client.get("/v1/runs/run-a/recovery-plan", params={"failed": [9]}).status_code == 400  # outside the pipeline
+    assert client.get("/v1/runs/run-a/recovery-plan").status_code == 422  # failed stage is required
+
+
+def test_metrics(client: httpx.Client) -> None:
+    client.get("/v1/runs/run-a")
+    text = client.get("/metrics").text
+    assert 'swiftlog_http_requests_total{method="GET",route="/v1/runs/{run}",status="200"}' in text
+    assert "swiftlog_http_request_duration_seconds_bucket" in text
+    for tier in ("hot", "cold"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f'swiftlog_store_stored_bytes{{run="run-a",tier="{tier}"}}'))
+        assert float(line.split()[-1]) > 0
+    assert 'swiftlog_store_hot_disk_bytes{run="run-a"}' in text
+
+
+def test_openapi_schema_is_complete(client: httpx.Client) -> None:
+    s = client.get("/openapi.json").json()
+    paths = s["paths"]
+    expected = {
+        ("get", "/v1/health"), ("get", "/v1/runs"), ("get", "/v1/runs/{run}"), ("get", "/v1/runs/{run}/records"),
+        ("get", "/v1/runs/{run}/records/{key}"), ("get", "/v1/runs/{run}/records/{key}/raw"),
+        ("get", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/gc"),
+        ("post", "/v1/runs/{run}/flush"), ("get", "/v1/runs/{run}/recovery-plan"), ("get", "/metrics"),
+    }  # fmt: skip
+    assert {(m, p) for p, ops in paths.items() for m in ops} == expected
+    for p, ops in paths.items():
+        for m, op in ops.items():
+            if p == "/metrics":
+                continue
+            assert "404" in op["responses"] and "422" in op["responses"], (m, p)
+            ok = op["responses"].get("200") or op["responses"].get("201")
+            content = ok["content"]
+            assert "application/json" in content or "application/octet-stream" in content
+            if m == "post":
+                assert op.get("security") == [{"bearerToken": []}], p
+    schemas = s["components"]["schemas"]
+    assert {"RunSummary", "RecordPage", "RecordDetail", "ErrorResponse", "CheckpointRequest", "GcResult", "FlushResult"} <= set(schemas)
+
+
+def test_reads_do_not_block_a_writing_process(store_copy: StoreFixture) -> None:
+    """A training process keeps writing (same run, same node) while clients hammer the API."""
+    live_ch = Channel.activation(4)
+    writer = start_writer(store_copy.root, store_copy.run, writer="stage4", channels=[live_ch], micro_batches=2,
+                          shape=(2, 64, 64), duration=60, sleep=0.02)  # fmt: skip
+    try:
+        with ServerProcess(store_copy.root, cold_url=store_copy.cold_url) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+            stop = threading.Event()
+            errors: list[str] = []
+            counts = [0]
+
+            def hammer() -> None:
+                while not stop.is_set():
+                    for path in ("/v1/runs/run-a", "/v1/runs/run-a/records?channel=act_4_5&limit=50", "/metrics"):
+                        r = c.get(path)
+                        if r.status_code != 200:
+                            errors.append(f"{path}: {r.status_code} {r.text[:200]}")
+                        counts[0] += 1
+
+            threads = [threading.Thread(target=hammer) for _ in range(3)]
+            for t in threads:
+                t.start()
+            seen: list[int] = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(set(seen)) < 3:
+                page = c.get("/v1/runs/run-a/records", params={"channel": "act_4_5", "limit": 1000}).json()
+                seen.append(len(page["records"]))
+                time.sleep(0.3)
+            stop.set()
+            for t in threads:
+                t.join()
+            assert not errors, errors[:3]
+            assert counts[0] > 10
+            assert len(set(seen)) >= 3 and seen == sorted(seen), seen  # the writer kept making progress, visibly
+            key = RecordKey(live_ch, 1, 1)
+            raw = c.get(f"/v1/runs/run-a/records/{key}/raw")
+            assert torch.equal(codec.decode_tensor(raw.content), sample_tensor(live_ch, 1, 1, (2, 64, 64)))
+    finally:
+        err = stop_writer(writer)
+    assert writer.returncode == 0, err
+
+
+def test_public_names_are_pinned() -> None:
+    import server
+
+    assert set(server.__all__) == {"Settings", "create_app", "Node", "serve", "__version__"}
+    for name in server.__all__:
+        assert getattr(server, name) is not None

@@ -1,0 +1,261 @@
+"""Auth, bind rules, path traversal, request limits and the mutating endpoints (on private store copies)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from logstore.errors import ConfigError
+from logstore.hot import HotTier
+from logstore.keys import Channel, RecordKey
+from logstore.testing import free_port
+from server.settings import Settings
+from server.testing import TOKEN, ServerProcess, StoreFixture, start_writer, stop_writer, subprocess_env
+
+pytest_plugins = ["server.pytest_fixtures"]
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _raw_get(port: int, target: str) -> tuple[int, bytes]:
+    """Send a request line exactly as given (clients would normalise ../ and percent-encodings)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode("latin-1"))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+# ------------------------------------------------------------------------------------------ settings
+def test_settings_refuse_non_loopback_without_token(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="non-loopback"):
+        Settings.build(root=tmp_path, host="0.0.0.0")
+    with pytest.raises(ConfigError, match="only allowed with a loopback host"):
+        Settings.build(root=tmp_path, host="10.1.2.3", token=TOKEN, allow_insecure_loopback_writes=True)
+    with pytest.raises(ConfigError, match="at least 16"):
+        Settings.build(root=tmp_path, token="short")
+    s = Settings.build(root=tmp_path, host="10.1.2.3", token=TOKEN)
+    assert s.reads_need_token and s.auth_mode == "token"  # not bound here: only loopback is ever used
+    local = Settings.build(root=tmp_path)
+    assert not local.reads_need_token and local.auth_mode == "read-only" and local.host == "127.0.0.1"
+    assert TOKEN not in repr(Settings.build(root=tmp_path, token=TOKEN))
+
+
+def test_settings_sources_explicit_over_env_over_defaults(tmp_path) -> None:
+    env = {"SWIFTLOG_ROOT": str(tmp_path), "SWIFTLOG_TOKEN": TOKEN, "SWIFTLOG_PORT": "9000",
+           "SWIFTLOG_COLD_OPTIONS": '{"key": "k"}', "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES": "yes"}  # fmt: skip
+    s = Settings.from_env(env, port=9100)
+    assert s.root == tmp_path and s.port == 9100 and s.token.get_secret_value() == TOKEN and s.cold_options == {"key": "k"}
+    assert s.allow_insecure_loopback_writes and s.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="no store root"):
+        Settings.from_env({})
+    with pytest.raises(ConfigError, match="SWIFTLOG_COLD_OPTIONS is not JSON"):
+        Settings.from_env({"SWIFTLOG_ROOT": "/x", "SWIFTLOG_COLD_OPTIONS": "{nope"})
+
+
+def test_serve_refuses_non_loopback_bind_without_token(tmp_path) -> None:
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0"],
+                       env={**subprocess_env(), "SWIFTLOG_TOKEN": ""}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2
+    assert "refusing to serve on non-loopback address '0.0.0.0' without a token" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------------------------------ auth
+def test_mutations_need_the_token(api_server: ServerProcess) -> None:
+    with httpx.Client(base_url=api_server.url, timeout=30) as c:
+        for method, path, body in (("POST", "/v1/runs/run-a/gc", {"confirm": True}), ("POST", "/v1/runs/run-a/flush", None),
+                                   ("POST", "/v1/runs/run-a/checkpoints", {"stage": 1, "iteration": 5})):  # fmt: skip
+            r = c.request(method, path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
+            assert r.headers["www-authenticate"] == "Bearer"
+            r = c.request(method, path, json=body, headers={"Authorization": "Bearer " + "x" * len(TOKEN)})
+            assert r.status_code == 401 and r.json()["error"]["message"] == "invalid bearer token"
+            r = c.request(method, path, json=body, headers={"Authorization": f"Basic {TOKEN}"})
+            assert r.status_code == 401
+        # nothing was registered or deleted
+        assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
+        # reads need no token on loopback
+        assert c.get("/v1/runs/run-a").status_code == 200
+
+
+def test_no_token_means_read_only_unless_insecure_loopback_dev_mode(store_copy: StoreFixture) -> None:
+    with ServerProcess(store_copy.root, cold_url=store_copy.cold_url, args=["--planner", "swiftlog_no_such_planner:plan_recovery"]) as srv:
+        r = httpx.post(srv.url + "/v1/runs/run-a/gc", json={})
+        assert r.status_code == 403 and "no token" in r.json()["error"]["message"]
+        assert "--token" in r.json()["error"]["hint"]
+        assert httpx.get(srv.url + "/v1/health").json()["auth"] == "read-only"
+        # the planner is pluggable; while its module is missing the answer is a clear 501
+        r = httpx.get(srv.url + "/v1/runs/run-a/recovery-plan", params={"failed": 2})
+        assert r.status_code == 501 and r.json()["error"]["code"] == "not_available"
+        assert "recovery planning is not available until replay/ lands" in r.json()["error"]["message"]
+    with ServerProcess(store_copy.root, args=["--allow-insecure-loopback-writes"]) as srv:
+        assert httpx.get(srv.url + "/v1/health").json()["auth"] == "insecure-loopback"
+        r = httpx.post(srv.url + "/v1/runs/run-a/gc", json={})
+        assert r.status_code == 200 and r.json()["dry_run"] is True
+
+
+def test_reads_can_require_the_token(store_copy: StoreFixture) -> None:
+    with ServerProcess(store_copy.root, token=TOKEN, args=["--require-token-for-reads"]) as srv:
+        assert httpx.get(srv.url + "/v1/runs/run-a").status_code == 401
+        assert httpx.get(srv.url + "/v1/runs/run-a", headers=AUTH).status_code == 200
+        assert httpx.get(srv.url + "/v1/health").status_code == 200  # liveness stays open
+        spec = httpx.get(srv.url + "/openapi.json").json()
+        assert spec["paths"]["/v1/runs/{run}"]["get"]["security"] == [{"bearerToken": []}]
+
+
+# ------------------------------------------------------------------------------------------ traversal
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/v1/runs/..",
+        "/v1/runs/%2e%2e",
+        "/v1/runs/..%2F..%2Fetc",
+        "/v1/runs/..%2f..%2f..%2fetc%2fpasswd/records",
+        "/v1/runs/%2Fetc%2Fpasswd",
+        "/v1/runs//etc/passwd",
+        "/v1/runs/../../../../etc/passwd",
+        "/v1/runs/run-a/../../../etc/passwd",
+        "/v1/runs/..%5C..%5Cwindows",
+        "/v1/runs/run%00a",
+        "/v1/runs/.hidden",
+        "/v1/runs/" + "a" * 300,
+        "/v1/runs/run-a/records/..%2F..%2F..%2Fetc%2Fpasswd",
+        "/v1/runs/run-a/records/%2Fetc%2Fpasswd/raw",
+        "/v1/runs/run-a/records/act_0_1%2F..%2F..%2Fstage0/raw",
+        "/v1/runs/run-a/records/act_0_1/it0/../../../../etc/passwd",
+        "/v1/runs/run-a/records?channel=..%2F..%2Fetc",
+        "/v1/runs/run-a/records?cursor=..%2F..",
+        "/v1/runs/stage0/records",
+        "/v1/runs/run-a%2Fstage0/records",
+    ],
+)
+def test_traversal_attempts_are_refused(api_server: ServerProcess, target: str) -> None:
+    status, body = _raw_get(api_server.port, target)
+    assert 400 <= status < 500, (target, status, body[:300])
+    assert b'"error"' in body and b"root:" not in body
+
+
+# ------------------------------------------------------------------------------------------ limits
+def test_request_bodies_are_bounded(api_server: ServerProcess) -> None:
+    big = {"stage": 1, "iteration": 1, "meta": {"x": "y" * 100_000}}
+    r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", json=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 4096
+
+    r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", content=chunks(),
+                   headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 413, r.text
+    json_ct = {**AUTH, "content-type": "application/json"}
+    r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", content=b"{not json", headers=json_ct)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", json={"stage": -1, "iteration": 2**70}, headers=AUTH)
+    assert r.status_code == 422 and "stage" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------ mutations
+def _flush_checks(c: httpx.Client, store_copy: StoreFixture) -> None:
+    """Flush uploads the sealed segments; a live writer's open segment is listed, not touched."""
+    before = c.get("/v1/runs/run-a", params={"fresh": "true"}).json()
+    assert before["hot"]["segments"]["sealed"] > 0
+    r = c.post("/v1/runs/run-a/flush")
+    assert r.status_code == 200, r.text
+    rep = r.json()
+    assert rep["uploaded_segments"] == before["hot"]["segments"]["sealed"] and rep["open_segments"] == []
+    after = c.get("/v1/runs/run-a").json()
+    assert after["hot"]["segments"]["sealed"] == 0
+    assert after["cold"]["records"] > before["cold"]["records"]
+    assert c.post("/v1/runs/run-a/flush").json()["uploaded_segments"] == 0  # idempotent
+    # a live writer's open segment is its own: listed, not touched, and the writer carries on
+    ch = Channel.activation(4)
+    w = start_writer(store_copy.root, store_copy.run, writer="stage4", channels=[ch], micro_batches=1,
+                     shape=(2, 8, 8), sleep=0.05, segment_iters=1000, duration=60)  # fmt: skip
+    try:
+        for _ in range(300):
+            rep = c.post("/v1/runs/run-a/flush").json()
+            if rep["open_segments"]:
+                break
+            time.sleep(0.1)
+        assert [o["writer"] for o in rep["open_segments"]] == ["stage4"]
+        assert c.get(f"/v1/runs/run-a/records/{RecordKey(ch, 0, 0)}/raw").status_code == 200
+    finally:
+        err = stop_writer(w)
+    assert w.returncode == 0, err
+    rep = c.post("/v1/runs/run-a/flush").json()  # the writer sealed on close: now it goes up
+    assert rep["open_segments"] == [] and rep["uploaded_segments"] >= 1
+
+
+def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
+    """Mutations on one server over a private copy: flush (sealed segments go up, open ones are
+    listed), then register a checkpoint and GC (dry run, then confirmed)."""
+    # stage 2's checkpoint at 4 makes garbage of what stage 2 owns below 4: what it received
+    # (act_1_2, grad_3_2) and its own streams (digests it sent, its meta); nothing else
+    garbage = {str(k) for k in store_copy.keys() if k.channel.owner == 2 and k.iteration < 4}
+    keep = {str(k) for k in store_copy.keys()} - garbage
+    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+        _flush_checks(c, store_copy)
+        r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": "file:///ckpt/2/4", "meta": {"step": 4}})
+        assert r.status_code == 201 and r.json()["iteration"] == 4
+        cps = c.get("/v1/runs/run-a/checkpoints").json()
+        assert cps["watermarks"] == [{"stage": 2, "iteration": 4}] and cps["checkpoints"][0]["meta"] == {"step": 4}
+        assert c.get("/v1/runs/run-a").json()["watermarks"] == [{"stage": 2, "iteration": 4}]  # cache invalidated
+        # garbage is hidden from reads at once, before any GC
+        assert c.get("/v1/runs/run-a/records/act_1_2/it2/mb0").status_code == 404
+        listed = {r["key"] for r in c.get("/v1/runs/run-a/records", params={"limit": 1000}).json()["records"]}
+        assert {k for k in listed if not k.startswith("act_4_5")} == keep  # act_4_5: the live writer's
+        dry = c.post("/v1/runs/run-a/gc").json()
+        assert dry["dry_run"] is True and set(dry["keys"]) == garbage and dry["cold_segments"] > 0
+        dry2 = c.post("/v1/runs/run-a/gc", json={"confirm": False}).json()
+        assert dry2 == {**dry, "aborted_uploads": dry2["aborted_uploads"]}  # the dry run deleted nothing
+        done = c.post("/v1/runs/run-a/gc", json={"confirm": True}).json()
+        assert done["dry_run"] is False and set(done["keys"]) == garbage and set(done["segments"]) == set(dry["segments"])
+        again = c.post("/v1/runs/run-a/gc", json={"confirm": True}).json()
+        assert again["hot_records"] == 0 and again["cold_segments"] == 0
+        listed = {r["key"] for r in c.get("/v1/runs/run-a/records", params={"limit": 1000}).json()["records"]}
+        assert {k for k in listed if not k.startswith("act_4_5")} == keep  # act_4_5: the live writer's
+        for key in ("act_1_2/it5/mb1", "grad_3_2/it4/mb0", "act_0_1/it0/mb0"):
+            assert c.get(f"/v1/runs/run-a/records/{key}/raw").status_code == 200, key
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_faults_are_reported_not_500(store_copy: StoreFixture) -> None:
+    """A flipped byte is a 409 naming the key; an unreachable object store is a retryable 503 while
+    everything the hot tier holds is still served."""
+    key = RecordKey(Channel.gradient(1), 2, 1)
+    hot = HotTier(store_copy.root / "run-a" / "stage1", owner=False)
+    loc = hot.lookup(key)
+    seg = hot.seg_path(loc.segment.id)
+    hot.close()
+    with open(seg, "r+b") as f:
+        f.seek(loc.offset + loc.length // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    opts = ["--cold-option", "key=k", "--cold-option", "secret=s", "--cold-option", "client_kwargs=" + json.dumps({"endpoint_url": dead})]
+    with ServerProcess(store_copy.root, token=TOKEN, cold_url="s3://swiftlog-test/cold", args=opts) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120, headers=AUTH) as c:  # fmt: skip
+        for path in (f"/v1/runs/run-a/records/{key}", f"/v1/runs/run-a/records/{key}/raw"):
+            r = c.get(path)
+            assert r.status_code == 409, r.text
+            assert r.json()["error"]["code"] == "corrupt_record" and r.json()["error"]["key"] == str(key)
+        s = c.get("/v1/runs/run-a").json()
+        assert s["cold"]["error"] and "unreachable" in s["cold"]["error"] and s["hot"]["records"] > 0
+        assert c.get("/v1/runs/run-a/records/act_0_1/it1/mb0/raw").status_code == 200  # hot: no object store needed
+        r = c.get("/v1/runs/run-a/records/grad_3_2/it1/mb0/raw")  # evicted: only the object store has it
+        assert r.status_code == 503 and r.json()["error"]["retryable"] is True and r.headers["retry-after"]
+        r = c.post("/v1/runs/run-a/flush")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "cold_tier_unavailable"
