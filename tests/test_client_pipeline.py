@@ -1,0 +1,220 @@
+"""The trainer client in real 4-stage pipelines (one process per stage, gloo, CPU, GPT with dropout).
+
+(a) every logged send equals what the receiver got (and the receiver's digest of it);
+(b) an offline replay of each stage from its checkpoint and the logs reproduces its parameters,
+    optimizer and scheduler state bit for bit, for GPipe and 1F1B;
+(c) GC after a checkpoint leaves no record below the watermark, in either tier;
+(d) logging groups log only group boundaries, and a group replays exactly from them;
+(e) a dead cold tier, a full disk and a full queue do not stop or change training and are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from logstore import Channel, RecordKey
+from logstore.cold import ColdTier
+from logstore.hot import HotTier
+from logstore.testing import free_port
+from replay.core import LogReader, ReplayInputMissingError, replay_stage, replay_stages
+from tests._client_mp import (
+    ITERS,
+    NUM_STAGES,
+    SEED,
+    models_equal,
+    run_pipeline,
+    stage_from_checkpoint,
+    state_differences,
+)
+from trainer_client import decode_meta, derive_seed, tensor_digest
+from trainer_client.digest import digest_from_record
+from trainer_client.examples.gpt import SyntheticTokens, loss_fn
+
+CKPT = 2  # checkpoints at 0 and 2; GC makes everything below 2 garbage
+
+
+@pytest.fixture(scope="module")
+def gpipe_run(tmp_path_factory):
+    return run_pipeline(tmp_path_factory.mktemp("gpipe"), "gpipe-run", schedule="gpipe", ckpt_at=f"0,{CKPT}", extra=["--record-received"])
+
+
+@pytest.fixture(scope="module")
+def f1b_run(tmp_path_factory):
+    return run_pipeline(tmp_path_factory.mktemp("1f1b"), "1f1b-run", schedule="1f1b", ckpt_at=f"0,{CKPT}", extra=["--record-received"])
+
+
+@pytest.fixture(params=["gpipe", "1f1b"])
+def logged_run(request):
+    return request.getfixturevalue("gpipe_run" if request.param == "gpipe" else "f1b_run")
+
+
+def _split(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return list(torch.tensor_split(t, n))
+
+
+# ------------------------------------------------------------------------------ (a)
+def test_every_logged_send_equals_what_the_receiver_got(logged_run):
+    run = logged_run
+    store = run.store()
+    n_mb = run.gpt.n_microbatches
+    checked = 0
+    for k in range(NUM_STAGES):
+        received = run.results[k]["received"]
+        for (it, mb, what), tensors in received.items():
+            if it < CKPT:  # garbage-collected after the checkpoint at CKPT
+                continue
+            src = k - 1 if what == "act" else k + 1
+            data_ch = Channel.activation(src) if what == "act" else Channel.gradient(src)
+            keys = store.keys(data_ch, it, it + 1)
+            assert [key.part for key in keys if key.micro_batch == mb] == list(range(len(tensors)))
+            for part, got in enumerate(tensors):
+                logged = store.get(RecordKey(data_ch, it, mb, part))
+                assert logged.dtype == got.dtype and logged.shape == got.shape
+                assert torch.equal(logged, got), f"{data_ch.name} it{it} mb{mb} p{part}"
+                digest = digest_from_record(store.get(RecordKey(Channel.digest(src, k), it, mb, part)))
+                assert digest == tensor_digest(got)
+                checked += 1
+    # every boundary of 4 stages, both directions, every micro-batch of every iteration kept
+    assert checked == 2 * (NUM_STAGES - 1) * (ITERS - CKPT) * n_mb
+    data = SyntheticTokens(run.gpt, seed=SEED)
+    for it in range(CKPT, ITERS):
+        x, y = data(it)
+        for mb, (xm, ym) in enumerate(zip(_split(x, n_mb), _split(y, n_mb))):
+            assert torch.equal(store.get(RecordKey(Channel.input(0), it, mb)), xm)
+            assert torch.equal(store.get(RecordKey(Channel.target(NUM_STAGES - 1), it, mb)), ym)
+        for k in range(NUM_STAGES):
+            meta = decode_meta(store.get(RecordKey(Channel.meta(k), it, 0)))
+            assert meta["schedule"] == ("ScheduleGPipe" if "gpipe" in run.run_id else "Schedule1F1B")
+            assert meta["n_microbatches"] == n_mb and meta["grad_scale_factor"] == n_mb
+            assert sorted(mb for kind, mb in meta["order"] if kind == "F") == list(range(n_mb))
+            assert [mb for kind, mb in meta["order"] if kind == "B"] == list(range(n_mb))
+            assert meta["seeds"] == [derive_seed(SEED, k, it, mb) for mb in range(n_mb)]
+            assert meta["env"]["num_threads"] == 1
+    if "1f1b" in run.run_id:  # 1F1B interleaves: stage 0 does F0..F3 before B0, the last stage F0 B0 F1 B1 ...
+        last = decode_meta(store.get(RecordKey(Channel.meta(NUM_STAGES - 1), CKPT, 0)))["order"]
+        assert last[:4] == [["F", 0], ["B", 0], ["F", 1], ["B", 1]]
+    for k in range(NUM_STAGES):
+        w = run.results[k]["stats"]["writer"]
+        assert w["faults"] == 0 and w["records_dropped"] == 0 and w["queue_bytes"] == 0
+        assert run.results[k]["close"]["ok"], run.results[k]["close"]
+
+
+# ------------------------------------------------------------------------------ (b)
+def test_replay_of_each_stage_is_bit_exact(logged_run):
+    run = logged_run
+    reader = LogReader(run.store())
+    n_mb = run.gpt.n_microbatches
+    for k in range(NUM_STAGES):
+        state = stage_from_checkpoint(run, k, CKPT)
+        report = replay_stage(state, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, compare_logged=True)
+        assert state_differences(state, run.results[k]) == [], f"stage {k}"
+        sends = (k < NUM_STAGES - 1) + (k > 0)
+        assert report.ok, (report.digest_mismatches, report.digests_missing, report.record_mismatches)
+        assert report.digests_checked == sends * (ITERS - CKPT) * n_mb
+        assert report.records_checked == report.digests_checked
+        assert report.micro_batches == (ITERS - CKPT) * n_mb and not report.warnings
+        if k == NUM_STAGES - 1:
+            live = run.results[k]["losses"][CKPT:]
+            assert [sum(v) / len(v) for _, v in sorted(report.losses.items())] == pytest.approx(live, abs=0, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ (c)
+def test_gc_after_checkpoint_leaves_nothing_below_watermark(logged_run):
+    run = logged_run
+    store = run.store()
+    assert store.watermarks() == {k: CKPT for k in range(NUM_STAGES)}
+    for k in range(NUM_STAGES):
+        cps = run.results[k]["stats"]["checkpoints"]
+        assert [tuple(x[:2]) for x in cps["registered"]] == [(k, 0), (k, CKPT)] and cps["gc_runs"] >= 2
+    wm = store.watermarks()
+    below, kept = [], 0
+    base = os.path.join(run.root, run.run_id)
+    for writer in sorted(os.listdir(base)):
+        hot = HotTier(os.path.join(base, writer), owner=False)
+        try:
+            for key, _ in hot.keys():  # noqa: SIM118 - HotTier.keys() lists (key, location) pairs
+                kept += 1
+                if key.iteration < wm[key.channel.owner]:
+                    below.append(str(key))
+        finally:
+            hot.close()
+    assert below == [] and kept > 0
+    cold = ColdTier(run.cold_url)
+    segs = cold.list_segments(f"{run.run_id}/segments/")
+    assert segs, "inputs/targets/meta are shipped to the cold tier every iteration"
+    for seg in segs:
+        channel = Channel.parse(seg.name.split("/")[-2])
+        hi = int(re.match(r"\d+-(\d+)\.", seg.name.split("/")[-1]).group(1))
+        assert hi >= wm[channel.owner], f"cold segment {seg.name} is entirely below the watermark"
+    # the logs a replay from the older checkpoint would need are gone, and the replay says so
+    state = stage_from_checkpoint(run, 1, 0)
+    with pytest.raises(ReplayInputMissingError) as ei:
+        replay_stage(state, LogReader(store), num_stages=NUM_STAGES, stop_iteration=CKPT, loss_fn=loss_fn)
+    assert str(ei.value.key) == "meta_1/it0/mb0/p0"
+    with pytest.raises(ReplayInputMissingError) as ei:  # without META the first missing input is named
+        replay_stage(state, LogReader(store), num_stages=NUM_STAGES, stop_iteration=CKPT, loss_fn=loss_fn, n_microbatches=run.gpt.n_microbatches)
+    assert str(ei.value.key) == "act_0_1/it0/mb0/p0" and "act_0_1" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------ (d)
+def test_logging_groups_log_only_boundaries_and_replay_per_group(tmp_path, f1b_run):
+    run = run_pipeline(tmp_path, "groups-run", schedule="1f1b", ckpt_at=f"{CKPT}", extra=["--groups", "2,2", "--data-source"])
+    store = run.store()
+    names = {c.name for c in store.channels()}
+    assert names == {"act_1_2", "grad_2_1", "digest_1_2", "digest_2_1", "meta_0", "meta_1", "meta_2", "meta_3"}, names
+    sel = {k: run.results[k]["stats"]["selective"] for k in range(NUM_STAGES)}
+    act_bytes = run.gpt.micro_batch_size * run.gpt.seq * run.gpt.hidden * 4 * run.gpt.n_microbatches * ITERS
+    assert sel[0] == {"logging_groups": [2, 2], "logged_send_bytes": 0, "skipped_send_bytes": act_bytes, "skipped_send_records": ITERS * 4}
+    assert sel[1]["logged_send_bytes"] == act_bytes and sel[1]["skipped_send_bytes"] == act_bytes  # logs 1->2, not 1->0
+    assert sel[2]["logged_send_bytes"] == act_bytes and sel[2]["skipped_send_bytes"] == act_bytes  # logs 2->1, not 2->3
+    assert sel[3]["logged_send_bytes"] == 0 and sel[3]["skipped_send_bytes"] == act_bytes
+    # the logging configuration never changes what training computes
+    for k in range(NUM_STAGES):
+        assert models_equal(run.results[k], f1b_run.results[k]), f"stage {k} differs from the fully logged 1F1B run"
+    # each group replays as a unit from the boundary logs, the data source and its checkpoints
+    data = SyntheticTokens(run.gpt, seed=SEED)
+    reader = LogReader(store)
+    for group in ([0, 1], [2, 3]):
+        states = [stage_from_checkpoint(run, k, CKPT) for k in group]
+        report = replay_stages(states, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, data_source=data)
+        for st in states:
+            assert state_differences(st, run.results[st.stage]) == [], f"stage {st.stage} of group {group}"
+        assert report.ok and report.digests_checked == (ITERS - CKPT) * run.gpt.n_microbatches
+
+
+# ------------------------------------------------------------------------------ (e)
+def test_faults_do_not_stop_or_change_training_and_are_reported(tmp_path, gpipe_run):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the object store is down
+    per_stage = {
+        0: ["--max-queue-bytes", "1024", "--overflow", "wait"],
+        1: ["--cold-url", "s3://swiftlog-dead/logs", "--cold-endpoint", dead],
+        2: ["--max-queue-bytes", "1024", "--overflow", "gap"],
+        3: ["--file-size-limit", "4096"],  # below one activation record: every data write fails
+    }
+    run = run_pipeline(tmp_path, "faults-run", schedule="gpipe", cold=False, per_stage=per_stage)
+    for k in range(NUM_STAGES):  # same numbers as the fault-free run: logging never touches training
+        assert models_equal(run.results[k], gpipe_run.results[k]), f"stage {k}"
+    w = {k: run.results[k]["stats"]["writer"] for k in range(NUM_STAGES)}
+    close = {k: run.results[k]["close"] for k in range(NUM_STAGES)}
+    # stage 0: queue bound with "wait": the training thread waited, nothing was lost
+    assert w[0]["overflow_waits"] > 0 and w[0]["records_dropped"] == 0 and w[0]["queue_peak_bytes"] <= 8192 and close[0]["ok"]
+    # stage 1: object store down: records stay in the hot tier, flush/close report the upload error
+    assert w[1]["records_dropped"] == 0 and w[1]["faults_by_kind"] == {"flush": 1}
+    assert not close[1]["ok"] and "ColdTierUnavailableError" in close[1]["error"]
+    # stage 2: queue bound with "gap": records dropped, each drop is a recorded gap
+    assert w[2]["overflow_drops"] > 0 and w[2]["gaps_recorded"] == w[2]["records_dropped"] > 0
+    assert w[2]["faults_by_kind"] == {"overflow": w[2]["overflow_drops"]}
+    # stage 3: disk full (files capped by RLIMIT_FSIZE): writes fail, counted, training goes on
+    assert w[3]["faults_by_kind"].get("store_full", 0) > 0 and w[3]["records_dropped"] > 0 and not close[3]["ok"]
+    store = run.store(cold=False)
+    gaps = store.gaps()
+    assert all(g["reason"] for g in gaps)
+    overflow_gaps = [g for g in gaps if g["reason"].startswith("overflow")]
+    assert len(overflow_gaps) == w[2]["gaps_recorded"]
+    assert {g["channel"] for g in overflow_gaps} <= {"act_2_3", "grad_2_1", "meta_2"}
+    json.dumps(run.results[1]["stats"])  # stats stay plain data

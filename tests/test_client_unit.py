@@ -1,0 +1,406 @@
+"""Trainer-client pieces on their own: config, seeds, digests, the async writer, commit, checkpoints,
+the explicit logging API, and a one-stage pipeline in this process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trainer_client
+from logstore import Channel, LogStore, RecordKey, codec
+from logstore.errors import ConfigError
+from replay.core import LogReader, StageState, replay_stage
+from trainer_client import (
+    CheckpointError,
+    ClientConfig,
+    CommitCoordinator,
+    IterationAbortedError,
+    SwiftlogClient,
+    UnsupportedScheduleError,
+    derive_seed,
+    load_checkpoint,
+    save_checkpoint,
+    seed_micro_batch,
+    tensor_digest,
+)
+from trainer_client.config import group_starts
+from trainer_client.digest import digest_from_record, digest_record
+from trainer_client.writer import AsyncLogWriter
+
+
+def test_public_api_is_pinned():
+    assert sorted(trainer_client.__all__) == sorted([
+        "ClientConfig", "SwiftlogClient", "LoggingPipelineStage", "CommitReport", "FlushReport", "DataSource",
+        "SUPPORTED_SCHEDULES", "encode_meta", "decode_meta", "CommitCoordinator", "CommitResult", "Checkpoint",
+        "save_checkpoint", "load_checkpoint", "derive_seed", "seed_micro_batch", "tensor_digest", "AsyncLogWriter",
+        "Fault", "WriterStats", "ClientError", "CommitError", "IterationAbortedError", "CommitStoreError",
+        "CheckpointError", "UnsupportedScheduleError",
+    ])  # fmt: skip
+    for name in trainer_client.__all__:
+        assert getattr(trainer_client, name) is not None
+
+
+# ------------------------------------------------------------------------------ config
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"stage": 4}, "stage"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"logging_groups": [2, 1]}, "logging_groups"),
+        ({"logging_groups": [4, 0]}, "logging_groups"),
+        ({"overflow": "drop"}, "overflow"),
+        ({"codec": "lz4"}, "codec"),
+        ({"max_queue_bytes": 0}, "max_queue_bytes"),
+        ({"seed": -1}, "seed"),
+        ({"commit_timeout": 5}, "commit_timeout"),
+        ({"run_id": "../x"}, "run id"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(tmp_path, kwargs, field):
+    base = {"run_id": "r", "stage": 0, "num_stages": 4, "store_root": str(tmp_path)}
+    with pytest.raises(ConfigError) as ei:
+        ClientConfig(**{**base, **kwargs})
+    assert field in str(ei.value)
+
+
+def test_config_defaults_and_boundaries(tmp_path):
+    c = ClientConfig(run_id="r", stage=2, num_stages=4, store_root=str(tmp_path))
+    assert c.writer == "stage2" and c.commit_prefix == "swiftlog/r" and c.logs_forward_send() and c.logs_backward_send()
+    assert c.resolved_checkpoint_url() == os.path.join(str(tmp_path), "r", "checkpoint-files")
+    assert group_starts([2, 2], 4) == {0, 2} and group_starts(None, 3) == {0, 1, 2}
+    g = [ClientConfig(run_id="r", stage=k, num_stages=4, store_root=str(tmp_path), logging_groups=[2, 2]) for k in range(4)]
+    assert [x.logs_forward_send() for x in g] == [False, True, False, False]
+    assert [x.logs_backward_send() for x in g] == [False, False, True, False]
+    assert [x.group_of() for x in g] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    cold = ClientConfig(run_id="r", stage=0, num_stages=1, store_root=str(tmp_path), cold_url="s3://b/p")
+    assert cold.resolved_checkpoint_url() == "s3://b/p/r/checkpoint-files"
+
+
+# ------------------------------------------------------------------------------ seeds and digests
+def test_seeds_are_pure_distinct_and_reproduce_dropout():
+    assert derive_seed(1, 2, 3, 4) == derive_seed(1, 2, 3, 4) < 2**63
+    seeds = {derive_seed(7, s, it, mb) for s in range(4) for it in range(50) for mb in range(8)}
+    assert len(seeds) == 4 * 50 * 8
+    with pytest.raises(ValueError):
+        derive_seed(0, -1, 0, 0)
+    drop = torch.nn.Dropout(0.5)
+    x = torch.ones(1000)
+    seed_micro_batch(7, 1, 5, 2)
+    a = drop(x)
+    torch.rand(3)
+    seed_micro_batch(7, 1, 5, 2)
+    assert torch.equal(drop(x), a)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**16 - 1), st.integers(0, 2**40), st.integers(0, 2**20))
+@settings(max_examples=200, deadline=None)
+def test_seed_and_digest_encodings_property(seed, stage, iteration, mb):
+    s = derive_seed(seed, stage, iteration, mb)
+    assert 0 <= s < 2**63 and s == derive_seed(seed, stage, iteration, mb)
+    assert digest_from_record(digest_record(seed)) == seed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
+def test_digest_is_the_codec_checksum_of_the_logical_tensor(dtype):
+    t = (torch.randn(3, 5, 7) * 10).to(dtype)
+    assert tensor_digest(t) == codec.read_header(codec.encode_tensor(t)).checksum
+    nc = t.transpose(0, 2)  # non-contiguous: digest of the logical (C-order) tensor
+    assert tensor_digest(nc) == codec.read_header(codec.encode_tensor(nc)).checksum == tensor_digest(nc.contiguous())
+    for d in (0, 1, 2**63 - 1, 2**63, 2**64 - 1):
+        assert digest_from_record(digest_record(d)) == d
+
+
+# ------------------------------------------------------------------------------ async writer
+@pytest.fixture
+def store(tmp_path):
+    s = LogStore.open(tmp_path / "store", "w", writer="stage0")
+    yield s
+    s.close()
+
+
+def test_writer_writes_in_order_and_markers_see_everything_before(store):
+    w = AsyncLogWriter(store, encode_threads=2, batch_records=3)
+    seen = []
+    sent = {}
+    for it in range(3):
+        for mb in range(4):
+            ts = [torch.randn(8, 16), torch.randn(4)]
+            sent[(it, mb)] = ts
+            assert w.submit(Channel.activation(0), it, mb, ts)
+        w.mark(lambda it=it: seen.append((it, len(store.keys(Channel.activation(0))))))
+    assert w.drain(30)
+    assert seen == [(0, 8), (1, 16), (2, 24)]  # each marker ran after every earlier record was written
+    for (it, mb), ts in sent.items():
+        for part, t in enumerate(ts):
+            assert torch.equal(store.get(RecordKey(Channel.activation(0), it, mb, part)), t)
+    st = w.stats()
+    assert st.records_written == 24 and st.bytes_written == st.bytes_submitted and st.queue_bytes == 0 and st.faults == 0
+    assert w.close(10)
+
+
+def test_writer_copy_protects_reused_buffers_and_digests_hash_now(store):
+    w = AsyncLogWriter(store, encode_threads=0)
+    gate = threading.Event()
+    w.mark(gate.wait)  # hold the writer so the buffers are reused before they are written
+    buf, recv = torch.arange(10.0), torch.randn(64)
+    want = tensor_digest(recv)
+    w.submit(Channel.input(0), 0, 0, [buf], copy=True)
+    w.submit_digests(Channel.digest(1, 0), 0, 0, [recv])
+    buf.fill_(-1)
+    recv.fill_(0)  # the next receive overwrites the buffer
+    gate.set()
+    assert w.drain(30)
+    assert torch.equal(store.get(RecordKey(Channel.input(0), 0, 0)), torch.arange(10.0))
+    assert digest_from_record(store.get(RecordKey(Channel.digest(1, 0), 0, 0))) == want
+    w.close()
+
+
+def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
+    w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="gap")
+    gate = threading.Event()
+    w.mark(gate.wait)
+    t0 = time.perf_counter()
+    results = [w.submit(Channel.activation(0), 0, mb, [torch.zeros(100)]) for mb in range(5)]  # 400 bytes each
+    assert time.perf_counter() - t0 < 1.0
+    assert results == [True, True, False, False, False]
+    gate.set()
+    assert w.drain(30)
+    st = w.stats()
+    assert (st.overflow_drops, st.records_dropped, st.gaps_recorded, st.records_written) == (3, 3, 3, 2)
+    assert st.queue_peak_bytes == 800 and st.faults_by_kind == {"overflow": 3}
+    assert [(g["channel"], g["micro_batch"]) for g in store.gaps()] == [("act_0_1", 2), ("act_0_1", 3), ("act_0_1", 4)]
+    assert len(w.take_faults()) == 3 and w.take_faults() == []
+    w.close()
+
+
+def test_overflow_wait_blocks_until_the_writer_frees_memory(store):
+    w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="wait")
+    gate = threading.Event()
+    w.mark(gate.wait)
+    w.submit(Channel.activation(0), 0, 0, [torch.zeros(200)])  # 800 bytes: admitted
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.submit(Channel.activation(0), 0, 1, [torch.zeros(200)]), done.set()), daemon=True).start()
+    assert not done.wait(0.3)  # blocked on the bound
+    gate.set()
+    assert done.wait(10)
+    assert w.drain(30)
+    st = w.stats()
+    assert st.overflow_waits == 1 and st.overflow_wait_s >= 0.25 and st.records_dropped == 0 and st.records_written == 2
+    w.close()
+
+
+def test_logging_faults_never_raise_and_become_gaps(store):
+    w = AsyncLogWriter(store, encode_threads=1)
+    sparse = torch.eye(3).to_sparse()  # the codec refuses it: an encode fault
+    assert w.submit(Channel.activation(0), 0, 0, [sparse])
+    w.mark(lambda: 1 / 0)  # a failing marker
+    assert w.submit(Channel.activation(0), 0, 1, [torch.ones(3)])
+    assert w.drain(30)
+    st = w.stats()
+    assert st.faults_by_kind == {"encode": 1, "marker": 1} and st.records_written == 1 and st.gaps_recorded == 1
+    assert [g["micro_batch"] for g in store.gaps()] == [0]
+    store.close()  # the store goes away under the writer: records are dropped, counted, never raised
+    assert w.submit(Channel.activation(0), 1, 0, [torch.ones(3)])
+    assert w.drain(30)
+    st = w.stats()
+    assert st.faults_by_kind.get("closed") == 1 and st.records_dropped == 2
+    w.close()
+    assert w.submit(Channel.activation(0), 2, 0, [torch.ones(3)]) is False  # after close: dropped, no exception
+
+
+# ------------------------------------------------------------------------------ commit
+@pytest.fixture
+def tcp_store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    yield master
+
+
+def _coordinators(tcp_store, n=4, timeout=5.0):
+    clients = [dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30)) for _ in range(n)]
+    return [CommitCoordinator(c, stage=k, num_stages=n, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=timeout)) for k, c in enumerate(clients)]
+
+
+def _commit_all(coords, it, stages=None):
+    out = {}
+
+    def one(c):
+        try:
+            out[c.stage] = c.commit(it)
+        except Exception as e:
+            out[c.stage] = e
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in coords if stages is None or c.stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_commit_all_stages_agree(tcp_store):
+    coords = _coordinators(tcp_store)
+    for it in range(3):
+        out = _commit_all(coords, it)
+        assert all(not isinstance(r, Exception) for r in out.values()), out
+        assert len({r.decided_by for r in out.values()}) == 1
+        assert coords[0].decision(it) == "commit"
+
+
+def test_abort_by_one_stage_aborts_everyone(tcp_store):
+    coords = _coordinators(tcp_store)
+    assert coords[2].abort(0, "peer closed the connection") == "abort"
+    out = _commit_all(coords, 0, stages={0, 1, 3})
+    assert all(isinstance(r, IterationAbortedError) and r.reason == "aborted by stage 2: peer closed the connection" for r in out.values()), out
+    assert coords[2].abort(0) == "abort"  # decided once, forever
+
+
+def test_commit_timeout_aborts_for_everyone_including_latecomers(tcp_store):
+    coords = _coordinators(tcp_store, timeout=0.3)
+    out = _commit_all(coords, 0, stages={0, 1, 2})
+    assert all(isinstance(r, IterationAbortedError) for r in out.values())
+    assert {tuple(r.missing) for r in out.values()} == {(3,)} and "had not reported done: [3]" in str(out[0])
+    assert all("timeout after 0.3 s" in r.reason for r in out.values())
+    late = _commit_all(coords, 0, stages={3})[3]
+    assert isinstance(late, IterationAbortedError)  # the late stage sees the same decision, never "commit"
+
+
+def test_marked_failed_generation_aborts_waiters_and_new_generation_is_clean(tcp_store):
+    coords = _coordinators(tcp_store)
+    threading.Timer(0.2, lambda: coords[0].mark_failed("orchestrator: stage 3 died")).start()
+    out = _commit_all(coords, 5, stages={0, 1, 2})
+    assert all(isinstance(r, IterationAbortedError) and "marked failed" in r.reason for r in out.values()), out
+    for c in coords:
+        c.set_generation(1)
+    out = _commit_all(coords, 5)
+    assert all(not isinstance(r, Exception) and r.generation == 1 for r in out.values()), out
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
+    mod = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+    mod(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    uri = save_checkpoint(str(tmp_path / "ck" / "s0.pt"), run_id="r", stage=0, num_stages=1, iteration=1, seed=9, model=mod, optimizer=opt, lr_scheduler=sched, extra={"note": "x"})
+    assert uri == f"file://{tmp_path}/ck/s0.pt" and os.listdir(tmp_path / "ck") == ["s0.pt"]
+    ck = load_checkpoint(uri)
+    assert (ck.stage, ck.iteration, ck.seed, ck.extra) == (0, 1, 9, {"note": "x"})
+    pair = []
+    for _ in range(2):
+        m = torch.nn.Linear(4, 3)
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        s = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=4)
+        ck.apply(m, o, s)
+        pair.append((m, o, s))
+    (m1, o1, _), (m2, o2, _) = pair
+    m1(torch.randn(2, 4)).sum().backward()
+    o1.step()
+    st1, st2 = o1.state_dict()["state"][0], o2.state_dict()["state"][0]
+    assert not torch.equal(st1["exp_avg"], st2["exp_avg"])  # stepping one never moves the other
+    assert torch.equal(st2["exp_avg"], ck.optimizer["state"][0]["exp_avg"])
+    assert torch.equal(m2.weight, mod.weight) and pair[1][2].state_dict() == sched.state_dict()
+    mem = save_checkpoint("memory://swiftlog-test/ck/s0.pt", run_id="r", stage=0, num_stages=1, iteration=2, seed=9, model=mod)
+    assert load_checkpoint(mem).iteration == 2
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError) as ei:
+        save_checkpoint(str(blocker / "sub" / "ck.pt"), run_id="r", stage=0, num_stages=1, iteration=0, seed=0, model=mod)
+    assert "could not write checkpoint" in str(ei.value) and ei.value.__cause__ is not None
+    with pytest.raises(CheckpointError):
+        load_checkpoint(str(tmp_path / "missing.pt"))
+
+
+# ------------------------------------------------------------------------------ explicit logging API
+def test_hand_written_runtime_api_logs_boundaries_and_digests(tmp_path):
+    root = tmp_path / "store"
+    c0 = SwiftlogClient(ClientConfig(run_id="hw", stage=0, num_stages=2, store_root=str(root)))
+    c1 = SwiftlogClient(ClientConfig(run_id="hw", stage=1, num_stages=2, store_root=str(root)))
+    act = torch.randn(2, 3)
+    assert c0.log_send(act, 1, "activation", 0, 0)
+    assert c1.log_received(act, 0, 0, 0)
+    assert c0.log_inputs(torch.tensor([[1, 2]]), 0, 0) and c1.log_target(torch.tensor([3]), 0, 0)
+    with pytest.raises(ValueError):
+        c0.log_send(act, 2, "activation", 0, 0)
+    with pytest.raises(ValueError):
+        c0.log_send(act, 1, "weights", 0, 0)
+    assert c0.flush().ok and c1.flush().ok
+    reader = LogStore.open(root, "hw")
+    assert torch.equal(reader.get(RecordKey(Channel.activation(0), 0, 0)), act)
+    assert digest_from_record(reader.get(RecordKey(Channel.digest(0, 1), 0, 0))) == tensor_digest(act)
+    assert torch.equal(reader.get(RecordKey(Channel.input(0), 0, 0)), torch.tensor([[1, 2]]))
+    c0.close()
+    c1.close()
+    # inside one logging group nothing is logged, and the bytes saved are counted
+    g = SwiftlogClient(ClientConfig(run_id="hw2", stage=0, num_stages=2, store_root=str(root), logging_groups=[2]))
+    assert not g.log_send(act, 1, "activation", 0, 0)
+    assert g.stats()["selective"]["skipped_send_bytes"] == act.numel() * 4
+    g.close()
+
+
+# ------------------------------------------------------------------------------ a one-stage pipeline in this process
+@pytest.fixture
+def single_rank_group(tmp_path):
+    store = dist.FileStore(str(tmp_path / "pg"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank_group):
+    from trainer_client.examples.gpt import (
+        GPTConfig,
+        SyntheticTokens,
+        build_stage_module,
+        example_io,
+        loss_fn,
+        make_lr_scheduler,
+        make_optimizer,
+    )
+
+    cfg = GPTConfig(n_microbatches=3)
+    config = ClientConfig(run_id="one", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=5, cold_url=f"file://{tmp_path}/cold")
+    client = SwiftlogClient(config)
+    mod = build_stage_module(cfg, 0, 1, seed=5)
+    opt, data = make_optimizer(mod), SyntheticTokens(cfg, seed=5)
+    sched = make_lr_scheduler(opt)
+    inp, out = example_io(cfg, 0, 1)
+    stage = client.pipeline_stage(mod, "cpu", input_args=inp, output_args=out)
+    with pytest.raises(UnsupportedScheduleError) as ei:
+        client.schedule(stage, "interleaved1f1b", n_microbatches=3, loss_fn=loss_fn)
+    assert "gpipe" in str(ei.value) and "1f1b" in str(ei.value)
+    with pytest.raises(UnsupportedScheduleError):
+        client.schedule(stage, "gpipe", n_microbatches=3, loss_fn=None)
+    client.schedule(stage, "gpipe", n_microbatches=3, loss_fn=loss_fn)
+    with pytest.raises(ValueError):
+        client.commit(0)  # no iteration begun
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt, sched)
+        x, y = data(it)
+        client.step(it, x, target=y)
+        assert client.commit(it).logging_faults == []
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    report = client.close()
+    assert report.ok and report.uploaded_segments >= 0
+    assert uri.startswith("file://") and "checkpoint-files/stage00000/it000000000001.pt" in uri
+    st = LogStore.open(tmp_path / "store", "one", cold_url=f"file://{tmp_path}/cold")
+    assert st.watermarks() == {0: 1}
+    fresh = build_stage_module(cfg, 0, 1, seed=5)
+    fopt = make_optimizer(fresh)
+    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, make_lr_scheduler(fopt))
+    rep = replay_stage(state, LogReader(st), num_stages=1, stop_iteration=4, loss_fn=loss_fn)
+    assert rep.ok and rep.digests_checked == 0 and rep.micro_batches == 9
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters()))
+    assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in opt.state_dict()["state"])

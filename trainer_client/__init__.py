@@ -1,0 +1,91 @@
+"""trainer_client: SWIFT logging embedded in pipeline-parallel training (torch.distributed.pipelining).
+
+A few lines in a training script, per stage process::
+
+    from trainer_client import ClientConfig, SwiftlogClient
+
+    client = SwiftlogClient(
+        ClientConfig(run_id="gpt-7", stage=rank, num_stages=4, seed=1234,
+                     store_root="/local/swiftlog", cold_url="s3://logs/swiftlog"),
+        commit_store=tcp_store,            # a TCPStore hosted outside the training ranks
+    )
+    stage = client.pipeline_stage(model, device, input_args=example_in, output_args=example_out)
+    schedule = client.schedule(stage, "1f1b", n_microbatches=8, loss_fn=loss_fn)
+
+    for it in range(start_iteration, num_iterations):
+        client.step(it, tokens, target=labels)   # same call on every stage
+        client.commit(it)                        # all stages apply `it`, or IterationAbortedError
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (it + 1) % 100 == 0:
+            client.checkpoint(it + 1, model, optimizer, lr_scheduler)
+    client.close()
+
+What it does: every activation a stage sends forward and every gradient it sends backward (at
+logging-group boundaries), stage-0 inputs, last-stage targets and one META record per iteration
+go to the node's log store asynchronously (the training thread only enqueues); the receiver of
+each logged send keeps a digest of it; every micro-batch forward is seeded from (seed, stage,
+iteration, micro-batch). From a stage's checkpoint and its neighbours' logs,
+``replay.core.replay_stage`` then reproduces that stage's parameters and optimizer state bit for
+bit. Stage-0 inputs and last-stage targets can instead come from a deterministic data source
+(``SwiftlogClient(..., data_source=fn)`` with ``ClientConfig(log_data=False)``; give the replay
+the same ``fn``).
+
+Logging faults (store full, cold tier down, encode errors) never raise into training: they are
+counted in ``client.stats()`` and reported by ``commit``/``flush``/``close``.
+See ``trainer_client.determinism`` for what exact replay requires of the training script.
+"""
+
+from trainer_client.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from trainer_client.client import (
+    SUPPORTED_SCHEDULES,
+    CommitReport,
+    DataSource,
+    FlushReport,
+    SwiftlogClient,
+)
+from trainer_client.commit import CommitCoordinator, CommitResult
+from trainer_client.config import ClientConfig
+from trainer_client.determinism import derive_seed, seed_micro_batch
+from trainer_client.digest import tensor_digest
+from trainer_client.errors import (
+    CheckpointError,
+    ClientError,
+    CommitError,
+    CommitStoreError,
+    IterationAbortedError,
+    UnsupportedScheduleError,
+)
+from trainer_client.meta import decode_meta, encode_meta
+from trainer_client.stage import LoggingPipelineStage
+from trainer_client.writer import AsyncLogWriter, Fault, WriterStats
+
+__all__ = [
+    "ClientConfig",
+    "SwiftlogClient",
+    "LoggingPipelineStage",
+    "CommitReport",
+    "FlushReport",
+    "DataSource",
+    "SUPPORTED_SCHEDULES",
+    "encode_meta",
+    "decode_meta",
+    "CommitCoordinator",
+    "CommitResult",
+    "Checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "derive_seed",
+    "seed_micro_batch",
+    "tensor_digest",
+    "AsyncLogWriter",
+    "Fault",
+    "WriterStats",
+    "ClientError",
+    "CommitError",
+    "IterationAbortedError",
+    "CommitStoreError",
+    "CheckpointError",
+    "UnsupportedScheduleError",
+]

@@ -1,0 +1,219 @@
+"""Stage checkpoints: written atomically, read back without aliasing.
+
+A checkpoint of stage k "at iteration c" holds the state *before* iteration c (c iterations
+applied): model, optimizer and lr-scheduler state dicts, c, and the run seed. No RNG state:
+every micro-batch forward is seeded from (seed, stage, iteration, micro-batch), so nothing else
+is needed to replay iterations c, c+1, ... (see ``trainer_client.determinism``).
+
+Writing (:func:`save_checkpoint`): the state is serialized with ``torch.save`` into memory, then
+
+- local path or ``file://``: temp file in the target directory, write, fsync, rename over the
+  final name, fsync the directory, so the final name only ever holds a complete checkpoint;
+- any other fsspec URL (``s3://``...): one ``pipe`` of the bytes (an object PUT is atomic).
+
+Only after that is the checkpoint registered with the log store (by the client), which makes
+older logs garbage. A checkpoint counts as durable only where a replacement machine can read it
+(shared filesystem or object store), never on the stage's own disk alone.
+
+Reading (:func:`load_checkpoint`) returns a :class:`Checkpoint`; :meth:`Checkpoint.apply` loads it
+into live objects with a deep copy of the optimizer and scheduler state, because
+``Optimizer.load_state_dict`` keeps references to the tensors it is given.
+
+Never: leaves a partial file under the final name; loads pickled code (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer_client.errors import CheckpointError
+
+__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "checkpoint_uri", "FORMAT_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """Everything a replay of one stage needs to start from iteration ``iteration``.
+
+    ``model``/``optimizer``/``lr_scheduler`` are state dicts (``optimizer``/``lr_scheduler`` may be
+    None). ``uri`` is where it was read from or written to.
+    """
+
+    run_id: str
+    stage: int
+    num_stages: int
+    iteration: int
+    seed: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None = None
+    lr_scheduler: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    uri: str | None = None
+    saved_at: float = 0.0
+
+    def apply(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> None:
+        """Load this checkpoint into live objects; never aliases the checkpoint's tensors.
+
+        The model copies values into its parameters; the optimizer and scheduler get deep copies,
+        so applying the same Checkpoint twice gives two independent states. Raises
+        CheckpointError if the checkpoint lacks a state the caller asks to load.
+        """
+        model.load_state_dict(self.model)
+        if optimizer is not None:
+            if self.optimizer is None:
+                raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no optimizer state")
+            optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        if lr_scheduler is not None:
+            if self.lr_scheduler is None:
+                raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no lr scheduler state")
+            lr_scheduler.load_state_dict(copy.deepcopy(self.lr_scheduler))
+
+
+def checkpoint_uri(base: str, stage: int, iteration: int) -> str:
+    """The file name a checkpoint of (stage, iteration) gets under directory/URL ``base``."""
+    return f"{base.rstrip('/')}/stage{stage:05d}/it{iteration:012d}.pt"
+
+
+def save_checkpoint(
+    uri: str,
+    *,
+    run_id: str,
+    stage: int,
+    num_stages: int,
+    iteration: int,
+    seed: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+    extra: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """Write a checkpoint atomically to ``uri`` (path, ``file://`` or fsspec URL); return its URI.
+
+    The returned URI is absolute (``file:///...`` for local files). ``extra`` must hold plain
+    data (tensors, numbers, strings, lists, dicts). Raises CheckpointError (with the cause
+    attached) when the bytes cannot be made durable; then the final name is untouched.
+    """
+    state = {
+        "format": FORMAT_VERSION,
+        "run_id": run_id,
+        "stage": stage,
+        "num_stages": num_stages,
+        "iteration": iteration,
+        "seed": seed,
+        "model": model.state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+        "extra": dict(extra or {}),
+        "saved_at": time.time(),
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getbuffer()
+    local = _local_path(uri)
+    try:
+        if local is not None:
+            _write_local_atomic(local, data)
+            return "file://" + local
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        parent = path.rsplit("/", 1)[0]
+        if parent and not fs.exists(parent):
+            fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(path, bytes(data))
+        return uri
+    except Exception as e:
+        raise CheckpointError(
+            f"could not write checkpoint of stage {stage} at iteration {iteration} to {uri}: {type(e).__name__}: {e}",
+            hint="check space and permissions of the checkpoint location (ClientConfig.checkpoint_url)",
+        ) from e
+
+
+def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Read a checkpoint written by :func:`save_checkpoint`. Every tensor is freshly allocated.
+
+    Raises CheckpointError if it cannot be read or is not a swiftlog checkpoint.
+    """
+    try:
+        local = _local_path(uri)
+        if local is not None:
+            with open(local, "rb") as f:
+                data = f.read()
+        else:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+            data = fs.cat_file(path)
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"could not read checkpoint {uri}: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{uri} is not a swiftlog checkpoint (format {FORMAT_VERSION})")
+    return Checkpoint(
+        run_id=state["run_id"],
+        stage=state["stage"],
+        num_stages=state["num_stages"],
+        iteration=state["iteration"],
+        seed=state["seed"],
+        model=state["model"],
+        optimizer=state["optimizer"],
+        lr_scheduler=state["lr_scheduler"],
+        extra=state["extra"],
+        uri=uri,
+        saved_at=state["saved_at"],
+    )
+
+
+def _local_path(uri: str) -> str | None:
+    if uri.startswith("file://"):
+        return os.path.abspath(uri[len("file://"):])
+    if "://" not in uri:
+        return os.path.abspath(uri)
+    return None
+
+
+def _write_local_atomic(path: str, data: memoryview) -> None:
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f"{os.path.basename(path)}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,490 @@
+"""SwiftlogClient: the one object a training script holds per pipeline stage.
+
+It owns the stage's :class:`~logstore.LogStore` (writer = ``config.writer``), the asynchronous
+writer, the capture state of the :class:`LoggingPipelineStage` it builds, the commit coordinator
+(when given a decision store), and a maintenance thread that registers checkpoints and runs GC.
+
+Per iteration the script calls ``step`` (or ``begin_iteration`` + ``schedule.step``), then
+``commit`` before the optimizer step. Logging faults never raise: ``commit``, ``flush`` and
+``close`` report them, ``stats()`` counts them. What does raise: misuse (wrong iteration,
+unsupported schedule, bad config), :class:`IterationAbortedError` from ``commit`` (the protocol
+says: discard the iteration) and :class:`CheckpointError` when a checkpoint cannot be written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from logstore import Channel, LogStore, StoreConfig
+from logstore.errors import SwiftlogError
+from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
+from trainer_client.commit import CommitCoordinator, CommitResult
+from trainer_client.config import ClientConfig
+from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
+from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
+from trainer_client.maintenance import CheckpointMaintenance
+from trainer_client.meta import META_VERSION, decode_meta, encode_meta
+from trainer_client.stage import LoggingPipelineStage, StageRecorder
+from trainer_client.writer import AsyncLogWriter, Fault
+
+__all__ = ["SwiftlogClient", "CommitReport", "FlushReport", "DataSource", "SUPPORTED_SCHEDULES", "META_VERSION", "encode_meta", "decode_meta"]
+
+logger = logging.getLogger(__name__)
+
+#: A deterministic, iteration-addressable data source: ``source(iteration) -> (inputs, target)``
+#: with ``inputs`` a tensor or tuple of tensors (the whole batch of stage 0) and ``target`` the
+#: whole batch of targets of the last stage (or None). Same iteration, same tensors, every time.
+DataSource = Callable[[int], tuple[Any, Any]]
+
+SUPPORTED_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True, slots=True)
+class CommitReport:
+    """What ``commit`` did: the decision (None when no decision store is configured) and the
+    logging faults that happened since the previous report (never raised)."""
+
+    iteration: int
+    decision: CommitResult | None
+    logging_faults: list[Fault] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """Outcome of ``flush``/``close``.
+
+    ``logging_faults`` are the faults since the previous report (commit/flush/close);
+    ``faults_total`` counts every fault of this client's life. ``ok`` iff everything queued was
+    written, (with a cold tier) uploaded, and no logging fault ever happened, i.e. the logs of
+    this stage are complete.
+    """
+
+    drained: bool
+    uploaded_segments: int
+    error: str | None
+    logging_faults: list[Fault] = field(default_factory=list)
+    faults_total: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.drained and self.error is None and not self.logging_faults and self.faults_total == 0
+
+
+class SwiftlogClient:
+    """Asynchronous SWIFT logging for one pipeline stage. See the package docstring for usage.
+
+    Args:
+        config: the stage's :class:`ClientConfig`.
+        commit_store: a ``torch.distributed.Store`` hosted outside the training ranks (e.g. a
+            TCPStore client); enables the commit decision in :meth:`commit`. None: ``commit`` only
+            finalizes the iteration's logs.
+        data_source: a deterministic :data:`DataSource`; ``step`` then fetches each iteration's
+            batch itself, and with ``config.log_data=False`` inputs/targets are not logged (a
+            replay must be given the same source).
+    """
+
+    def __init__(self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None) -> None:
+        self.config = config
+        self.data_source = data_source
+        if not config.log_data and data_source is None:
+            logger.warning(
+                "stage %d: log_data=False without a data source: a replay of stage 0 / the last stage "
+                "needs the same deterministic data source", config.stage
+            )
+        self.store = LogStore(
+            StoreConfig(
+                root=config.store_root,
+                run=config.run_id,
+                writer=config.writer,
+                cold_url=config.cold_url,
+                cold_options=dict(config.cold_options),
+                durability=config.durability,
+                segment_iters=config.segment_iters,
+                max_backlog_bytes=config.max_backlog_bytes,
+                codec=config.codec,
+            )
+        )
+        name = f"swiftlog-{config.writer}"
+        self.writer = AsyncLogWriter(
+            self.store,
+            codec=config.codec,
+            max_queue_bytes=config.max_queue_bytes,
+            overflow=config.overflow,
+            encode_threads=config.encode_threads,
+            batch_records=config.write_batch_records,
+            batch_bytes=config.write_batch_bytes,
+            name=name,
+        )
+        self.recorder = StageRecorder(config, self.writer)
+        self.coordinator: CommitCoordinator | None = None
+        if commit_store is not None:
+            self.coordinator = CommitCoordinator(
+                commit_store,
+                stage=config.stage,
+                num_stages=config.num_stages,
+                prefix=config.commit_prefix or f"swiftlog/{config.run_id}",
+                timeout=config.commit_timeout,
+            )
+        self._maint = CheckpointMaintenance(self.store, self.writer, name)
+        self._env = environment_fingerprint()
+        self._stage: LoggingPipelineStage | None = None
+        self._schedule: PipelineScheduleSingle | None = None
+        self._schedule_info: dict[str, Any] = {}
+        self._iteration: int | None = None
+        self._step_t0: float | None = None
+        self._commits = 0
+        self._commit_wait_s = 0.0
+        self._aborts = 0
+        self._closed = False
+        self._ship = [c for c in (
+            Channel.input(config.stage) if config.is_first else None,
+            Channel.target(config.stage) if config.is_last else None,
+            Channel.meta(config.stage),
+        ) if c is not None]
+
+    # ================================================================ building the pipeline
+    def pipeline_stage(
+        self,
+        module: torch.nn.Module,
+        device: torch.device | str,
+        *,
+        input_args: Any = None,
+        output_args: Any = None,
+        group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> LoggingPipelineStage:
+        """Wrap ``module`` in a :class:`LoggingPipelineStage` for this stage (same arguments as
+        ``PipelineStage``; stage index and count come from the config). Call it again after the
+        process group is re-formed; the newest stage is the one logged."""
+        self._stage = LoggingPipelineStage(
+            module,
+            self.config.stage,
+            self.config.num_stages,
+            torch.device(device),
+            recorder=self.recorder,
+            input_args=input_args,
+            output_args=output_args,
+            group=group,
+            **kwargs,
+        )
+        return self._stage
+
+    def schedule(
+        self,
+        stage: LoggingPipelineStage,
+        schedule: str | type[PipelineScheduleSingle] = "1f1b",
+        *,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor],
+        scale_grads: bool = True,
+        **kwargs: Any,
+    ) -> PipelineScheduleSingle:
+        """Build a GPipe or 1F1B schedule over ``stage`` whose loss function also logs targets.
+
+        ``loss_fn`` must be given on every stage (torch runs no backward on a rank whose schedule
+        has no loss_fn). Raises UnsupportedScheduleError for any other schedule: their split
+        backward (F/I/W) or multi-stage execution is not captured exactly.
+        """
+        if not isinstance(stage, LoggingPipelineStage) or stage.recorder is not self.recorder:
+            raise UnsupportedScheduleError("schedule() needs the LoggingPipelineStage built by this client's pipeline_stage()")
+        cls: Any = SUPPORTED_SCHEDULES.get(schedule.lower()) if isinstance(schedule, str) else schedule
+        if cls is None or not isinstance(cls, type) or not issubclass(cls, (ScheduleGPipe, Schedule1F1B)):
+            raise UnsupportedScheduleError(
+                f"schedule {schedule!r} is not supported",
+                hint=f"use one of {sorted(SUPPORTED_SCHEDULES)} (ScheduleGPipe, Schedule1F1B)",
+            )
+        if loss_fn is None:
+            raise UnsupportedScheduleError(
+                "loss_fn is required on every stage",
+                hint="torch.distributed.pipelining runs no backward on a stage whose schedule has no loss_fn",
+            )
+        recorder = self.recorder
+
+        def logged_loss(output: Any, target: Any, **kw: Any) -> torch.Tensor:
+            recorder.on_loss(target)
+            return loss_fn(output, target, **kw)
+
+        self._schedule = cls(stage, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs)
+        self._schedule_info = {
+            "schedule": cls.__name__,
+            "n_microbatches": n_microbatches,
+            "scale_grads": scale_grads,
+            "grad_scale_factor": n_microbatches if scale_grads else 1,
+        }
+        return self._schedule
+
+    def release_pipeline(self) -> None:
+        """Forget the stage and schedule (after a failure), so that the process group they hold
+        can be destructed and its connections closed; build new ones before the next ``step``."""
+        self._stage = None
+        self._schedule = None
+
+    # ================================================================ per iteration
+    def begin_iteration(self, iteration: int) -> None:
+        """Start ``iteration`` (0-based, the number of iterations applied so far)."""
+        if not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+        self._iteration = iteration
+        self._step_t0 = time.perf_counter()
+        self.recorder.begin(iteration)
+
+    def step(self, iteration: int, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """``begin_iteration(iteration)`` then ``schedule.step`` with what this stage needs.
+
+        The same call works on every stage: inputs are passed only on the first stage and
+        target/losses only on the last. With a data source and no inputs/target given, the
+        batch of ``iteration`` is fetched from it. Returns what ``schedule.step`` returns.
+        """
+        if self._schedule is None:
+            raise RuntimeError("call client.schedule(...) before client.step(...)")
+        self.begin_iteration(iteration)
+        c = self.config
+        if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
+            inputs, target = self.data_source(iteration)
+            args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not c.is_first:
+            args = ()
+        if not c.is_last:
+            target, losses = None, None
+        return self._schedule.step(*args, target=target, losses=losses, **kwargs)
+
+    def commit(self, iteration: int) -> CommitReport:
+        """Finish ``iteration``'s logs and, with a decision store, agree with every stage to apply it.
+
+        Call after the schedule's step and before ``optimizer.step()``. Queues the iteration's
+        META record, asks the store to ship inputs/targets/META off the node, and reports the
+        logging faults since the last report (logged as a warning, never raised). Raises
+        IterationAbortedError when the decision is "abort" (zero the gradients, skip the
+        optimizer step, recover) and ValueError if ``iteration`` is not the current one.
+        """
+        if self._iteration is None or iteration != self._iteration:
+            raise ValueError(f"commit({iteration}) but the current iteration is {self._iteration}; call begin_iteration/step first")
+        rec = self.recorder
+        n_fwd = sum(1 for k, _ in rec.order if k == "F")
+        n_bwd = sum(1 for k, _ in rec.order if k == "B")
+        n_mb = self._schedule_info.get("n_microbatches")
+        if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
+            self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
+        if rec.enabled:
+            self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [encode_meta(self._meta(iteration))])
+            if self.config.ship_data and self.store.cold is not None:
+                store, ship = self.store, list(self._ship)
+                self.writer.mark(lambda: store.seal(ship))
+            self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
+        faults = self.writer.take_faults()
+        if faults:
+            logger.warning("stage %d iteration %d: %d logging fault(s), first: %s: %s", self.config.stage, iteration, len(faults), faults[0].kind, faults[0].message)
+        decision = None
+        if self.coordinator is not None:
+            try:
+                decision = self.coordinator.commit(iteration)
+            except IterationAbortedError:
+                self._aborts += 1
+                raise
+            self._commits += 1
+            self._commit_wait_s += decision.wait_s
+        self._iteration = iteration + 1
+        return CommitReport(iteration, decision, faults)
+
+    def abort(self, iteration: int, reason: str = "") -> str:
+        """This stage saw a failure in ``iteration``: write "abort" unless decided; return the
+        decision in force ("commit", "abort", "unknown", or "none" without a decision store)."""
+        if self.coordinator is None:
+            return "none"
+        return self.coordinator.abort(iteration, reason)
+
+    def set_generation(self, generation: int) -> None:
+        """Use commit keys of process-group ``generation`` (after the pipeline re-formed)."""
+        if self.coordinator is not None:
+            self.coordinator.set_generation(generation)
+
+    def set_logging(self, enabled: bool) -> None:
+        """Turn capture on or off from the next iteration on (seeding and commit continue).
+
+        Iterations run with logging off cannot be replayed; meant for measurements.
+        """
+        self.recorder.enabled = bool(enabled)
+
+    # ================================================================ explicit logging API
+    def log_send(self, tensors: torch.Tensor | Sequence[torch.Tensor], dst_stage: int, kind: str, iteration: int, micro_batch: int, *, copy: bool = False) -> bool:
+        """Log a hand-written point-to-point send (``kind`` "activation" or "gradient").
+
+        ``copy=False`` promises that the tensors are not modified afterwards. Only sends that
+        cross a logging-group boundary are logged; returns True if queued. Never raises for a
+        logging fault; ValueError for a (kind, dst_stage) that is not a neighbour send.
+        """
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        return self.recorder.log_send(ts, dst_stage, kind, iteration, micro_batch, copy=copy)
+
+    def log_received(self, tensors: torch.Tensor | Sequence[torch.Tensor], src_stage: int, iteration: int, micro_batch: int) -> bool:
+        """Record digests of a hand-written receive from ``src_stage`` (before reusing the buffers)."""
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        return self.recorder.log_received(ts, src_stage, iteration, micro_batch)
+
+    def log_inputs(self, tensors: torch.Tensor | Sequence[torch.Tensor], iteration: int, micro_batch: int) -> bool:
+        """Log stage-0 inputs of a micro-batch (copied) for hand-written runtimes."""
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        return self.recorder.log_inputs(iteration, micro_batch, ts)
+
+    def log_target(self, target: torch.Tensor, iteration: int, micro_batch: int) -> bool:
+        """Log the last stage's target of a micro-batch (copied) for hand-written runtimes."""
+        return self.recorder.log_target(iteration, micro_batch, target)
+
+    def seed_micro_batch(self, iteration: int, micro_batch: int) -> int:
+        """Seed the RNG as LoggingPipelineStage does before a forward (hand-written runtimes)."""
+        return seed_micro_batch(self.config.seed, self.config.stage, iteration, micro_batch)
+
+    # ================================================================ checkpoints
+    def checkpoint(
+        self,
+        iteration: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Write this stage's checkpoint at ``iteration`` (iterations applied) atomically; return its URI.
+
+        Blocks while the checkpoint is written (raises CheckpointError if it cannot be made
+        durable). Registration with the log store (which makes older logs garbage) and GC run in
+        the background, GC only after every record older than ``iteration`` is written; faults
+        there are reported like logging faults.
+        """
+        c = self.config
+        uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
+        opts = dict(c.cold_options) if "://" in uri and not uri.startswith("file://") else None
+        uri = save_checkpoint(
+            uri, run_id=c.run_id, stage=c.stage, num_stages=c.num_stages, iteration=iteration, seed=c.seed,
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra, storage_options=opts,
+        )  # fmt: skip
+        drained = threading.Event()
+        self.writer.mark(drained.set)
+        meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
+        self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.gc_after_checkpoint))
+        return uri
+
+    # ================================================================ reporting and lifecycle
+    def stats(self, *, include_store: bool = False) -> dict[str, Any]:
+        """Counters of this client (never blocks on the object store unless ``include_store``).
+
+        ``writer``: queue, bytes, drops, waits, faults, training-thread seconds; ``selective``:
+        bytes logged vs skipped by logging groups; ``commit``; ``checkpoints``; ``store``: the
+        log store's own stats (only with ``include_store=True``; may list the cold tier).
+        """
+        w = self.writer.stats()
+        rec = self.recorder
+        out: dict[str, Any] = {
+            "run_id": self.config.run_id,
+            "stage": self.config.stage,
+            "iteration": self._iteration,
+            "logging_enabled": rec.enabled,
+            "writer": w.to_dict(),
+            "training_thread_s": w.submit_s + w.digest_s,
+            "selective": {
+                "logging_groups": None if self.config.logging_groups is None else list(self.config.logging_groups),
+                "logged_send_bytes": rec.logged_send_bytes,
+                "skipped_send_bytes": rec.skipped_send_bytes,
+                "skipped_send_records": rec.skipped_send_records,
+            },
+            "commit": {"commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s},
+            "checkpoints": {
+                "registered": [list(x) for x in self._maint.registered],
+                "gc_runs": self._maint.gc_runs,
+                "gc_deleted_records": self._maint.gc_deleted_records,
+                "last_gc": self._maint.last_gc,
+            },
+        }
+        if include_store:
+            try:
+                out["store"] = self.store.stats()
+            except SwiftlogError as e:
+                out["store"] = {"error": str(e)}
+        return out
+
+    def flush(self, timeout: float | None = 60.0) -> FlushReport:
+        """Wait until every queued record is written and pending checkpoint work is done, then
+        upload every segment to the cold tier. Blocks the caller; never raises a logging fault."""
+        drained = self.writer.drain(timeout)
+        self._maint.wait_idle(timeout)
+        uploaded, error = 0, None
+        try:
+            uploaded = self.store.flush()
+        except SwiftlogError as e:
+            error = f"{type(e).__name__}: {e}"
+            self.writer.note_fault("flush", error)
+        return FlushReport(drained, uploaded, error, self.writer.take_faults(), self.writer.stats().faults)
+
+    def close(self, *, flush: bool = True, timeout: float | None = 60.0) -> FlushReport:
+        """Write what is queued, finish checkpoint registration and GC (a final GC if a checkpoint
+        was registered), upload everything when ``flush`` and a cold tier exist, and close the
+        store. Idempotent; never raises a logging fault."""
+        if self._closed:
+            return FlushReport(True, 0, None, [], self.writer.stats().faults)
+        drained = self.writer.drain(timeout)
+        self._maint.wait_idle(timeout)
+        if self._maint.registered and self.config.gc_after_checkpoint:
+            self._maint.submit(("gc",))
+            self._maint.wait_idle(timeout)
+        uploaded, error = 0, None
+        if flush and self.store.cold is not None:
+            try:
+                uploaded = self.store.flush()
+            except SwiftlogError as e:
+                error = f"{type(e).__name__}: {e}"
+                self.writer.note_fault("flush", error)
+        self.writer.close(timeout)
+        self._maint.close(timeout)
+        faults = self.writer.take_faults()
+        try:
+            self.store.close()
+        except SwiftlogError as e:
+            error = error or f"{type(e).__name__}: {e}"
+        self._closed = True
+        if faults or error:
+            logger.warning("stage %d: closed with %d logging fault(s)%s", self.config.stage, len(faults), f"; {error}" if error else "")
+        return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
+
+    def __enter__(self) -> SwiftlogClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================ internals
+    def _meta(self, iteration: int) -> dict[str, Any]:
+        c = self.config
+        rec = self.recorder
+        n_mb = self._schedule_info.get("n_microbatches") or len({mb for _, mb in rec.order})
+        env = dict(self._env)
+        env["num_threads"] = torch.get_num_threads()
+        return {
+            "version": META_VERSION,
+            "run_id": c.run_id,
+            "stage": c.stage,
+            "num_stages": c.num_stages,
+            "iteration": iteration,
+            "generation": self.coordinator.generation if self.coordinator is not None else 0,
+            **self._schedule_info,
+            "n_microbatches": n_mb,
+            "order": [[k, mb] for k, mb in rec.order],
+            "split_backward": rec.split_backward,
+            "seed": c.seed,
+            "seed_scheme": SEED_SCHEME,
+            "seeds": [derive_seed(c.seed, c.stage, iteration, mb) for mb in range(n_mb)],
+            "data": "logged" if c.log_data else "source",
+            "logging_groups": None if c.logging_groups is None else list(c.logging_groups),
+            "env": env,
+            "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,
+            "time": time.time(),
+        }

@@ -1,0 +1,206 @@
+"""The commit step: every surviving stage applies iteration t, or none does.
+
+Before its optimizer step, each stage calls :meth:`CommitCoordinator.commit` for the iteration
+whose backward it just finished. The decision lives in a ``torch.distributed.Store`` (a TCPStore
+hosted outside the training ranks, so it survives any of them) under
+``{prefix}/gen{generation}/it{iteration}/decision`` and is written exactly once, by
+``compare_set(key, "", value)``: the first writer wins and everyone reads the same value
+(``"commit:<stage>"`` or ``"abort:<stage>:<reason>"``).
+
+- Each stage marks itself done (``.../done/{stage}``) and increments ``.../done``; the stage that
+  brings the count to ``num_stages`` writes "commit".
+- A stage that saw a failure during the iteration calls :meth:`abort` (writes "abort"); an
+  orchestrator that knows a stage died calls :meth:`mark_failed` for the generation, and every
+  waiting stage then writes "abort" itself.
+- A stage that waited ``timeout`` writes "abort" too. Since only one value can ever be written,
+  a timeout can never leave one stage committed and another aborted.
+
+So after a failure all survivors stand at the same iteration: either all applied it (the
+decision was "commit" before the failure was noticed) or none did.
+
+Waiting polls the store with a short exponential backoff (0.1 ms to 5 ms), two cheap requests
+per poll. Never: decides anything locally, retries a decided iteration, or raises anything but
+:class:`IterationAbortedError` / :class:`CommitStoreError` from ``commit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainer_client.errors import CommitStoreError, IterationAbortedError
+
+__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT"]
+
+logger = logging.getLogger(__name__)
+
+COMMIT = "commit"
+ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """Outcome of a committed iteration: who decided and how long this stage waited (seconds)."""
+
+    iteration: int
+    generation: int
+    decided_by: int | None
+    wait_s: float
+
+
+def _parse(value: str) -> tuple[str, int | None, str]:
+    """A decision value ``"commit:<stage>"`` / ``"abort:<stage>:<reason>"`` -> (decision, stage, reason)."""
+    decision, _, rest = value.partition(":")
+    by, _, why = rest.partition(":")
+    return decision, int(by) if by.isdigit() else None, why
+
+
+class CommitCoordinator:
+    """Store-based, first-writer-wins commit decisions for one stage of one run.
+
+    Args:
+        store: a ``torch.distributed.Store`` reachable by every stage (e.g. a TCPStore client
+            whose server runs outside the training ranks).
+        stage / num_stages: this stage and the pipeline size (data-parallel replicas would use
+            one coordinator per replica prefix).
+        prefix: key prefix, e.g. ``swiftlog/{run_id}``.
+        timeout: how long ``commit`` waits for the decision before writing "abort".
+        generation: process-group generation; bump it with :meth:`set_generation` after the
+            pipeline re-forms so old keys are never reused.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        stage: int,
+        num_stages: int,
+        prefix: str,
+        timeout: timedelta = timedelta(seconds=120),
+        generation: int = 0,
+    ) -> None:
+        self.store = store
+        self.stage = stage
+        self.num_stages = num_stages
+        self.prefix = prefix.rstrip("/")
+        self.timeout = timeout
+        self.generation = generation
+
+    # -- keys ------------------------------------------------------------------------------
+    def _it_key(self, iteration: int, generation: int | None = None) -> str:
+        g = self.generation if generation is None else generation
+        return f"{self.prefix}/gen{g}/it{iteration}"
+
+    def _failed_key(self, generation: int | None = None) -> str:
+        g = self.generation if generation is None else generation
+        return f"{self.prefix}/gen{g}/failed"
+
+    def set_generation(self, generation: int) -> None:
+        """Use keys of ``generation`` from now on (after the pipeline re-formed)."""
+        self.generation = generation
+
+    # -- protocol --------------------------------------------------------------------------
+    def commit(self, iteration: int) -> CommitResult:
+        """Report this stage done with ``iteration`` and wait for the decision.
+
+        Returns when the decision is "commit". Raises IterationAbortedError when it is "abort"
+        (a stage failed, the generation was marked failed, or the wait timed out), and
+        CommitStoreError when the store cannot be reached (outcome unknown: treat as a failure).
+        """
+        key = self._it_key(iteration)
+        dec = key + "/decision"
+        t0 = time.monotonic()
+        try:
+            self.store.set(f"{key}/done/{self.stage}", "1")
+            last_to_report = self.store.add(key + "/done", 1) >= self.num_stages
+            if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (COMMIT, self.stage, ""):
+                self._forget(iteration - 2)
+            deadline = t0 + self.timeout.total_seconds()
+            sleep = 1e-4
+            while not self.store.check([dec]):
+                if self.store.check([self._failed_key()]):
+                    why = f"generation {self.generation} was marked failed ({self._get_str(self._failed_key())})"
+                    self.store.compare_set(dec, "", f"{ABORT}:{self.stage}:{why}")
+                    break
+                if time.monotonic() >= deadline:
+                    why = f"timeout after {self.timeout.total_seconds():g} s"
+                    self.store.compare_set(dec, "", f"{ABORT}:{self.stage}:{why}")
+                    break
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 5e-3)
+            value = self._get_str(dec)
+        except Exception as e:  # RuntimeError/DistStoreError from the store client
+            raise CommitStoreError(
+                f"stage {self.stage}: commit of iteration {iteration} (generation {self.generation}) could not reach the store: {e}",
+                iteration=iteration,
+                generation=self.generation,
+                hint="the store host must run outside the training ranks; treat this iteration as failed",
+            ) from e
+        decision, by, why = _parse(value)
+        wait_s = time.monotonic() - t0
+        if decision == COMMIT:
+            return CommitResult(iteration, self.generation, by, wait_s)
+        missing = self._missing(key)
+        reason = f"aborted by stage {by}" + (f": {why}" if why else "")
+        msg = f"stage {self.stage}: iteration {iteration} (generation {self.generation}) {reason}"
+        if missing:
+            msg += f"; stages that had not reported done: {missing}"
+        logger.warning(msg)
+        raise IterationAbortedError(msg, iteration=iteration, generation=self.generation, reason=reason, missing=missing)
+
+    def abort(self, iteration: int, reason: str = "") -> str:
+        """Write "abort" for ``iteration`` unless a decision exists; return the decision in force.
+
+        Call it when this stage saw a failure during the iteration (e.g. a communication error).
+        Never raises for a store error (returns "unknown" and logs it): the caller is already on
+        its failure path.
+        """
+        try:
+            value = self.store.compare_set(self._it_key(iteration) + "/decision", "", f"{ABORT}:{self.stage}:{reason}")
+            value = value.decode() if isinstance(value, bytes) else str(value)
+            logger.info("stage %d: abort of iteration %d requested (%s): decision is %s", self.stage, iteration, reason, value)
+            return _parse(value)[0]
+        except Exception as e:
+            logger.warning("stage %d: could not write abort of iteration %d: %s", self.stage, iteration, e)
+            return "unknown"
+
+    def mark_failed(self, who: str = "", generation: int | None = None) -> None:
+        """Mark the whole generation failed: every stage waiting in ``commit`` aborts."""
+        self.store.set(self._failed_key(generation), who or f"stage{self.stage}")
+
+    def decision(self, iteration: int, generation: int | None = None) -> str | None:
+        """The decision written for ``iteration`` ("commit" / "abort"), or None if undecided."""
+        dec = self._it_key(iteration, generation) + "/decision"
+        if not self.store.check([dec]):
+            return None
+        return _parse(self._get_str(dec))[0]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _get_str(self, key: str) -> str:
+        return self._str(self.store.get(key))
+
+    @staticmethod
+    def _str(v: object) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def _forget(self, iteration: int) -> None:
+        """Delete the keys of an old iteration. Safe for ``iteration <= t - 1`` once ``t`` is
+        decided by count: every stage read that decision before reporting done with ``t``."""
+        if iteration < 0:
+            return
+        key = self._it_key(iteration)
+        try:
+            for k in [f"{key}/done/{s}" for s in range(self.num_stages)] + [key + "/done", key + "/decision"]:
+                self.store.delete_key(k)
+        except Exception as e:  # housekeeping only
+            logger.debug("commit key cleanup failed: %s", e)
+
+    def _missing(self, key: str) -> list[int]:
+        try:
+            return [s for s in range(self.num_stages) if not self.store.check([f"{key}/done/{s}"])]
+        except Exception:
+            return []

@@ -1,0 +1,8 @@
+"""Examples that the demo, the benchmark, the tests and the recovery work reuse.
+
+- :mod:`trainer_client.examples.gpt`: a small GPT-style model split into stages, a deterministic
+  synthetic token dataset, static pipeline I/O examples, optimizer and scheduler builders.
+- :mod:`trainer_client.examples.train_pipeline`: one stage's training script (README snippet +
+  measurement knobs), runnable with ``python -m``.
+- :mod:`trainer_client.examples.launch`: host a TCPStore and run every stage as its own process.
+"""

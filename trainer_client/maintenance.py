@@ -1,0 +1,112 @@
+"""Checkpoint registration and garbage collection, off the training thread.
+
+A checkpoint is registered with the log store (``store.register_checkpoint``), which makes every
+record received by the stage below the checkpoint's iteration garbage; ``store.gc()`` then
+deletes them in both tiers. Both can block on the object store, so they run here, in one
+background thread per client. GC after a checkpoint waits until the writer has written every
+record submitted before the checkpoint (an event set by a writer marker), so that no record
+below the watermark is written after the GC that should have removed it.
+
+Never: raises into the caller (failures are writer faults of kind "checkpoint_register" or
+"gc"); deletes anything itself (the store decides what is garbage).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from logstore import LogStore
+from logstore.errors import SwiftlogError
+from trainer_client.writer import AsyncLogWriter
+
+__all__ = ["CheckpointMaintenance"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointMaintenance:
+    """Background thread: register checkpoints (retrying while the cold tier is down) and run GC
+    once the writer has written every record older than the checkpoint.
+
+    Tasks (``submit``): ``("register", stage, iteration, uri, meta, drained_event, run_gc)`` and
+    ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
+    """
+
+    def __init__(self, store: LogStore, writer: AsyncLogWriter, name: str) -> None:
+        self._store = store
+        self._writer = writer
+        self._q: queue.Queue[tuple | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.registered: list[tuple[int, int, str]] = []
+        self.gc_runs = 0
+        self.gc_deleted_records = 0
+        self.last_gc: dict[str, Any] | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-maint", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: tuple) -> None:
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._q.put(task)
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float | None) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            task = self._q.get()
+            if task is None:
+                return
+            try:
+                if task[0] == "register":
+                    _, stage, iteration, uri, meta, drained, gc = task
+                    self._register(stage, iteration, uri, meta)
+                    if gc:
+                        drained.wait()
+                        self._gc()
+                elif task[0] == "gc":
+                    self._gc()
+            except Exception as e:  # survive anything; report through the writer's faults
+                logger.exception("swiftlog maintenance task failed")
+                self._writer.note_fault("maintenance", f"{task[0]}: {type(e).__name__}: {e}")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.set()
+
+    def _register(self, stage: int, iteration: int, uri: str, meta: dict[str, Any]) -> None:
+        delay = 0.2
+        for attempt in range(4):
+            try:
+                self._store.register_checkpoint(stage, iteration, uri=uri, meta=meta)
+                self.registered.append((stage, iteration, uri))
+                return
+            except SwiftlogError as e:
+                self._writer.note_fault("checkpoint_register", f"attempt {attempt + 1}: {type(e).__name__}: {e}", iteration=iteration)
+                if not getattr(e, "retryable", False):
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _gc(self) -> None:
+        try:
+            rep = self._store.gc()
+        except SwiftlogError as e:
+            self._writer.note_fault("gc", f"{type(e).__name__}: {e}")
+            return
+        self.gc_runs += 1
+        self.gc_deleted_records += rep.hot_records
+        self.last_gc = {"watermarks": rep.watermarks, "hot_records": rep.hot_records, "hot_segments": rep.hot_segments, "cold_segments": rep.cold_segments}

@@ -1,0 +1,33 @@
+"""META records: one JSON document per (stage, iteration), stored as a uint8 tensor.
+
+The client writes it at ``commit`` (``Channel.meta(stage)``, micro-batch 0); the replay reads the
+executed forward/backward order, ``n_microbatches``, the gradient scale factor, the seed scheme
+and the environment fingerprint (thread count...) from it. Fields (version 1): ``version``,
+``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``, ``schedule``,
+``n_microbatches``, ``scale_grads``, ``grad_scale_factor``, ``order`` (``[["F"|"B", mb], ...]``
+as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch),
+``data`` ("logged" | "source"), ``logging_groups``, ``env`` (``determinism.environment_fingerprint``),
+``step_s``, ``time``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+__all__ = ["META_VERSION", "encode_meta", "decode_meta"]
+
+META_VERSION = 1
+
+
+def encode_meta(doc: dict[str, Any]) -> torch.Tensor:
+    """A META record value: the JSON document as a uint8 tensor."""
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_meta(t: torch.Tensor) -> dict[str, Any]:
+    """Inverse of :func:`encode_meta`."""
+    return json.loads(bytes(t.numpy().tobytes()).decode())

@@ -1,0 +1,247 @@
+"""LoggingPipelineStage: a ``torch.distributed.pipelining.PipelineStage`` that records what SWIFT needs.
+
+The stage overrides four public methods and delegates the bookkeeping to a
+:class:`StageRecorder` (owned by :class:`~trainer_client.SwiftlogClient`):
+
+- ``forward_one_chunk(mb)``: records "F mb" in the iteration's order; on the first stage logs the
+  micro-batch inputs (copied: the user may reuse the batch); otherwise hashes the received
+  activation buffers (``args_recv_info[mb]``, filled by the receive that the schedule waited on
+  before calling it; they are reused by the next step's receive) into DIGEST records of the
+  sender; then seeds the RNG for (iteration, mb).
+- ``get_fwd_send_ops(mb)``: logs the activations sent to ``stage + 1`` (kept by reference on CPU:
+  PipelineStage never mutates a sent output).
+- ``backward_one_chunk(mb)``: records "B mb"; hashes the received gradient buffers
+  (``grad_recv_info[mb]``) likewise.
+- ``get_bwd_send_ops(mb)``: logs the gradients sent to ``stage - 1`` (``input.grad``, which the
+  stage releases, never mutates, after the send).
+
+Last-stage targets are captured by the loss function wrapper the client installs on the
+schedule (the schedules call ``loss_fn(output, target_mb)`` right after ``forward_one_chunk(mb)``).
+
+Part numbers: part ``i`` of an activation / gradient record is the ``i``-th tensor actually sent
+(in output / input order), and the digest records use the same numbering on the receiver side.
+
+Never: raises a logging fault into the training step (every hook is guarded and counts its
+failures as faults), consumes RNG, or changes what the stage computes or sends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+from logstore import Channel
+from trainer_client.config import ClientConfig
+from trainer_client.determinism import seed_micro_batch
+from trainer_client.writer import AsyncLogWriter
+
+__all__ = ["LoggingPipelineStage", "StageRecorder"]
+
+logger = logging.getLogger(__name__)
+
+
+class StageRecorder:
+    """Per-iteration capture state of one stage; the bridge between a stage and the writer.
+
+    Every public method is safe to call from the training step: failures are counted as
+    "hook" faults in the writer and never raised.
+    """
+
+    def __init__(self, config: ClientConfig, writer: AsyncLogWriter) -> None:
+        self.config = config
+        self.writer = writer
+        self.stage = config.stage
+        self.enabled = config.enabled
+        self.log_data = config.log_data
+        self.iteration = 0
+        self.order: list[tuple[str, int]] = []
+        self.split_backward = False
+        self._cur_fwd_mb: int | None = None
+        self._fwd_boundary = config.logs_forward_send()
+        self._bwd_boundary = config.logs_backward_send()
+        # digests of what a neighbour sent us are kept iff that neighbour's send crosses a boundary
+        first, last = config.group_of()
+        self._digest_from_prev = not config.is_first and first == self.stage
+        self._digest_from_next = not config.is_last and last == self.stage
+        self.logged_send_bytes = 0
+        self.skipped_send_bytes = 0
+        self.skipped_send_records = 0
+        self._warned_non_tensor = False
+
+    # ------------------------------------------------------------------ iteration state
+    def begin(self, iteration: int) -> None:
+        """Start recording ``iteration`` (clears the executed order)."""
+        self.iteration = iteration
+        self.order = []
+        self._cur_fwd_mb = None
+        self.split_backward = False
+
+    def seed(self, micro_batch: int) -> int:
+        """Seed the RNG for this stage's forward of ``micro_batch`` in the current iteration."""
+        return seed_micro_batch(self.config.seed, self.stage, self.iteration, micro_batch)
+
+    # ------------------------------------------------------------------ hooks of the stage
+    def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...]) -> None:
+        try:
+            self.order.append(("F", micro_batch))
+            self._cur_fwd_mb = micro_batch
+            if not self.enabled:
+                return
+            if stage.is_first:
+                if self.log_data:
+                    self.log_inputs(self.iteration, micro_batch, args)
+            elif self._digest_from_prev:
+                bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
+                self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs)
+        except Exception as e:
+            self._hook_fault("forward", e, micro_batch)
+
+    def on_fwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
+        try:
+            if not tensors or not self.enabled:
+                return
+            self.log_send(tensors, self.stage + 1, "activation", self.iteration, micro_batch)
+        except Exception as e:
+            self._hook_fault("fwd_send", e, micro_batch)
+
+    def on_backward(self, stage: PipelineStage, micro_batch: int, full_backward: bool) -> None:
+        try:
+            self.order.append(("B", micro_batch))
+            if not full_backward:
+                self.split_backward = True
+            if not self.enabled or stage.is_last or not self._digest_from_next:
+                return
+            bufs = [i.buffer for i in stage.grad_recv_info[micro_batch] if i.buffer is not None]
+            if bufs:
+                self.writer.submit_digests(Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs)
+        except Exception as e:
+            self._hook_fault("backward", e, micro_batch)
+
+    def on_bwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
+        try:
+            if not tensors or not self.enabled:
+                return
+            self.log_send(tensors, self.stage - 1, "gradient", self.iteration, micro_batch)
+        except Exception as e:
+            self._hook_fault("bwd_send", e, micro_batch)
+
+    def on_loss(self, target: Any) -> None:
+        try:
+            if not self.enabled or not self.log_data or target is None or self._cur_fwd_mb is None:
+                return
+            self.log_target(self.iteration, self._cur_fwd_mb, target)
+        except Exception as e:
+            self._hook_fault("loss", e, self._cur_fwd_mb)
+
+    # ------------------------------------------------------------------ explicit logging API
+    def log_inputs(self, iteration: int, micro_batch: int, args: Sequence[Any]) -> bool:
+        """Log stage-0 inputs of one micro-batch (tensors only, copied). Returns False if dropped."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) != len(args) and not self._warned_non_tensor:
+            self._warned_non_tensor = True
+            logger.warning("stage %d: non-tensor inputs are not logged; a replay must get them elsewhere", self.stage)
+        if not tensors:
+            return False
+        return self.writer.submit(Channel.input(self.stage), iteration, micro_batch, tensors, copy=True)
+
+    def log_target(self, iteration: int, micro_batch: int, target: Any) -> bool:
+        """Log the last stage's target of one micro-batch (a tensor or tuple of tensors, copied)."""
+        tensors = [target] if isinstance(target, torch.Tensor) else [t for t in target if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return False
+        return self.writer.submit(Channel.target(self.stage), iteration, micro_batch, tensors, copy=True)
+
+    def log_send(self, tensors: Sequence[torch.Tensor], dst_stage: int, kind: str, iteration: int, micro_batch: int, *, copy: bool = False) -> bool:
+        """Log tensors this stage sends to a neighbour, if the send crosses a logging-group boundary.
+
+        ``kind`` is "activation" (``dst_stage == stage + 1``) or "gradient" (``stage - 1``).
+        Returns True if queued; False if the send is inside a logging group (counted as bytes
+        saved) or the record was dropped. Raises ValueError for an impossible (kind, dst).
+        """
+        if kind == "activation":
+            if dst_stage != self.stage + 1:
+                raise ValueError(f"stage {self.stage} sends activations to {self.stage + 1}, not {dst_stage}")
+            channel, boundary = Channel.activation(self.stage), self._fwd_boundary
+        elif kind == "gradient":
+            if dst_stage != self.stage - 1:
+                raise ValueError(f"stage {self.stage} sends gradients to {self.stage - 1}, not {dst_stage}")
+            channel, boundary = Channel.gradient(self.stage), self._bwd_boundary
+        else:
+            raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if not boundary:
+            self.skipped_send_bytes += nbytes
+            self.skipped_send_records += len(tensors)
+            return False
+        self.logged_send_bytes += nbytes
+        return self.writer.submit(channel, iteration, micro_batch, tensors, copy=copy, nbytes=nbytes)
+
+    def log_received(self, tensors: Sequence[torch.Tensor], src_stage: int, iteration: int, micro_batch: int) -> bool:
+        """Record digests of tensors received from neighbour ``src_stage`` (if that send is logged).
+
+        Hashes now (the buffers may be reused as soon as it returns). Returns True if digests
+        were queued.
+        """
+        if src_stage == self.stage - 1:
+            keep = self._digest_from_prev
+        elif src_stage == self.stage + 1:
+            keep = self._digest_from_next
+        else:
+            raise ValueError(f"stage {self.stage} receives only from {self.stage - 1} or {self.stage + 1}, not {src_stage}")
+        if not keep or not tensors:
+            return False
+        self.writer.submit_digests(Channel.digest(src_stage, self.stage), iteration, micro_batch, list(tensors))
+        return True
+
+    # ------------------------------------------------------------------ helpers
+    def _hook_fault(self, where: str, e: BaseException, micro_batch: int | None) -> None:
+        logger.debug("stage %d: %s hook failed", self.stage, where, exc_info=e)
+        self.writer.note_fault("hook", f"{where}: {type(e).__name__}: {e}", iteration=self.iteration, micro_batch=micro_batch)
+
+
+class LoggingPipelineStage(PipelineStage):
+    """A PipelineStage that logs its sends, the digests of what it receives, and seeds per micro-batch.
+
+    Build it with :meth:`trainer_client.SwiftlogClient.pipeline_stage`; it takes the same
+    arguments as ``PipelineStage`` plus the client's recorder. Static metadata (``input_args`` and
+    ``output_args``) is recommended: it avoids the extra metadata-inference forward.
+    """
+
+    def __init__(
+        self,
+        submodule: torch.nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        recorder: StageRecorder,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, **kwargs)
+        self.recorder = recorder
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, save_forward_output: bool = True):  # type: ignore[override]
+        self.recorder.on_forward(self, fwd_chunk_id, args)
+        self.recorder.seed(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> None:  # type: ignore[override]
+        if self.has_backward:
+            self.recorder.on_backward(self, bwd_chunk_id, full_backward)
+        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[torch.distributed.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if ops:
+            self.recorder.on_fwd_send(fwd_chunk_id, [op.tensor for op in ops])
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[torch.distributed.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        if ops:
+            self.recorder.on_bwd_send(bwd_chunk_id, [op.tensor for op in ops])
+        return ops

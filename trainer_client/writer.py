@@ -1,0 +1,611 @@
+"""The asynchronous log writer: the training thread enqueues, background threads encode and write.
+
+Data path::
+
+    training thread           writer thread                encode pool (encode_threads)
+    ---------------           -------------                -----------------------------
+    submit(channel, it, mb,   pops items in FIFO order,    codec.encode_tensor(host tensor)
+      tensors) -> queue  -->  hands records to the pool, -->  (after the CUDA copy event)
+    mark(fn)                  writes finished records in
+    gap(...)                  order with store.put_blobs
+                              (batches), runs markers and
+                              gaps in queue order
+
+What the training thread pays: on CPU a reference (sent tensors are never mutated by
+``PipelineStage`` afterwards) or a copy (``copy=True``: inputs/targets a user may reuse), plus an
+append under a lock; digests of received buffers are hashed on the spot (about a copy's cost).
+On CUDA: one device-to-host copy into pinned memory issued on a side stream after an event on
+the current stream; the writer waits on the copy's event, never the training thread. Records
+are written in submission order, so a marker runs only after every record submitted before it
+is acknowledged by the store (used to seal segments and to trigger GC).
+
+When the writer works: it is not woken per record (it would then compete with the training
+thread for the GIL around every torch op) but when a quarter of ``max_queue_bytes`` (at most
+8 MiB) is queued, by markers, gaps and :meth:`kick` (the client kicks at every commit, so an
+iteration's records are encoded and written while the optimizer steps and the next iteration
+starts), and at the latest after one second.
+
+Memory bound: bytes of queued records (raw size; pinned buffers on GPU) are reserved at submit and
+released once written or dropped. When a submit would exceed ``max_queue_bytes`` the policy is
+explicit: ``"wait"`` blocks until enough is freed (counted and timed in stats), ``"gap"`` drops
+the record and marks a gap in the store (counted). Digest records (8 bytes) and gap markers are
+never dropped and not bounded. A record larger than the bound is admitted when the queue is empty.
+
+Faults (encode errors, ``StoreFullError``, a closed store, anything unexpected) never reach the
+training thread: the affected records become gaps (``store.record_gap``) when possible, and every
+fault is counted and kept for :meth:`AsyncLogWriter.take_faults`. The writer thread survives any
+bad item.
+
+Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", and in
+:meth:`drain`/:meth:`close`); reorders records; writes from more than one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from logstore import Channel, LogStore, RecordKey, codec
+from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
+from trainer_client.digest import digest_record, tensor_digest
+
+__all__ = ["AsyncLogWriter", "Fault", "WriterStats"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_FAULTS = 256
+_WINDOW = 16  # records handed to the encode pool ahead of the writer
+_POLL_S = 1.0  # longest time a queued record waits for the writer (it is woken earlier at thresholds and commits)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One logging fault: when, what kind, which records, and the error text."""
+
+    at: float
+    kind: str  # "encode" | "store_full" | "write" | "gap_record" | "marker" | "overflow" | "closed"
+    message: str
+    channel: str | None = None
+    iteration: int | None = None
+    micro_batch: int | None = None
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """Counters of one writer; see :meth:`AsyncLogWriter.stats`. Bytes are raw tensor bytes
+    unless the name says ``stored`` (encoded blob bytes)."""
+
+    records_submitted: int = 0
+    bytes_submitted: int = 0
+    records_written: int = 0
+    bytes_written: int = 0
+    stored_bytes_written: int = 0
+    batches_written: int = 0
+    digests_submitted: int = 0
+    records_dropped: int = 0
+    bytes_dropped: int = 0
+    gaps_recorded: int = 0
+    overflow_drops: int = 0
+    overflow_waits: int = 0
+    overflow_wait_s: float = 0.0
+    queue_bytes: int = 0
+    queue_peak_bytes: int = 0
+    queue_items: int = 0
+    faults: int = 0
+    faults_by_kind: dict[str, int] = field(default_factory=dict)
+    last_fault: str | None = None
+    # training-thread time in the capture path, wall clock (perf_counter, no syscall: a syscall
+    # here would be where a pending preemption lands and attribute the stall to logging)
+    submit_s: float = 0.0  # inside submit() (references, copies, queueing)
+    digest_s: float = 0.0  # inside submit_digests() (hashing received buffers)
+    submit_max_s: float = 0.0  # longest single submit()
+    encode_s: float = 0.0  # background encode wall time (summed over threads)
+    write_s: float = 0.0  # background store wall time
+    encode_cpu_s: float = 0.0  # the same as CPU time of the background threads
+    write_cpu_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _PinnedPool:
+    """Reusable pinned host buffers keyed by (dtype, numel); allocating pinned memory is slow."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+
+    def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        with self._lock:
+            free = self._free.get((dtype, n))
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = torch.empty(n, dtype=dtype, pin_memory=True)
+        return buf.view(shape)
+
+    def put(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._free[(t.dtype, t.numel())].append(t.reshape(-1))
+
+
+class _Item:
+    __slots__ = ("kind", "channel", "iteration", "micro_batch", "tensors", "nparts", "events", "pinned", "hash_only",
+                 "digests", "nbytes", "fn", "reason", "future")  # fmt: skip
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "rec" | "mark" | "gap"
+        self.channel: Channel | None = None
+        self.iteration = 0
+        self.micro_batch = 0
+        self.tensors: list[torch.Tensor] = []
+        self.nparts = 0
+        self.events: list[Any] = []
+        self.pinned = False
+        self.hash_only = False  # a digest record: store the digests, not the tensors
+        self.digests: list[int] | None = None  # computed at submit (CPU) or by the encoder (staged CUDA copies)
+        self.nbytes = 0
+        self.fn: Callable[[], None] | None = None
+        self.reason = ""
+        self.future: Future | None = None
+
+
+class AsyncLogWriter:
+    """Bounded, ordered, asynchronous writer of tensor records into one LogStore.
+
+    Args:
+        store: a LogStore opened with a writer name (the writer thread is its only appender).
+        codec: record codec for ``codec.encode_tensor``.
+        max_queue_bytes: memory bound of queued records, see the module docstring.
+        overflow: "wait" or "gap".
+        encode_threads: encode pool size; 0 encodes on the writer thread.
+        batch_records / batch_bytes: most records / encoded bytes per ``put_blobs`` call.
+        name: thread name suffix (for debugging).
+    """
+
+    def __init__(
+        self,
+        store: LogStore,
+        *,
+        codec: str = "auto",
+        max_queue_bytes: int = 256 << 20,
+        overflow: str = "wait",
+        encode_threads: int = 1,
+        batch_records: int = 64,
+        batch_bytes: int = 16 << 20,
+        name: str = "swiftlog",
+    ) -> None:
+        self._store = store
+        self._codec = codec
+        self._max = max_queue_bytes
+        self._overflow = overflow
+        self._batch_records = batch_records
+        self._batch_bytes = batch_bytes
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._busy = 0  # items popped by the writer but not finished
+        self._closing = False
+        self._stats = WriterStats()
+        self._faults: collections.deque[Fault] = collections.deque(maxlen=_MAX_FAULTS)
+        self._new_faults: list[Fault] = []
+        self._pinned = _PinnedPool()
+        # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
+        # waking it for every record would make it compete for the GIL at every torch op
+        self._wake_bytes = max(1, min(max_queue_bytes // 4, 8 << 20))
+        self._writer_idle = False
+        self._side_streams: dict[int, Any] = {}
+        self._pool = ThreadPoolExecutor(encode_threads, thread_name_prefix=f"{name}-encode") if encode_threads > 0 else None
+        self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
+        self._thread.start()
+
+    # ================================================================ training thread
+    def submit(
+        self,
+        channel: Channel,
+        iteration: int,
+        micro_batch: int,
+        tensors: Sequence[torch.Tensor],
+        *,
+        copy: bool = False,
+        nbytes: int | None = None,
+    ) -> bool:
+        """Queue the tensors of one (channel, iteration, micro-batch) as parts 0..n-1.
+
+        ``copy=False``: the caller promises not to modify the tensors afterwards (CPU tensors are
+        kept by reference). ``copy=True``: CPU tensors are copied now. CUDA tensors are always
+        copied to pinned host memory on a side stream. ``nbytes``: the tensors' total size if the
+        caller already knows it. Returns False when the record was dropped ("gap" policy or a
+        closed writer); never raises for a logging fault.
+        """
+        t0 = time.perf_counter()
+        try:
+            if nbytes is None:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if not self._reserve(nbytes, channel, iteration, micro_batch):
+                return False
+            item = _Item("rec")
+            item.channel, item.iteration, item.micro_batch, item.nbytes = channel, iteration, micro_batch, nbytes
+            try:
+                self._stage(item, tensors, copy)
+            except Exception as e:  # a staging failure must not reach the training step
+                self._release(nbytes)
+                self._fault("encode", f"staging failed: {type(e).__name__}: {e}", channel, iteration, micro_batch)
+                self.gap(channel, iteration, micro_batch, f"staging failed: {e}")
+                return False
+            with self._cv:
+                self._stats.records_submitted += len(tensors)
+                self._stats.bytes_submitted += nbytes
+                self._queue.append(item)
+                if self._writer_idle and self._stats.queue_bytes >= self._wake_bytes:
+                    self._cv.notify_all()
+            return True
+        finally:
+            dt = time.perf_counter() - t0
+            self._stats.submit_s += dt
+            self._stats.submit_max_s = max(self._stats.submit_max_s, dt)
+
+    def submit_digests(self, channel: Channel, iteration: int, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue digest records of ``tensors`` (parts 0..n-1) under a DIGEST channel.
+
+        CPU tensors are hashed now (xxh3 at memory speed, while a just-received buffer is still
+        in cache; about the cost of copying it), so the caller may reuse the buffers as soon as
+        this returns. CUDA tensors are copied to pinned memory on a side stream and hashed by
+        the writer, and the current stream waits for that copy, so a later receive cannot
+        overwrite the buffer before it was read. Digest records are never dropped; never raises.
+        """
+        t0 = time.perf_counter()
+        try:
+            item = _Item("rec")
+            item.channel, item.iteration, item.micro_batch = channel, iteration, micro_batch
+            item.hash_only = True
+            if any(t.device.type != "cpu" for t in tensors):
+                self._stage(item, tensors, copy=True, order_current_stream=True)
+                item.nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
+                self._reserve(item.nbytes, channel, iteration, micro_batch, force=True)
+            else:
+                item.digests = [tensor_digest(t) for t in tensors]
+                item.nparts = len(item.digests)
+            with self._cv:
+                self._stats.digests_submitted += len(tensors)
+                self._queue.append(item)
+        except Exception as e:
+            self._fault("encode", f"digest failed: {type(e).__name__}: {e}", channel, iteration, micro_batch)
+        finally:
+            self._stats.digest_s += time.perf_counter() - t0
+
+    def kick(self) -> None:
+        """Wake the writer now (e.g. at the end of an iteration) instead of at the next threshold."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def mark(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the writer thread once everything submitted before is written.
+
+        Exceptions from ``fn`` are recorded as faults of kind "marker", never raised.
+        """
+        item = _Item("mark")
+        item.fn = fn
+        with self._cv:
+            self._queue.append(item)
+            self._cv.notify_all()
+
+    def gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
+        """Queue a ``store.record_gap`` (the training thread never touches the store itself)."""
+        item = _Item("gap")
+        item.channel, item.iteration, item.micro_batch, item.reason = channel, iteration, micro_batch, reason
+        with self._cv:
+            self._queue.append(item)
+            self._cv.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until every item submitted so far is processed. Returns False on timeout."""
+        with self._cv:
+            if self._closing or not self._thread.is_alive():
+                return not self._queue and self._busy == 0
+        done = threading.Event()
+        self.mark(done.set)
+        return done.wait(timeout)
+
+    # ================================================================ reporting
+    def stats(self) -> WriterStats:
+        """A snapshot of the counters (a copy; safe to keep)."""
+        with self._cv:
+            s = WriterStats(**{k: getattr(self._stats, k) for k in WriterStats.__slots__})
+            s.faults_by_kind = dict(self._stats.faults_by_kind)
+            s.queue_items = len(self._queue) + self._busy
+            return s
+
+    def take_faults(self) -> list[Fault]:
+        """Faults recorded since the previous call (oldest first)."""
+        with self._cv:
+            out, self._new_faults = self._new_faults, []
+            return out
+
+    def recent_faults(self) -> list[Fault]:
+        """The last faults (up to 256), oldest first."""
+        with self._cv:
+            return list(self._faults)
+
+    def note_fault(self, kind: str, message: str, *, channel: Channel | None = None, iteration: int | None = None, micro_batch: int | None = None) -> None:
+        """Record a fault observed elsewhere (e.g. a capture hook) with the writer's faults."""
+        self._fault(kind, message, channel, iteration, micro_batch)
+
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Write everything queued, then stop the threads. Returns False if ``timeout`` hit first
+        (the rest of the queue is then abandoned and counted as dropped). Idempotent."""
+        with self._cv:
+            if self._closing:
+                return True
+        ok = self.drain(timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout=None if ok else 1.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=ok, cancel_futures=not ok)
+        if not ok:
+            with self._cv:
+                lost = [i for i in self._queue if i.kind == "rec"]
+                self._queue.clear()
+            for i in lost:
+                self._drop(i, "writer closed before the record was written")
+        return ok
+
+    # ================================================================ internals: training side
+    def _reserve(self, nbytes: int, channel: Channel, iteration: int, micro_batch: int, force: bool = False) -> bool:
+        with self._cv:
+            st = self._stats
+            if self._closing:
+                st.records_dropped += 1
+                st.bytes_dropped += nbytes
+                self._fault_locked("closed", "submit after close", channel, iteration, micro_batch)
+                return False
+            if not force and st.queue_bytes > 0 and st.queue_bytes + nbytes > self._max:
+                if self._overflow == "gap":
+                    st.overflow_drops += 1
+                    st.records_dropped += 1
+                    st.bytes_dropped += nbytes
+                    self._fault_locked("overflow", f"queue full ({st.queue_bytes} + {nbytes} > {self._max} bytes): record dropped", channel, iteration, micro_batch)
+                    drop = True
+                else:
+                    drop = False
+                    st.overflow_waits += 1
+                    t0 = time.perf_counter()
+                    self._cv.notify_all()  # the writer may be sleeping below its wake threshold
+                    while st.queue_bytes > 0 and st.queue_bytes + nbytes > self._max and not self._closing:
+                        self._cv.wait(0.5)
+                    st.overflow_wait_s += time.perf_counter() - t0
+            else:
+                drop = False
+            if not drop:
+                st.queue_bytes += nbytes
+                st.queue_peak_bytes = max(st.queue_peak_bytes, st.queue_bytes)
+                return True
+        self.gap(channel, iteration, micro_batch, f"overflow: queue bound {self._max} bytes reached")
+        return False
+
+    def _release(self, nbytes: int) -> None:
+        with self._cv:
+            self._stats.queue_bytes -= nbytes
+            self._cv.notify_all()
+
+    def _stage(self, item: _Item, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False) -> None:
+        """Make host tensors the writer may read later without racing the training thread."""
+        out: list[torch.Tensor] = []
+        for t in tensors:
+            if t.requires_grad:  # never keep an autograd graph alive (sends are already detached)
+                t = t.detach()
+            if t.device.type == "cuda":
+                host, ev = self._copy_to_pinned(t, order_current_stream)
+                out.append(host)
+                item.events.append(ev)
+                item.pinned = True
+            elif t.device.type == "cpu":
+                out.append(t.clone() if copy else t)
+            else:
+                out.append(t.to("cpu"))  # other accelerators: a synchronous copy (correct, not fast)
+        item.tensors = out
+        item.nparts = len(out)
+
+    def _copy_to_pinned(self, t: torch.Tensor, order_current_stream: bool) -> tuple[torch.Tensor, Any]:
+        dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(dev)
+        if stream is None:
+            stream = self._side_streams[dev] = torch.cuda.Stream(device=dev)
+        current = torch.cuda.current_stream(dev)
+        host = self._pinned.get(t.shape, t.dtype)
+        stream.wait_stream(current)  # the copy sees everything the training stream did so far
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # the caching allocator must not recycle t before the copy ran
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        if order_current_stream:
+            # received buffers are reused by the next receive: later work waits for our read
+            current.wait_event(ev)
+        return host, ev
+
+    # ================================================================ internals: writer thread
+    def _run(self) -> None:
+        inflight: collections.deque[_Item] = collections.deque()
+        while True:
+            with self._cv:
+                if not self._closing and self._stats.queue_bytes < self._wake_bytes and not any(i.kind != "rec" for i in self._queue):
+                    # sleep until woken (threshold, marker, close) or for at most _POLL_S
+                    self._writer_idle = True
+                    self._cv.wait(_POLL_S)
+                    self._writer_idle = False
+                if self._closing and not self._queue and not inflight:
+                    return
+                while self._queue and len(inflight) < _WINDOW:
+                    it = self._queue.popleft()
+                    self._busy += 1
+                    inflight.append(it)
+            for it in inflight:
+                if it.kind == "rec" and it.future is None and self._pool is not None:
+                    it.future = self._pool.submit(self._encode, it)
+            try:
+                self._process(inflight)
+            except Exception as e:  # the writer thread must survive anything
+                logger.exception("swiftlog writer: unexpected error")
+                self._fault("write", f"writer loop: {type(e).__name__}: {e}")
+
+    def _process(self, inflight: collections.deque[_Item]) -> None:
+        batch: list[tuple[_Item, list[bytes]]] = []
+        batch_bytes = 0
+        while inflight:
+            head = inflight[0]
+            if head.kind == "rec":
+                if head.future is not None and not head.future.done() and batch:
+                    self._write(batch)
+                    batch, batch_bytes = [], 0
+                blobs = self._encoded(head)
+                inflight.popleft()
+                if blobs is None:
+                    self._finish(head)
+                    continue
+                batch.append((head, blobs))
+                batch_bytes += sum(len(b) for b in blobs)
+                if len(batch) >= self._batch_records or batch_bytes >= self._batch_bytes:
+                    self._write(batch)
+                    batch, batch_bytes = [], 0
+            else:
+                if batch:
+                    self._write(batch)
+                    batch, batch_bytes = [], 0
+                inflight.popleft()
+                self._control(head)
+                self._finish(head)
+            if not inflight:
+                with self._cv:  # keep going while work is queued: fewer, larger batches
+                    while self._queue and len(inflight) < _WINDOW:
+                        it = self._queue.popleft()
+                        self._busy += 1
+                        inflight.append(it)
+                for it in inflight:
+                    if it.kind == "rec" and it.future is None and self._pool is not None:
+                        it.future = self._pool.submit(self._encode, it)
+        if batch:
+            self._write(batch)
+
+    def _encode(self, item: _Item) -> list[bytes]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            for ev in item.events:
+                ev.synchronize()
+            if item.hash_only:
+                if item.digests is None:
+                    item.digests = [tensor_digest(t) for t in item.tensors]
+                return [codec.encode_tensor(digest_record(d), codec="raw") for d in item.digests]
+            return [codec.encode_tensor(t, codec=self._codec) for t in item.tensors]
+        finally:
+            if item.pinned:
+                for t in item.tensors:
+                    self._pinned.put(t)
+            with self._cv:
+                self._stats.encode_s += time.perf_counter() - t0
+                self._stats.encode_cpu_s += time.thread_time() - c0
+
+    def _encoded(self, item: _Item) -> list[bytes] | None:
+        try:
+            if item.future is not None:
+                return item.future.result()
+            return self._encode(item)
+        except Exception as e:
+            self._fault("encode", f"{type(e).__name__}: {e}", item.channel, item.iteration, item.micro_batch)
+            self._drop(item, f"encode failed: {type(e).__name__}: {e}")
+            return None
+        finally:
+            item.tensors = []  # let the tensors go as soon as they are encoded
+
+    def _write(self, batch: list[tuple[_Item, list[bytes]]]) -> None:
+        rows = [
+            (RecordKey(item.channel, item.iteration, item.micro_batch, part), blob)
+            for item, blobs in batch
+            for part, blob in enumerate(blobs)
+        ]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._store.put_blobs(rows)
+        except Exception as e:
+            kind = "store_full" if isinstance(e, StoreFullError) else "closed" if isinstance(e, StoreClosedError) else "write"
+            self._fault(kind, f"{type(e).__name__}: {e}", batch[0][0].channel, batch[0][0].iteration, batch[0][0].micro_batch)
+            for item, _ in batch:
+                self._drop(item, f"{kind}: {type(e).__name__}: {e}")
+                self._finish(item)
+            return
+        finally:
+            with self._cv:
+                self._stats.write_s += time.perf_counter() - t0
+                self._stats.write_cpu_s += time.thread_time() - c0
+        with self._cv:
+            st = self._stats
+            st.batches_written += 1
+            for item, blobs in batch:
+                st.records_written += len(blobs)
+                if not item.hash_only:
+                    st.bytes_written += item.nbytes
+                st.stored_bytes_written += sum(len(b) for b in blobs)
+        for item, _ in batch:
+            self._finish(item)
+
+    def _control(self, item: _Item) -> None:
+        if item.kind == "gap":
+            self._record_gap(item.channel, item.iteration, item.micro_batch, item.reason)
+            return
+        try:
+            assert item.fn is not None
+            item.fn()
+        except Exception as e:
+            logger.warning("swiftlog writer: marker failed: %s", e)
+            self._fault("marker", f"{type(e).__name__}: {e}")
+
+    def _drop(self, item: _Item, reason: str) -> None:
+        with self._cv:
+            self._stats.records_dropped += item.nparts
+            self._stats.bytes_dropped += item.nbytes
+        if item.channel is not None:
+            self._record_gap(item.channel, item.iteration, item.micro_batch, reason)
+
+    def _record_gap(self, channel: Channel | None, iteration: int, micro_batch: int, reason: str) -> None:
+        if channel is None:
+            return
+        try:
+            self._store.record_gap(channel, iteration, micro_batch, reason)
+            with self._cv:
+                self._stats.gaps_recorded += 1
+        except (SwiftlogError, OSError) as e:
+            self._fault("gap_record", f"could not record gap ({reason}): {type(e).__name__}: {e}", channel, iteration, micro_batch)
+
+    def _finish(self, item: _Item) -> None:
+        with self._cv:
+            self._busy -= 1
+            if item.kind == "rec":
+                self._stats.queue_bytes -= item.nbytes
+            self._cv.notify_all()
+
+    def _fault(self, kind: str, message: str, channel: Channel | None = None, iteration: int | None = None, micro_batch: int | None = None) -> None:
+        with self._cv:
+            self._fault_locked(kind, message, channel, iteration, micro_batch)
+
+    def _fault_locked(self, kind: str, message: str, channel: Channel | None, iteration: int | None, micro_batch: int | None) -> None:
+        f = Fault(time.time(), kind, message, None if channel is None else channel.name, iteration, micro_batch)
+        st = self._stats
+        st.faults += 1
+        st.faults_by_kind[kind] = st.faults_by_kind.get(kind, 0) + 1
+        st.last_fault = f"{kind}: {message}"
+        self._faults.append(f)
+        if len(self._new_faults) < _MAX_FAULTS:
+            self._new_faults.append(f)
+        if st.faults_by_kind[kind] <= 3 or st.faults_by_kind[kind] % 100 == 0:
+            logger.warning("swiftlog logging fault (%s, %s it=%s mb=%s): %s", kind, f.channel, iteration, micro_batch, message)
