@@ -338,8 +338,8 @@ class HotTier:
             except lmdb.DiskError as e:
                 raise StoreFullError(f"LMDB index of {self.dir}: {e}") from e
             except lmdb.Error as e:
-                if "No space left" in str(e):
-                    raise StoreFullError(f"LMDB index of {self.dir}: disk full") from e
+                if any(m in str(e) for m in ("No space left", "File too large", "Disk quota exceeded")):
+                    raise StoreFullError(f"LMDB index of {self.dir}: disk full ({e})", hint="free space under the store root or run GC after a checkpoint") from e
                 raise StoreError(f"LMDB index of {self.dir}: {e}") from e
 
     def _get_seg(self, txn: lmdb.Transaction, seg_id: int) -> SegmentMeta | None:

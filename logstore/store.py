@@ -221,6 +221,7 @@ class LogStore:
         self._cold_list_at = 0.0
         self._cold_epoch = 0  # bumped (under _lock) whenever _cold_list is invalidated
         self._cold_listing = threading.Lock()  # one cold listing at a time, never under _lock
+        self._gaps_shipped: set[str] = set()
         self._wm_cache: dict[int, int] = {}
         self._wm_at = 0.0
         self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
@@ -314,16 +315,23 @@ class LogStore:
         return self.hot
 
     def record_gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
-        """Note that a record was not logged (queue overflow, store full...). The plan sees gaps."""
+        """Note that a record was not logged (queue overflow, store full...). The plan sees gaps.
+
+        Written to the local index at once; the uploader ships it to the cold tier (never waits
+        on the object store here, so a down cold tier cannot slow the caller).
+        """
         doc = {"channel": channel.name, "iteration": iteration, "micro_batch": micro_batch, "reason": reason, "at": time.time()}
-        name = f"gap/{channel.name}/{iteration:012d}-{micro_batch:06d}"
-        hot = self._writer_hot()
-        hot.put_doc(name, doc)
-        if self.cold is not None:
-            try:
-                self.cold.put_doc(f"{self.run}/gaps/{channel.name}/{iteration:012d}-{micro_batch:06d}.json", doc)
-            except SwiftlogError as e:
-                self._note_error(e)
+        self._writer_hot().put_doc(f"gap/{channel.name}/{iteration:012d}-{micro_batch:06d}", doc)
+        self._wake.set()
+
+    def _ship_gaps(self) -> None:
+        """Copy gap documents of this writer's index to the cold tier (uploader thread)."""
+        assert self.hot is not None and self.cold is not None
+        for name, doc in self.hot.docs("gap/").items():
+            if name in self._gaps_shipped:
+                continue
+            self.cold.put_doc(f"{self.run}/gaps/{name[len('gap/'):]}.json", doc)
+            self._gaps_shipped.add(name)
 
     def gaps(self) -> list[dict[str, Any]]:
         """Every recorded gap, from all hot tiers of this node and the cold tier."""
@@ -634,6 +642,7 @@ class LogStore:
         assert self.hot is not None and self.cold is not None
         n = 0
         with self._upload_lock:
+            self._ship_gaps()
             for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: m.id):
                 name = self._cold_name(m)
                 meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": self.config.writer,

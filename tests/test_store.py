@@ -255,3 +255,16 @@ def test_gc_aborts_stale_multipart_upload(tmp_path: Path, cold_backend, cold_env
     assert cold_env.multipart_uploads() == []
     assert len(s.keys(ACT)) == 4
     s.close()
+
+
+def test_gaps_reach_the_cold_tier_without_blocking_the_writer(tmp_path: Path, cold_backend) -> None:
+    s = _open(tmp_path / "node", cold_backend, upload=False)
+    t0 = time.monotonic()
+    s.record_gap(ACT, 7, 1, "queue full")
+    assert time.monotonic() - t0 < 0.5
+    assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in s.gaps()] == [("act_1_2", 7, 1)]
+    s.flush()
+    s.close()
+    r = _open(tmp_path / "other-node", cold_backend, writer=None)
+    assert [(g["channel"], g["iteration"], g["reason"]) for g in r.gaps()] == [("act_1_2", 7, "queue full")]
+    r.close()
