@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/store_bench.py
+	$(PY) bench/replay_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -42,7 +42,8 @@ def test_public_api_is_pinned():
         "SUPPORTED_SCHEDULES", "encode_meta", "decode_meta", "CommitCoordinator", "CommitResult", "Checkpoint",
         "save_checkpoint", "load_checkpoint", "derive_seed", "seed_micro_batch", "tensor_digest", "AsyncLogWriter",
         "Fault", "WriterStats", "ClientError", "CommitError", "IterationAbortedError", "CommitStoreError",
-        "CheckpointError", "UnsupportedScheduleError",
+        "CheckpointError", "UnsupportedScheduleError", "ResilientLoop", "RecoveryConfig", "RecoveryFailedError",
+        "RecoveryTimeoutError",
     ])  # fmt: skip
     for name in trainer_client.__all__:
         assert getattr(trainer_client, name) is not None

@@ -32,6 +32,15 @@ bit. Stage-0 inputs and last-stage targets can instead come from a deterministic
 (``SwiftlogClient(..., data_source=fn)`` with ``ClientConfig(log_data=False)``; give the replay
 the same ``fn``).
 
+To survive other stages' failures in place, drive the same steps through
+:class:`ResilientLoop` (``trainer_client.survivor``; see ``examples/train_resilient.py``)::
+
+    loop = ResilientLoop(client, tcp_store, RecoveryConfig(run_id="gpt-7", stage=rank, num_stages=4),
+                         rebuild=build_stage_and_schedule, optimizer=optimizer)
+    loop.run(start_iteration, num_iterations,
+             forward_backward=lambda it: client.step(it, tokens, target=labels),
+             apply=lambda it: (optimizer.step(), lr_scheduler.step(), optimizer.zero_grad(set_to_none=True)))
+
 Logging faults (store full, cold tier down, encode errors) never raise into training: they are
 counted in ``client.stats()`` and reported by ``commit``/``flush``/``close``.
 See ``trainer_client.determinism`` for what exact replay requires of the training script.
@@ -59,6 +68,12 @@ from trainer_client.errors import (
 )
 from trainer_client.meta import decode_meta, encode_meta
 from trainer_client.stage import LoggingPipelineStage
+from trainer_client.survivor import (
+    RecoveryConfig,
+    RecoveryFailedError,
+    RecoveryTimeoutError,
+    ResilientLoop,
+)
 from trainer_client.writer import AsyncLogWriter, Fault, WriterStats
 
 __all__ = [
@@ -88,4 +103,8 @@ __all__ = [
     "CommitStoreError",
     "CheckpointError",
     "UnsupportedScheduleError",
+    "ResilientLoop",
+    "RecoveryConfig",
+    "RecoveryFailedError",
+    "RecoveryTimeoutError",
 ]

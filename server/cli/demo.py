@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,25 +37,41 @@ __all__ = ["register", "run_demo"]
 RUN = "demo-run"
 
 
-def _progress(run: Any, stage: int = 3) -> list[tuple[int, float]]:
-    """(iteration, seconds since the run started) of every applied iteration of ``stage`` (last stage)."""
-    return [(it, t - run.t0) for it, t, _ in run.results[stage]["iteration_end"]]
+def _progress(run: Any) -> list[tuple[int, float]]:
+    """(iteration, seconds since iteration 0 was applied) of every iteration the last stage applied,
+    across restarts (a rollback applies some iterations twice)."""
+    t_first = run.progress[0][1]
+    return [(it, t - t_first) for it, t, _ in run.progress]
 
 
-def _plot(path: Path, series: dict[str, list[tuple[int, float]]], kill_s: dict[str, float]) -> None:
+def _plot(
+    path: Path, series: dict[str, list[tuple[int, float]]], kill_s: dict[str, float]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    styles = {"failure-free": ("#999999", ":"), "SWIFT in-place recovery": ("#1f77b4", "-"), "global rollback": ("#d62728", "--")}
+    styles = {
+        "failure-free": ("#999999", ":"),
+        "SWIFT in-place recovery": ("#1f77b4", "-"),
+        "global rollback": ("#d62728", "--"),
+    }
     for name, pts in series.items():
         color, ls = styles.get(name, (None, "-"))
-        ax.plot([t for _, t in pts], [i + 1 for i, _ in pts], ls, color=color, label=name, marker=".", markersize=3)
+        ax.plot(
+            [t for _, t in pts],
+            [i + 1 for i, _ in pts],
+            ls,
+            color=color,
+            label=name,
+            marker=".",
+            markersize=3,
+        )
     for name, t in kill_s.items():
         ax.axvline(t, color=styles.get(name, ("k", ""))[0], alpha=0.3)
-    ax.set_xlabel("wall time since start (s)")
+    ax.set_xlabel("wall time since iteration 0 was applied (s); vertical lines: the SIGKILL")
     ax.set_ylabel("iterations applied (last stage)")
     ax.set_title("Training progress with a stage failure")
     ax.legend(loc="lower right")
@@ -78,13 +93,26 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the three trainings under ``workdir``; return the report (``ok``: recovery verified and
     bit-exact). Writes report.json, report.md and progress.png there."""
-    from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures, states_equal
+    from replay.launcher import (
+        KillSpec,
+        resumed_after_rollback,
+        run_with_failures,
+        states_equal,
+    )
 
     say = say or (lambda *_: None)
-    fail_iteration = fail_iteration if fail_iteration is not None else checkpoint_every + checkpoint_every // 2
+    fail_iteration = (
+        fail_iteration
+        if fail_iteration is not None
+        else checkpoint_every + checkpoint_every // 2
+    )
     if not 0 < fail_iteration < iterations:
-        raise typer.BadParameter(f"the failure iteration {fail_iteration} must be inside (0, {iterations})")
-    ckpts = ",".join(str(i) for i in range(checkpoint_every, iterations + 1, checkpoint_every))
+        raise typer.BadParameter(
+            f"the failure iteration {fail_iteration} must be inside (0, {iterations})"
+        )
+    ckpts = ",".join(
+        str(i) for i in range(checkpoint_every, iterations + 1, checkpoint_every)
+    )
     kill = KillSpec(fail_stage, fail_iteration, 1, phase)
     model = ["--hidden", "64", "--layers", "1", "--seq", "32", "--n-microbatches", "4"]
 
@@ -101,13 +129,19 @@ def run_demo(
         return r
 
     t0 = time.perf_counter()
-    say(f"[bold]1/3[/] failure-free reference: {iterations} iterations, 4 stages, 1F1B, checkpoints at {ckpts}")
+    say(
+        f"[bold]1/3[/] failure-free reference: {iterations} iterations, 4 stages, 1F1B, checkpoints at {ckpts}"
+    )
     ref = launch("reference", [], "swift")
     say(f"    done in {ref.wall_s:.1f} s")
-    say(f"[bold]2/3[/] SWIFT: SIGKILL stage {kill.stage} at iteration {kill.iteration}, micro-batch {kill.micro_batch}, {kill.phase}")
+    say(
+        f"[bold]2/3[/] SWIFT: SIGKILL stage {kill.stage} at iteration {kill.iteration}, micro-batch {kill.micro_batch}, {kill.phase}"
+    )
     sw = launch("swift", [kill], "swift")
     say(f"    done in {sw.wall_s:.1f} s")
-    say("[bold]3/3[/] global rollback: the same failure, every stage restarts from the last checkpoint")
+    say(
+        "[bold]3/3[/] global rollback: the same failure, every stage restarts from the last checkpoint"
+    )
     rb = launch("rollback", [kill], "rollback")
     say(f"    done in {rb.wall_s:.1f} s")
 
@@ -116,7 +150,9 @@ def run_demo(
     diffs = {k: states_equal(sw.results[k], ref.results[k]) for k in range(4)}
     rb_diffs = {k: states_equal(rb.results[k], ref.results[k]) for k in range(4)}
     rollback_s = resumed_after_rollback(rb, t["resume"])
-    rb_ck = next((e["checkpoint"] for e in rb.timeline if e["what"] == "rollback"), None)
+    rb_ck = next(
+        (e["checkpoint"] for e in rb.timeline if e["what"] == "rollback"), None
+    )
     report: dict[str, Any] = {
         "workdir": str(workdir),
         "run": RUN,
@@ -130,7 +166,7 @@ def run_demo(
             "sources": "survivors' node stores (hot tier, read directly) + the cold tier",
             "checkpoint": rec.get("checkpoint_uri"),
         },
-        "timings_s": {k: t.get(k) for k in ("detect_s", "all_detected_s", "wait_survivors_s", "fetch_s", "replay_s", "rejoin_s", "resumed_s")},
+        "timings_s": {k: t.get(k) for k in ("detect_s", "all_detected_s", "survivors_reported_s", "scheduler_s", "replacement_start_s", "wait_survivors_s", "fetch_s", "replay_s", "rejoin_s", "resumed_s")},
         "bytes_fetched": t.get("bytes_fetched"),
         "records_fetched": t.get("records_fetched"),
         "verification": {"verified": t.get("verified"), "digests_checked": t.get("digests_checked")},
@@ -141,11 +177,24 @@ def run_demo(
         "wall_s": {"reference": ref.wall_s, "swift": sw.wall_s, "rollback": rb.wall_s, "demo": time.perf_counter() - t0},
     }  # fmt: skip
     report["ok"] = bool(t.get("verified")) and report["final_state"]["bit_exact"]
-    series = {"failure-free": _progress(ref), "SWIFT in-place recovery": _progress(sw), "global rollback": _progress(rb)}
-    kills = {"SWIFT in-place recovery": min(sw.kill_times.values()) - sw.t0, "global rollback": min(rb.kill_times.values()) - rb.t0}
+    series = {
+        "failure-free": _progress(ref),
+        "SWIFT in-place recovery": _progress(sw),
+        "global rollback": _progress(rb),
+    }
+    kills = {
+        "SWIFT in-place recovery": min(sw.kill_times.values()) - sw.t0,
+        "global rollback": min(rb.kill_times.values()) - rb.t0,
+    }
     _plot(workdir / "progress.png", series, kills)
-    report["files"] = {"json": str(workdir / "report.json"), "markdown": str(workdir / "report.md"), "plot": str(workdir / "progress.png")}
-    report["progress"] = {k: [[i, round(s, 4)] for i, s in v] for k, v in series.items()}
+    report["files"] = {
+        "json": str(workdir / "report.json"),
+        "markdown": str(workdir / "report.md"),
+        "plot": str(workdir / "progress.png"),
+    }
+    report["progress"] = {
+        k: [[i, round(s, 4)] for i, s in v] for k, v in series.items()
+    }
     (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (workdir / "report.md").write_text(_markdown(report))
     return report
@@ -161,8 +210,8 @@ def _markdown(r: dict[str, Any]) -> str:
         "# swiftlog demo: a stage failure, recovered in place",
         "",
         f"- failure: SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, {f['phase']}",
-        f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} to iteration {p['resume_iteration']} "
-        f"from {p['sources']}; survivors {p['survivors']} keep their state",
+        (f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} to iteration {p['resume_iteration']} "
+         f"from {p['sources']}; survivors {p['survivors']} keep their state"),
         f"- verification: {'verified' if r['verification']['verified'] else 'NOT verified'} ({r['verification']['digests_checked']} digests)",
         f"- fetched: {r['records_fetched']} records, {r['bytes_fetched']} bytes",
         f"- final state vs failure-free run: {'bit-exact on every stage' if r['final_state']['bit_exact'] else 'DIFFERENT'}",
@@ -171,9 +220,9 @@ def _markdown(r: dict[str, Any]) -> str:
         "|---|---|",
         *[f"| {k.removesuffix('_s')} | {_fmt(v)} |" for k, v in tm.items()],
         "",
-        f"Global rollback from checkpoint {g['checkpoint_iteration']} (redoes {g['iterations_redone']} iterations on every stage): "
-        f"{_fmt(g['resumed_s'])} s from the failure to standing where it was; SWIFT: {_fmt(tm['resumed_s'])} s "
-        f"(ratio {_fmt(r['recovery_vs_global_rollback'])}).",
+        (f"Global rollback from checkpoint {g['checkpoint_iteration']} (redoes {g['iterations_redone']} iterations on every stage): "
+         f"{_fmt(g['resumed_s'])} s from the failure to standing where it was; SWIFT: {_fmt(tm['resumed_s'])} s "
+         f"(ratio {_fmt(r['recovery_vs_global_rollback'])})."),
         "",
         "![progress](progress.png)",
         "",
@@ -186,7 +235,9 @@ def _print_report(r: dict[str, Any]) -> None:
 
     f, p, tm, g = r["failure"], r["plan"], r["timings_s"], r["global_rollback"]
     console.print()
-    console.print(f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, during {f['phase']}")
+    console.print(
+        f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, during {f['phase']}"
+    )
     console.print(f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} from its checkpoint at iteration {p['checkpoint_iteration']} "
                   f"to iteration {p['resume_iteration']} (agreed by the survivors {p['survivors']}, which keep their state)")  # fmt: skip
     console.print(f"          records from: {p['sources']}")
@@ -195,29 +246,62 @@ def _print_report(r: dict[str, Any]) -> None:
     tab.add_column("seconds", justify="right")
     tab.add_column("what", style="dim")
     what = {"detect_s": "kill -> first survivor sees the communication error", "all_detected_s": "kill -> last survivor knows",
-            "wait_survivors_s": "replacement waits for the survivors' reports", "fetch_s": "checkpoint load + reading records",
+            "wait_survivors_s": "replacement waits for the survivors' reports",
+            "survivors_reported_s": "kill -> every survivor tore down, drained its log writer, reported",
+            "scheduler_s": "kill -> scheduler noticed the exit and launched the replacement",
+            "replacement_start_s": "replacement process start (fork server, torch preloaded)", "fetch_s": "checkpoint load + reading records",
             "replay_s": "recomputing the lost stage (overlaps fetch)", "rejoin_s": "replacement ready -> new process group formed",
             "resumed_s": "kill -> every stage training again"}  # fmt: skip
     for k, v in tm.items():
         tab.add_row(k.removesuffix("_s"), _fmt(v), what.get(k, ""))
     console.print(tab)
     v = r["verification"]
-    console.print(f"[bold]Fetched[/]   {r['records_fetched']} records, {human_bytes(r['bytes_fetched'])} (decoded)")
-    console.print(f"[bold]Verified[/]  " + (f"[green]yes[/] ({v['digests_checked']} regenerated sends matched the receivers' digests)" if v["verified"] else "[red]NO[/]"))
+    console.print(
+        f"[bold]Fetched[/]   {r['records_fetched']} records, {human_bytes(r['bytes_fetched'])} (decoded)"
+    )
+    console.print(
+        "[bold]Verified[/]  "
+        + (
+            f"[green]yes[/] ({v['digests_checked']} regenerated sends matched the receivers' digests)"
+            if v["verified"]
+            else "[red]NO[/]"
+        )
+    )
     fs = r["final_state"]
-    console.print("[bold]Final state[/] vs failure-free run: " + ("[green]bit-exact on every stage[/]" if fs["bit_exact"] else f"[red]differs[/] {fs['per_stage']}"))
+    console.print(
+        "[bold]Final state[/] vs failure-free run: "
+        + (
+            "[green]bit-exact on every stage[/]"
+            if fs["bit_exact"]
+            else f"[red]differs[/] {fs['per_stage']}"
+        )
+    )
     console.print(f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} (redo {g['iterations_redone']} iterations on all 4 stages): "
                   f"{_fmt(g['resumed_s'])} s to stand where it was (final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
                   f"SWIFT took {_fmt(tm['resumed_s'])} s: ratio [bold]{_fmt(r['recovery_vs_global_rollback'])}[/]")  # fmt: skip
-    console.print(f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]")
+    console.print(
+        f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]"
+    )
 
 
 def demo(
-    directory: Annotated[Path | None, typer.Option("--dir", help="work here and keep the files (default: ./swiftlog-demo)")] = None,
+    directory: Annotated[
+        Path | None,
+        typer.Option(
+            "--dir", help="work here and keep the files (default: ./swiftlog-demo)"
+        ),
+    ] = None,
     iterations: Annotated[int, typer.Option("--iterations", min=4, max=1000)] = 20,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=2)] = 10,
-    stage: Annotated[int, typer.Option("--stage", min=0, max=3, help="the stage to kill")] = 2,
-    phase: Annotated[str, typer.Option("--phase", help="forward | backward | commit | optimizer | checkpoint")] = "backward",
+    stage: Annotated[
+        int, typer.Option("--stage", min=0, max=3, help="the stage to kill")
+    ] = 2,
+    phase: Annotated[
+        str,
+        typer.Option(
+            "--phase", help="forward | backward | commit | optimizer | checkpoint"
+        ),
+    ] = "backward",
     json_out: JsonOpt = False,
 ) -> None:
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
@@ -225,12 +309,21 @@ def demo(
     workdir.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if json_out else (lambda msg: console.print(msg))
     with handle_errors():
-        report = run_demo(workdir, iterations=iterations, checkpoint_every=checkpoint_every, fail_stage=stage, phase=phase, say=say)
+        report = run_demo(
+            workdir,
+            iterations=iterations,
+            checkpoint_every=checkpoint_every,
+            fail_stage=stage,
+            phase=phase,
+            say=say,
+        )
     if json_out:
         print_json({k: v for k, v in report.items() if k != "progress"})
     else:
         _print_report(report)
-        console.print(f"\n[bold]{'recovery verified and bit-exact' if report['ok'] else 'SOME CHECKS FAILED'}[/]")
+        console.print(
+            f"\n[bold]{'recovery verified and bit-exact' if report['ok'] else 'SOME CHECKS FAILED'}[/]"
+        )
     if not report["ok"]:
         raise typer.Exit(EXIT_PROBLEMS)
 

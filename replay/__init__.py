@@ -1,0 +1,70 @@
+"""replay: rebuild lost pipeline stages from their checkpoints and their neighbours' logs (SWIFT).
+
+Public API::
+
+    from replay import plan_recovery, ReplayJob, SourceSpec, replay
+
+    plan = plan_recovery(LogStore.open(root, run, cold_url=cold), failed_stages=[2])
+    if plan.possible:
+        for job in jobs_from_plan(plan, sources=[SourceSpec.parse("http://node3:8080")], workers=2, output="s3://ckpt/recovered"):
+            result = replay(job)              # sequential (workers=1) or parallel (workers=K)
+            assert result.verified             # every regenerated send matched a receiver's digest
+    else:
+        print(plan.reasons, plan.fallback)     # e.g. a gap: roll every stage back instead
+
+Modules: ``plan`` (recovery planning), ``core`` (the replay loop, verification, prefetch),
+``reader`` (``LogReader`` over record sources), ``errors``, ``engine`` (jobs, sources, progress,
+output checkpoints), ``parallel`` (K workers over gloo, exact or approximate gradient reduction),
+``remote`` (reading from node servers over HTTP), ``examples`` (stage factories for the example
+GPT), ``cli`` (``swiftlog replay``).
+
+Never imported by logstore/ or trainer_client/; imports server/ nowhere.
+"""
+
+from replay.core import (
+    LogReader,
+    RecordSource,
+    ReplayError,
+    ReplayHooks,
+    ReplayInputMissingError,
+    ReplayMismatchError,
+    ReplayReport,
+    StageState,
+    replay_stage,
+    replay_stages,
+)
+from replay.engine import (
+    ReplayJob,
+    ReplayProgress,
+    ReplayResult,
+    SourceSpec,
+    jobs_from_plan,
+    replay,
+)
+from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
+from replay.remote import HttpRecordSource, RemoteLogReader
+
+__all__ = [
+    "plan_recovery",
+    "RecoveryPlan",
+    "ReplayUnit",
+    "FetchItem",
+    "replay",
+    "ReplayJob",
+    "SourceSpec",
+    "ReplayResult",
+    "ReplayProgress",
+    "jobs_from_plan",
+    "replay_stages",
+    "replay_stage",
+    "StageState",
+    "ReplayReport",
+    "ReplayHooks",
+    "LogReader",
+    "RecordSource",
+    "RemoteLogReader",
+    "HttpRecordSource",
+    "ReplayError",
+    "ReplayInputMissingError",
+    "ReplayMismatchError",
+]

@@ -1,0 +1,228 @@
+"""``swiftlog replay``: plan and run the recovery of failed stages; write the recovered checkpoints.
+
+Registered on the ``swiftlog`` typer app by ``server/cli`` (:func:`register`); also a typer app of
+its own (:data:`app`, ``python -m replay.cli --run ...``). Thin: it parses options, calls
+:func:`replay.plan_recovery` and :func:`replay.replay`, and prints.
+
+Where the logs are (any mix, tried in this order):
+``--root DIR`` (repeatable; a node's store root, every writer's hot tier there, plus ``--cold-url``),
+``--server URL`` (repeatable; a node's ``swiftlog serve``, with ``--token``), ``--cold-url URL``
+alone (the cold tier). The plan is made from the roots and/or the cold tier; with servers only it
+is asked from the first server's ``/v1/runs/{run}/recovery-plan`` (then ``--target-iteration`` is
+not available).
+
+Exit codes: 0 replayed and verified (or ``--plan-only`` and the plan is possible); 1 the plan is
+impossible (the fallback is printed), the replay diverged, or it could not be verified; 2 bad
+usage; 3 a needed record is missing or corrupt; 4 a source or server is unavailable.
+
+Never: registers the recovered checkpoint with the store (that would make logs garbage before
+the pipeline re-formed); prints a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+__all__ = ["app", "register", "replay_command"]
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+
+
+def _err(msg: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    if hint:
+        typer.echo(f"hint: {hint}", err=True)
+    return typer.Exit(code)
+
+
+def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise _err(f"{what} {item!r} is not KEY=VALUE")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def _cold_options(items: list[str] | None) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    env = os.environ.get("SWIFTLOG_COLD_OPTIONS")
+    if env:
+        try:
+            opts.update(json.loads(env))
+        except ValueError as e:
+            raise _err(f"SWIFTLOG_COLD_OPTIONS is not JSON: {e}") from None
+    opts.update(_kv(items, "--cold-option"))
+    return opts
+
+
+def replay_command(
+    run: Annotated[str, typer.Option("--run", "-r", help="run id")],
+    stage: Annotated[list[int], typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)")],
+    root: Annotated[list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")] = None,
+    server: Annotated[list[str] | None, typer.Option("--server", help="a node server's URL, e.g. http://10.0.0.5:8080 (repeatable)")] = None,
+    token: Annotated[str | None, typer.Option("--token", envvar="SWIFTLOG_TOKEN", help="bearer token of the servers (prefer the env var)", show_default=False)] = None,
+    cold_url: Annotated[str | None, typer.Option("--cold-url", envvar="SWIFTLOG_COLD_URL", help="cold tier: file:///dir or s3://bucket/prefix")] = None,
+    cold_option: Annotated[list[str] | None, typer.Option("--cold-option", help="cold tier storage option KEY=VALUE (repeatable; also used for s3 checkpoints)")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,
+    exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order")] = True,
+    target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
+    model: Annotated[str, typer.Option("--model", help="stage factory module:function")] = "replay.examples:gpt_stage",
+    model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
+    loss: Annotated[str, typer.Option("--loss", help="loss function module:attr")] = "trainer_client.examples.gpt:loss_fn",
+    data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function, for runs that did not log inputs/targets")] = None,
+    prefetch: Annotated[int, typer.Option("--prefetch", min=0, help="iterations fetched ahead")] = 2,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,
+    bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch rate for the estimate (MB/s)")] = None,
+    check_records: Annotated[bool, typer.Option("--check-records", help="plan: read every needed record and check its checksums")] = False,
+    plan_only: Annotated[bool, typer.Option("--plan-only", help="print the plan and stop")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print machine-readable JSON")] = False,
+) -> None:
+    """Rebuild failed stages from their checkpoints and the logs; write recovered checkpoints."""
+    from logstore.errors import (
+        CorruptRecordError,
+        RecordNotFoundError,
+        StoreError,
+        SwiftlogError,
+    )
+    from replay.core import ReplayInputMissingError
+    from trainer_client.errors import CheckpointError
+
+    if not (root or server or cold_url):
+        raise _err("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
+    if not plan_only and not output:
+        raise _err("--output is required to replay", hint="a directory or URL for the recovered checkpoints, or pass --plan-only")
+    for r in root or []:
+        if not r.is_dir():
+            raise _err(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
+    opts = _cold_options(cold_option)
+    try:
+        plan, specs = _plan(run, stage, root or [], server or [], token, cold_url, opts, target_iteration, bandwidth_mbps, workers, check_records)
+        if plan_only or not plan.possible:
+            _print_plan(plan, json_out)
+            raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
+        from replay.engine import jobs_from_plan, replay
+
+        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, model=model, model_args=_kv(model_arg, "--model-arg"),
+                              loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
+                              output_options=opts, checkpoint_options=opts)  # fmt: skip
+        results = []
+        for job in jobs:
+            last = [0.0]
+
+            def progress(p: Any, last: list[float] = last) -> None:
+                now = time.monotonic()
+                if not json_out and (now - last[0] > 2.0 or p.done == p.total):
+                    last[0] = now
+                    eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
+                    typer.echo(f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}", err=True)
+
+            results.append(replay(job, on_progress=progress))
+    except typer.Exit:
+        raise
+    except (ReplayInputMissingError, RecordNotFoundError, CorruptRecordError) as e:
+        raise _err(str(e), code=EXIT_NOT_FOUND) from None
+    except StoreError as e:
+        raise _err(str(e), code=EXIT_UNAVAILABLE if e.retryable else EXIT_PROBLEMS) from None
+    except (SwiftlogError, CheckpointError) as e:
+        raise _err(str(e), code=EXIT_PROBLEMS) from None
+    except ValueError as e:
+        raise _err(str(e)) from None
+    ok = all(r.verified for r in results)
+    if json_out:
+        print(json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2), flush=True)
+    else:
+        for r in results:
+            state = "verified" if r.verified else ("DIVERGED at " + json.dumps(r.first_mismatch) if r.first_mismatch else "NOT verified")
+            typer.echo(f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
+                       f"in {r.seconds:.1f} s: {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
+            for k, uri in sorted(r.outputs.items()):
+                typer.echo(f"  stage {k}: {uri}")
+            for w in r.report.warnings:
+                typer.echo(f"  warning: {w}")
+    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+
+
+def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], token: str | None, cold_url: str | None, opts: dict[str, Any],
+          target: int | None, bandwidth: float | None, workers: int, check_records: bool) -> tuple[Any, list[Any]]:  # fmt: skip
+    from logstore import LogStore
+    from replay.engine import SourceSpec
+    from replay.plan import RecoveryPlan, cold_only_store, plan_recovery
+
+    specs = [SourceSpec(kind="store", location=str(r), cold_url=cold_url, options=opts) for r in roots]
+    specs += [SourceSpec(kind="http", location=u, token=token) for u in servers]
+    if cold_url and not roots:
+        specs.append(SourceSpec(kind="cold", location=cold_url, options=opts))
+    if roots or cold_url:
+        stores = [LogStore.open(r, run, cold_url=cold_url, cold_options=opts) for r in roots] or [cold_only_store(cold_url or "", run, opts)]
+        try:
+            return plan_recovery(stores, failed, target_iteration=target, bandwidth_mbps=bandwidth, workers=workers, check_records=check_records), specs
+        finally:
+            for s in stores:
+                s.close()
+    if target is not None or check_records:
+        raise ValueError("--target-iteration and --check-records need --root or --cold-url (a server's planner takes only the failed stages)")
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"{servers[0].rstrip('/')}/v1/runs/{run}/recovery-plan"
+    try:
+        r = httpx.get(url, params={"failed": failed}, headers=headers, timeout=120)
+    except httpx.HTTPError as e:
+        from logstore.errors import StoreError
+
+        err = StoreError(f"cannot reach {servers[0]}: {e}")
+        err.retryable = True
+        raise err from e
+    if r.status_code != 200:
+        raise ValueError(f"{url} answered {r.status_code}: {r.text[:500]}")
+    return RecoveryPlan.from_dict(r.json()["plan"]), specs
+
+
+def _print_plan(plan: Any, json_out: bool) -> None:
+    if json_out:
+        print(json.dumps(plan.to_dict(), indent=2), flush=True)
+        return
+    typer.echo(f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups {plan.logging_groups}):")
+    for u in plan.units:
+        head = f"  stages {u.stages}" + (f" (rolled back with them: {u.rolled_back})" if u.rolled_back else "")
+        if u.possible:
+            est = u.estimate.get("total_seconds")
+            typer.echo(f"{head}: replay [{u.checkpoint_iteration}, {u.stop_iteration}) = {u.iterations} iteration(s), "
+                       f"{u.records} records / {u.bytes} bytes, ~{'?' if est is None else f'{est:.1f}'} s, "
+                       f"{'verifiable' if u.verifiable else 'NOT verifiable'}")  # fmt: skip
+        else:
+            typer.echo(f"{head}: IMPOSSIBLE: {'; '.join(u.reasons)}")
+        for f in u.fetch:
+            where = f"hot tier of {f.writer}" if f.tier == "hot" else "cold tier"
+            typer.echo(f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})")
+        for w in u.warnings:
+            typer.echo(f"    warning: {w}")
+    if not plan.possible:
+        fb = plan.fallback
+        typer.echo(f"fallback: {fb.get('note')}")
+
+
+def register(main_app: typer.Typer) -> None:
+    """Add ``replay`` to the ``swiftlog`` app."""
+    main_app.command("replay")(replay_command)
+
+
+app.command("replay")(replay_command)
+
+if __name__ == "__main__":  # python -m replay.cli --run ... (a one-command app: the options of `swiftlog replay`)
+    sys.exit(app())

@@ -1,0 +1,721 @@
+"""Replay of one stage (or one logging group of consecutive stages) from a checkpoint and the logs.
+
+This is the building block of recovery: a replacement (or a helper in parallel recovery) loads
+the lost stage's checkpoint at iteration c, then :func:`replay_stages` re-executes iterations
+``[c, target)`` offline, with no process group and no communication:
+
+per iteration, for each micro-batch in the live forward order (from the stage's META record):
+seed the RNG from (run seed, stage, iteration, micro-batch), run the forward on the logged
+inputs (received activations become fresh leaves with ``requires_grad``; stage 0 reads its
+logged inputs or a deterministic data source), and on the last stage compute the *unscaled*
+``loss_fn(output, target)``; then backward per micro-batch in the live backward order with the
+logged gradients (the last stage from its loss); then divide gradients by the schedule's factor
+(``n_microbatches`` when ``scale_grads``), ``optimizer.step()``, ``lr_scheduler.step()``,
+``zero_grad(set_to_none=True)``. Inside a logging group the stages are chained in-process (what
+stage s sends, stage s+1 receives), exactly as the live pipeline did.
+
+When no replayed stage has a META record for an iteration (it lived on the lost node and never
+reached the cold tier), the META of another stage of the same iteration stands in: GPipe and
+1F1B run forward and backward in ascending micro-batch order on every stage, so its
+``n_microbatches``, scaling and thread count are all that is needed (reported as a warning).
+
+Reading: :class:`~replay.reader.LogReader` (re-exported here with the errors of
+``replay.errors``) reads through any number of record sources (a ``LogStore`` on a node root or on
+the cold tier alone, or ``replay.remote.HttpRecordSource`` over a node server). With
+``prefetch=N`` a background thread fetches and decodes the records of the next N iterations while
+the current one computes; the compute thread waits only for records not yet there. A failed
+prefetch is never fatal by itself: the compute thread gets the same error when it asks for that
+record.
+
+Parallel replay (``replay.parallel``) drives the same loop through :class:`ReplayHooks`: each
+worker replays a subset of each iteration's micro-batches, takes every micro-batch's parameter
+gradients out after its backward, and reduces them across workers before the (identical) step.
+
+Verification: what the replayed stages send across the group's boundaries is hashed and
+compared with the DIGEST records the receivers kept (``Channel.digest(src, dst)``), and
+optionally with the sender's own logged records. The report says how many matched, which did
+not (:attr:`ReplayReport.first_mismatch` names the first diverging iteration, micro-batch and
+channel), and which digests were missing; :attr:`ReplayReport.verified` is true only when every
+regenerated send was checked and matched; :meth:`ReplayReport.raise_for_mismatch` turns a
+mismatch into :class:`ReplayMismatchError`.
+
+What exactness requires of the environment is in ``trainer_client.determinism``; the replay
+runs with the live ``torch.get_num_threads()`` (from META) and warns about other differences.
+
+Never: writes to the log store; modifies a checkpoint object (``Checkpoint.apply`` deep-copies);
+silently replays over a gap (a missing input raises :class:`ReplayInputMissingError` naming the
+record); consumes RNG outside the seeded forwards (the prefetch thread only decodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+from logstore import Channel, RecordKey
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError
+from replay.reader import LogReader, RecordSource
+from trainer_client.checkpoint import Checkpoint
+from trainer_client.determinism import (
+    SEED_SCHEME,
+    environment_differences,
+    num_threads,
+    seed_micro_batch,
+)
+from trainer_client.digest import tensor_digest
+
+__all__ = [
+    "ReplayError",
+    "ReplayInputMissingError",
+    "ReplayMismatchError",
+    "RecordSource",
+    "LogReader",
+    "StageState",
+    "ReplayReport",
+    "ReplayHooks",
+    "replay_stages",
+    "replay_stage",
+    "needed_channels",
+]
+
+logger = logging.getLogger(__name__)
+
+#: schedules whose every stage runs forward and backward in ascending micro-batch order
+_ASCENDING_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+
+
+# ====================================================================== inputs and outputs
+@dataclass(slots=True)
+class StageState:
+    """The live objects of one stage being replayed (they are advanced in place).
+
+    Build with :meth:`from_checkpoint` to load a checkpoint into fresh objects.
+    """
+
+    stage: int
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any | None = None
+    checkpoint: Checkpoint | None = None
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None = None) -> StageState:
+        """Load ``checkpoint`` into ``module``/``optimizer``/``lr_scheduler`` (no aliasing)."""
+        checkpoint.apply(module, optimizer, lr_scheduler)
+        module.train()
+        return cls(checkpoint.stage, module, optimizer, lr_scheduler, checkpoint)
+
+
+def _key_order(text: str) -> tuple[int, int, str, int]:
+    k = RecordKey.parse(text)
+    return (k.iteration, k.micro_batch, k.channel.name, k.part)
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """What a replay did and whether it reproduced the live sends.
+
+    ``sends_generated``: boundary sends (tensor parts) the replay regenerated.
+    ``digests_checked``: regenerated sends compared with a receiver's digest; ``digest_mismatches``
+    / ``digests_missing``: record keys (as strings) that differed / had no digest.
+    ``records_checked`` / ``record_mismatches``: the same against the sender's own logged records
+    (``compare_logged=True``). ``sends``: regenerated boundary sends (``keep_sends=True``).
+    ``losses``: last stage's per-micro-batch losses per iteration, in the order they were
+    computed; ``loss_micro_batches`` the matching micro-batch numbers.
+    ``fetch_seconds``: time spent reading/decoding records (on the compute thread or the prefetch
+    thread); ``compute_seconds``: the iterations' wall time.
+    """
+
+    stages: list[int]
+    start_iteration: int
+    stop_iteration: int
+    micro_batches: int = 0
+    sends_generated: int = 0
+    digests_checked: int = 0
+    digest_mismatches: list[str] = field(default_factory=list)
+    digests_missing: list[str] = field(default_factory=list)
+    records_checked: int = 0
+    record_mismatches: list[str] = field(default_factory=list)
+    losses: dict[int, list[float]] = field(default_factory=dict)
+    loss_micro_batches: dict[int, list[int]] = field(default_factory=dict)
+    sends: dict[RecordKey, torch.Tensor] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    iterations_done: int = 0
+    records_fetched: int = 0
+    fetch_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No mismatch and no missing digest."""
+        return not (self.digest_mismatches or self.record_mismatches or self.digests_missing)
+
+    @property
+    def verified(self) -> bool:
+        """True only if every regenerated boundary send was checked against a digest and matched."""
+        return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok
+
+    @property
+    def first_mismatch(self) -> dict[str, Any] | None:
+        """The first diverging send in (iteration, micro-batch, channel, part) order, or None."""
+        bad = self.digest_mismatches + self.record_mismatches
+        if not bad:
+            return None
+        k = RecordKey.parse(min(bad, key=_key_order))
+        return {"key": str(k), "iteration": k.iteration, "micro_batch": k.micro_batch, "channel": k.channel.name, "part": k.part}
+
+    def raise_for_mismatch(self) -> None:
+        """Raise ReplayMismatchError if any regenerated send differs from the log."""
+        if self.digest_mismatches or self.record_mismatches:
+            first = self.first_mismatch
+            assert first is not None
+            raise ReplayMismatchError(
+                f"replay of stages {self.stages} regenerated {len(self.digest_mismatches) + len(self.record_mismatches)} send(s) that differ "
+                f"from the log; first divergence at iteration {first['iteration']} micro-batch {first['micro_batch']} channel {first['channel']} "
+                f"({first['key']})",
+                hint="check trainer_client.determinism: thread count, deterministic kernels, seeds, data source",
+            )
+
+    def merge(self, other: ReplayReport) -> None:
+        """Add another worker's report of the same stages and iterations (parallel replay)."""
+        if other.stages != self.stages:
+            raise ReplayError(f"cannot merge reports of stages {other.stages} into {self.stages}")
+        self.micro_batches += other.micro_batches
+        self.sends_generated += other.sends_generated
+        self.digests_checked += other.digests_checked
+        self.records_checked += other.records_checked
+        for mine, theirs in ((self.digest_mismatches, other.digest_mismatches), (self.digests_missing, other.digests_missing),
+                             (self.record_mismatches, other.record_mismatches)):  # fmt: skip
+            mine.extend(theirs)
+            mine.sort(key=_key_order)
+        for it, vals in other.losses.items():
+            pairs = list(zip(self.loss_micro_batches.get(it, []), self.losses.get(it, []), strict=True))
+            pairs += list(zip(other.loss_micro_batches.get(it, []), vals, strict=True))
+            pairs.sort()
+            self.loss_micro_batches[it] = [mb for mb, _ in pairs]
+            self.losses[it] = [v for _, v in pairs]
+        self.sends.update(other.sends)
+        self.warnings.extend(w for w in other.warnings if w not in self.warnings)
+        self.records_fetched += other.records_fetched
+        self.fetch_seconds = max(self.fetch_seconds, other.fetch_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (regenerated tensors are left out)."""
+        return {
+            "stages": list(self.stages),
+            "start_iteration": self.start_iteration,
+            "stop_iteration": self.stop_iteration,
+            "iterations_done": self.iterations_done,
+            "micro_batches": self.micro_batches,
+            "verified": self.verified,
+            "ok": self.ok,
+            "sends_generated": self.sends_generated,
+            "digests_checked": self.digests_checked,
+            "digest_mismatches": list(self.digest_mismatches),
+            "digests_missing": list(self.digests_missing),
+            "records_checked": self.records_checked,
+            "record_mismatches": list(self.record_mismatches),
+            "first_mismatch": self.first_mismatch,
+            "losses": {str(k): list(v) for k, v in self.losses.items()},
+            "loss_micro_batches": {str(k): list(v) for k, v in self.loss_micro_batches.items()},
+            "warnings": list(self.warnings),
+            "records_fetched": self.records_fetched,
+            "fetch_seconds": self.fetch_seconds,
+            "compute_seconds": self.compute_seconds,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplayReport:
+        """Inverse of :meth:`to_dict` (without ``sends``)."""
+        r = cls(list(d["stages"]), int(d["start_iteration"]), int(d["stop_iteration"]))
+        for name in ("micro_batches", "sends_generated", "digests_checked", "records_checked", "iterations_done", "records_fetched"):
+            setattr(r, name, int(d.get(name, 0)))
+        for name in ("fetch_seconds", "compute_seconds", "seconds"):
+            setattr(r, name, float(d.get(name, 0.0)))
+        r.digest_mismatches = list(d.get("digest_mismatches", []))
+        r.digests_missing = list(d.get("digests_missing", []))
+        r.record_mismatches = list(d.get("record_mismatches", []))
+        r.losses = {int(k): list(v) for k, v in d.get("losses", {}).items()}
+        r.loss_micro_batches = {int(k): list(v) for k, v in d.get("loss_micro_batches", {}).items()}
+        r.warnings = list(d.get("warnings", []))
+        return r
+
+
+@dataclass(slots=True)
+class ReplayHooks:
+    """Extension points of the replay loop (used by parallel replay; all optional).
+
+    select(iteration, backward_order) -> micro-batches this process replays (default: all);
+        forward and backward keep the live order restricted to them.
+    after_backward(iteration, micro_batch): called after the micro-batch's backward through every
+        replayed stage, before the next one (its parameter gradients are in ``.grad``, summed with
+        those of earlier micro-batches unless the hook took them out).
+    before_step(iteration, scale): called after the last backward, before gradients are divided
+        by ``scale`` and the optimizers step (e.g. to all-reduce the gradients).
+    verify(iteration) -> whether to check this iteration's sends (default: all iterations).
+    """
+
+    select: Callable[[int, Sequence[int]], Collection[int]] | None = None
+    after_backward: Callable[[int, int], None] | None = None
+    before_step: Callable[[int, int], None] | None = None
+    verify: Callable[[int], bool] | None = None
+
+
+def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool = False, verify: bool = True, compare_logged: bool = False) -> dict[str, list[Channel]]:
+    """The channels a replay of stages ``first..last`` reads, by purpose.
+
+    ``inputs``: what the group receives from outside (activations from ``first - 1`` or stage-0
+    inputs; gradients from ``last + 1`` or last-stage targets); stage-0 inputs and targets are
+    left out when a ``data_source`` provides them. ``meta``: the stages' META records.
+    ``verify``: the receivers' digests of the group's boundary sends (and, with
+    ``compare_logged``, the sender's own records of them).
+    """
+    inputs: list[Channel] = []
+    if first == 0:
+        if not data_source:
+            inputs.append(Channel.input(0))
+    else:
+        inputs.append(Channel.activation(first - 1))
+    if last == num_stages - 1:
+        if not data_source:
+            inputs.append(Channel.target(last))
+    else:
+        inputs.append(Channel.gradient(last + 1))
+    ver: list[Channel] = []
+    if verify:
+        if last < num_stages - 1:
+            ver.append(Channel.digest(last, last + 1))
+        if first > 0:
+            ver.append(Channel.digest(first, first - 1))
+    if compare_logged:
+        if last < num_stages - 1:
+            ver.append(Channel.activation(last))
+        if first > 0:
+            ver.append(Channel.gradient(first))
+    return {"inputs": inputs, "meta": [Channel.meta(k) for k in range(first, last + 1)], "verify": ver}
+
+
+# ====================================================================== the replay
+def replay_stage(state: StageState, logs: LogReader | RecordSource | Sequence[RecordSource], **kwargs: Any) -> ReplayReport:
+    """Replay a single stage; see :func:`replay_stages` for the arguments."""
+    return replay_stages([state], logs, **kwargs)
+
+
+def replay_stages(
+    stages: Sequence[StageState],
+    logs: LogReader | RecordSource | Sequence[RecordSource],
+    *,
+    num_stages: int,
+    stop_iteration: int,
+    start_iteration: int | None = None,
+    run_seed: int | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    data_source: Callable[[int], tuple[Any, Any]] | None = None,
+    n_microbatches: int | None = None,
+    scale_grads: bool | None = None,
+    verify: bool = True,
+    compare_logged: bool = False,
+    keep_sends: bool = False,
+    prefetch: int = 0,
+    hooks: ReplayHooks | None = None,
+    on_iteration: Callable[[int, ReplayReport], None] | None = None,
+) -> ReplayReport:
+    """Replay consecutive stages (one stage, or a logging group) for ``[start, stop_iteration)``.
+
+    Args:
+        stages: the stages' live objects, consecutive and ascending; advanced in place.
+        logs: where the records are (a LogReader, a record source such as a LogStore, or several).
+        num_stages: pipeline size (to know which stage is last).
+        stop_iteration: first iteration not replayed (e.g. the survivors' current iteration).
+        start_iteration: default: the stages' checkpoint iteration (they must agree).
+        run_seed: default: the checkpoint's seed.
+        loss_fn: the live loss function (required when the last stage is replayed).
+        data_source: deterministic ``iteration -> (inputs, target)``; used for stage-0 inputs and
+            last-stage targets instead of the logged ones (required if they were not logged).
+        n_microbatches / scale_grads: default: from each iteration's META record (required when
+            no stage's META is found).
+        verify: compare regenerated boundary sends with the receivers' digests.
+        compare_logged: also compare them with the sender's own logged records when present.
+        keep_sends: return the regenerated boundary sends in the report.
+        prefetch: fetch the records of up to this many iterations ahead in a background thread
+            (0: fetch on the compute thread when needed).
+        hooks: extension points for parallel replay (:class:`ReplayHooks`).
+        on_iteration: called after each replayed iteration with (iteration, report so far).
+
+    Returns the report; mismatches are reported, not raised (see ``raise_for_mismatch``). Raises
+    ReplayInputMissingError when a needed record is missing, CorruptRecordError when every copy
+    of one is corrupt (both name the key), ReplayError for inconsistent arguments or logs.
+    """
+    t0 = time.perf_counter()
+    reader = logs if isinstance(logs, LogReader) else LogReader(logs)
+    hooks = hooks or ReplayHooks()
+    states = list(stages)
+    if not states:
+        raise ReplayError("replay_stages needs at least one stage")
+    idx = [s.stage for s in states]
+    if idx != list(range(idx[0], idx[0] + len(idx))) or idx[-1] >= num_stages:
+        raise ReplayError(f"stages must be consecutive, ascending and < num_stages={num_stages}, got {idx}")
+    last = idx[-1]
+    if last == num_stages - 1 and loss_fn is None:
+        raise ReplayError(f"replaying the last stage ({last}) needs loss_fn")
+    ckpts = [s.checkpoint for s in states if s.checkpoint is not None]
+    if start_iteration is None:
+        its = {c.iteration for c in ckpts}
+        if len(ckpts) != len(states) or len(its) != 1:
+            raise ReplayError(f"start_iteration not given and the stages' checkpoints do not agree on one: {sorted(its)}")
+        start_iteration = its.pop()
+    if run_seed is None:
+        seeds = {c.seed for c in ckpts}
+        if len(seeds) != 1:
+            raise ReplayError(f"run_seed not given and the checkpoints do not agree on one: {sorted(seeds)}")
+        run_seed = seeds.pop()
+    if stop_iteration < start_iteration:
+        raise ReplayError(f"stop_iteration {stop_iteration} < start_iteration {start_iteration}")
+    report = ReplayReport(idx, start_iteration, stop_iteration)
+    fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
+    ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks)
+    pf = None
+    if prefetch > 0 and stop_iteration > start_iteration:
+        reader.start_prefetching()
+        pf = _Prefetcher(ctx, start_iteration, stop_iteration, prefetch)
+    try:
+        for it in range(start_iteration, stop_iteration):
+            t_it = time.perf_counter()
+            if pf is not None:
+                pf.advance(it)
+            plan = _plan_iteration(ctx, it, report)
+            with num_threads(plan.threads):
+                _replay_iteration(ctx, it, plan, report)
+            report.iterations_done += 1
+            report.compute_seconds += time.perf_counter() - t_it
+            if on_iteration is not None:
+                on_iteration(it, report)
+    finally:
+        if pf is not None:
+            pf.close()
+            reader.stop_prefetching()
+        report.records_fetched = reader.fetched_records - fetched0
+        report.fetch_seconds = reader.fetched_seconds - fetch_s0
+        report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass(slots=True)
+class _Context:
+    reader: LogReader
+    states: list[StageState]
+    num_stages: int
+    run_seed: int
+    loss_fn: Callable[..., torch.Tensor] | None
+    data_source: Callable[[int], tuple[Any, Any]] | None
+    n_mb_arg: int | None
+    scale_arg: bool | None
+    verify: bool
+    compare_logged: bool
+    keep_sends: bool
+    hooks: ReplayHooks
+
+    @property
+    def first(self) -> int:
+        return self.states[0].stage
+
+    @property
+    def last(self) -> int:
+        return self.states[-1].stage
+
+    def checks(self, it: int) -> bool:
+        """Whether the sends of iteration ``it`` are checked at all (hooks may restrict it)."""
+        return self.hooks.verify is None or bool(self.hooks.verify(it))
+
+
+@dataclass(slots=True)
+class _Plan:
+    n_mb: int
+    fwd_order: list[int]
+    bwd_order: list[int]
+    scale: int
+    threads: int | None
+    mine: list[int]  # micro-batches replayed here, in backward order
+
+
+def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
+    """How iteration ``it`` ran live (from META), restricted to the micro-batches replayed here.
+
+    ``report`` None (the prefetch thread) records no warnings.
+    """
+    reader, states = ctx.reader, ctx.states
+    metas = {s.stage: reader.meta(s.stage, it) for s in states}
+    present = {k: m for k, m in metas.items() if m is not None}
+    stand_in: tuple[int, dict[str, Any]] | None = None
+    if not present:
+        for k in sorted(range(ctx.num_stages), key=lambda k: (abs(k - ctx.first), k)):
+            if k in metas:
+                continue
+            m = reader.meta(k, it)
+            if m is not None and m.get("schedule") in _ASCENDING_SCHEDULES and not m.get("split_backward"):
+                stand_in = (k, m)
+                break
+    if not present and stand_in is None:
+        if ctx.n_mb_arg is None:
+            key = RecordKey(Channel.meta(states[0].stage), it, 0)
+            raise ReplayInputMissingError(f"iteration {it}: no META record of stages {list(metas)} (nor of another stage) and n_microbatches not given", key=key,
+                                          hint="pass n_microbatches (and scale_grads) explicitly, or ship META to the cold tier")  # fmt: skip
+        if report is not None and it == report.start_iteration:
+            report.warnings.append(f"no META for stages {list(metas)}: assuming ascending micro-batch order")
+        n = ctx.n_mb_arg
+        scale = n if ctx.scale_arg in (None, True) else 1
+        order = list(range(n))
+        return _Plan(n, order, order, scale, None, _select(ctx, it, order))
+    if present:
+        m0 = next(iter(present.values()))
+    else:
+        assert stand_in is not None
+        k_in, m0 = stand_in
+        note = f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage)"
+        if report is not None and not any("no META of stages" in w for w in report.warnings):
+            report.warnings.append(note)
+            logger.warning("replay: %s (further iterations alike are not reported)", note)
+    if m0.get("seed_scheme") != SEED_SCHEME:
+        raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
+    if m0.get("split_backward"):
+        raise ReplayError(f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot reproduce")
+    n = ctx.n_mb_arg or int(m0["n_microbatches"])
+    if present:
+        bwd = {k: [mb for kind, mb in m["order"] if kind == "B"] for k, m in present.items()}
+        fwd = [mb for kind, mb in m0["order"] if kind == "F"]
+        orders = {tuple(v) for v in bwd.values()}
+        if len(orders) != 1:
+            raise ReplayError(f"iteration {it}: stages {sorted(bwd)} ran backward in different micro-batch orders {orders}; a group replay needs one order")
+        bwd_order = list(orders.pop())
+        if sorted(bwd_order) != list(range(n)) or sorted(fwd) != list(range(n)):
+            raise ReplayError(f"iteration {it}: META order {m0['order']} does not cover {n} micro-batches once each (incomplete iteration?)")
+    else:
+        fwd = bwd_order = list(range(n))
+    if ctx.scale_arg is None:
+        scale = int(m0.get("grad_scale_factor", n))
+    else:
+        scale = n if ctx.scale_arg else 1
+    env = m0.get("env", {})
+    if report is not None and it == report.start_iteration:
+        diff = environment_differences(env)
+        if diff:
+            report.warnings.append(f"environment differs from the live run: {diff}")
+            logger.warning("replay: environment differs from the live run: %s", diff)
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order))
+
+
+def _select(ctx: _Context, it: int, bwd_order: list[int]) -> list[int]:
+    if ctx.hooks.select is None:
+        return list(bwd_order)
+    chosen = set(ctx.hooks.select(it, bwd_order))
+    if not chosen <= set(bwd_order):
+        raise ReplayError(f"iteration {it}: selected micro-batches {sorted(chosen - set(bwd_order))} do not exist")
+    return [mb for mb in bwd_order if mb in chosen]
+
+
+def _split(batch: Any, n: int) -> list[tuple[Any, ...]]:
+    """Split a whole batch into micro-batches exactly as the schedules do (dim 0, tensor_split)."""
+    args = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    chunks, _ = split_args_kwargs_into_chunks(args, None, n)
+    return [tuple(c) for c in chunks]
+
+
+def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport) -> None:
+    reader, states, num_stages = ctx.reader, ctx.states, ctx.num_stages
+    first = ctx.first
+    is_last = ctx.last == num_stages - 1
+    check = ctx.checks(it)
+    mine = set(plan.mine)
+    src_inputs: list[tuple[Any, ...]] | None = None
+    src_targets: list[Any] | None = None
+    if ctx.data_source is not None and (first == 0 or is_last):
+        inputs, target = ctx.data_source(it)
+        src_inputs = _split(inputs, plan.n_mb)
+        src_targets = None if target is None else [c[0] for c in _split(target, plan.n_mb)]
+    # cache[mb][i] = (input leaves of states[i], outputs of states[i] or the loss)
+    cache: dict[int, list[tuple[tuple[torch.Tensor, ...], Any]]] = {}
+    losses: list[float] = []
+    loss_mbs: list[int] = []
+    for mb in plan.fwd_order:
+        if mb not in mine:
+            continue
+        if first == 0:
+            x = src_inputs[mb] if src_inputs is not None else tuple(reader.require_parts(Channel.input(0), it, mb))
+        else:
+            x = tuple(_leaf(t) for t in reader.require_parts(Channel.activation(first - 1), it, mb))
+        per_stage = []
+        for i, st in enumerate(states):
+            seed_micro_batch(ctx.run_seed, st.stage, it, mb)
+            out = st.module(*x)
+            outs = out if isinstance(out, tuple) else (out,)
+            if st.stage == num_stages - 1:
+                if src_targets is not None:
+                    target = src_targets[mb]
+                else:
+                    tparts = reader.require_parts(Channel.target(st.stage), it, mb)
+                    target = tparts[0] if len(tparts) == 1 else tuple(tparts)
+                loss = ctx.loss_fn(out, target)  # type: ignore[misc]
+                losses.append(float(loss.detach()))
+                loss_mbs.append(mb)
+                per_stage.append((x, loss))
+            else:
+                per_stage.append((x, outs))
+                if i + 1 < len(states):
+                    x = tuple(_leaf(o.detach()) for o in outs)
+                else:
+                    _check_sends(ctx, Channel.activation(st.stage), Channel.digest(st.stage, st.stage + 1), it, mb, outs, check, report)
+        cache[mb] = per_stage
+    for mb in plan.bwd_order:
+        if mb not in mine:
+            continue
+        per_stage = cache.pop(mb)
+        grads_in: list[torch.Tensor | None] | None = None
+        for i in range(len(states) - 1, -1, -1):
+            st = states[i]
+            x, out = per_stage[i]
+            if st.stage == num_stages - 1:
+                torch.autograd.backward([out])
+            else:
+                if grads_in is None:  # last stage of the group, not of the pipeline: logged gradients
+                    grads_in = list(reader.require_parts(Channel.gradient(st.stage + 1), it, mb))
+                with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
+                if len(with_grad) != len(grads_in):
+                    raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
+                torch.autograd.backward(with_grad, grad_tensors=grads_in)
+            sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads_in = sent
+            if st.stage > 0 and i == 0:
+                _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
+        if ctx.hooks.after_backward is not None:
+            ctx.hooks.after_backward(it, mb)
+    if ctx.hooks.before_step is not None:
+        ctx.hooks.before_step(it, plan.scale)
+    for st in states:
+        if plan.scale != 1:
+            for p in st.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(plan.scale)
+        st.optimizer.step()
+        if st.lr_scheduler is not None:
+            st.lr_scheduler.step()
+        st.optimizer.zero_grad(set_to_none=True)
+    report.micro_batches += len(plan.mine)
+    if is_last:
+        report.losses[it] = losses
+        report.loss_micro_batches[it] = loss_mbs
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A received tensor as the live receive buffer was: a leaf requiring grad if it is float."""
+    return t.requires_grad_(t.is_floating_point() or t.is_complex())
+
+
+def _check_sends(
+    ctx: _Context, data_channel: Channel, digest_channel: Channel, it: int, mb: int, tensors: Sequence[torch.Tensor],
+    check: bool, report: ReplayReport,
+) -> None:  # fmt: skip
+    reader = ctx.reader
+    for part, t in enumerate(tensors):
+        key = RecordKey(data_channel, it, mb, part)
+        report.sends_generated += 1
+        if ctx.keep_sends:
+            report.sends[key] = t.detach().clone()
+        if ctx.verify and check:
+            want = reader.digest(digest_channel.src, digest_channel.dst, it, mb, part)
+            if want is None:
+                report.digests_missing.append(str(key))
+            else:
+                report.digests_checked += 1
+                if tensor_digest(t) != want:
+                    report.digest_mismatches.append(str(key))
+        if ctx.compare_logged and check:
+            try:
+                logged = reader.get(key)
+            except ReplayInputMissingError:
+                continue
+            report.records_checked += 1
+            if logged.dtype != t.dtype or logged.shape != t.shape or not torch.equal(logged, t.detach()):
+                report.record_mismatches.append(str(key))
+
+
+# ====================================================================== prefetching
+class _Prefetcher:
+    """Background thread that fetches the records of iterations ``[current, current + depth]``."""
+
+    def __init__(self, ctx: _Context, start: int, stop: int, depth: int) -> None:
+        self._ctx = ctx
+        self._start, self._stop_it, self._depth = start, stop, depth
+        self._current = start
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"swiftlog-replay-prefetch-{ctx.first}", daemon=True)
+        self._thread.start()
+
+    def advance(self, it: int) -> None:
+        with self._cond:
+            self._current = it
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        for it in range(self._start, self._stop_it):
+            with self._cond:
+                while not self._stop.is_set() and it > self._current + self._depth:
+                    self._cond.wait()
+            if self._stop.is_set():
+                return
+            try:
+                self._ctx.reader.prefetch(self._keys(it), self._stop)
+            except Exception as e:  # the compute thread meets the same problem and reports it
+                logger.debug("prefetch of iteration %d stopped: %s", it, e)
+
+    def _keys(self, it: int) -> list[RecordKey]:
+        """Every record the compute thread will ask for in iteration ``it``, in the order it asks."""
+        ctx = self._ctx
+        plan = _plan_iteration(ctx, it, None)
+        first, last, S = ctx.first, ctx.last, ctx.num_stages
+        src = ctx.data_source is not None
+        check = ctx.checks(it)
+        fwd: list[Channel] = []
+        bwd: list[Channel] = []
+        if first > 0:
+            fwd.append(Channel.activation(first - 1))
+        elif not src:
+            fwd.append(Channel.input(0))
+        if last == S - 1:
+            if not src:
+                fwd.append(Channel.target(last))
+        else:
+            if ctx.verify and check:
+                fwd.append(Channel.digest(last, last + 1))
+            if ctx.compare_logged and check:
+                fwd.append(Channel.activation(last))
+            bwd.append(Channel.gradient(last + 1))
+        if first > 0:
+            if ctx.verify and check:
+                bwd.append(Channel.digest(first, first - 1))
+            if ctx.compare_logged and check:
+                bwd.append(Channel.gradient(first))
+        mine = set(plan.mine)
+        keys: list[RecordKey] = []
+        for mb in (m for m in plan.fwd_order if m in mine):
+            for c in fwd:
+                keys += ctx.reader.part_keys(c, it, mb)
+        for mb in (m for m in plan.bwd_order if m in mine):
+            for c in bwd:
+                keys += ctx.reader.part_keys(c, it, mb)
+        return keys

@@ -1,0 +1,528 @@
+"""The replay engine: from a job description to a recovered, verified stage state on disk.
+
+A :class:`ReplayJob` says everything a replay needs in plain, JSON-able values, so the same job
+runs in this process, in spawned worker processes or under torchrun:
+
+- which stages (one, or a logging group) of which run, up to which iteration;
+- the checkpoint of each stage (URIs; loaded with ``trainer_client.load_checkpoint``, applied
+  without aliasing);
+- where the records are (:class:`SourceSpec`: a node's store root, a node server's URL, or the
+  cold tier), tried in order;
+- how to rebuild the stage objects (``model``: ``"module:function"`` called as
+  ``factory(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler)``),
+  the loss function and, if the run used one, the deterministic data source;
+- how: ``workers`` (1: sequential in this process; K > 1: :mod:`replay.parallel`), ``exact``,
+  ``verify``, ``prefetch`` depth;
+- where to write the recovered state (``output``: a directory or fsspec URL; one checkpoint per
+  stage in the ``trainer_client.checkpoint`` format, named like training's, at the stop iteration).
+
+:func:`replay` runs a job and returns a :class:`ReplayResult` (the merged
+:class:`~replay.core.ReplayReport`, the output URIs, timings). Progress (iterations done, rate,
+ETA) goes to ``on_progress`` and to this module's logger at INFO every ``progress_every_s``.
+:func:`jobs_from_plan` turns a :class:`~replay.plan.RecoveryPlan` into one job per replay unit.
+
+The recovered checkpoint is written, not registered with the log store: registering it would make
+logs garbage while the pipeline has not re-formed yet. Never: modifies a source checkpoint or a
+store; writes an output when the replay raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from logstore import LogStore, validate_run
+from replay.core import (
+    LogReader,
+    RecordSource,
+    ReplayError,
+    ReplayReport,
+    StageState,
+    replay_stages,
+)
+from trainer_client.checkpoint import (
+    Checkpoint,
+    checkpoint_uri,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "SourceSpec",
+    "ReplayJob",
+    "ReplayProgress",
+    "ReplayResult",
+    "StageFactory",
+    "replay",
+    "jobs_from_plan",
+    "open_sources",
+    "build_states",
+    "load_object",
+    "write_outputs",
+    "checkpoint_of",
+    "DEFAULT_MODEL",
+    "DEFAULT_LOSS",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "replay.examples:gpt_stage"
+DEFAULT_LOSS = "trainer_client.examples.gpt:loss_fn"
+
+#: ``factory(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler | None)``
+StageFactory = Callable[..., tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
+
+
+# ====================================================================== sources
+@dataclass(kw_only=True, slots=True)
+class SourceSpec:
+    """Where records can be read, as plain values.
+
+    kind "store": ``location`` is a node's store root (every writer's hot tier there), plus the
+    cold tier ``cold_url`` if given. kind "cold": ``location`` is the cold tier URL
+    (``file://`` or ``s3://``) alone. kind "http": ``location`` is a node server's base URL, with
+    ``token`` if its reads need one. ``options``: fsspec storage options of the cold tier.
+    """
+
+    kind: str
+    location: str
+    cold_url: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("store", "cold", "http"):
+            raise ValueError(f"source kind must be store, cold or http, got {self.kind!r}")
+        if not self.location:
+            raise ValueError("source location is empty")
+
+    @classmethod
+    def parse(cls, text: str, *, cold_url: str | None = None, options: Mapping[str, Any] | None = None, token: str | None = None) -> SourceSpec:
+        """``http(s)://...`` -> a server; ``s3://`` / ``file://`` / ``gs://`` ... -> the cold tier alone;
+        anything else -> a store root (with ``cold_url`` as its cold tier)."""
+        if text.startswith(("http://", "https://")):
+            return cls(kind="http", location=text, token=token)
+        if "://" in text:
+            return cls(kind="cold", location=text, options=dict(options or {}))
+        return cls(kind="store", location=text, cold_url=cold_url, options=dict(options or {}))
+
+    @classmethod
+    def from_store(cls, store: LogStore) -> SourceSpec:
+        """The spec that reopens ``store`` (its root and cold tier)."""
+        return cls(kind="store", location=str(store.root), cold_url=store.config.cold_url, options=dict(store.config.cold_options))
+
+    def open(self, run: str) -> RecordSource:
+        """A record source for ``run``; the caller closes it (``close()``)."""
+        if self.kind == "http":
+            from replay.remote import HttpRecordSource
+
+            return HttpRecordSource(self.location, run, token=self.token)
+        if self.kind == "cold":
+            from replay.plan import cold_only_store
+
+            return cold_only_store(self.location, run, self.options)
+        return LogStore.open(self.location, run, cold_url=self.cold_url, cold_options=dict(self.options))
+
+    def describe(self) -> str:
+        if self.kind == "http":
+            return f"server {self.location}"
+        if self.kind == "cold":
+            return f"cold tier {self.location}"
+        return f"store root {self.location}" + (f" + cold tier {self.cold_url}" if self.cold_url else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SourceSpec:
+        return cls(**dict(d))
+
+
+def open_sources(specs: Sequence[SourceSpec], run: str) -> list[RecordSource]:
+    """Open every spec for ``run`` (in order); close them with ``close()`` when done."""
+    return [s.open(run) for s in specs]
+
+
+def _close_all(sources: Sequence[Any]) -> None:
+    for s in sources:
+        close = getattr(s, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # closing a source must not hide the replay's outcome
+                logger.debug("closing %r failed", s, exc_info=True)
+
+
+# ====================================================================== the job
+@dataclass(kw_only=True, slots=True)
+class ReplayJob:
+    """Everything a replay needs, JSON-able (``to_dict``/``from_dict``); see the module docstring.
+
+    run: run id. num_stages: pipeline size. stages: consecutive stages replayed together.
+    stop_iteration: first iteration not replayed. checkpoints: stage -> checkpoint URI (all at
+    the same iteration). checkpoint_options: fsspec options to read them (s3).
+    sources: where the records are, tried in order. model / model_args: the stage factory (see
+    :data:`StageFactory`). loss: ``"module:attr"`` of the loss function (needed when the last
+    stage is replayed). data_source: ``"module:function"`` called as ``fn(seed, **model_args)``
+    for runs that did not log stage-0 inputs / targets; None = logged.
+    workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
+    reduces gradients in the live order (bit-identical to sequential; default True); False sums
+    them in any order (faster on many workers, within the bound in ``replay.parallel``).
+    verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
+    ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
+    is missing. output / output_options: where to write the recovered checkpoints (None: not
+    written). threads: torch intra-op threads for workers (default: the live value from META).
+    progress_every_s: INFO log period. dump_gradients: directory where parallel replay writes
+    each iteration's reduced gradients (diagnostics; None = off).
+    """
+
+    run: str
+    num_stages: int
+    stages: list[int]
+    stop_iteration: int
+    checkpoints: dict[int, str]
+    sources: list[SourceSpec]
+    checkpoint_options: dict[str, Any] = field(default_factory=dict)
+    model: str = DEFAULT_MODEL
+    model_args: dict[str, Any] = field(default_factory=dict)
+    loss: str | None = DEFAULT_LOSS
+    data_source: str | None = None
+    workers: int = 1
+    exact: bool = True
+    verify: bool = True
+    compare_logged: bool = False
+    prefetch: int = 2
+    n_microbatches: int | None = None
+    scale_grads: bool | None = None
+    output: str | None = None
+    output_options: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None
+    progress_every_s: float = 5.0
+    dump_gradients: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_run(self.run)
+        self.stages = [int(s) for s in self.stages]
+        self.checkpoints = {int(k): v for k, v in self.checkpoints.items()}
+        self.sources = [s if isinstance(s, SourceSpec) else SourceSpec.from_dict(s) for s in self.sources]
+        if not self.stages or self.stages != list(range(self.stages[0], self.stages[0] + len(self.stages))):
+            raise ValueError(f"stages must be consecutive and ascending, got {self.stages}")
+        if self.num_stages < 1 or self.stages[-1] >= self.num_stages or self.stages[0] < 0:
+            raise ValueError(f"stages {self.stages} do not fit a pipeline of {self.num_stages} stages")
+        missing = [k for k in self.stages if k not in self.checkpoints]
+        if missing:
+            raise ValueError(f"no checkpoint URI for stage(s) {missing}")
+        if not self.sources:
+            raise ValueError("a replay needs at least one record source")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.stop_iteration < 0:
+            raise ValueError(f"stop_iteration must be >= 0, got {self.stop_iteration}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["sources"] = [s.to_dict() for s in self.sources]
+        d["checkpoints"] = {str(k): v for k, v in self.checkpoints.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplayJob:
+        return cls(**dict(d))
+
+    def replace(self, **changes: Any) -> ReplayJob:
+        return dataclasses.replace(self, **changes)
+
+
+def jobs_from_plan(plan: Any, *, sources: Sequence[SourceSpec | LogStore] | None = None, **fields: Any) -> list[ReplayJob]:
+    """One job per replay unit of a possible :class:`~replay.plan.RecoveryPlan`.
+
+    ``sources`` (required): where the workers read the records: the stores the plan read (as
+    LogStore objects, reopened from their roots and cold tiers, or SourceSpecs), or node servers /
+    the cold tier when the workers run elsewhere. Other keyword arguments are :class:`ReplayJob`
+    fields. Raises ReplayError if the plan is not possible, ValueError without sources.
+    """
+    if not plan.possible:
+        raise ReplayError(f"the recovery plan of run {plan.run!r} is not possible: {'; '.join(plan.reasons)}",
+                          hint=f"fallback: {plan.fallback.get('note')}")  # fmt: skip
+    specs = [s if isinstance(s, SourceSpec) else SourceSpec.from_store(s) for s in (sources or [])]
+    if not specs:
+        raise ValueError("jobs_from_plan needs sources= (SourceSpec or LogStore objects)")
+    out = []
+    for u in plan.units:
+        ck = {k: v for k, v in u.checkpoints.items()}
+        if any(v is None for v in ck.values()):
+            raise ReplayError(f"stages {u.stages}: a registered checkpoint has no URI: {ck}")
+        out.append(ReplayJob(run=plan.run, num_stages=plan.num_stages, stages=list(u.stages), stop_iteration=u.stop_iteration,
+                             checkpoints=ck, sources=list(specs), **fields))  # fmt: skip
+    return out
+
+
+# ====================================================================== building the stages
+def load_object(spec: str) -> Any:
+    """The attribute named by ``"package.module:attr"``; ValueError if it cannot be found."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"{spec!r} is not 'module:attribute'")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {mod_name!r} (from {spec!r}): {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def build_states(job: ReplayJob, factory: StageFactory | None = None) -> list[StageState]:
+    """Load every stage's checkpoint into fresh objects from the factory (no aliasing).
+
+    Raises ReplayError when a checkpoint is of another run, stage or iteration than the others.
+    """
+    fac: StageFactory = factory or load_object(job.model)
+    states = []
+    for k in job.stages:
+        ck = load_checkpoint(job.checkpoints[k], storage_options=job.checkpoint_options or None)
+        if ck.run_id != job.run or ck.stage != k:
+            raise ReplayError(f"checkpoint {job.checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {job.run!r} stage {k}")
+        module, optimizer, sched = fac(k, job.num_stages, ck, **job.model_args)
+        states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
+    its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
+    if len(its) != 1:
+        raise ReplayError(f"checkpoints of stages {job.stages} are at different iterations {sorted(its)}; a group restarts from one")
+    return states
+
+
+def _loss_and_data(job: ReplayJob, seed: int, loss_fn: Callable[..., Any] | None, data_source: Callable[[int], Any] | None) -> tuple[Any, Any]:
+    if loss_fn is None and job.loss and job.stages[-1] == job.num_stages - 1:
+        loss_fn = load_object(job.loss)
+    if data_source is None and job.data_source:
+        data_source = load_object(job.data_source)(seed, **job.model_args)
+    return loss_fn, data_source
+
+
+def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayReport, *, extra: Mapping[str, Any] | None = None) -> dict[int, str]:
+    """Write each stage's recovered state as a trainer_client checkpoint at ``job.stop_iteration``.
+
+    Returns stage -> URI ({} when ``job.output`` is None). The checkpoint's ``extra["recovered"]``
+    records where it came from and whether the replay was verified.
+    """
+    if not job.output:
+        return {}
+    out = {}
+    for st in states:
+        ck = st.checkpoint
+        assert ck is not None
+        rec = {
+            "from_iteration": ck.iteration,
+            "from_checkpoint": ck.uri,
+            "stages": list(job.stages),
+            "verified": report.verified,
+            "digests_checked": report.digests_checked,
+            "workers": job.workers,
+            "exact": job.exact,
+            **dict(extra or {}),
+        }
+        uri = checkpoint_uri(job.output, st.stage, job.stop_iteration)
+        out[st.stage] = save_checkpoint(
+            uri, run_id=job.run, stage=st.stage, num_stages=job.num_stages, iteration=job.stop_iteration, seed=ck.seed,
+            model=st.module, optimizer=st.optimizer, lr_scheduler=st.lr_scheduler,
+            extra={**ck.extra, "recovered": rec}, storage_options=job.output_options or None,
+        )  # fmt: skip
+    return out
+
+
+# ====================================================================== progress
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """Where a replay stands: iterations ``done`` of ``total``, rate (iterations/s), ETA (s)."""
+
+    stages: tuple[int, ...]
+    iteration: int
+    done: int
+    total: int
+    elapsed_s: float
+    rate: float
+    eta_s: float | None
+    micro_batches: int
+    workers: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Progress:
+    """``on_iteration`` adapter: computes rate and ETA, calls the user's callback, logs periodically."""
+
+    def __init__(self, job: ReplayJob, start: int, on_progress: Callable[[ReplayProgress], None] | None, workers: int = 1) -> None:
+        self.job, self.start, self.on_progress, self.workers = job, start, on_progress, workers
+        self.total = max(0, job.stop_iteration - start)
+        self.t0 = time.perf_counter()
+        self._last_log = self.t0
+
+    def __call__(self, it: int, report: ReplayReport) -> None:
+        now = time.perf_counter()
+        done = it - self.start + 1
+        elapsed = now - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else None
+        p = ReplayProgress(tuple(self.job.stages), it, done, self.total, elapsed, rate, eta, report.micro_batches * self.workers, self.workers)
+        if self.on_progress is not None:
+            self.on_progress(p)
+        if now - self._last_log >= self.job.progress_every_s or done == self.total:
+            self._last_log = now
+            logger.info("replay run=%s stages=%s iteration=%d: %d/%d done, %.2f it/s, eta %s s", self.job.run, self.job.stages, it, done, self.total,
+                        rate, "-" if eta is None else f"{eta:.1f}")  # fmt: skip
+
+
+# ====================================================================== the result
+@dataclass(slots=True)
+class ReplayResult:
+    """Outcome of :func:`replay`.
+
+    ``report``: the merged report of every worker. ``states``: the recovered live objects
+    (sequential replay in this process only; None for parallel). ``outputs``: stage -> URI of
+    the written checkpoint. ``seconds``: end to end (including worker start-up and output);
+    ``replay_seconds``: from the first replayed iteration to the last step (slowest worker);
+    ``setup_seconds``: loading checkpoints and building stages (slowest worker).
+    ``grad_error_bound``: approximate parallel mode only: the largest elementwise bound on how far
+    any reduced gradient may be from the sequential one (see ``replay.parallel``).
+    ``cpu_seconds``: CPU time of each worker's process during the replay proper (all its threads);
+    on a machine shared with other work, ``replay_seconds`` over these shows the contention.
+    """
+
+    job: ReplayJob
+    report: ReplayReport
+    outputs: dict[int, str] = field(default_factory=dict)
+    states: list[StageState] | None = None
+    seconds: float = 0.0
+    replay_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    grad_error_bound: float | None = None
+    cpu_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def verified(self) -> bool:
+        """Every regenerated send was checked against a receiver's digest and matched."""
+        return self.report.verified
+
+    @property
+    def first_mismatch(self) -> dict[str, Any] | None:
+        return self.report.first_mismatch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.job.run,
+            "stages": list(self.job.stages),
+            "workers": self.job.workers,
+            "exact": self.job.exact,
+            "verified": self.verified,
+            "first_mismatch": self.first_mismatch,
+            "outputs": {str(k): v for k, v in self.outputs.items()},
+            "seconds": self.seconds,
+            "replay_seconds": self.replay_seconds,
+            "setup_seconds": self.setup_seconds,
+            "grad_error_bound": self.grad_error_bound,
+            "cpu_seconds": list(self.cpu_seconds),
+            "report": self.report.to_dict(),
+        }
+
+
+# ====================================================================== running a job
+def replay(
+    job: ReplayJob,
+    *,
+    factory: StageFactory | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    data_source: Callable[[int], tuple[Any, Any]] | None = None,
+    sources: Sequence[RecordSource] | None = None,
+    on_progress: Callable[[ReplayProgress], None] | None = None,
+    start_method: str = "forkserver",
+    timeout_s: float | None = None,
+) -> ReplayResult:
+    """Run ``job``: sequentially here (``workers == 1``) or over ``workers`` processes.
+
+    In-process objects override the job's specs: ``factory``, ``loss_fn``, ``data_source`` (for
+    parallel replay they must be picklable, e.g. module-level functions) and, for sequential
+    replay only, ``sources`` (already opened record sources; not closed here; parallel workers
+    open ``job.sources`` themselves). ``start_method`` / ``timeout_s`` apply to parallel replay
+    (see :func:`replay.parallel.run_parallel`).
+
+    Returns the result with the merged report (mismatches are reported, not raised: check
+    ``result.verified`` or call ``result.report.raise_for_mismatch()``). Raises
+    ReplayInputMissingError / CorruptRecordError naming a missing or corrupt record, ReplayError
+    for inconsistent inputs, CheckpointError when a checkpoint cannot be read or written.
+    """
+    if job.workers > 1:
+        from replay.parallel import run_parallel
+
+        return run_parallel(job, factory=factory, loss_fn=loss_fn, data_source=data_source, on_progress=on_progress,
+                            start_method=start_method, timeout_s=timeout_s)  # fmt: skip
+    t0 = time.perf_counter()
+    opened: list[RecordSource] = [] if sources is not None else open_sources(job.sources, job.run)
+    try:
+        reader = LogReader(list(sources) if sources is not None else opened)
+        states = build_states(job, factory)
+        seed = states[0].checkpoint.seed if states[0].checkpoint is not None else 0
+        loss, data = _loss_and_data(job, seed, loss_fn, data_source)
+        start = states[0].checkpoint.iteration if states[0].checkpoint is not None else 0
+        t_setup = time.perf_counter() - t0
+        logger.info("replay run=%s stages=%s iterations [%d, %d) from %s", job.run, job.stages, start, job.stop_iteration,
+                    ", ".join(s.describe() for s in job.sources))  # fmt: skip
+        cpu0 = time.process_time()
+        with _thread_setting(job.threads):
+            report = replay_stages(
+                states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
+                n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
+                prefetch=job.prefetch, on_iteration=_Progress(job, start, on_progress),
+            )  # fmt: skip
+        cpu = time.process_time() - cpu0
+        outputs = write_outputs(job, states, report)
+    finally:
+        _close_all(opened)
+    res = ReplayResult(job, report, outputs, states, time.perf_counter() - t0, report.compute_seconds, t_setup, None, [cpu])
+    _log_outcome(res)
+    return res
+
+
+class _thread_setting:
+    """``torch.set_num_threads(n)`` for a block (None: unchanged); the replay's per-iteration
+    setting from META still applies inside."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n = n
+        self.before = torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        if self.n is not None:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.n is not None:
+            torch.set_num_threads(self.before)
+
+
+def _log_outcome(res: ReplayResult) -> None:
+    r = res.report
+    if r.verified:
+        logger.info("replay run=%s stages=%s verified: %d sends matched their digests (%.2f s)", res.job.run, r.stages, r.digests_checked, res.seconds)
+    elif r.first_mismatch is not None:
+        logger.error("replay run=%s stages=%s DIVERGED: first mismatch %s", res.job.run, r.stages, r.first_mismatch)
+    else:
+        logger.warning("replay run=%s stages=%s not verified: %d of %d sends checked, %d digests missing", res.job.run, r.stages,
+                       r.digests_checked, r.sends_generated, len(r.digests_missing))  # fmt: skip
+
+
+def checkpoint_of(result: ReplayResult, stage: int) -> Checkpoint:
+    """Read back the recovered checkpoint of ``stage`` that ``result`` wrote."""
+    return load_checkpoint(result.outputs[stage], storage_options=result.job.output_options or None)

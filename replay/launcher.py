@@ -1,0 +1,529 @@
+"""Kill-matrix launcher: a 4-stage pipeline with injected failures, recovered in place or rolled back.
+
+It plays the cluster scheduler on one machine: hosts the TCPStore (outside the training ranks),
+starts one process per stage (each stage's log store root is its own directory, a "node"),
+injects SIGKILL into chosen stages at (iteration, micro-batch, phase) through the training
+script's ``--kill-at``, notices the death (process exit), marks the generation failed and then
+
+- ``mode="swift"``: names the failed stage in the store and starts its replacement
+  (``--replacement --generation G --sources <surviving nodes' roots>``) on a fresh "node"; the
+  survivors keep their state and the pipeline re-forms as generation G + 1. If the replacement
+  reports that the replay is impossible (exit code 3, fallback key), it falls back to a rollback.
+- ``mode="rollback"``: kills every stage and restarts all of them from the newest checkpoint they
+  all have (``--resume-from C``) as generation G + 1, on fresh store roots: what a job without
+  SWIFT does.
+
+In production the scheduler (a Kubernetes operator, Slurm requeue, torchelastic agent) does the
+same: watches the ranks, writes ``failed_stages`` into the store, and starts the training command
+with ``--replacement`` on a spare machine; the rest of the protocol lives in the ranks.
+
+Processes start from a fork server that imported torch once (milliseconds; on a real cluster a
+replacement also pays container start and imports, and a rollback pays them on every rank).
+Timings come from wall-clock stamps the processes write into the store. Never leaves a process
+running: on timeout everything still alive is killed and the result says ``timed_out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from replay.replacement import common_checkpoint
+from trainer_client.examples import launch as _launch
+from trainer_client.survivor import RecoveryKeys
+
+__all__ = [
+    "EXIT_FALLBACK",
+    "KillSpec",
+    "RecoveryRun",
+    "resumed_after_rollback",
+    "run_with_failures",
+    "states_equal",
+]
+
+EXIT_FALLBACK = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KillSpec:
+    """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``."""
+
+    stage: int
+    iteration: int
+    micro_batch: int = 0
+    phase: str = "forward"
+
+    def arg(self) -> str:
+        return f"{self.iteration},{self.micro_batch},{self.phase}"
+
+
+@dataclass(slots=True)
+class RecoveryRun:
+    """Outcome of :func:`run_with_failures`.
+
+    ``results``: stage -> the final ``stage{k}.pt`` contents. ``timeline``: events
+    (``{"t", "what", ...}``, wall-clock). ``timings``: per failure, ``detect_s`` (kill to first
+    survivor noticing), ``fetch_s`` / ``replay_s`` (the replacement's record reading and
+    recomputation), ``rejoin_s`` (replacement ready to every stage in the new group), and
+    ``resumed_s`` (kill to training running again at the failed iteration). ``fallback``: the
+    reason in-place recovery was abandoned, if it was. ``progress``: (iteration, wall time,
+    generation) of every iteration the last stage applied, across restarts (from the store).
+    """
+
+    ok: bool
+    mode: str
+    out_dir: str
+    wall_s: float
+    returncodes: dict[str, int | None]
+    outputs: dict[str, str]
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    fallback: str | None = None
+    timed_out: bool = False
+    t0: float = 0.0
+    kill_times: dict[int, float] = field(default_factory=dict)
+    progress: list[tuple[int, float, int]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [
+            f"ok={self.ok} mode={self.mode} timed_out={self.timed_out} rcs={self.returncodes} fallback={self.fallback}"
+        ]
+        for name, rc in sorted(self.returncodes.items()):
+            if rc not in (0, -9):
+                lines.append(
+                    f"--- {name} (rc={rc}) ---\n" + self.outputs.get(name, "")[-3000:]
+                )
+        return "\n".join(lines)
+
+
+def _entry(argv: list[str], log_path: str) -> None:
+    """Body of a stage process: output to ``log_path``, then the resilient training script."""
+    import traceback
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    from trainer_client.examples import train_resilient
+
+    try:
+        rc = train_resilient.main(argv)
+    except SystemExit as e:
+        rc = int(e.code or 0)
+    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _ctx() -> Any:
+    # the fork server is a fresh interpreter that imports the preload list before anything else:
+    # without the repository on its PYTHONPATH those imports fail silently and every stage (and
+    # every replacement) pays ~0.3 s of imports at start
+    pp = os.environ.get("PYTHONPATH", "")
+    if _launch._REPO_ROOT not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = _launch._REPO_ROOT + (os.pathsep + pp if pp else "")
+    ctx = _launch._forkserver()
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "trainer_client.examples.train_pipeline",
+                                "trainer_client.examples.train_resilient", "replay.replacement"])  # fmt: skip
+    return ctx
+
+
+def _f(v: Any) -> float:
+    return float(v.decode() if isinstance(v, bytes) else v)
+
+
+def run_with_failures(
+    args: Sequence[str],
+    *,
+    run_id: str,
+    base_dir: str,
+    checkpoint_url: str,
+    kills: Sequence[KillSpec] = (),
+    mode: str = "swift",
+    num_stages: int = 4,
+    replay_workers: int = 1,
+    timeout_s: float = 180.0,
+    max_restarts: int = 4,
+    grace_s: float = 3.0,
+    groups: Sequence[int] | None = None,
+) -> RecoveryRun:
+    """Run the pipeline (``args``: train_pipeline arguments without --stage/--num-stages/--store-port/
+    --out/--store-root/--run-id/--checkpoint-url/--kill-at) with ``kills`` injected; see the module docstring.
+
+    Stage k's node store root is ``{base_dir}/nodes/stage{k}-g{generation}``; results go to
+    ``{base_dir}/out``. Returns when every current stage exited 0, or on a failure that cannot
+    be handled, after ``max_restarts`` replacements/rollbacks (a crash loop), or after ``timeout_s``.
+    ``groups``: the run's logging-group sizes (the same as its ``--groups``): a failure takes its
+    whole group down (the other members are killed, since only the group's boundaries were
+    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a death, how long the scheduler waits for every other stage to either report
+    as a survivor or die too (stages that die together are replaced together).
+    """
+    if mode not in ("swift", "rollback"):
+        raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
+    host = _launch.StoreHost()
+    store = host.store
+    keys = RecoveryKeys(run_id)
+    out_dir = os.path.join(base_dir, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    ctx = _ctx()
+    procs: dict[str, Any] = {}
+    logs: dict[str, str] = {}
+    current: dict[int, str] = {}  # stage -> name of its live process
+    roots: dict[int, str] = {}
+    timeline: list[dict[str, Any]] = []
+    kill_of = {ks.stage: ks for ks in kills}
+    t0 = time.time()
+    gen = 0
+    fallback: str | None = None
+
+    def start(k: int, g: int, extra: Sequence[str], *, name: str) -> None:
+        roots[k] = os.path.join(base_dir, "nodes", f"stage{k}-g{g}")
+        argv = ["--resilient", "--stage", str(k), "--num-stages", str(num_stages), "--store-port", str(host.port), "--out", out_dir,
+                "--run-id", run_id, "--store-root", roots[k], "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
+        logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
+        p = ctx.Process(target=_entry, args=(argv, logs[name]), name=name)
+        p.start()
+        procs[name] = _launch._ForkProc(p)
+        current[k] = name
+        timeline.append(
+            {
+                "t": time.time(),
+                "what": "start",
+                "name": name,
+                "stage": k,
+                "generation": g,
+            }
+        )
+
+    def rollback(reason: str) -> None:
+        nonlocal gen
+        for n in current.values():
+            if procs[n].poll() is None:
+                procs[n].kill()
+        for n in current.values():
+            procs[n].wait()
+        c = common_checkpoint(checkpoint_url, num_stages, 1 << 40)
+        timeline.append(
+            {"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason}
+        )
+        store.set(keys.failed(gen), reason)
+        gen += 1
+        for k in range(num_stages):
+            extra = ["--generation", str(gen)] + (
+                ["--resume-from", str(c)] if c is not None else []
+            )
+            start(k, gen, extra, name=f"stage{k}-g{gen}")
+
+    timed_out = False
+    try:
+        for k in range(num_stages):
+            start(
+                k,
+                0,
+                ["--kill-at", kill_of[k].arg()] if k in kill_of else [],
+                name=f"stage{k}-g0",
+            )
+        while True:
+            if time.time() - t0 > timeout_s:
+                timed_out = True
+                break
+            states = {k: procs[n].poll() for k, n in current.items()}
+            if all(rc == 0 for rc in states.values()):
+                break
+            dead = [k for k, rc in states.items() if rc not in (None, 0)]
+            if gen > 0 and store.check([keys.fallback(gen - 1)]) and fallback is None:
+                fallback = _s(store.get(keys.fallback(gen - 1)))
+                timeline.append(
+                    {"t": time.time(), "what": "fallback", "reason": fallback}
+                )
+                rollback(f"in-place recovery impossible: {fallback}")
+                continue
+            if dead:
+                k = dead[0]
+                name, rc = current[k], states[k]
+                timeline.append(
+                    {
+                        "t": time.time(),
+                        "what": "exit",
+                        "name": name,
+                        "stage": k,
+                        "rc": rc,
+                    }
+                )
+                if gen >= max_restarts:
+                    timeline.append(
+                        {
+                            "t": time.time(),
+                            "what": "give_up",
+                            "reason": f"{gen} restarts already",
+                        }
+                    )
+                    break
+                if mode == "rollback":
+                    rollback(f"stage {k} died (rc={rc})")
+                else:
+                    store.set(
+                        keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})"
+                    )  # commit waiters abort now
+                    for j in _group_members(groups, dead, num_stages):
+                        if procs[current[j]].poll() is None:
+                            procs[
+                                current[j]
+                            ].kill()  # its state depends on the lost stage's unlogged sends
+                            timeline.append(
+                                {
+                                    "t": time.time(),
+                                    "what": "kill_group_member",
+                                    "stage": j,
+                                }
+                            )
+                    failed = _settle(
+                        store,
+                        keys,
+                        gen,
+                        procs,
+                        current,
+                        sorted(
+                            set(dead) | set(_group_members(groups, dead, num_stages))
+                        ),
+                        grace_s,
+                    )
+                    store.set(keys.failed_stages(gen), json.dumps(failed))
+                    timeline.append(
+                        {
+                            "t": time.time(),
+                            "what": "replace",
+                            "stages": failed,
+                            "generation": gen,
+                        }
+                    )
+                    survivors = [roots[j] for j in range(num_stages) if j not in failed]
+                    for j in failed:
+                        start(j, gen + 1, ["--replacement", "--generation", str(gen), "--sources", ",".join(survivors),
+                                           "--replay-workers", str(replay_workers)], name=f"stage{j}-g{gen + 1}")  # fmt: skip
+                    gen += 1
+                continue
+            time.sleep(
+                0.02
+            )  # scheduler poll period (how fast a process exit is noticed), not a protocol wait
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in procs.values():
+            p.wait()
+    outputs = {}
+    for n, path in logs.items():
+        with open(path) as f:
+            outputs[n] = f.read()
+        os.unlink(path)
+    rcs = {n: p.returncode for n, p in procs.items()}
+    ok = not timed_out and all(procs[n].returncode == 0 for n in current.values())
+    run = RecoveryRun(
+        ok,
+        mode,
+        out_dir,
+        time.time() - t0,
+        rcs,
+        outputs,
+        timeline=timeline,
+        fallback=fallback,
+        timed_out=timed_out,
+        t0=t0,
+    )
+    if store.check([keys.progress()]):
+        entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
+        run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
+    run.kill_times = {
+        k: _f(store.get(keys.kill_time(k)))
+        for k in range(num_stages)
+        if store.check([keys.kill_time(k)])
+    }
+    if ok:
+        run.results = {
+            k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False)
+            for k in range(num_stages)
+        }
+        run.timings = _timings(store, keys, run, num_stages)
+    return run
+
+
+def _group_members(
+    groups: Sequence[int] | None, stages: Sequence[int], num_stages: int
+) -> list[int]:
+    """Every stage in the logging groups of ``stages`` (``stages`` themselves without groups)."""
+    if not groups:
+        return list(stages)
+    out, first = [], 0
+    for size in groups:
+        members = list(range(first, first + size))
+        if any(k in members for k in stages):
+            out += members
+        first += size
+    return [k for k in out if k < num_stages]
+
+
+def _settle(
+    store: Any,
+    keys: RecoveryKeys,
+    g: int,
+    procs: dict[str, Any],
+    current: dict[int, str],
+    dead: list[int],
+    grace_s: float,
+) -> list[int]:
+    """The stages lost in generation ``g``: ``dead`` plus any that die before every other stage has
+    reported as a survivor (bounded by ``grace_s``)."""
+    failed = set(dead)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for k, n in current.items():
+            if procs[n].poll() not in (None, 0):
+                failed.add(k)
+        pending = [
+            k
+            for k in current
+            if k not in failed and not store.check([keys.survivor(g, k)])
+        ]
+        if not pending:
+            break
+        time.sleep(0.01)  # poll period of the scheduler
+    return sorted(failed)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _timings(
+    store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int
+) -> list[dict[str, Any]]:
+    """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps."""
+    out = []
+    kills = {
+        k: _f(store.get(keys.kill_time(k)))
+        for k in range(num_stages)
+        if store.check([keys.kill_time(k)])
+    }
+    gens = sorted({e["generation"] for e in run.timeline if e["what"] == "replace"})
+    for g in gens:
+        d: dict[str, Any] = {"generation": g}
+        reps = [
+            json.loads(_s(store.get(keys.survivor(g, k))))
+            for k in range(num_stages)
+            if store.check([keys.survivor(g, k)])
+        ]
+        failed = json.loads(_s(store.get(keys.failed_stages(g))))
+        ready = [
+            json.loads(_s(store.get(keys.ready(g, k))))
+            for k in failed
+            if store.check([keys.ready(g, k)])
+        ]
+        rejoined = [
+            _f(store.get(keys.rejoined(g, k)))
+            for k in range(num_stages)
+            if store.check([keys.rejoined(g, k)])
+        ]
+        t_kill = min((kills[k] for k in failed if k in kills), default=None)
+        d["failed_stages"] = failed
+        d["resume"] = reps[0]["resume"] if reps else None
+        if t_kill is not None and reps:
+            d["detect_s"] = min(r["t_detect"] for r in reps) - t_kill
+            d["all_detected_s"] = max(r["t_detect"] for r in reps) - t_kill
+            d["survivors_reported_s"] = (
+                max(r.get("t_reported", r["t_detect"]) for r in reps) - t_kill
+            )
+            d["survivor_teardown_s"] = max(r.get("teardown_s", 0.0) for r in reps)
+            d["survivor_destroy_s"] = max(r.get("destroy_s", 0.0) for r in reps)
+            d["survivor_drain_s"] = max(r.get("drain_s", 0.0) for r in reps)
+        if ready:
+            tm = ready[0].get("timings", {})
+            d["wait_survivors_s"] = tm.get("wait_survivors_s")
+            d["fetch_s"] = (tm.get("setup_s") or 0.0) + (tm.get("fetch_s") or 0.0)
+            d["replay_s"] = tm.get("replay_s")
+            d["bytes_fetched"] = ready[0].get("bytes_fetched")
+            d["records_fetched"] = ready[0].get("records_fetched")
+            d["verified"] = ready[0].get("verified")
+            d["digests_checked"] = ready[0].get("digests_checked")
+            d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
+            replace_t = next(
+                (
+                    e["t"]
+                    for e in run.timeline
+                    if e["what"] == "replace" and e["generation"] == g
+                ),
+                None,
+            )
+            if t_kill is not None and replace_t is not None:
+                d["scheduler_s"] = (
+                    replace_t - t_kill
+                )  # death noticed, failed stages settled, replacement launched
+                d["replacement_start_s"] = (
+                    ready[0]["t_main"] - replace_t
+                )  # process start (fork server)
+                d["replacement_setup_s"] = (
+                    ready[0]["t_recover"] - ready[0]["t_main"]
+                )  # store connection, log client
+            if rejoined:
+                d["rejoin_s"] = max(rejoined) - max(r["t"] for r in ready)
+        if t_kill is not None and rejoined:
+            d["resumed_s"] = max(rejoined) - t_kill
+        out.append(d)
+    return out
+
+
+def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | None:
+    """Rollback mode: seconds from the kill to the restarted pipeline finishing ``fail_iteration - 1``
+    again (i.e. standing where it was when the failure hit), from the stages' iteration stamps."""
+    kill = (
+        run.kill_times[min(run.kill_times)]
+        if run.kill_times
+        else next((e["t"] for e in run.timeline if e["what"] == "exit"), None)
+    )
+    if kill is None:
+        return None
+    ends = []
+    for r in run.results.values():
+        g_max = max(g for _, _, g in r["iteration_end"])
+        t = [
+            t
+            for it, t, g in r["iteration_end"]
+            if g == g_max and it == fail_iteration - 1
+        ]
+        if not t:
+            return None
+        ends.append(t[0])
+    return max(ends) - kill
+
+
+def states_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Names of model / optimizer-state tensors that differ bitwise between two stage results."""
+    bad = [
+        f"param {n}"
+        for n in a["model"]
+        if not torch.equal(a["model"][n], b["model"][n])
+    ]
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    if sa.keys() != sb.keys():
+        bad.append("optimizer state keys")
+    for p in sa:
+        for key, v in sa[p].items():
+            if isinstance(v, torch.Tensor) and not torch.equal(v, sb[p][key]):
+                bad.append(f"optimizer {p}.{key}")
+    if a.get("lr_scheduler") != b.get("lr_scheduler"):
+        bad.append("lr_scheduler")
+    return bad

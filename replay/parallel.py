@@ -1,0 +1,545 @@
+"""Parallel replay (SWIFT's parallel recovery): K workers share every iteration's micro-batches.
+
+Each worker loads the same checkpoint(s), replays a contiguous slice of each iteration's
+micro-batches (in the live backward order: worker r gets positions ``[r*n//K, (r+1)*n//K)``),
+forward and backward, reads only the records of its own micro-batches, and verifies the sends
+of its own micro-batches. Then the parameter gradients are reduced over the workers (gloo), and
+every worker divides them by the schedule's factor and steps its optimizer and scheduler
+identically. Worker 0 writes the recovered checkpoint(s); before that the workers compare a
+digest of their parameters, so "they stepped identically" is checked, not assumed.
+
+Two reductions:
+
+**exact** (default): the sequential replay's ``.grad`` after an iteration is
+``((g_0 + g_1) + g_2) + ...`` in backward order (autograd's AccumulateGrad adds each micro-batch's
+gradient in place, elementwise; the first one is assigned). Each ``g_i`` a worker computes is
+bit-identical to the sequential one (same weights, inputs, per-micro-batch seed and thread
+count). So the workers form exactly that sum as an ordered chain: worker 0 lets autograd
+accumulate its slice in ``.grad``; worker r > 0 keeps its slice's gradients apart, receives the
+running sum from worker r - 1, adds its own in order and passes it on; the last worker broadcasts
+the total. The result is bit-identical to sequential replay (the tests compare every byte). Cost:
+worker r > 0 holds its ``n/K`` micro-batches' gradients (``n/K x`` the parameter bytes);
+communication is ``K - 1`` point-to-point hops plus one broadcast of the gradients per iteration,
+in sequence (an all-reduce's volume, with a latency that grows with K).
+
+**approximate** (``exact=False``): each worker sums its slice locally, then one all-reduce. Both
+this and the sequential replay are floating-point sums of the same ``n`` terms in different
+orders; any order satisfies ``|fl(sum g_i) - sum g_i| <= gamma_{n-1} * sum |g_i|`` elementwise
+(``gamma_k = k u / (1 - k u)``, ``u`` the unit roundoff: 2**-24 for float32), so from identical
+states the reduced gradient differs from the sequential one by at most
+``2 * gamma_{n-1} * sum_i |g_i|`` per element (before the identical division by the scale factor).
+The workers compute that bound (one more all-reduce of ``sum |g_i|``) and report its largest
+value as ``grad_error_bound``; ``dump_gradients`` writes the reduced gradients and the elementwise
+bound per iteration. The approximate replay therefore equals a sequential replay whose every
+gradient is perturbed within that bound. AdamW's update is ``m_hat / (sqrt(v_hat) + eps)``, whose
+size is at most ``C = (1 - b1) / sqrt(1 - b2) / sqrt(1 - b1**2 / b2)`` (about 7.3 for betas
+(0.9, 0.999), bias correction included), so the final parameters of the two replays differ by at
+most ``2 * C * sum_t lr_t``: a valid bound but a loose one (the measured difference, see
+``bench/results/replay.json``, is many orders smaller). Sends after the first iteration then differ
+from the logged ones, so the approximate mode verifies only the first iteration's sends and never
+reports ``verified``.
+
+Launching: :func:`run_parallel` spawns the workers with ``torch.multiprocessing`` (a TCPStore in the
+calling process carries the rendezvous); under torchrun run ``python -m replay.parallel --job
+job.json --result result.json`` (every rank reads the same job; ``WORLD_SIZE`` is the number of
+workers; rank 0 writes the result).
+
+Never: lets workers step with different gradients (they all use the reduced sum), or writes an
+output when a worker failed or the workers' parameters differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from logstore import RecordKey
+from logstore.errors import CorruptRecordError, SwiftlogError
+from replay.core import (
+    LogReader,
+    ReplayError,
+    ReplayHooks,
+    ReplayInputMissingError,
+    ReplayReport,
+    StageState,
+    replay_stages,
+)
+from replay.engine import (
+    ReplayJob,
+    ReplayProgress,
+    ReplayResult,
+    StageFactory,
+    _close_all,
+    _log_outcome,
+    _loss_and_data,
+    _Progress,
+    build_states,
+    open_sources,
+    write_outputs,
+)
+from trainer_client.digest import tensor_digest
+
+__all__ = ["run_parallel", "worker_main", "slice_of", "adamw_update_bound", "main"]
+
+logger = logging.getLogger(__name__)
+
+PG_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def slice_of(order: Sequence[int], rank: int, world: int) -> list[int]:
+    """Worker ``rank``'s contiguous share of ``order`` (sizes differ by at most one)."""
+    n = len(order)
+    return list(order[rank * n // world : (rank + 1) * n // world])
+
+
+def _gamma(k: int, dtype: torch.dtype) -> float:
+    u = torch.finfo(dtype).eps / 2
+    return k * u / (1 - k * u)
+
+
+def adamw_update_bound(beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """``C``: the largest size of one AdamW update direction ``m_hat / sqrt(v_hat)`` (module docstring).
+
+    Valid when ``beta1**2 < beta2`` and the bias-correction factor ``sqrt(1 - b2**t) / (1 - b1**t)``
+    stays <= 1 (true for the default betas); raises ValueError otherwise.
+    """
+    if not beta1**2 < beta2:
+        raise ValueError(f"the bound needs beta1**2 < beta2, got {beta1}, {beta2}")
+    worst = max(math.sqrt(1 - beta2**t) / (1 - beta1**t) for t in range(1, 100_000, 7))
+    if worst > 1.0 + 1e-12:
+        raise ValueError(f"bias correction exceeds 1 ({worst:.3f}) for betas ({beta1}, {beta2})")
+    return (1 - beta1) / math.sqrt(1 - beta2) / math.sqrt(1 - beta1**2 / beta2)
+
+
+# ====================================================================== gradient reduction
+class _GradReducer:
+    """Collects each worker's micro-batch gradients and reduces them over the workers.
+
+    Exact mode: worker 0's slice starts the running sum, so autograd accumulates it in ``.grad``
+    exactly as the sequential replay does; a worker r > 0 takes each micro-batch's gradient tensors
+    out of ``.grad`` (references, no copy) until the running sum of the slices before it arrives.
+    Approximate mode: every worker sums its slice into a flat buffer (the same arithmetic) and,
+    for the error bound, the absolute values. Flat buffers hold one dtype each (views give each
+    parameter its slice); a parameter's "present" flag says whether any micro-batch produced a
+    gradient for it, so one without keeps ``grad=None`` as in the sequential replay.
+    """
+
+    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, dump_dir: str | None = None) -> None:
+        self.rank, self.world, self.exact = rank, world, exact
+        self.params = [p for st in states for p in st.module.parameters()]
+        self.dtypes = sorted({p.dtype for p in self.params}, key=str)
+        sizes = {dt: 0 for dt in self.dtypes}
+        self.where: list[tuple[torch.dtype, int, int]] = []
+        for p in self.params:
+            self.where.append((p.dtype, sizes[p.dtype], p.numel()))
+            sizes[p.dtype] += p.numel()
+        self.sizes = sizes
+        self.dump_dir = dump_dir
+        self.bound_max = 0.0
+        self.global_n = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Ready for the next iteration; buffers are allocated once (the optimizer has let go of the
+        gradient views by now: ``zero_grad(set_to_none=True)``)."""
+        if not hasattr(self, "acc"):
+            self.acc = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
+            self.abs = None if self.exact else {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
+        elif not self.exact:  # summed by all-reduce: a slice no micro-batch wrote must be zero
+            assert self.abs is not None
+            for dt in self.dtypes:
+                self.acc[dt].zero_()
+                self.abs[dt].zero_()
+        # exact mode: a slice is assigned by its first gradient; one that none wrote is never read
+        self.present = [False] * len(self.params)
+        self.stash: list[list[torch.Tensor | None]] = []
+        self.n_mb = 0
+
+    def _view(self, flats: dict[torch.dtype, torch.Tensor], i: int) -> torch.Tensor:
+        dt, off, n = self.where[i]
+        return flats[dt][off : off + n].view(self.params[i].shape)
+
+    def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """``acc += grads`` in AccumulateGrad's arithmetic: the first gradient is assigned, the next added."""
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            v = self._view(self.acc, i)
+            if self.present[i]:
+                v.add_(g)
+            else:
+                v.copy_(g)
+                self.present[i] = True
+
+    def _take(self) -> list[torch.Tensor | None]:
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
+
+    # -- hooks --------------------------------------------------------------------------
+    def select(self, it: int, order: Sequence[int]) -> list[int]:
+        return slice_of(order, self.rank, self.world)
+
+    def after_backward(self, it: int, mb: int) -> None:
+        self.n_mb += 1
+        if self.exact:
+            if self.rank > 0:  # kept apart until the running sum of the earlier slices arrives
+                self.stash.append(self._take())
+            return  # worker 0: autograd accumulates in .grad, as sequentially
+        grads = self._take()
+        self._add(grads)
+        assert self.abs is not None
+        for i, g in enumerate(grads):
+            if g is not None:
+                self._view(self.abs, i).add_(g.abs())
+
+    def before_step(self, it: int, scale: int) -> None:
+        if self.exact:
+            if self.world == 1:
+                return  # nothing to reduce: .grad holds the sum
+            if self.rank == 0:
+                self._add(self._take())
+            self._chain()
+        else:
+            if self.world > 1:
+                self._all_reduce(it)
+            else:
+                self.global_n = self.n_mb
+        for i, p in enumerate(self.params):
+            p.grad = self._view(self.acc, i) if self.present[i] else None
+        if self.dump_dir is not None and self.rank == 0:
+            self._dump(it, scale)
+
+    def _comm_buffers(self) -> list[torch.Tensor]:
+        return [self.acc[dt] for dt in self.dtypes]
+
+    def _chain(self) -> None:
+        """Running sum in backward order: 0 -> 1 -> ... -> K-1, then broadcast from K-1."""
+        flags = torch.tensor(self.present, dtype=torch.int32)
+        if self.rank > 0:
+            for t in self._comm_buffers():
+                dist.recv(t, src=self.rank - 1)
+            dist.recv(flags, src=self.rank - 1)
+            self.present = [bool(x) for x in flags.tolist()]
+            for grads in self.stash:
+                self._add(grads)
+            self.stash = []
+            flags = torch.tensor(self.present, dtype=torch.int32)
+        if self.rank < self.world - 1:
+            for t in self._comm_buffers():
+                dist.send(t, dst=self.rank + 1)
+            dist.send(flags, dst=self.rank + 1)
+        for t in self._comm_buffers():
+            dist.broadcast(t, src=self.world - 1)
+        dist.broadcast(flags, src=self.world - 1)
+        self.present = [bool(x) for x in flags.tolist()]
+
+    def _all_reduce(self, it: int) -> None:
+        for t in self._comm_buffers():
+            dist.all_reduce(t)
+        counts = torch.tensor([*self.present, self.n_mb], dtype=torch.int64)
+        dist.all_reduce(counts)
+        self.present = [bool(x) for x in counts[:-1].tolist()]
+        self.global_n = int(counts[-1].item())
+        assert self.abs is not None
+        for dt in self.dtypes:
+            dist.all_reduce(self.abs[dt])
+            if self.abs[dt].numel():
+                self.bound_max = max(self.bound_max, self._factor(dt) * float(self.abs[dt].max()))
+
+    def _factor(self, dt: torch.dtype) -> float:
+        """``2 * gamma_{n-1}`` for this iteration's n micro-batches."""
+        return 2 * _gamma(max(self.global_n - 1, 0), dt)
+
+    def _dump(self, it: int, scale: int) -> None:
+        assert self.dump_dir is not None
+        os.makedirs(self.dump_dir, exist_ok=True)
+        doc: dict[str, Any] = {
+            "iteration": it,
+            "scale": scale,
+            "exact": self.exact,
+            "grads": [self._view(self.acc, i).clone() if self.present[i] else None for i in range(len(self.params))],
+        }
+        if self.abs is not None:
+            doc["bound"] = [self._factor(p.dtype) * self._view(self.abs, i) for i, p in enumerate(self.params)]
+        torch.save(doc, os.path.join(self.dump_dir, f"grads-it{it:012d}.pt"))
+
+    def end_iteration(self) -> None:
+        self._reset()
+
+
+# ====================================================================== a worker
+def worker_main(
+    rank: int,
+    world: int,
+    job: ReplayJob,
+    *,
+    store: dist.Store | None = None,
+    result_path: str | None = None,
+    progress: Any = None,
+    factory: StageFactory | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    data_source: Callable[[int], Any] | None = None,
+) -> dict[str, Any] | None:
+    """One worker of a parallel replay; returns the result document on rank 0 (None elsewhere).
+
+    ``store``: the rendezvous store (None: ``env://``, as torchrun sets it up). ``result_path``:
+    where rank 0 writes the result JSON. ``progress``: a queue that receives rank 0's progress
+    dicts. Raises what the replay raises (every rank that sees it).
+    """
+    t0 = time.perf_counter()
+    if store is not None:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    opened = []
+    try:
+        if job.threads is not None:
+            torch.set_num_threads(job.threads)
+        opened = open_sources(job.sources, job.run)
+        reader = LogReader(opened)
+        states = build_states(job, factory)
+        ck = states[0].checkpoint
+        assert ck is not None
+        loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
+        start = ck.iteration
+        reducer = _GradReducer(states, rank, world, exact=job.exact, dump_dir=job.dump_gradients)
+        hooks = ReplayHooks(
+            select=reducer.select,
+            after_backward=reducer.after_backward,
+            before_step=reducer.before_step,
+            verify=None if job.exact else (lambda it: it == start),
+        )
+        tracker = _Progress(job, start, None, workers=world) if rank == 0 else None
+
+        def on_iteration(it: int, report: ReplayReport) -> None:
+            reducer.end_iteration()
+            if tracker is not None:
+                tracker(it, report)
+                if progress is not None:
+                    done = it - start + 1
+                    el = time.perf_counter() - t_replay
+                    rate = done / el if el > 0 else 0.0
+                    progress.put(ReplayProgress(tuple(job.stages), it, done, tracker.total, el, rate,
+                                                (tracker.total - done) / rate if rate > 0 else None, report.micro_batches * world, world).to_dict())  # fmt: skip
+
+        setup_s = time.perf_counter() - t0
+        dist.barrier()  # replay time is measured from a common start
+        t_replay = time.perf_counter()
+        cpu0 = time.process_time()
+        report = replay_stages(
+            states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
+            n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
+            prefetch=job.prefetch, hooks=hooks, on_iteration=on_iteration,
+        )  # fmt: skip
+        replay_s = time.perf_counter() - t_replay
+        replay_cpu = time.process_time() - cpu0
+        if not job.exact:
+            note = f"approximate parallel replay: only iteration {start}'s sends are verified (later states differ within the stated bound)"
+            report.warnings.append(note)
+        digest = _state_digest(states)
+        payload = {"report": report.to_dict(), "setup_s": setup_s, "replay_s": replay_s, "cpu_s": replay_cpu, "bound": reducer.bound_max, "digest": digest}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, payload)
+        if len({g["digest"] for g in gathered}) != 1:
+            raise ReplayError(f"parallel replay workers ended with different parameters (digests {[g['digest'] for g in gathered]})",
+                              hint="a nondeterministic kernel or an environment difference between workers")  # fmt: skip
+        result = None
+        if rank == 0:
+            merged = ReplayReport.from_dict(gathered[0]["report"])
+            for g in gathered[1:]:
+                merged.merge(ReplayReport.from_dict(g["report"]))
+            merged.compute_seconds = max(g["report"]["compute_seconds"] for g in gathered)
+            merged.seconds = max(g["report"]["seconds"] for g in gathered)
+            bound = max(g["bound"] for g in gathered) if not job.exact else None
+            outputs = write_outputs(job, states, merged, extra={"grad_error_bound": bound})
+            result = {
+                "report": merged.to_dict(),
+                "outputs": {str(k): v for k, v in outputs.items()},
+                "setup_seconds": max(g["setup_s"] for g in gathered),
+                "replay_seconds": max(g["replay_s"] for g in gathered),
+                "cpu_seconds": [g["cpu_s"] for g in gathered],
+                "grad_error_bound": bound,
+                "workers": world,
+            }
+            if result_path is not None:
+                tmp = f"{result_path}.partial-{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump(result, f)
+                os.replace(tmp, result_path)
+        dist.barrier()
+        return result
+    except BaseException as e:
+        if result_path is not None:
+            _write_error(result_path, rank, e)
+        raise
+    finally:
+        _close_all(opened)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _state_digest(states: Sequence[StageState]) -> str:
+    """A digest of every parameter's bytes (same on every worker iff they stepped identically)."""
+    h = hashlib.blake2b(digest_size=16)
+    for st in states:
+        for p in st.module.parameters():
+            h.update(tensor_digest(p.detach()).to_bytes(8, "big"))
+    return h.hexdigest()
+
+
+def _write_error(result_path: str, rank: int, e: BaseException) -> None:
+    doc = {"rank": rank, "type": type(e).__name__, "message": str(e), "key": str(getattr(e, "key", "") or "") or None,
+           "hint": getattr(e, "hint", None)}  # fmt: skip
+    try:
+        with open(f"{result_path}.error-{rank}", "w") as f:
+            json.dump(doc, f)
+    except OSError:
+        logger.warning("worker %d could not record its error %s", rank, doc)
+
+
+def _raise_worker_error(result_path: str, world: int, fallback: str) -> None:
+    docs = []
+    for r in range(world):
+        try:
+            with open(f"{result_path}.error-{r}") as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    # the root cause: a missing / corrupt record beats the errors it caused in the other workers
+    docs.sort(key=lambda d: (d["type"] not in ("ReplayInputMissingError", "CorruptRecordError"), d["rank"]))
+    if not docs:
+        raise ReplayError(f"parallel replay failed: {fallback}")
+    d = docs[0]
+    msg = f"worker {d['rank']}: {d['message']}"
+    if d["type"] == "ReplayInputMissingError" and d.get("key"):
+        raise ReplayInputMissingError(msg, key=RecordKey.parse(d["key"]), hint=d.get("hint"))
+    if d["type"] == "CorruptRecordError":
+        key = RecordKey.parse(d["key"]) if d.get("key") else None
+        raise CorruptRecordError(msg, key=key, hint=d.get("hint"))
+    raise ReplayError(f"parallel replay failed in {msg} ({d['type']})", hint=d.get("hint"))
+
+
+# ====================================================================== spawning
+def _spawn_entry(rank: int, world: int, job_doc: dict[str, Any], host: str, port: int, prefix: str, result_path: str, progress: Any,
+                 factory: StageFactory | None, loss_fn: Any, data_source: Any) -> None:  # fmt: skip
+    logging.basicConfig(level=logging.WARNING, format=f"replay-worker{rank} %(levelname)s %(name)s: %(message)s")
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    worker_main(rank, world, ReplayJob.from_dict(job_doc), store=dist.PrefixStore(prefix, store), result_path=result_path,
+                progress=progress, factory=factory, loss_fn=loss_fn, data_source=data_source)  # fmt: skip
+
+
+def run_parallel(
+    job: ReplayJob,
+    *,
+    factory: StageFactory | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    data_source: Callable[[int], Any] | None = None,
+    on_progress: Callable[[ReplayProgress], None] | None = None,
+    start_method: str = "forkserver",
+    timeout_s: float | None = None,
+) -> ReplayResult:
+    """Spawn ``job.workers`` worker processes (torch.multiprocessing) and run the job over them.
+
+    The rendezvous TCPStore is hosted here on 127.0.0.1. ``start_method``: "forkserver" (default:
+    workers fork from a server that imported torch once), "spawn" or "fork" (only when this
+    process has not opened the stores: an LMDB environment must not cross a fork, so a forked
+    worker cannot open a hot tier its parent holds open and reads the cold tier instead).
+    Callables given here must be picklable. Raises the workers' ReplayInputMissingError / CorruptRecordError (naming the
+    record) or ReplayError; on ``timeout_s`` every worker is killed and ReplayError raised.
+    """
+    import torch.multiprocessing as tmp
+
+    t0 = time.perf_counter()
+    world = job.workers
+    if start_method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "replay.parallel"])
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    ctx = tmp.get_context(start_method)
+    queue = ctx.SimpleQueue() if on_progress is not None else None
+    with tempfile.TemporaryDirectory(prefix="swiftlog-replay-") as d:
+        result_path = os.path.join(d, "result.json")
+        pc = tmp.start_processes(
+            _spawn_entry,
+            args=(world, job.to_dict(), "127.0.0.1", host.port, f"replay-{uuid.uuid4().hex}", result_path, queue, factory, loss_fn, data_source),
+            nprocs=world, join=False, start_method=start_method,
+        )  # fmt: skip
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    done = pc.join(timeout=0.05)
+                except Exception as e:  # a worker raised or died: the others are terminated by join()
+                    _raise_worker_error(result_path, world, f"{type(e).__name__}: {str(e)[-2000:]}")
+                _drain(queue, on_progress)
+                if done:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ReplayError(f"parallel replay of stages {job.stages} did not finish within {timeout_s} s")
+        finally:
+            for p in pc.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        _drain(queue, on_progress)
+        with open(result_path) as f:
+            doc = json.load(f)
+    report = ReplayReport.from_dict(doc["report"])
+    res = ReplayResult(job, report, {int(k): v for k, v in doc["outputs"].items()}, None, time.perf_counter() - t0,
+                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"])  # fmt: skip
+    _log_outcome(res)
+    return res
+
+
+def _drain(queue: Any, on_progress: Callable[[ReplayProgress], None] | None) -> None:
+    if queue is None or on_progress is None:
+        return
+    while not queue.empty():
+        d = queue.get()
+        d["stages"] = tuple(d["stages"])
+        on_progress(ReplayProgress(**d))
+
+
+# ====================================================================== torchrun
+def main(argv: Sequence[str] | None = None) -> int:
+    """``torchrun --nproc-per-node K -m replay.parallel --job job.json --result result.json``."""
+    ap = argparse.ArgumentParser(prog="python -m replay.parallel", description="one worker of a parallel replay (under torchrun)")
+    ap.add_argument("--job", required=True, help="ReplayJob as JSON (ReplayJob.to_dict)")
+    ap.add_argument("--result", default=None, help="where rank 0 writes the result JSON")
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=f"replay-rank{rank} %(levelname)s %(name)s: %(message)s")
+    with open(args.job) as f:
+        job = ReplayJob.from_dict(json.load(f))
+    if job.workers != world:
+        logger.info("job says %d workers, torchrun started %d: using %d", job.workers, world, world)
+        job = job.replace(workers=world)
+    try:
+        res = worker_main(rank, world, job, result_path=args.result)
+    except SwiftlogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if rank == 0 and res is not None:
+        print("RESULT " + json.dumps({k: res[k] for k in ("outputs", "replay_seconds", "grad_error_bound")} | {"verified": res["report"]["verified"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

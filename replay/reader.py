@@ -1,0 +1,265 @@
+"""Reading a run's records for a replay: :class:`LogReader` over one or several record sources.
+
+A source is anything with the :class:`RecordSource` methods: a ``LogStore`` opened on a node's
+store root (every writer's hot tier there, plus its cold tier), a cold-tier-only store, or a node
+server over HTTP (``replay.remote.HttpRecordSource``). The first source holding an intact copy of
+a key wins; a retryable error of one source (an unreachable server) falls through to the next.
+
+Prefetching: :meth:`LogReader.prefetch` fetches and decodes keys ahead (the replay's prefetch
+thread calls it); :meth:`LogReader.get` hands each prefetched record out once, or waits for one
+being fetched, so nothing is read twice. Key listings are cached per (channel, iteration) and
+taken :data:`LIST_WINDOW` iterations at a time; META documents are cached decoded.
+
+Never: returns bytes that failed a checksum (the sources guarantee it); writes to a source.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from logstore import Channel, RecordKey
+from logstore.errors import (
+    CorruptRecordError,
+    RecordNotFoundError,
+    StoreError,
+    SwiftlogError,
+)
+from replay.errors import ReplayError, ReplayInputMissingError
+from trainer_client.client import decode_meta
+from trainer_client.digest import digest_from_record
+
+__all__ = ["RecordSource", "LogReader", "LIST_WINDOW"]
+
+logger = logging.getLogger(__name__)
+
+#: iterations listed per key-listing call of a source (see ``LogReader._parts_of``)
+LIST_WINDOW = 16
+
+
+@runtime_checkable
+class RecordSource(Protocol):
+    """What the replay reads records through (``LogStore`` is one; so is ``replay.remote.HttpRecordSource``).
+
+    ``get`` raises RecordNotFoundError / CorruptRecordError (naming the key) and never returns
+    wrong bytes; ``keys`` lists one channel's keys of iterations ``[it_lo, it_hi)`` in key order;
+    ``gaps`` lists the recorded gaps (dicts with channel, iteration, micro_batch, reason).
+    """
+
+    def get(self, key: RecordKey) -> torch.Tensor: ...
+
+    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]: ...
+
+    def gaps(self) -> list[dict[str, Any]]: ...
+
+
+class LogReader:
+    """Read one run's records through one or several sources; the first source holding a key wins.
+
+    Typical sources: a store opened read-only on a node root (every writer's hot tier there, plus
+    the cold tier), the cold tier alone, or a node server over HTTP. Caches the key listing per
+    (channel, iteration) and decoded META documents. Records fetched ahead by :meth:`prefetch`
+    are handed out once (the cache entry is dropped on use). Thread-safe.
+    """
+
+    def __init__(self, stores: RecordSource | Sequence[RecordSource]) -> None:
+        self.stores: list[RecordSource] = list(stores) if isinstance(stores, (list, tuple)) else [stores]  # type: ignore[list-item]
+        if not self.stores:
+            raise ValueError("LogReader needs at least one record source")
+        self._lock = threading.Lock()
+        self._listing: dict[tuple[Channel, int], dict[int, list[RecordKey]]] = {}
+        self._metas: dict[tuple[int, int], dict[str, Any]] = {}
+        self._meta_pending: dict[tuple[int, int], Future[dict[str, Any] | None]] = {}
+        self._pending: dict[RecordKey, Future[torch.Tensor]] = {}
+        self._taken: set[RecordKey] = set()  # fetched by get() while a prefetch thread runs
+        self._prefetchers = 0
+        self.fetched_records = 0
+        self.fetched_seconds = 0.0
+        self.prefetch_hits = 0
+
+    # -------------------------------------------------------------- records
+    def get(self, key: RecordKey) -> torch.Tensor:
+        """The tensor under ``key`` from the first source that has an intact copy.
+
+        Raises ReplayInputMissingError if no source has it (with the gaps recorded for it, if
+        any), the CorruptRecordError of the last source when every copy is corrupt, or the
+        retryable StoreError of an unreachable source when no reachable one has it.
+        """
+        with self._lock:
+            fut = self._pending.pop(key, None)
+            if fut is None and self._prefetchers:
+                self._taken.add(key)  # a prefetch that has not reached it yet skips it
+            if fut is not None:
+                self.prefetch_hits += 1
+        if fut is not None:
+            return fut.result()
+        return self._fetch(key)
+
+    def _fetch(self, key: RecordKey) -> torch.Tensor:
+        t0 = time.perf_counter()
+        corrupt: CorruptRecordError | None = None
+        unavailable: StoreError | None = None
+        try:
+            for s in self.stores:
+                try:
+                    return s.get(key)
+                except RecordNotFoundError:
+                    continue
+                except CorruptRecordError as e:
+                    corrupt = e
+                except StoreError as e:  # an unreachable source: another one may have the record
+                    if not e.retryable:
+                        raise
+                    unavailable = e
+        finally:
+            with self._lock:
+                self.fetched_records += 1
+                self.fetched_seconds += time.perf_counter() - t0
+        if corrupt is not None:
+            raise corrupt
+        if unavailable is not None:
+            raise unavailable
+        raise ReplayInputMissingError(f"record {key} is in none of {len(self.stores)} source(s){self._gap_note(key)}", key=key,
+                                      hint="replay from an older checkpoint whose logs are complete, or recover the whole group")  # fmt: skip
+
+    def prefetch(self, keys: Sequence[RecordKey], stop: threading.Event | None = None) -> int:
+        """Fetch ``keys`` now (in order) into the one-shot cache that :meth:`get` reads first.
+
+        Every key is registered before the first fetch, so a :meth:`get` racing this call waits
+        for the prefetched copy instead of fetching it twice. Errors are stored and raised by the
+        :meth:`get` that asks for the key. Returns how many keys were newly registered.
+        """
+        mine: list[tuple[RecordKey, Future[torch.Tensor]]] = []
+        with self._lock:
+            for k in keys:
+                if k not in self._pending and k not in self._taken:
+                    fut: Future[torch.Tensor] = Future()
+                    self._pending[k] = fut
+                    mine.append((k, fut))
+        for k, fut in mine:
+            if stop is not None and stop.is_set():
+                fut.set_exception(ReplayError(f"prefetch of {k} cancelled"))
+                with self._lock:
+                    if self._pending.get(k) is fut:
+                        del self._pending[k]
+                continue
+            try:
+                fut.set_result(self._fetch(k))
+            except BaseException as e:  # handed to the get() that asks for it
+                fut.set_exception(e)
+        return len(mine)
+
+    def start_prefetching(self) -> None:
+        """Note that a prefetch thread feeds this reader (until :meth:`stop_prefetching`)."""
+        with self._lock:
+            self._prefetchers += 1
+
+    def stop_prefetching(self) -> None:
+        """The prefetch thread ended: drop every prefetched record not used yet."""
+        with self._lock:
+            self._prefetchers = max(0, self._prefetchers - 1)
+            if not self._prefetchers:
+                self._pending.clear()
+                self._taken.clear()
+
+    def has(self, key: RecordKey) -> bool:
+        """Whether some source lists ``key`` (no read, no checksum)."""
+        return key in self._parts_of(key.channel, key.iteration).get(key.micro_batch, [])
+
+    def parts(self, channel: Channel, iteration: int, micro_batch: int) -> list[torch.Tensor]:
+        """Every part of one (channel, iteration, micro-batch), in part order (empty if none)."""
+        return [self.get(k) for k in self._parts_of(channel, iteration).get(micro_batch, [])]
+
+    def part_keys(self, channel: Channel, iteration: int, micro_batch: int) -> list[RecordKey]:
+        """The keys of every part of one (channel, iteration, micro-batch) the sources list."""
+        return list(self._parts_of(channel, iteration).get(micro_batch, []))
+
+    def require_parts(self, channel: Channel, iteration: int, micro_batch: int) -> list[torch.Tensor]:
+        """Like :meth:`parts` but raises ReplayInputMissingError when there is none."""
+        keys = self._parts_of(channel, iteration).get(micro_batch)
+        if not keys:
+            key = RecordKey(channel, iteration, micro_batch)
+            raise ReplayInputMissingError(f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}", key=key,
+                                          hint="the sender's logs are incomplete: replay from an older checkpoint or recover the group")  # fmt: skip
+        return [self.get(k) for k in keys]
+
+    def meta(self, stage: int, iteration: int) -> dict[str, Any] | None:
+        """The META document of (stage, iteration), or None if no source has it (cached when found).
+
+        Concurrent callers (the compute and the prefetch thread) share one fetch.
+        """
+        k = (stage, iteration)
+        with self._lock:
+            doc = self._metas.get(k)
+            if doc is not None:
+                return doc
+            fut = self._meta_pending.get(k)
+            mine = fut is None
+            if fut is None:
+                fut = self._meta_pending[k] = Future()
+        if mine:
+            try:
+                try:
+                    doc = decode_meta(self._fetch(RecordKey(Channel.meta(stage), iteration, 0)))
+                except ReplayInputMissingError:
+                    doc = None
+                with self._lock:
+                    if doc is not None:
+                        if len(self._metas) > 4096:
+                            self._metas.clear()
+                        self._metas[k] = doc
+                fut.set_result(doc)
+            except BaseException as e:  # handed to every waiter
+                fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._meta_pending.pop(k, None)
+        return fut.result()
+
+    def digest(self, src: int, dst: int, iteration: int, micro_batch: int, part: int) -> int | None:
+        """The digest that receiver ``dst`` kept of part ``part`` sent by ``src``, or None."""
+        try:
+            return digest_from_record(self.get(RecordKey(Channel.digest(src, dst), iteration, micro_batch, part)))
+        except ReplayInputMissingError:
+            return None
+
+    def _parts_of(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
+        """Keys of one (channel, iteration) by micro-batch. A miss lists :data:`LIST_WINDOW`
+        iterations at once (one call per source instead of one per iteration); iterations of the
+        window with no key are not cached, so records that arrive later are still found."""
+        k = (channel, iteration)
+        with self._lock:
+            hit = self._listing.get(k)
+        if hit is not None:
+            return hit
+        found: set[RecordKey] = set()
+        for s in self.stores:
+            try:
+                found.update(s.keys(channel, iteration, iteration + LIST_WINDOW))
+            except StoreError as e:
+                logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
+        by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
+        for key in sorted(found):
+            by_it.setdefault(key.iteration, {}).setdefault(key.micro_batch, []).append(key)
+        with self._lock:
+            if len(self._listing) > 4096:
+                self._listing.clear()
+            for it, by_mb in by_it.items():
+                self._listing[(channel, it)] = by_mb
+        return by_it[iteration]
+
+    def _gap_note(self, key: RecordKey) -> str:
+        try:
+            for s in self.stores:
+                for g in s.gaps():
+                    if g["channel"] == key.channel.name and g["iteration"] == key.iteration and g["micro_batch"] == key.micro_batch:
+                        return f" (a gap was recorded: {g['reason']})"
+        except SwiftlogError:
+            pass
+        return ""

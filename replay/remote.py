@@ -1,0 +1,190 @@
+"""Reading a run's records from node servers over HTTP (the admin API of ``server/``).
+
+A replacement machine usually cannot open a surviving node's disk; it asks that node's server:
+
+- ``GET /v1/runs/{run}/records/{key}/raw`` returns exactly the encoded record (a
+  ``logstore.codec`` blob) with ``X-Swiftlog-Checksum`` (xxh3-64 of the body, hex);
+- ``GET /v1/runs/{run}/records?channel=&it_lo=&it_hi=&limit=&cursor=`` lists keys, one page at a time.
+
+:class:`HttpRecordSource` is a :class:`replay.core.RecordSource` over one server;
+:class:`RemoteLogReader` is a :class:`replay.core.LogReader` over several servers (and, optionally,
+local sources such as the cold tier as a fallback).
+
+Every blob is checked twice before use: its xxh3 against the header the server sent (a transfer
+error or a lying proxy), then the codec's checksum of the decoded raw bytes. A mismatch raises
+``CorruptRecordError`` naming the key; wrong bytes are never returned. Errors are translated: 404 ->
+``RecordNotFoundError``, 409 (corrupt on the server) -> ``CorruptRecordError``, 401/403 ->
+``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
+then :class:`NodeUnavailableError` (retryable: the reader tries its other sources).
+
+The servers expose no gap listing: :meth:`HttpRecordSource.gaps` returns ``[]`` (the planner reads
+gaps from the stores or the cold tier).
+
+Never: sends the token anywhere but the configured server, or caches blobs on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Self
+from urllib.parse import quote
+
+import httpx
+import torch
+
+from logstore import Channel, RecordKey, codec, validate_run
+from logstore.errors import CorruptRecordError, RecordNotFoundError, StoreError
+from logstore.segment import blob_checksum
+from replay.core import LogReader, RecordSource
+
+__all__ = ["HttpRecordSource", "RemoteLogReader", "NodeUnavailableError"]
+
+logger = logging.getLogger(__name__)
+
+_PAGE = 1000  # the server's default max_page_size
+
+
+class NodeUnavailableError(StoreError):
+    """A node server did not answer, or answered with a server error, after the retries."""
+
+    retryable = True
+
+
+class HttpRecordSource:
+    """One node server's records of one run, as a :class:`replay.core.RecordSource`.
+
+    Args:
+        base_url: e.g. ``http://10.0.0.5:8080`` (the server's root, without ``/v1``).
+        run: the run id.
+        token: bearer token, if the server wants one for reads.
+        timeout: seconds per request. retries: attempts on transport errors and 5xx (>= 1).
+        client: an ``httpx.Client`` to reuse (then ``base_url`` is still used to build URLs).
+    """
+
+    def __init__(self, base_url: str, run: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3,
+                 client: httpx.Client | None = None) -> None:  # fmt: skip
+        self.base_url = base_url.rstrip("/")
+        self.run = validate_run(run)
+        self.retries = max(1, int(retries))
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._own = client is None
+        self._client = client or httpx.Client(timeout=timeout, headers=headers)
+        if client is not None and headers:
+            self._client.headers.update(headers)
+
+    def __repr__(self) -> str:
+        return f"HttpRecordSource({self.base_url!r}, run={self.run!r})"
+
+    def close(self) -> None:
+        if self._own:
+            self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ RecordSource
+    def get_blob(self, key: RecordKey) -> bytes:
+        """The encoded record, checked against the server's checksum header."""
+        url = f"{self.base_url}/v1/runs/{self.run}/records/{quote(str(key), safe='/')}/raw"
+        r = self._request("GET", url, key=key)
+        blob = r.content
+        want = r.headers.get("X-Swiftlog-Checksum")
+        if want is None:
+            raise StoreError(f"{self.base_url} sent record {key} without X-Swiftlog-Checksum", key=key,
+                             hint="is this a swiftlog server (GET /v1/runs/{run}/records/{key}/raw)?")  # fmt: skip
+        if f"{blob_checksum(blob):016x}" != want.lower():
+            raise CorruptRecordError(f"record {key} from {self.base_url} does not match its checksum {want} (corrupted in transit)", key=key)
+        return blob
+
+    def get(self, key: RecordKey) -> torch.Tensor:
+        """The decoded tensor (both checksums verified)."""
+        return codec.decode_tensor(self.get_blob(key), key=key)
+
+    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
+        """Every key of ``channel`` (all channels when None) in ``[it_lo, it_hi)``, in key order."""
+        params: dict[str, Any] = {"it_lo": it_lo, "limit": _PAGE}
+        if channel is not None:
+            params["channel"] = channel.name
+        if it_hi is not None:
+            if it_hi <= it_lo:
+                return []
+            params["it_hi"] = it_hi
+        out: list[RecordKey] = []
+        url = f"{self.base_url}/v1/runs/{self.run}/records"
+        while True:
+            page = self._request("GET", url, params=params).json()
+            out.extend(RecordKey.parse(e["key"]) for e in page["records"])
+            if not page.get("next_cursor"):
+                return out
+            params["cursor"] = page["next_cursor"]
+
+    def gaps(self) -> list[dict[str, Any]]:
+        """Always ``[]``: the admin API does not list gaps (see the module docstring)."""
+        return []
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, url: str, *, key: RecordKey | None = None, params: dict[str, Any] | None = None) -> httpx.Response:
+        delay = 0.1
+        last: str = ""
+        for attempt in range(self.retries):
+            try:
+                r = self._client.request(method, url, params=params)
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code < 400:
+                    return r
+                err = _error_body(r)
+                if r.status_code == 404:
+                    raise RecordNotFoundError(f"{err or 'not found'} (server {self.base_url})", key=key)
+                if r.status_code == 409 and err and "corrupt" in err.lower():
+                    raise CorruptRecordError(f"{err} (server {self.base_url})", key=key)
+                if r.status_code in (401, 403):
+                    raise StoreError(f"{self.base_url} refused the request ({r.status_code}): {err}", key=key,
+                                     hint="pass the server's token (--token / SWIFTLOG_TOKEN)")  # fmt: skip
+                if r.status_code < 500:
+                    raise StoreError(f"{self.base_url} answered {r.status_code} to {url}: {err}", key=key)
+                last = f"HTTP {r.status_code}: {err}"
+            if attempt + 1 < self.retries:
+                time.sleep(delay)
+                delay *= 2
+        raise NodeUnavailableError(f"node server {self.base_url} unavailable after {self.retries} attempt(s): {last}", key=key,
+                                   hint="check that `swiftlog serve` runs there, or read the records from the cold tier")  # fmt: skip
+
+
+def _error_body(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        e = body.get("error", body) if isinstance(body, dict) else body
+        return str(e.get("message", e)) if isinstance(e, dict) else str(e)
+    except ValueError:
+        return r.text[:300]
+
+
+class RemoteLogReader(LogReader):
+    """A LogReader over node servers (first server holding a key wins), then ``fallback`` sources.
+
+    ``urls``: one base URL or several (e.g. the servers of the nodes of the failed stage's
+    neighbours). ``fallback``: further sources tried after the servers (e.g. a cold-tier-only
+    LogStore). The reader owns the HTTP sources it creates; :meth:`close` closes them.
+    """
+
+    def __init__(self, urls: str | Sequence[str], run: str, *, token: str | None = None, fallback: Sequence[RecordSource] = (),
+                 timeout: float = 30.0, retries: int = 3) -> None:  # fmt: skip
+        self._http = [HttpRecordSource(u, run, token=token, timeout=timeout, retries=retries) for u in ([urls] if isinstance(urls, str) else urls)]
+        super().__init__([*self._http, *fallback])
+
+    def close(self) -> None:
+        for s in self._http:
+            s.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,44 @@
+"""Session-scoped real pipeline runs shared by the replay tests (``pytest_plugins = ["tests._replay_fixtures"]``).
+
+See :mod:`tests._replay_helpers` for what each run is and the helpers that go with them.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from logstore.testing.s3servers import MotoServer
+from tests._client_mp import run_pipeline
+from tests._replay_helpers import CKPT, ITERS, Run, file_run
+
+__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run"]
+
+
+@pytest.fixture(scope="session")
+def gpipe_s3_run(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer) -> Run:
+    """GPipe with its cold tier and checkpoints on the session's moto server (tests/conftest.py)."""
+    base = tmp_path_factory.mktemp("gpipe-s3")
+    if not moto_server.is_running:  # a fault-injection test may have stopped it
+        moto_server.restart()
+    url = moto_server.url(f"replay-gpipe-{uuid.uuid4().hex[:8]}")
+    extra = ["--cold-url", url, "--cold-endpoint", moto_server.endpoint_url, "--cold-key", moto_server.access_key,
+             "--cold-secret", moto_server.secret_key]  # fmt: skip
+    pipe = run_pipeline(base, "gpipe-s3", schedule="gpipe", iters=ITERS, ckpt_at=str(CKPT), cold=False, extra=extra)
+    return Run(pipe, url, dict(moto_server.storage_options))
+
+
+@pytest.fixture(scope="session")
+def f1b_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return file_run(tmp_path_factory.mktemp("f1b"), "f1b", "1f1b")
+
+
+@pytest.fixture(scope="session")
+def groups_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return file_run(tmp_path_factory.mktemp("groups"), "groups", "1f1b", extra=["--groups", "2,2"])
+
+
+@pytest.fixture(scope="session")
+def gap_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return file_run(tmp_path_factory.mktemp("gap"), "gap", "gpipe", per_stage={0: ["--max-queue-bytes", "1024", "--overflow", "gap"]})

@@ -1,0 +1,153 @@
+"""Helpers of the replay tests: the runs' handle (:class:`Run`) and bitwise state comparisons.
+
+The runs themselves are session fixtures in ``tests/_replay_fixtures.py`` (load it with
+``pytest_plugins = ["tests._replay_fixtures"]``). Every run is a real 4-stage pipeline (one process per stage, gloo on CPU, the example GPT with
+dropout), logged by the trainer client, checkpointed at iteration :data:`CKPT` and run to
+:data:`ITERS`. They are session-scoped so that every replay test module shares them:
+
+- ``gpipe_s3_run``: GPipe, cold tier and checkpoints on a moto S3 server;
+- ``f1b_run``: 1F1B, cold tier in a directory (``file://``);
+- ``groups_run``: 1F1B with logging groups [2, 2] (only the 1|2 boundary is logged);
+- ``gap_run``: GPipe whose stage 0 drops records when its tiny queue is full (recorded gaps).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from logstore import LogStore
+from logstore.hot import HotTier
+from logstore.keys import RecordKey
+from replay.engine import SourceSpec
+from replay.plan import cold_only_store
+from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
+from trainer_client import Checkpoint
+
+__all__ = ["CKPT", "ITERS", "NUM_STAGES", "SEED", "Run", "file_run", "state_bytes_differ", "checkpoint_vs_live", "corrupt_hot_record", "copy_run_files"]
+
+CKPT = 2
+ITERS = 6
+
+
+@dataclass
+class Run:
+    """A finished pipeline run and how to reach its logs."""
+
+    pipe: PipelineRun
+    cold_url: str
+    cold_options: dict[str, Any]
+
+    @property
+    def run_id(self) -> str:
+        return self.pipe.run_id
+
+    @property
+    def root(self) -> str:
+        return self.pipe.root
+
+    @property
+    def results(self) -> dict[int, dict[str, Any]]:
+        return self.pipe.results
+
+    @property
+    def gpt(self) -> Any:
+        return self.pipe.gpt
+
+    def store(self, *, cold: bool = True, root: str | None = None) -> LogStore:
+        return LogStore.open(root or self.root, self.run_id, cold_url=self.cold_url if cold else None, cold_options=dict(self.cold_options))
+
+    def cold_store(self, url: str | None = None) -> LogStore:
+        return cold_only_store(url or self.cold_url, self.run_id, self.cold_options)
+
+    def spec(self, *, cold: bool = True) -> SourceSpec:
+        return SourceSpec(kind="store", location=self.root, cold_url=self.cold_url if cold else None, options=dict(self.cold_options))
+
+    def cold_spec(self, url: str | None = None) -> SourceSpec:
+        return SourceSpec(kind="cold", location=url or self.cold_url, options=dict(self.cold_options))
+
+    def job_fields(self) -> dict[str, Any]:
+        """ReplayJob fields every job of this run needs (model sizes, checkpoint credentials)."""
+        return {"model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
+
+
+def file_run(base: Path, run_id: str, schedule: str, extra: Sequence[str] = (), per_stage: dict[int, list[str]] | None = None) -> Run:
+    pipe = run_pipeline(base, run_id, schedule=schedule, iters=ITERS, ckpt_at=str(CKPT), extra=list(extra), per_stage=per_stage)
+    assert pipe.cold_url is not None
+    return Run(pipe, pipe.cold_url, {})
+
+
+# ------------------------------------------------------------------------------ comparisons
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _tensor_differs(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
+            return True
+        return not torch.equal(_bits(a), _bits(b))
+    return a != b
+
+
+def state_bytes_differ(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None) -> list[str]:
+    """Names whose bytes differ (parameters, then optimizer state); -0.0 vs 0.0 counts as a difference."""
+    bad = [f"param {n}" for n in model_a if n not in model_b or _tensor_differs(model_a[n], model_b[n])]
+    bad += [f"param {n} missing" for n in model_b if n not in model_a]
+    if opt_a is not None or opt_b is not None:
+        sa, sb = (opt_a or {}).get("state", {}), (opt_b or {}).get("state", {})
+        if sa.keys() != sb.keys():
+            bad.append("optimizer state keys")
+        for pid in sa:
+            for k, v in sa[pid].items():
+                if _tensor_differs(v, sb.get(pid, {}).get(k)):
+                    bad.append(f"optimizer {pid}.{k}")
+        if (opt_a or {}).get("param_groups") != (opt_b or {}).get("param_groups"):
+            bad.append("optimizer param_groups")
+    return bad
+
+
+def checkpoint_vs_live(ck: Checkpoint, live: dict[str, Any]) -> list[str]:
+    """Differences between a recovered checkpoint and the live stage's final state (bytes, scheduler, iteration)."""
+    bad = state_bytes_differ(ck.model, ck.optimizer, live["model"], live["optimizer"])
+    if ck.lr_scheduler != live["lr_scheduler"]:
+        bad.append("lr_scheduler")
+    if ck.iteration != live["iters"]:
+        bad.append(f"iteration {ck.iteration} != {live['iters']}")
+    return bad
+
+
+def corrupt_hot_record(root: str, run: str, key: RecordKey) -> str:
+    """Flip one bit in the middle of ``key``'s blob in whichever hot tier holds it; returns the writer."""
+    base = Path(root) / run
+    for w in sorted(p for p in base.iterdir() if (p / "index").is_dir()):
+        hot = HotTier(w, owner=False)
+        try:
+            loc = hot.lookup(key)
+            if loc is None:
+                continue
+            path = hot.seg_path(loc.segment.id)
+        finally:
+            hot.close()
+        with open(path, "r+b") as f:
+            f.seek(loc.offset + loc.length // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+        return w.name
+    raise AssertionError(f"{key} is in no hot tier under {base}")
+
+
+def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
+    """A private copy of the run's store root and (file://) cold tier: (root, cold_url)."""
+    assert run.cold_url.startswith("file://"), "only file:// cold tiers can be copied"
+    root = dst / "store"
+    cold = dst / "cold"
+    shutil.copytree(run.root, root)
+    shutil.copytree(run.cold_url[len("file://"):], cold)
+    return str(root), f"file://{cold}"

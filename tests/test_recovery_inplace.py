@@ -1,0 +1,185 @@
+"""In-place recovery end to end: survivors keep their state, the lost stage is replayed and rejoins,
+and the final state of EVERY stage equals a failure-free run's bit for bit.
+
+Matrix: first / middle / last stage x GPipe / 1F1B x forward / backward, then the other phases
+(commit, optimizer step, checkpoint write), logged data instead of a data source, two failures
+(one after the other; two stages at once), global rollback, and the fallback to a rollback when
+the logs are gone. Iterations 0..5, checkpoints at 2 and 4, failures mid-interval at 3 or 5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback
+from tests._recovery_helpers import assert_same_as, run
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RecoveryRun]:
+    """Failure-free runs, one per schedule, shared by every test."""
+    base = tmp_path_factory.mktemp("recovery-ref")
+    return {s: run(base / s, s) for s in ("gpipe", "1f1b")}
+
+
+def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
+    assert r.fallback is None
+    assert [t["failed_stages"] for t in r.timings][:1] == [failed]
+    t = r.timings[0]
+    assert t["resume"] == resume
+    assert t["verified"] is True
+    assert t["detect_s"] < 5.0, (
+        t
+    )  # a communication error within milliseconds; heartbeat otherwise
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_kill_stage_in_compute(
+    references: dict[str, RecoveryRun],
+    tmp_path: Path,
+    schedule: str,
+    stage: int,
+    phase: str,
+) -> None:
+    r = run(tmp_path, schedule, [KillSpec(stage, 3, 1, phase)])
+    _check_recovered(r, [stage], 3)
+    assert r.timings[0]["checkpoint_iteration"] == 2
+    assert r.timings[0]["records_fetched"] > 0
+    assert_same_as(r, references[schedule])
+
+
+@pytest.mark.parametrize(
+    "phase,resume", [("commit", 3), ("optimizer", 4), ("checkpoint", 4)]
+)
+def test_kill_stage_outside_compute(
+    references: dict[str, RecoveryRun], tmp_path: Path, phase: str, resume: int
+) -> None:
+    """commit: dies before reporting done (others abort by the scheduler's / heartbeat's mark);
+    optimizer: dies after "commit" was decided (survivors applied 3, fail in 4; replay to 4);
+    checkpoint: dies before writing its checkpoint at 4 (replay from 2 to 4)."""
+    it = 4 if phase == "checkpoint" else 3
+    r = run(tmp_path, "1f1b", [KillSpec(2, it, 0, phase)])
+    _check_recovered(r, [2], resume)
+    assert r.timings[0]["checkpoint_iteration"] == 2
+    assert_same_as(r, references["1f1b"])
+
+
+def test_logged_data_last_stage(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """Targets logged (no data source): the last stage's targets must come from the cold tier."""
+    ref = run(tmp_path / "ref", "1f1b", extra=())
+    r = run(tmp_path / "kill", "1f1b", [KillSpec(2, 3, 0, "backward")], extra=())
+    _check_recovered(r, [2], 3)
+    assert_same_as(r, ref)
+
+
+def test_two_failures_one_after_the_other(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    r = run(
+        tmp_path, "gpipe", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 5, 1, "backward")]
+    )
+    assert [t["failed_stages"] for t in r.timings] == [[1], [3]]
+    assert [t["resume"] for t in r.timings] == [3, 5]
+    assert all(t["verified"] for t in r.timings)
+    assert_same_as(r, references["gpipe"])
+
+
+def test_two_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+    """Both die after their step of iteration 3, before the commit (the same instant, as far as
+    the scheduler can tell): they are replaced together, each replayed from its own checkpoint."""
+    r = run(
+        tmp_path, "1f1b", [KillSpec(0, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")]
+    )
+    assert r.timings[0]["failed_stages"] == [0, 2]
+    assert r.timings[0]["verified"]
+    assert_same_as(r, references["1f1b"])
+
+
+def test_global_rollback(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], mode="rollback")
+    assert any(e["what"] == "rollback" and e["checkpoint"] == 2 for e in r.timeline)
+    assert resumed_after_rollback(r, 3) is not None
+    assert_same_as(r, references["1f1b"])
+
+
+def test_logs_gone_fall_back_to_rollback(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """Nothing logged: the replacement cannot replay, says so, and every stage restarts from 2."""
+    r = run(
+        tmp_path,
+        "1f1b",
+        [KillSpec(1, 3, 1, "forward")],
+        extra=("--data-source", "--no-logging"),
+    )
+    assert r.fallback is not None and "replay of stage 1" in r.fallback, r.fallback
+    assert any(e["what"] == "rollback" and e["checkpoint"] == 2 for e in r.timeline)
+    assert_same_as(r, references["1f1b"])
+
+
+def test_parallel_replay_replacement(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """The replacement replays with 2 parallel helpers (exact gradient reduction order)."""
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], replay_workers=2)
+    _check_recovered(r, [1], 3)
+    assert_same_as(r, references["1f1b"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("micro_batch", [0, 3])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_sweep_every_stage_and_edge_micro_batches(
+    references: dict[str, RecoveryRun],
+    tmp_path: Path,
+    stage: int,
+    micro_batch: int,
+    phase: str,
+) -> None:
+    """Longer sweep: every stage, first and last micro-batch, at iteration 5 (checkpoint 4)."""
+    r = run(tmp_path, "1f1b", [KillSpec(stage, 5, micro_batch, phase)])
+    _check_recovered(r, [stage], 5)
+    assert r.timings[0]["checkpoint_iteration"] == 4
+    assert_same_as(r, references["1f1b"])
+
+
+def test_logging_groups_replay_the_whole_group(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """Groups [2, 2]: only the 1|2 boundary is logged. Stage 1 dies; its group mate stage 0 is taken
+    down too, and both are replayed together from checkpoint 2 (verified at the logged boundary)."""
+    ref = run(
+        tmp_path / "ref",
+        "1f1b",
+        extra=("--data-source", "--groups", "2,2"),
+        groups=[2, 2],
+    )
+    r = run(
+        tmp_path / "kill",
+        "1f1b",
+        [KillSpec(1, 3, 1, "backward")],
+        extra=("--data-source", "--groups", "2,2"),
+        groups=[2, 2],
+    )
+    assert r.timings[0]["failed_stages"] == [0, 1]
+    assert r.timings[0]["verified"] and r.timings[0]["digests_checked"] > 0
+    assert_same_as(r, ref)
+    assert_same_as(ref, references["1f1b"])  # logging groups do not change training
+
+
+def test_kill_during_log_upload(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """SIGKILL in the uploader thread while a segment goes to the cold tier (iteration 3 or 4,
+    depending on when the background upload runs): recovery is still exact."""
+    r = run(tmp_path, "gpipe", [KillSpec(1, 3, 0, "upload")])
+    assert r.timings[0]["failed_stages"] == [1] and r.timings[0]["verified"]
+    assert r.timings[0]["resume"] in (3, 4)
+    assert_same_as(r, references["gpipe"])

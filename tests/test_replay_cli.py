@@ -1,0 +1,60 @@
+"""``swiftlog replay`` (replay/cli.py, registered on the swiftlog app) and ``swiftlog plan`` over the replay planner."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from server.cli import app
+from tests._replay_helpers import CKPT, ITERS, checkpoint_vs_live
+from trainer_client import load_checkpoint
+
+pytest_plugins = ["tests._replay_fixtures"]
+
+runner = CliRunner()
+
+
+def _args(run, *extra: str) -> list[str]:
+    return ["replay", "--run", run.run_id, "--root", run.root, "--cold-url", run.cold_url, *extra]
+
+
+def test_plan_only_then_replay_writes_a_verified_checkpoint(f1b_run, tmp_path):
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "--plan-only", "--json"))
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["possible"] and plan["units"][0]["checkpoint_iteration"] == CKPT and plan["target_iteration"] == ITERS
+    text = runner.invoke(app, _args(f1b_run, "-s", "1", "--plan-only"))
+    assert text.exit_code == 0 and "replay [2, 6)" in text.stdout and "act_0_1" in text.stdout
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"))
+    assert r.exit_code == 0, r.output
+    assert "verified (32/32 sends checked)" in r.stdout and "stage 1: file://" in r.stdout
+    uri = r.stdout.split("stage 1: ")[1].split()[0]
+    assert checkpoint_vs_live(load_checkpoint(uri), f1b_run.results[1]) == []
+
+
+def test_parallel_replay_from_the_cli_json(f1b_run, tmp_path):
+    r = runner.invoke(app, _args(f1b_run, "-s", "2", "-o", str(tmp_path), "-w", "2", "--json"))
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["verified"] and doc["results"][0]["workers"] == 2 and doc["results"][0]["exact"]
+
+
+def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path):
+    r = runner.invoke(app, ["replay", "--run", gap_run.run_id, "--root", gap_run.root, "--cold-url", gap_run.cold_url, "-s", "1",
+                            "-t", str(ITERS), "-o", str(tmp_path)])  # fmt: skip
+    assert r.exit_code == 1 and "IMPOSSIBLE" in r.stdout and "gap was recorded" in r.stdout and "fallback: restart every stage" in r.stdout
+    assert not any(tmp_path.iterdir())
+    r = runner.invoke(app, _args(f1b_run, "-s", "1"))
+    assert r.exit_code == 2 and "--output is required" in r.output
+    r = runner.invoke(app, _args(f1b_run, "-s", "9", "--plan-only"))
+    assert r.exit_code == 2 and "outside the pipeline" in r.output
+    r = runner.invoke(app, ["replay", "--run", "x", "-s", "1", "--plan-only"], env={"SWIFTLOG_ROOT": "", "SWIFTLOG_COLD_URL": ""})
+    assert r.exit_code == 2 and "no log source" in r.output
+
+
+def test_swiftlog_plan_uses_the_replay_planner(f1b_run):
+    r = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "-f", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["planner"] == "replay.plan:plan_recovery" and doc["plan"]["possible"] and doc["plan"]["units"][0]["stages"] == [2]

@@ -1,0 +1,240 @@
+"""The replay engine on logs of real 4-stage pipeline runs (GPipe and 1F1B, dropout on).
+
+Sequential replay of every stage reproduces the live parameters, AdamW state, lr scheduler and
+iteration bit for bit and proves it against the receivers' digests; a logging group replays as
+one; the cold tier (moto S3), the hot tier and a node server over HTTP feed identical replays;
+a corrupt or missing record fails naming it; a perturbed model is caught at its first send.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from logstore import Channel, LogStore, RecordKey
+from logstore.errors import CorruptRecordError
+from replay import (
+    RemoteLogReader,
+    ReplayJob,
+    ReplayMismatchError,
+    SourceSpec,
+    jobs_from_plan,
+    plan_recovery,
+    replay,
+    replay_stage,
+    replay_stages,
+)
+from replay.core import LogReader, ReplayInputMissingError, StageState
+from replay.engine import build_states, checkpoint_of
+from replay.examples import gpt_stage
+from server.testing import ServerProcess
+from tests._replay_helpers import (
+    CKPT,
+    ITERS,
+    NUM_STAGES,
+    checkpoint_vs_live,
+    copy_run_files,
+    corrupt_hot_record,
+    state_bytes_differ,
+)
+from trainer_client import load_checkpoint, save_checkpoint
+from trainer_client.examples.gpt import loss_fn
+
+pytest_plugins = ["tests._replay_fixtures"]
+
+
+def _job(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
+    stages = [stage_or_stages] if isinstance(stage_or_stages, int) else list(stage_or_stages)
+    kw.setdefault("sources", [run.spec()])
+    kw.setdefault("output", str(tmp_path / "out"))
+    return ReplayJob(run=run.run_id, num_stages=NUM_STAGES, stages=stages, stop_iteration=ITERS,
+                     checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages}, **run.job_fields(), **kw)  # fmt: skip
+
+
+@pytest.fixture(params=["gpipe", "1f1b"])
+def any_run(request):
+    return request.getfixturevalue("gpipe_s3_run" if request.param == "gpipe" else "f1b_run")
+
+
+def test_sequential_replay_of_every_stage_is_bit_exact(any_run, tmp_path):
+    run = any_run
+    n_mb = run.gpt.n_microbatches
+    for k in range(NUM_STAGES):
+        res = replay(_job(run, k, tmp_path))
+        ck = checkpoint_of(res, k)
+        assert checkpoint_vs_live(ck, run.results[k]) == [], f"stage {k}"
+        assert ck.extra["recovered"]["verified"] is True and ck.extra["recovered"]["from_iteration"] == CKPT
+        # the in-memory state is what was written, and the checkpoint it started from was not touched (no aliasing)
+        st = res.states[0]
+        assert state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), ck.model, ck.optimizer) == []
+        src = load_checkpoint(run.results[k]["checkpoints"][CKPT], storage_options=run.cold_options or None)
+        assert st.checkpoint.iteration == CKPT and state_bytes_differ(st.checkpoint.model, st.checkpoint.optimizer, src.model, src.optimizer) == []
+        rep = res.report
+        sends = (k < NUM_STAGES - 1) + (k > 0)
+        assert res.verified and rep.verified and rep.first_mismatch is None
+        assert rep.sends_generated == rep.digests_checked == sends * (ITERS - CKPT) * n_mb
+        assert rep.micro_batches == (ITERS - CKPT) * n_mb and rep.iterations_done == ITERS - CKPT and rep.warnings == []
+        if k == NUM_STAGES - 1:
+            live = run.results[k]["losses"][CKPT:]
+            assert [sum(v) / len(v) for _, v in sorted(rep.losses.items())] == pytest.approx(live, abs=0, rel=1e-12)
+        # the trainer client loads the recovered checkpoint like any other
+        mod, opt, sched = gpt_stage(k, NUM_STAGES, ck, **run.gpt.to_dict())
+        again = load_checkpoint(res.outputs[k], storage_options=None)
+        again.apply(mod, opt, sched)
+        assert all(torch.equal(p, run.results[k]["model"][n]) for n, p in mod.state_dict().items())
+
+
+def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, tmp_path):
+    seen = []
+    a = replay(_job(f1b_run, 1, tmp_path / "a", prefetch=0))
+    b = replay(_job(f1b_run, 1, tmp_path / "b", prefetch=3), on_progress=seen.append)
+    assert state_bytes_differ(a.states[0].module.state_dict(), a.states[0].optimizer.state_dict(),
+                              b.states[0].module.state_dict(), b.states[0].optimizer.state_dict()) == []  # fmt: skip
+    assert a.verified and b.verified
+    assert [p.done for p in seen] == [1, 2, 3, 4] and {p.total for p in seen} == {ITERS - CKPT}
+    assert [p.iteration for p in seen] == list(range(CKPT, ITERS)) and seen[-1].eta_s == 0 and all(p.rate > 0 for p in seen)
+    assert seen[-1].micro_batches == (ITERS - CKPT) * f1b_run.gpt.n_microbatches
+    assert b.report.records_fetched == a.report.records_fetched > 0  # every record read once, ahead or not
+    assert b.to_dict()["report"]["verified"] is True
+
+
+def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
+    # a logging group [0, 1] (its inner boundary was not logged) restarts and replays as one
+    with groups_run.store() as st:
+        plan = plan_recovery(st, [1])
+    (job,) = jobs_from_plan(plan, sources=[groups_run.spec()], output=str(tmp_path / "g"), **groups_run.job_fields())
+    assert job.stages == [0, 1] and job.stop_iteration == ITERS
+    res = replay(job)
+    for k in (0, 1):
+        assert checkpoint_vs_live(checkpoint_of(res, k), groups_run.results[k]) == [], f"stage {k}"
+    assert res.verified and res.report.digests_checked == (ITERS - CKPT) * groups_run.gpt.n_microbatches  # act 1->2 only
+    # two adjacent stages of a fully logged run can also replay chained in one process
+    res2 = replay(_job(f1b_run, [1, 2], tmp_path / "12"))
+    for k in (1, 2):
+        assert checkpoint_vs_live(checkpoint_of(res2, k), f1b_run.results[k]) == [], f"stage {k}"
+    assert res2.verified and res2.report.digests_checked == 2 * (ITERS - CKPT) * f1b_run.gpt.n_microbatches
+
+
+def test_replay_from_the_cold_tier_equals_replay_from_the_hot_tier(gpipe_s3_run, tmp_path):
+    run = gpipe_s3_run
+    hot = replay(_job(run, 2, tmp_path / "hot", sources=[run.spec(cold=False)]))
+    cold = replay(_job(run, 2, tmp_path / "cold", sources=[run.cold_spec()]))
+    assert hot.verified and cold.verified
+    a, b = checkpoint_of(hot, 2), checkpoint_of(cold, 2)
+    assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == [] and a.lr_scheduler == b.lr_scheduler
+    assert checkpoint_vs_live(b, run.results[2]) == []
+    # the cold tier really served it: a cold-only store lists the records and has no hot tier
+    with run.cold_store() as st:
+        assert st.keys(Channel.activation(1), CKPT, ITERS) and st.stats()["hot"]["records"] == 0
+
+
+def test_replay_through_a_node_server(f1b_run, tmp_path):
+    with ServerProcess(Path(f1b_run.root), cold_url=f1b_run.cold_url) as srv:
+        res = replay(_job(f1b_run, 1, tmp_path, sources=[SourceSpec.parse(srv.url)]))
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+        with RemoteLogReader(srv.url, f1b_run.run_id) as reader:
+            st = build_states(_job(f1b_run, 2, tmp_path))[0]
+            rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, prefetch=1)
+            assert rep.verified and rep.records_fetched > 0
+            missing = RecordKey(Channel.activation(1), ITERS + 5, 0)
+            with pytest.raises(ReplayInputMissingError) as ei:  # the server answers 404 for what it does not have
+                reader.get(missing)
+            assert ei.value.key == missing and str(missing) in str(ei.value)
+
+
+def test_a_corrupt_record_fails_the_replay_naming_it(f1b_run, tmp_path):
+    root, _ = copy_run_files(f1b_run, tmp_path)
+    key = RecordKey(Channel.gradient(3), 4, 2, 0)
+    corrupt_hot_record(root, f1b_run.run_id, key)
+    src = SourceSpec(kind="store", location=root)  # the node's hot tiers: their copy is the corrupt one
+    with pytest.raises(CorruptRecordError) as ei:
+        replay(_job(f1b_run, 2, tmp_path, sources=[src], prefetch=2))
+    assert str(key) in str(ei.value) and ei.value.key == key
+    with LogStore.open(root, f1b_run.run_id) as st:
+        plan = plan_recovery(st, [2], check_records=True)
+    assert not plan.possible and plan.units[0].missing == [str(key)]
+
+
+def test_a_missing_record_fails_the_replay_naming_it(f1b_run, tmp_path):
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    seg_dir = Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "grad_2_1"
+    for p in seg_dir.glob("000000000004-*"):
+        p.unlink()
+    src = SourceSpec(kind="cold", location=cold)
+    with pytest.raises(ReplayInputMissingError) as ei:
+        replay(_job(f1b_run, 1, tmp_path, sources=[src]))
+    assert str(ei.value.key) == "grad_2_1/it4/mb0/p0" and "grad_2_1" in str(ei.value)
+    assert not (tmp_path / "out").exists()  # nothing is written when the replay failed
+
+
+def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
+    job = _job(f1b_run, 2, tmp_path)
+    (st,) = build_states(job)
+    w = dict(st.module.named_parameters())["blocks.0.fc1.weight"]
+    with torch.no_grad():
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))  # one ulp of one weight
+    rep = replay_stage(st, LogReader(f1b_run.store()), num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
+    assert not rep.verified and not rep.ok
+    first_mb = 0
+    assert rep.first_mismatch == {"key": f"act_2_3/it{CKPT}/mb{first_mb}/p0", "iteration": CKPT, "micro_batch": first_mb, "channel": "act_2_3", "part": 0}
+    with pytest.raises(ReplayMismatchError, match=rf"first divergence at iteration {CKPT} micro-batch 0 channel act_2_3"):
+        rep.raise_for_mismatch()
+    # the same through the engine from a perturbed checkpoint file: the result is not "verified"
+    ck = load_checkpoint(job.checkpoints[2])
+    bad = copy.deepcopy(ck.model)
+    bad["blocks.0.ln2.bias"][3] += 1e-3
+    mod, opt, sched = gpt_stage(2, NUM_STAGES, ck, **f1b_run.gpt.to_dict())
+    ck.apply(mod, opt, sched)
+    mod.load_state_dict(bad)
+    uri = save_checkpoint(str(tmp_path / "bad.pt"), run_id=ck.run_id, stage=2, num_stages=NUM_STAGES, iteration=CKPT, seed=ck.seed,
+                          model=mod, optimizer=opt, lr_scheduler=sched)  # fmt: skip
+    res = replay(job.replace(checkpoints={2: uri}, output=str(tmp_path / "bad-out")))
+    assert not res.verified and res.first_mismatch["iteration"] == CKPT and res.first_mismatch["channel"] == "act_2_3"
+    assert checkpoint_of(res, 2).extra["recovered"]["verified"] is False
+
+
+def test_checkpoints_must_agree(f1b_run, tmp_path):
+    job = _job(f1b_run, [1, 2], tmp_path)
+    with pytest.raises(ValueError, match="no checkpoint URI"):
+        ReplayJob.from_dict({**job.to_dict(), "checkpoints": {"1": job.checkpoints[1]}})
+    wrong = job.replace(checkpoints={1: job.checkpoints[2], 2: job.checkpoints[2]})
+    with pytest.raises(Exception, match="stage 2, not run"):
+        replay(wrong)
+    assert ReplayJob.from_dict(job.to_dict()) == job
+    states = [StageState.from_checkpoint(load_checkpoint(job.checkpoints[k]), *gpt_stage(k, NUM_STAGES, load_checkpoint(job.checkpoints[k]), **f1b_run.gpt.to_dict())) for k in (1, 2)]
+    rep = replay_stages(states, f1b_run.store(), num_stages=NUM_STAGES, stop_iteration=CKPT)  # nothing to do is fine
+    assert rep.iterations_done == 0 and rep.micro_batches == 0 and not rep.verified
+
+
+def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
+    # the failed stage's META lived on its node and never reached the cold tier: the replay still works
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+        p.unlink()
+    src = SourceSpec(kind="cold", location=cold)
+    with src.open(f1b_run.run_id) as st:
+        plan = plan_recovery(st, [1])
+    assert plan.possible and any("stands in" in w for w in plan.units[0].warnings)
+    assert {f.channel for f in plan.units[0].fetch if f.purpose == "meta"} == {"meta_0"}
+    res = replay(_job(f1b_run, 1, tmp_path, sources=[src]))
+    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+    assert any("using stage 0's" in w for w in res.report.warnings)
+
+
+def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tmp_path):
+    from logstore.testing import free_port
+    from replay.plan import cold_only_store
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with cold_only_store(f1b_run.cold_url, f1b_run.run_id) as cold, RemoteLogReader(dead, f1b_run.run_id, fallback=[cold], retries=1) as reader:
+        st = build_states(_job(f1b_run, 1, tmp_path))[0]
+        rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
+    assert rep.verified
+    from replay.remote import HttpRecordSource, NodeUnavailableError
+
+    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
+        src.get(RecordKey(Channel.activation(0), CKPT, 0))
+    assert ei.value.retryable and "unavailable" in str(ei.value)

@@ -1,0 +1,337 @@
+"""The example training script in resilient mode: one stage that survives other stages' failures.
+
+``python -m trainer_client.examples.train_pipeline --resilient ...`` (or this module directly)
+takes every argument of ``train_pipeline`` plus the recovery ones below, and trains with
+:class:`trainer_client.survivor.ResilientLoop`: on a peer's failure this stage keeps its state,
+waits for the replacement and continues in the next process-group generation.
+
+Roles:
+- a normal stage (generation 0, or ``--generation N --resume-from C`` after a global rollback:
+  load the checkpoint at C and start there);
+- ``--replacement --generation G --sources ROOT,ROOT,...``: the replacement of this stage after
+  generation G failed: :func:`replay.replacement.recover_stage` replays it from its checkpoint and
+  the surviving nodes' stores, then it joins generation G + 1 at the agreed iteration. Exit code 3
+  when in-place recovery is impossible (the fallback key tells the scheduler to roll back).
+
+Fault injection (tests, bench, demo): ``--kill-at ITER,MB,PHASE`` SIGKILLs this process at
+PHASE = forward | backward (of micro-batch MB) | commit (before reporting done) | optimizer
+(after the commit, before the step) | checkpoint (before the checkpoint at ITER is written) |
+upload (in the log store's uploader thread, at the first cold-tier segment upload once ITER
+started), after writing the kill time into the store.
+
+Writes ``{out}/stage{k}.pt`` like train_pipeline (model, optimizer, lr_scheduler, losses) plus
+``iteration_end`` ((iteration, wall time, generation) per applied iteration), ``events``
+(recoveries seen) and ``recovered`` (the replacement's summary); prints ``RESULT {...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint
+from trainer_client.checkpoint import checkpoint_uri
+from trainer_client.examples.gpt import (
+    GPTConfig,
+    SyntheticTokens,
+    build_stage_module,
+    example_io,
+    loss_fn,
+    make_lr_scheduler,
+    make_optimizer,
+)
+from trainer_client.examples.train_pipeline import build_parser as _base_parser
+from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
+
+__all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
+
+logger = logging.getLogger(__name__)
+
+KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload")
+EXIT_FALLBACK = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _base_parser()
+    a = p.add_argument
+    a(
+        "--resilient",
+        action="store_true",
+        help="train with the ResilientLoop (implied by this module)",
+    )
+    a(
+        "--generation",
+        type=int,
+        default=0,
+        help="process-group generation to start in (replacement: the one that failed)",
+    )
+    a(
+        "--replacement",
+        action="store_true",
+        help="replace this stage after --generation failed (replay, then join)",
+    )
+    a(
+        "--sources",
+        default="",
+        help="replacement: comma-separated store roots of the surviving nodes",
+    )
+    a("--replay-workers", type=int, default=1)
+    a(
+        "--resume-from",
+        type=int,
+        default=None,
+        help="global rollback: load the checkpoint at this iteration and start there",
+    )
+    a(
+        "--kill-at",
+        default="",
+        help="fault injection: ITER,MB,PHASE (phase: " + ", ".join(KILL_PHASES) + ")",
+    )
+    a("--rejoin-timeout", type=float, default=120.0)
+    a(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds; 0 disables the heartbeat monitor",
+    )
+    return p
+
+
+def _kill(store: dist.Store, keys: RecoveryKeys, stage: int) -> None:
+    store.set(keys.kill_time(stage), repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _group_of(groups: str, stage: int) -> list[int]:
+    """The stages of ``stage``'s logging group (``--groups 2,2`` -> [0, 1] or [2, 3]); [stage] without groups."""
+    if not groups:
+        return [stage]
+    first = 0
+    for size in (int(x) for x in groups.split(",")):
+        if first <= stage < first + size:
+            return list(range(first, first + size))
+        first += size
+    raise ValueError(f"--groups {groups} does not cover stage {stage}")
+
+
+def run_stage(args: argparse.Namespace) -> dict[str, Any]:
+    """Train (or replace and then train) one stage; returns and saves its results."""
+    t_main = time.time()
+    torch.set_num_threads(args.threads)
+    k, S = args.stage, args.num_stages
+    cfg = GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
+                    dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+    store = dist.TCPStore(
+        args.store_host,
+        args.store_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    keys = RecoveryKeys(args.run_id)
+    data = SyntheticTokens(cfg, seed=args.seed)
+    config = ClientConfig(
+        run_id=args.run_id, stage=k, num_stages=S, store_root=args.store_root, cold_url=args.cold_url,
+        checkpoint_url=args.checkpoint_url, seed=args.seed, segment_iters=args.segment_iters,
+        logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
+        log_data=not args.data_source, codec=args.codec, enabled=not args.no_logging, commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
+    )  # fmt: skip
+    client = SwiftlogClient(
+        config, commit_store=store, data_source=data if args.data_source else None
+    )
+    generation, start, recovered = args.generation, 0, None
+    if args.replacement:
+        from replay.engine import SourceSpec
+        from replay.replacement import (
+            ReplacementFallback,
+            recover_stage,
+            report_fallback,
+            report_ready,
+        )
+
+        sources = [
+            SourceSpec(kind="store", location=r, cold_url=args.cold_url)
+            for r in args.sources.split(",")
+            if r
+        ]
+        if args.cold_url:
+            sources.append(SourceSpec(kind="cold", location=args.cold_url))
+        t_recover = time.time()
+        try:
+            rec = recover_stage(store, run_id=args.run_id, stage=k, num_stages=S, generation=generation,
+                                checkpoint_url=config.resolved_checkpoint_url(), sources=sources, model_args=cfg.to_dict(),
+                                data_source="replay.examples:gpt_data" if args.data_source else None,
+                                n_microbatches=cfg.n_microbatches, threads=args.threads, workers=args.replay_workers,
+                                timeout=datetime.timedelta(seconds=args.rejoin_timeout), group=_group_of(args.groups, k))  # fmt: skip
+        except ReplacementFallback as e:
+            report_fallback(store, args.run_id, generation, str(e))
+            print(
+                "FALLBACK "
+                + json.dumps({"stage": k, "generation": generation, "reason": str(e)}),
+                flush=True,
+            )
+            client.close(flush=False)
+            raise SystemExit(EXIT_FALLBACK) from e
+        model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
+        recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
+        report_ready(store, args.run_id, generation, k, recovered)
+        start, generation = rec.resume, generation + 1
+    else:
+        model = build_stage_module(cfg, k, S, seed=args.seed)
+        optimizer = make_optimizer(model)
+        lr_scheduler = make_lr_scheduler(optimizer)
+        if args.resume_from is not None:
+            ck = load_checkpoint(
+                checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)
+            )
+            ck.apply(model, optimizer, lr_scheduler)
+            start = args.resume_from
+    kill: tuple[int, int, str] | None = None
+    if args.kill_at:
+        it_s, mb_s, phase = args.kill_at.split(",")
+        if phase not in KILL_PHASES:
+            raise ValueError(
+                f"--kill-at phase must be one of {KILL_PHASES}, got {phase!r}"
+            )
+        kill = (int(it_s), int(mb_s), phase)
+    inp, out = example_io(cfg, k, S)
+    armed = [False]
+    if kill is not None and kill[2] == "upload":
+        if client.store.cold is None:
+            raise ValueError("--kill-at ...,upload needs a cold tier (--cold-url)")
+        cold = client.store.cold
+        put_segment = cold.put_segment
+
+        def put_segment_then_die(*a: Any, **kw: Any) -> Any:
+            if armed[0]:
+                _kill(store, keys, k)
+            return put_segment(*a, **kw)
+
+        cold.put_segment = put_segment_then_die
+
+    def rebuild() -> None:
+        stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
+        client.schedule(
+            stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn
+        )
+        if kill is not None and kill[2] in ("forward", "backward"):
+            name = "forward_one_chunk" if kill[2] == "forward" else "backward_one_chunk"
+            orig = getattr(stage, name)
+
+            def hooked(mb: int, *a: Any, **kw: Any) -> Any:
+                if (client.recorder.iteration, mb) == kill[:2]:
+                    _kill(store, keys, k)
+                return orig(mb, *a, **kw)
+
+            setattr(stage, name, hooked)
+
+    ckpt_at = {int(x) for x in args.ckpt_at.split(",") if x}
+    ckpts: dict[int, str] = {}
+    losses_per_it: dict[int, float] = {}
+    losses: list[torch.Tensor] = []
+
+    def before(it: int) -> None:
+        if it in ckpt_at:
+            if kill is not None and kill[2] == "checkpoint" and kill[0] == it:
+                _kill(store, keys, k)
+            ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler)
+
+    def forward_backward(it: int) -> None:
+        losses.clear()
+        armed[0] = kill is not None and it >= kill[0]
+        if args.data_source:
+            client.step(it, losses=losses)
+        else:
+            x, y = data(it)
+            client.step(it, x, target=y, losses=losses)
+        if kill is not None and kill[2] == "commit" and kill[0] == it:
+            _kill(store, keys, k)
+
+    def apply(it: int) -> None:
+        if kill is not None and kill[2] == "optimizer" and kill[0] == it:
+            _kill(store, keys, k)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if losses:
+            losses_per_it[it] = sum(float(x.detach()) for x in losses) / len(losses)
+        if k == S - 1:  # progress of the whole job (survives this process): "iteration:time:generation;"
+            store.append(keys.progress(), f"{it}:{time.time()!r}:{loop.generation};")
+
+    rcfg = RecoveryConfig(run_id=args.run_id, stage=k, num_stages=S, generation=generation,
+                          pg_timeout=datetime.timedelta(seconds=args.pg_timeout), rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
+                          heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
+                          store_host=args.store_host, store_port=args.store_port)  # fmt: skip
+    loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer)
+    t_join = time.time()
+    loop.join()
+    if args.replacement:
+        store.set(keys.rejoined(args.generation, k), repr(time.time()))
+    t_train = time.time()
+    loop.run(
+        start,
+        args.iters,
+        forward_backward=forward_backward,
+        apply=apply,
+        before=before,
+        joined=True,
+    )
+    if args.iters in ckpt_at:
+        ckpts[args.iters] = client.checkpoint(
+            args.iters, model, optimizer, lr_scheduler
+        )
+    report = client.close()
+    dist.destroy_process_group()
+    result = {
+        "stage": k, "iters": args.iters, "start": start, "generation_end": loop.generation,
+        "losses": [losses_per_it[i] for i in sorted(losses_per_it)], "losses_by_it": losses_per_it,
+        "iteration_end": loop.iteration_end, "events": [e.to_dict() for e in loop.events], "recovered": recovered,
+        "checkpoints": ckpts, "t_join": t_join, "t_train": t_train,
+        "close": {"ok": report.ok, "error": report.error, "faults": [f"{f.kind}: {f.message}" for f in report.logging_faults]},
+    }  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({**result, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+                "gpt": cfg.to_dict()}, os.path.join(args.out, f"stage{k}.pt"))  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"stage{args.stage} %(levelname)s %(name)s: %(message)s",
+    )
+    result = run_stage(args)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "stage",
+                    "iters",
+                    "start",
+                    "generation_end",
+                    "events",
+                    "recovered",
+                    "close",
+                )
+            },
+            default=str,
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

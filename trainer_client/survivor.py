@@ -1,0 +1,512 @@
+"""Survivors of a stage failure: keep the state, agree where to resume, re-form the pipeline.
+
+What a training script calls instead of writing its own loop (a few lines)::
+
+    loop = ResilientLoop(client, store, RecoveryConfig(run_id=..., stage=k, num_stages=S),
+                         rebuild=build_stage_and_schedule, optimizer=optimizer)
+    loop.run(start, stop, forward_backward=lambda it: client.step(it, x, target=y),
+             apply=lambda it: (optimizer.step(), lr_scheduler.step(), optimizer.zero_grad(set_to_none=True)))
+
+The protocol (DESIGN.md "Failure protocol"), per failure, on every surviving stage:
+
+1. A peer's death surfaces as a communication error in ``forward_backward`` (gloo neighbours:
+   "Connection closed by peer" within milliseconds) or as an aborted commit (the generation was
+   marked failed by the scheduler, by another survivor, or by this module's heartbeat monitor,
+   which marks it when a stage's heartbeat in the store goes stale).
+2. The survivor marks generation ``g`` failed in the store (every stage waiting in ``commit``
+   aborts), writes "abort" for the iteration, and destroys its process group at once so that its
+   other neighbours' pending receives fail too (gloo would otherwise wait for its timeout).
+3. It keeps model, optimizer and scheduler state, zeroes the gradients of the unfinished
+   iteration, drains its log writer (the replacement reads the records it sent) and reports
+   ``{resume, t_detect, error}`` under ``swiftlog/{run}/recovery/gen{g}/survivor/{stage}``.
+   ``resume`` is the iteration it was in: the commit step guarantees it did not apply it (a stage
+   that fails before reporting done can never see "commit"), and that every survivor stands at
+   the same iteration; the replacement checks that they agree.
+4. It waits (``rejoin_timeout``) until every replaced stage reported ``ready`` (or the
+   replacement reported a fallback: then :class:`RecoveryFailedError` says why), joins process
+   group generation ``g + 1`` over ``PrefixStore(f"{run}/pg/gen{g+1}")`` of the same store, calls
+   ``rebuild()`` (new stage and schedule over the new group) and continues at ``resume``.
+
+The store must be hosted outside the training ranks (it survives any of them). Every wait has a
+deadline and raises :class:`RecoveryTimeoutError` naming what it waited for; nothing sleeps a
+fixed time (polls back off from 1 ms to 20 ms). Never: retries an iteration whose decision was
+"commit", applies a half-finished iteration, or recovers from an error that is not a failure of
+the pipeline (a bug in the user's step is re-raised unchanged).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer_client.client import SwiftlogClient
+from trainer_client.errors import ClientError, CommitStoreError, IterationAbortedError
+
+__all__ = [
+    "RecoveryConfig",
+    "RecoveryEvent",
+    "RecoveryFailedError",
+    "RecoveryKeys",
+    "RecoveryTimeoutError",
+    "ResilientLoop",
+    "is_pipeline_failure",
+    "pg_prefix",
+    "wait_for_keys",
+]
+
+logger = logging.getLogger(__name__)
+
+# messages of gloo / c10d errors that mean "a peer is gone"
+_COMM_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "gloo", "timed out", "socket",
+                 "connection refused", "process group", "has been destroyed", "not initialized")  # fmt: skip
+
+
+class RecoveryFailedError(ClientError):
+    """The pipeline could not be re-formed (the replacement gave up, or survivors disagree)."""
+
+
+class RecoveryTimeoutError(RecoveryFailedError):
+    """A recovery wait passed its deadline; the message names the keys it waited for."""
+
+
+def pg_prefix(run_id: str, generation: int) -> str:
+    """Store prefix of the process group of ``generation`` (generation 0 is the initial one)."""
+    return f"{run_id}/pg/gen{generation}"
+
+
+class RecoveryKeys:
+    """Names of the recovery keys of one run in the shared store (one place, used by both sides)."""
+
+    def __init__(self, run_id: str, commit_prefix: str | None = None) -> None:
+        self.run_id = run_id
+        self.base = f"swiftlog/{run_id}/recovery"
+        self.commit_prefix = (commit_prefix or f"swiftlog/{run_id}").rstrip("/")
+
+    def failed(self, g: int) -> str:
+        """The commit coordinator's "generation failed" key (its presence aborts every commit wait)."""
+        return f"{self.commit_prefix}/gen{g}/failed"
+
+    def failed_stages(self, g: int) -> str:
+        """JSON list of the stages the scheduler replaces after generation ``g`` failed."""
+        return f"{self.base}/gen{g}/failed_stages"
+
+    def survivor(self, g: int, stage: int) -> str:
+        return f"{self.base}/gen{g}/survivor/{stage}"
+
+    def ready(self, g: int, stage: int) -> str:
+        return f"{self.base}/gen{g}/ready/{stage}"
+
+    def fallback(self, g: int) -> str:
+        return f"{self.base}/gen{g}/fallback"
+
+    def rejoined(self, g: int, stage: int) -> str:
+        return f"{self.base}/gen{g}/rejoined/{stage}"
+
+    def heartbeat(self, g: int, stage: int) -> str:
+        return f"{self.base}/gen{g}/hb/{stage}"
+
+    def progress(self) -> str:
+        """Appended by the example script's last stage after every applied iteration (plots)."""
+        return f"{self.base}/progress"
+
+    def kill_time(self, stage: int) -> str:
+        """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
+        return f"{self.base}/kill_time/{stage}"
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryConfig:
+    """How one stage takes part in recovery.
+
+    run_id / stage / num_stages: as in ClientConfig. generation: the process-group generation
+    the stage starts in (0, or the new one for a replacement). pg_timeout: gloo timeout of each
+    process group (a safety net: failures are detected from errors, not from it).
+    rejoin_timeout: longest wait for the replacement to be ready and for the new group to form.
+    heartbeat_interval / heartbeat_timeout: each stage writes a heartbeat into the store every
+    interval; a stage whose heartbeat is older than the timeout is declared dead (generation
+    marked failed). heartbeat_timeout must exceed the longest stall of a live process (2 s
+    default is conservative on a loaded machine; None disables the monitor). store_host /
+    store_port: where the heartbeat thread opens its own store connection (None: no heartbeat).
+    max_failures: recoveries after which a further failure is raised instead (default 4).
+    """
+
+    run_id: str
+    stage: int
+    num_stages: int
+    generation: int = 0
+    backend: str = "gloo"
+    pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+    rejoin_timeout: datetime.timedelta = datetime.timedelta(seconds=120)
+    heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100)
+    heartbeat_timeout: datetime.timedelta | None = datetime.timedelta(seconds=2)
+    store_host: str | None = None
+    store_port: int | None = None
+    commit_prefix: str | None = None
+    max_failures: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"stage {self.stage} is not in [0, {self.num_stages})")
+        if self.generation < 0:
+            raise ValueError(f"generation must be >= 0, got {self.generation}")
+        if self.rejoin_timeout.total_seconds() <= 0:
+            raise ValueError("rejoin_timeout must be positive")
+        if (
+            self.heartbeat_timeout is not None
+            and self.heartbeat_timeout <= self.heartbeat_interval
+        ):
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+
+
+@dataclass(slots=True)
+class RecoveryEvent:
+    """One recovery as this stage saw it (wall-clock ``time.time()`` stamps, seconds)."""
+
+    generation: int
+    resume: int
+    error: str
+    t_detect: float
+    t_reported: float
+    t_ready: float = 0.0
+    t_rejoined: float = 0.0
+    replaced: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def is_pipeline_failure(e: BaseException) -> bool:
+    """True for errors that mean "the pipeline lost a peer": aborted commits, c10d/gloo errors."""
+    if isinstance(e, IterationAbortedError):
+        return True
+    if isinstance(e, CommitStoreError):
+        return False  # the store itself is gone: nothing to recover with
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = f"{type(e).__name__}: {e}".lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def wait_for_keys(
+    store: dist.Store,
+    keys: list[str],
+    *,
+    timeout: datetime.timedelta,
+    what: str,
+    abort_keys: list[str] | None = None,
+) -> dict[str, str]:
+    """Poll until every key in ``keys`` exists; return their values.
+
+    Raises RecoveryFailedError as soon as one of ``abort_keys`` appears (its value in the
+    message), RecoveryTimeoutError after ``timeout`` naming the keys still missing.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    sleep = 1e-3
+    while True:
+        for ak in abort_keys or ():
+            if store.check([ak]):
+                raise RecoveryFailedError(
+                    f"{what}: gave up, {ak} = {_s(store.get(ak))}"
+                )
+        missing = [k for k in keys if not store.check([k])]
+        if not missing:
+            return {k: _s(store.get(k)) for k in keys}
+        if time.monotonic() >= deadline:
+            raise RecoveryTimeoutError(
+                f"{what}: still missing after {timeout.total_seconds():g} s: {missing}",
+                hint="is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays",
+            )
+        time.sleep(sleep)
+        sleep = min(sleep * 1.5, 0.02)
+
+
+class _Heartbeat:
+    """Background thread: writes this stage's heartbeat and marks the generation failed when
+    another stage's heartbeat goes stale. Own store connection; never raises into training."""
+
+    def __init__(self, cfg: RecoveryConfig, keys: RecoveryKeys) -> None:
+        self.cfg, self.keys = cfg, keys
+        self.generation = cfg.generation
+        self._stop = threading.Event()
+        self._store = dist.TCPStore(
+            cfg.store_host,
+            cfg.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"swiftlog-heartbeat-{cfg.stage}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        cfg, keys = self.cfg, self.keys
+        seen: dict[tuple[int, int], tuple[str, float]] = {}
+        while not self._stop.wait(cfg.heartbeat_interval.total_seconds()):
+            g = self.generation
+            try:
+                now = time.monotonic()
+                self._store.set(keys.heartbeat(g, cfg.stage), repr(time.time()))
+                if cfg.heartbeat_timeout is None or self._store.check([keys.failed(g)]):
+                    continue
+                for k in range(cfg.num_stages):
+                    if k == cfg.stage or not self._store.check([keys.heartbeat(g, k)]):
+                        continue  # not started yet in this generation: not judged
+                    v = _s(self._store.get(keys.heartbeat(g, k)))
+                    prev = seen.get((g, k))
+                    if prev is None or prev[0] != v:
+                        seen[(g, k)] = (v, now)
+                    elif now - prev[1] > cfg.heartbeat_timeout.total_seconds():
+                        logger.warning(
+                            "stage %d: stage %d's heartbeat is %.1f s old: marking generation %d failed",
+                            cfg.stage,
+                            k,
+                            now - prev[1],
+                            g,
+                        )
+                        self._store.set(
+                            keys.failed(g),
+                            f"heartbeat of stage {k} stale (seen by stage {cfg.stage})",
+                        )
+            except Exception as e:  # noqa: BLE001 - the monitor must never take the stage down
+                logger.debug("heartbeat: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class ResilientLoop:
+    """A training loop that survives the loss of other stages (see the module docstring).
+
+    Args:
+        client: this stage's SwiftlogClient (built with ``commit_store``: the commit step is what
+            makes the resume iteration well defined).
+        store: the TCPStore client (server outside the training ranks) for the process groups
+            and the recovery keys.
+        config: :class:`RecoveryConfig`.
+        rebuild: called after every (re-)formation of the process group: build the stage and the
+            schedule over the new default group (``client.pipeline_stage`` + ``client.schedule``).
+        optimizer: zeroed when an iteration is discarded.
+        on_event: called with each :class:`RecoveryEvent` once the pipeline re-formed.
+    """
+
+    def __init__(
+        self,
+        client: SwiftlogClient,
+        store: dist.Store,
+        config: RecoveryConfig,
+        *,
+        rebuild: Callable[[], None],
+        optimizer: torch.optim.Optimizer,
+        on_event: Callable[[RecoveryEvent], None] | None = None,
+    ) -> None:
+        if client.coordinator is None:
+            raise ValueError(
+                "ResilientLoop needs a SwiftlogClient with commit_store (the commit decides the resume iteration)"
+            )
+        self.client, self.store, self.cfg = client, store, config
+        self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
+        self.keys = RecoveryKeys(
+            config.run_id, config.commit_prefix or client.coordinator.prefix
+        )
+        self.generation = config.generation
+        self.events: list[RecoveryEvent] = []
+        self.iteration_end: list[
+            tuple[int, float, int]
+        ] = []  # (iteration, time.time() at apply, generation)
+        self._hb: _Heartbeat | None = None
+
+    # ------------------------------------------------------------------ process groups
+    def join(self, generation: int | None = None) -> float:
+        """Form the process group of ``generation`` (default: the current one), set the commit
+        generation and rebuild stage and schedule; returns the seconds it took."""
+        g = self.generation if generation is None else generation
+        t0 = time.monotonic()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store.set_timeout(self.cfg.rejoin_timeout)
+        try:
+            dist.init_process_group(self.cfg.backend, store=dist.PrefixStore(pg_prefix(self.cfg.run_id, g), self.store),
+                                    rank=self.cfg.stage, world_size=self.cfg.num_stages, timeout=self.cfg.pg_timeout)  # fmt: skip
+        except Exception as e:
+            raise RecoveryTimeoutError(f"stage {self.cfg.stage}: process group generation {g} did not form: {e}",
+                                       hint="a stage of the new generation never joined (check the replacement's log)") from e  # fmt: skip
+        self.generation = g
+        self.client.set_generation(g)
+        if self._hb is not None:
+            self._hb.generation = g
+        self.rebuild()
+        return time.monotonic() - t0
+
+    # ------------------------------------------------------------------ the loop
+    def run(
+        self,
+        start: int,
+        stop: int,
+        *,
+        forward_backward: Callable[[int], Any],
+        apply: Callable[[int], Any],
+        before: Callable[[int], Any] | None = None,
+        joined: bool = False,
+    ) -> int:
+        """Train iterations ``[start, stop)``, recovering from failures of other stages.
+
+        Per iteration: ``before(it)`` (e.g. checkpoints), ``forward_backward(it)`` (the schedule
+        step, e.g. ``client.step``), ``client.commit(it)``, ``apply(it)`` (optimizer and scheduler
+        step, zero grads). ``joined``: the process group of the current generation is already up
+        and ``rebuild`` was called (otherwise :meth:`join` runs first). Returns ``stop``.
+        Raises what ``forward_backward``/``apply`` raise when it is not a pipeline failure, and
+        RecoveryFailedError when recovery is impossible.
+        """
+        # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
+        # collection that _recover runs to close the failed group's sockets (0.4 s -> milliseconds)
+        gc.freeze()
+        if (
+            self.cfg.store_host is not None
+            and self.cfg.store_port is not None
+            and self._hb is None
+        ):
+            self._hb = _Heartbeat(self.cfg, self.keys)
+            self._hb.generation = self.generation
+        try:
+            if not joined:
+                self.join()
+            it = start
+            failures = 0
+            while it < stop:
+                failure = None
+                try:
+                    if before is not None:
+                        before(it)
+                    forward_backward(it)
+                    self.client.commit(it)
+                except Exception as e:
+                    if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
+                        raise
+                    # keep only the text: the traceback's frames hold the schedule's pending work and
+                    # with it the process group, whose connections must close now (see _recover)
+                    failure = (
+                        f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
+                    )
+                if failure is not None:
+                    failures += 1
+                    it = self._recover(it, failure)
+                    continue
+                apply(it)
+                self.iteration_end.append((it, time.time(), self.generation))
+                it += 1
+            return it
+        finally:
+            if self._hb is not None:
+                self._hb.close()
+                self._hb = None
+
+    def _recover(self, it: int, msg: str) -> int:
+        cfg, keys, g = self.cfg, self.keys, self.generation
+        t_detect = time.time()
+        logger.warning(
+            "stage %d: pipeline failure in iteration %d (generation %d): %s",
+            cfg.stage,
+            it,
+            g,
+            msg,
+        )
+        try:  # 2. every stage waiting in commit aborts; nobody can commit `it` any more
+            if not self.store.check([keys.failed(g)]):
+                self.store.set(keys.failed(g), f"stage {cfg.stage} saw: {msg[:200]}")
+            self.client.abort(it, f"stage {cfg.stage} saw a failure")
+        except Exception as e:
+            raise RecoveryFailedError(
+                f"stage {cfg.stage}: the store is unreachable during recovery: {e}"
+            ) from e
+        t_a = time.monotonic()
+        try:  # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - already broken; we only need it gone
+            logger.info(
+                "stage %d: destroying the failed process group: %s", cfg.stage, e
+            )
+        # destroy_process_group only unregisters the group; its sockets close when the last reference
+        # (stage, schedule, pending work) is gone. A non-neighbour blocked on us waits until then.
+        t_a2 = time.monotonic()
+        self.client.release_pipeline()
+        gc.collect()
+        t_b = time.monotonic()
+        decision = (
+            self.client.coordinator.decision(it, g) if self.client.coordinator else None
+        )
+        if (
+            decision == "commit"
+        ):  # cannot happen: we never reported done for `it` without raising before
+            raise RecoveryFailedError(
+                f"stage {cfg.stage}: iteration {it} was committed but this stage did not apply it"
+            )
+        self.optimizer.zero_grad(
+            set_to_none=True
+        )  # 3. discard the unfinished iteration
+        drained = self.client.writer.drain(cfg.rejoin_timeout.total_seconds())
+        t_c = time.monotonic()
+        if not drained:
+            logger.warning(
+                "stage %d: log writer not drained before recovery; the replay may miss records",
+                cfg.stage,
+            )
+        ev = RecoveryEvent(
+            generation=g,
+            resume=it,
+            error=msg,
+            t_detect=t_detect,
+            t_reported=time.time(),
+        )
+        self.store.set(
+            keys.survivor(g, cfg.stage),
+            json.dumps(
+                {
+                    "resume": it,
+                    "t_detect": t_detect,
+                    "t_reported": ev.t_reported,
+                    "error": msg,
+                    "drained": drained,
+                    "teardown_s": t_b - t_a,
+                    "destroy_s": t_a2 - t_a,
+                    "drain_s": t_c - t_b,
+                }
+            ),
+        )
+        # 4. wait for the scheduler to name the replaced stages and for them to be ready
+        v = wait_for_keys(self.store, [keys.failed_stages(g)], timeout=cfg.rejoin_timeout,
+                          what=f"stage {cfg.stage}: waiting for the scheduler to name the failed stage(s) of generation {g}",
+                          abort_keys=[keys.fallback(g)])  # fmt: skip
+        ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
+        wait_for_keys(self.store, [keys.ready(g, k) for k in ev.replaced], timeout=cfg.rejoin_timeout,
+                      what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}", abort_keys=[keys.fallback(g)])  # fmt: skip
+        ev.t_ready = time.time()
+        self.join(g + 1)
+        ev.t_rejoined = time.time()
+        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
+        self.events.append(ev)
+        logger.warning(
+            "stage %d: rejoined as generation %d, resuming at iteration %d",
+            cfg.stage,
+            g + 1,
+            it,
+        )
+        if self.on_event is not None:
+            self.on_event(ev)
+        return it
