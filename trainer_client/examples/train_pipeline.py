@@ -199,7 +199,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     ckpts: dict[int, str] = {}
     for it in range(args.iters):
         if it in ckpt_at:
-            ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler)
+            ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
         if args.alternate_logging:
             client.set_logging(not args.no_logging and (it // args.alternate_logging) % 2 == 0)
         logged.append(client.recorder.enabled)
@@ -223,7 +223,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         if losses:
             losses_per_it.append(sum(float(x.detach()) for x in losses) / len(losses))
     if args.iters in ckpt_at:
-        ckpts[args.iters] = client.checkpoint(args.iters, model, optimizer, lr_scheduler)
+        ckpts[args.iters] = client.checkpoint(args.iters, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
     t_close = time.perf_counter()
     report = client.close()
     stats = client.stats()

@@ -243,7 +243,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         if it in ckpt_at:
             if kill is not None and kill[2] == "checkpoint" and kill[0] == it:
                 _kill(store, keys, k)
-            ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler)
+            ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
 
     def forward_backward(it: int) -> None:
         losses.clear()
@@ -287,7 +287,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.iters in ckpt_at:
         ckpts[args.iters] = client.checkpoint(
-            args.iters, model, optimizer, lr_scheduler
+            args.iters, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()}
         )
     report = client.close()
     dist.destroy_process_group()
