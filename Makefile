@@ -27,7 +27,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/store_bench.py
+	$(PY) bench/client_overhead.py
 	$(PY) bench/replay_bench.py
+	$(PY) bench/recovery_bench.py
+	$(PY) bench/api_bench.py
+	$(PY) bench/table.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -7,7 +7,7 @@ Data path::
     submit(channel, it, mb,   pops items in FIFO order,    codec.encode_tensor(host tensor)
       tensors) -> queue  -->  hands records to the pool, -->  (after the CUDA copy event)
     mark(fn)                  writes finished records in
-    gap(...)                  order with store.put_blobs
+    gap(...)                  order with store.put_encoded
                               (batches), runs markers and
                               gaps in queue order
 
@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from logstore import Channel, LogStore, RecordKey, codec
+from logstore import Channel, Encoded, LogStore, RecordKey, codec
+from logstore.segment import blob_checksum
 from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
 from trainer_client.digest import digest_record, tensor_digest
 
@@ -169,7 +170,7 @@ class AsyncLogWriter:
         max_queue_bytes: memory bound of queued records, see the module docstring.
         overflow: "wait" or "gap".
         encode_threads: encode pool size; 0 encodes on the writer thread.
-        batch_records / batch_bytes: most records / encoded bytes per ``put_blobs`` call.
+        batch_records / batch_bytes: most records / encoded bytes per ``put_encoded`` call.
         name: thread name suffix (for debugging).
     """
 
@@ -475,7 +476,7 @@ class AsyncLogWriter:
                     self._finish(head)
                     continue
                 batch.append((head, blobs))
-                batch_bytes += sum(len(b) for b in blobs)
+                batch_bytes += sum(len(r.blob) for r in blobs)
                 if len(batch) >= self._batch_records or batch_bytes >= self._batch_bytes:
                     self._write(batch)
                     batch, batch_bytes = [], 0
@@ -498,7 +499,9 @@ class AsyncLogWriter:
         if batch:
             self._write(batch)
 
-    def _encode(self, item: _Item) -> list[bytes]:
+    def _encode(self, item: _Item) -> list[Encoded]:
+        """Encode an item's tensors on a pool thread: compression and the blob checksum are done
+        here so that the single writer thread only does I/O (``LogStore.put_encoded``)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             for ev in item.events:
@@ -506,8 +509,16 @@ class AsyncLogWriter:
             if item.hash_only:
                 if item.digests is None:
                     item.digests = [tensor_digest(t) for t in item.tensors]
-                return [codec.encode_tensor(digest_record(d), codec="raw") for d in item.digests]
-            return [codec.encode_tensor(t, codec=self._codec) for t in item.tensors]
+                recs = [digest_record(d) for d in item.digests]
+                codec_name = "raw"
+            else:
+                recs, codec_name = item.tensors, self._codec
+            out = []
+            for part, t in enumerate(recs):
+                blob = codec.encode_tensor(t, codec=codec_name)
+                key = RecordKey(item.channel, item.iteration, item.micro_batch, part)
+                out.append(Encoded(key, blob, t.numel() * t.element_size(), blob_checksum(blob)))
+            return out
         finally:
             if item.pinned:
                 for t in item.tensors:
@@ -516,7 +527,7 @@ class AsyncLogWriter:
                 self._stats.encode_s += time.perf_counter() - t0
                 self._stats.encode_cpu_s += time.thread_time() - c0
 
-    def _encoded(self, item: _Item) -> list[bytes] | None:
+    def _encoded(self, item: _Item) -> list[Encoded] | None:
         try:
             if item.future is not None:
                 return item.future.result()
@@ -529,14 +540,10 @@ class AsyncLogWriter:
             item.tensors = []  # let the tensors go as soon as they are encoded
 
     def _write(self, batch: list[tuple[_Item, list[bytes]]]) -> None:
-        rows = [
-            (RecordKey(item.channel, item.iteration, item.micro_batch, part), blob)
-            for item, blobs in batch
-            for part, blob in enumerate(blobs)
-        ]
+        rows = [rec for _, recs in batch for rec in recs]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            self._store.put_blobs(rows)
+            self._store.put_encoded(rows)
         except Exception as e:
             kind = "store_full" if isinstance(e, StoreFullError) else "closed" if isinstance(e, StoreClosedError) else "write"
             self._fault(kind, f"{type(e).__name__}: {e}", batch[0][0].channel, batch[0][0].iteration, batch[0][0].micro_batch)
@@ -555,7 +562,7 @@ class AsyncLogWriter:
                 st.records_written += len(blobs)
                 if not item.hash_only:
                     st.bytes_written += item.nbytes
-                st.stored_bytes_written += sum(len(b) for b in blobs)
+                st.stored_bytes_written += sum(len(r.blob) for r in blobs)
         for item, _ in batch:
             self._finish(item)
 

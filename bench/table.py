@@ -1,0 +1,102 @@
+"""Print the headline benchmark table (markdown) from bench/results/*.json.
+
+``python bench/table.py`` prints it; ``--readme`` also rewrites the table between the
+``<!-- bench:start -->`` / ``<!-- bench:end -->`` markers of README.md. Reads only; a missing
+result file shows as "not run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+# (file, key, target text, "le"/"ge"/"eq" or None, bound)
+ROWS: list[tuple[str, str, str, str | None, object]] = [
+    ("store", "codec_ratio_bf16", ">= 1.45", "ge", 1.45),
+    ("store", "zstd1_ratio_bf16", "(zstd-1 baseline)", None, None),
+    ("store", "codec_ratio_fp32", ">= 1.18", "ge", 1.18),
+    ("store", "zstd1_ratio_fp32", "(zstd-1 baseline)", None, None),
+    ("store", "codec_compress_mbps_bf16", ">= 500 MB/s/core", "ge", 500),
+    ("store", "codec_compress_vs_memcpy_bf16", "(memcpy = 1)", None, None),
+    ("store", "hot_ingest_vs_raw_file", ">= 0.8", "ge", 0.8),
+    ("store", "hot_ingest_vs_raw_file_fsync", "(fsync mode)", None, None),
+    ("store", "cold_upload_vs_raw_put", ">= 0.8", "ge", 0.8),
+    ("store", "lmdb_size_over_live", "<= 1.5", "le", 1.5),
+    ("client", "overhead_ratio", "<= 1.05", "le", 1.05),
+    ("client", "enqueue_us_per_mb", "", None, None),
+    ("client", "copy_us_per_mb", "(plain copy of the same bytes)", None, None),
+    ("client", "enqueue_over_copy", "<= 2", "le", 2.0),
+    ("client", "bytes_per_iteration_raw", "", None, None),
+    ("client", "bytes_per_iteration_stored", "", None, None),
+    ("replay", "replay_vs_live", "<= 0.5", "le", 0.5),
+    ("replay", "parallel_speedup_k2", ">= 1.6", "ge", 1.6),
+    ("replay", "parallel_speedup_k2_median", "(median)", None, None),
+    ("replay", "parallel_max_abs_diff", "(approximate mode)", None, None),
+    ("replay", "bit_exact", "true", "eq", True),
+    ("recovery", "recovery_vs_global_rollback", "<= 0.3", "le", 0.3),
+    ("recovery", "detect_s", "<= 1 s", "le", 1.0),
+    ("recovery", "fetch_s", "", None, None),
+    ("recovery", "replay_s", "", None, None),
+    ("recovery", "rejoin_s", "", None, None),
+    ("recovery", "bit_exact", "true", "eq", True),
+    ("api", "summary_p99_ms", "<= 50 ms", "le", 50),
+    ("api", "list_p99_ms", "<= 50 ms", "le", 50),
+    ("api", "download_vs_direct", ">= 0.7", "ge", 0.7),
+]
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def table() -> str:
+    cache: dict[str, dict | None] = {}
+    lines = ["| bench | metric | measured | target | met |", "|---|---|---|---|---|"]
+    for f, key, target, op, bound in ROWS:
+        if f not in cache:
+            p = RESULTS / f"{f}.json"
+            cache[f] = json.loads(p.read_text()) if p.exists() else None
+        data = cache[f]
+        v = None if data is None else data.get(key)
+        if key == "enqueue_over_copy" and data and data.get("copy_us_per_mb"):
+            v = data["enqueue_us_per_mb"] / data["copy_us_per_mb"]
+        met = ""
+        if op is not None and v is not None:
+            met = {"ge": lambda: v >= bound, "le": lambda: v <= bound, "eq": lambda: v == bound}[op]()
+            met = "yes" if met else "**no**"
+        lines.append(f"| {f} | `{key}` | {_fmt(v) if data is not None else 'not run'} | {target} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    args = ap.parse_args(argv)
+    t = table()
+    print(t)
+    if args.readme:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+        if start not in text or end not in text:
+            print("README.md has no bench markers", file=sys.stderr)
+            return 2
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        readme.write_text(f"{head}{start}\n{t}\n{end}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
