@@ -17,13 +17,13 @@ Never used by the library itself; bench only.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["real_samples", "SampleConfig"]
+from trainer_client.examples.gpt import Block
+
+__all__ = ["SampleConfig", "real_samples"]
 
 
 class SampleConfig:
@@ -38,35 +38,8 @@ class SampleConfig:
     dropout: float = 0.1
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float, n_blocks: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.dropout = dropout
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-        self.drop = nn.Dropout(dropout)
-        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_blocks)
-        for lin in (self.qkv, self.proj, self.fc1, self.fc2):
-            nn.init.normal_(lin.weight, std=0.02)
-            nn.init.zeros_(lin.bias)
-        for lin in (self.proj, self.fc2):
-            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_blocks))
-
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        B, S, H = x_BSH.shape
-        q, k, v = self.qkv(self.ln1(x_BSH)).split(H, dim=-1)
-        q, k, v = (t.view(B, S, self.heads, H // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        x_BSH = x_BSH + self.drop(self.proj(a.transpose(1, 2).reshape(B, S, H)))
-        x_BSH = x_BSH + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x_BSH)))))
-        return x_BSH
+# the example pipeline's transformer block: the samples are what that model sends
+_Block = Block
 
 
 def real_samples(dtype: torch.dtype, hidden: int = 1024, seed: int = 0) -> list[torch.Tensor]:
