@@ -183,8 +183,9 @@ def run_demo(
         "global rollback": _progress(rb),
     }
     kills = {
-        "SWIFT in-place recovery": min(sw.kill_times.values()) - sw.t0,
-        "global rollback": min(rb.kill_times.values()) - rb.t0,
+        # same time base as the series: since the run's iteration 0 was applied
+        "SWIFT in-place recovery": min(sw.kill_times.values()) - sw.progress[0][1],
+        "global rollback": min(rb.kill_times.values()) - rb.progress[0][1],
     }
     _plot(workdir / "progress.png", series, kills)
     report["files"] = {
