@@ -44,6 +44,8 @@ for a multipart upload, and (for ``read``) checking the marker unless ``verify=T
 
 from __future__ import annotations
 
+import abc
+
 import asyncio
 import errno
 import json
@@ -529,39 +531,50 @@ def _parse_marker(name: str, blob: bytes) -> SegmentInfo | None:
 # ---------------------------------------------------------------------------------------------
 # backends: raw object operations on keys relative to the root; names are already validated
 # ---------------------------------------------------------------------------------------------
-class _Backend:
+class _Backend(abc.ABC):
+    """Raw object operations of one storage kind; the two implementations below fill it in."""
+
+    @abc.abstractmethod
     def put_stream(self, key: str, src: _Source) -> tuple[int, int]:
         """Store ``src`` atomically under ``key``; return (size, xxh3-64)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
-        raise NotImplementedError
+        ...
 
     def get_many(self, keys: list[str]) -> dict[str, bytes | None]:
         return {k: self.get(k) for k in keys}
 
+    @abc.abstractmethod
     def size(self, key: str) -> int | None:
         """The object's size, or None if there is no object."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
         """{key: size} of every object whose key starts with ``prefix`` (temporaries excluded)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def abort_stale(self, prefix: str, cutoff: datetime) -> list[str]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def health(self) -> None:
-        raise NotImplementedError
+        ...
 
     def close(self) -> None:
         pass
