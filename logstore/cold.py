@@ -292,6 +292,10 @@ class ColdTier:
             )  # fmt: skip
         else:
             raise ConfigError(f"cold tier url {url!r}: scheme {scheme!r} not supported", hint="use file:// or s3://")
+        # parsed commit markers, keyed by (marker key, marker size, object size): a marker never
+        # changes while its segment exists, so a listing re-reads only markers it has not seen
+        self._marker_cache: dict[tuple[str, int, int], SegmentInfo] = {}
+        self._marker_lock = threading.Lock()
 
     # -- segments -------------------------------------------------------------------------
     def put_segment(self, name: str, source: Source, *, meta: dict[str, Any]) -> SegmentInfo:
@@ -345,8 +349,9 @@ class ColdTier:
     def list_segments(self, prefix: str = "") -> list[SegmentInfo]:
         """Every committed segment whose name starts with ``prefix``, sorted by name.
 
-        One listing plus one read per marker (concurrent on s3). Objects without a marker, and
-        markers whose object is missing or of another size, are left out (the latter logged).
+        One listing plus one read per marker not seen before (concurrent on s3; markers are
+        immutable, so parsed ones are cached). Objects without a marker, and markers whose object
+        is missing or of another size, are left out (the latter logged).
         """
         self._check_open()
         prefix = _validate_prefix(prefix)
@@ -355,14 +360,24 @@ class ColdTier:
         for k in listing:
             if k.endswith(MARKER_SUFFIX) and k[: -len(MARKER_SUFFIX)] not in listing:
                 logger.warning("cold tier %s: marker %s has no object; not listed", self.url, k)
-        blobs = self._backend.get_many(marker_keys)
+        with self._marker_lock:
+            # forget markers of segments under this prefix that are gone (deleted elsewhere)
+            for k in [k for k in self._marker_cache if k[0].startswith(prefix) and k[0] not in listing]:
+                del self._marker_cache[k]
+            cached = {mk: self._marker_cache.get((mk, listing[mk], listing[mk[: -len(MARKER_SUFFIX)]])) for mk in marker_keys}
+        blobs = self._backend.get_many([mk for mk in marker_keys if cached[mk] is None])
         out = []
         for mk in marker_keys:
             name = mk[: -len(MARKER_SUFFIX)]
-            blob = blobs.get(mk)
-            if blob is None:  # deleted between listing and read
-                continue
-            info = _parse_marker(name, blob)
+            info = cached[mk]
+            if info is None:
+                blob = blobs.get(mk)
+                if blob is None:  # deleted between listing and read
+                    continue
+                info = _parse_marker(name, blob)
+                if info is not None:
+                    with self._marker_lock:
+                        self._marker_cache[(mk, listing[mk], listing[name])] = info
             if info is None:
                 logger.warning("cold tier %s: unreadable marker %s; segment not listed", self.url, mk)
                 continue
@@ -420,6 +435,9 @@ class ColdTier:
         """Remove the marker, then the object. Deleting what does not exist succeeds."""
         self._check_open()
         name = _validate_segment_name(name)
+        with self._marker_lock:
+            for k in [k for k in self._marker_cache if k[0] == name + MARKER_SUFFIX]:
+                del self._marker_cache[k]
         self._backend.delete(name + MARKER_SUFFIX)
         self._backend.delete(name)
 
