@@ -23,6 +23,10 @@ Durability modes (``durability``):
   consistent earlier state.
 - ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns.
 
+The environment is opened with ``writemap``: a commit is a write into the shared map rather than
+write() calls (measured: the index costs the writer thread a few percent of a raw file append);
+LMDB's copy-on-write tree keeps a killed writer's uncommitted pages unreachable either way.
+
 Crash consistency: frames are written before the index entry that points to them commits, so
 an acknowledged record is always complete. On open, the writer truncates every open segment to
 the end recorded in the index (dropping frames whose commit never happened) and seals it.
