@@ -22,7 +22,6 @@ the pipeline re-formed); prints a token.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,43 +29,13 @@ from typing import Annotated, Any
 
 import typer
 
+from server.cli._common import fail, parse_cold_options, parse_kv
+from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
+
 __all__ = ["app", "register", "replay_command"]
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 
 app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
-
-
-def _err(msg: str, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    if hint:
-        typer.echo(f"hint: {hint}", err=True)
-    return typer.Exit(code)
-
-
-def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise _err(f"{what} {item!r} is not KEY=VALUE")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def _cold_options(items: list[str] | None) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    env = os.environ.get("SWIFTLOG_COLD_OPTIONS")
-    if env:
-        try:
-            opts.update(json.loads(env))
-        except ValueError as e:
-            raise _err(f"SWIFTLOG_COLD_OPTIONS is not JSON: {e}") from None
-    opts.update(_kv(items, "--cold-option"))
-    return opts
 
 
 def replay_command(
@@ -103,13 +72,13 @@ def replay_command(
     from trainer_client.errors import CheckpointError
 
     if not (root or server or cold_url):
-        raise _err("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
+        raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
     if not plan_only and not output:
-        raise _err("--output is required to replay", hint="a directory or URL for the recovered checkpoints, or pass --plan-only")
+        raise fail("--output is required to replay", hint="a directory or URL for the recovered checkpoints, or pass --plan-only")
     for r in root or []:
         if not r.is_dir():
-            raise _err(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
-    opts = _cold_options(cold_option)
+            raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
+    opts = parse_cold_options(cold_option)
     try:
         plan, specs = _plan(run, stage, root or [], server or [], token, cold_url, opts, target_iteration, bandwidth_mbps, workers, check_records)
         if plan_only or not plan.possible:
@@ -117,7 +86,7 @@ def replay_command(
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
         from replay.engine import jobs_from_plan, replay
 
-        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, model=model, model_args=_kv(model_arg, "--model-arg"),
+        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
                               output_options=opts, checkpoint_options=opts)  # fmt: skip
         results = []
@@ -135,13 +104,13 @@ def replay_command(
     except typer.Exit:
         raise
     except (ReplayInputMissingError, RecordNotFoundError, CorruptRecordError) as e:
-        raise _err(str(e), code=EXIT_NOT_FOUND) from None
+        raise fail(str(e), code=EXIT_NOT_FOUND) from None
     except StoreError as e:
-        raise _err(str(e), code=EXIT_UNAVAILABLE if e.retryable else EXIT_PROBLEMS) from None
+        raise fail(str(e), code=EXIT_UNAVAILABLE if e.retryable else EXIT_PROBLEMS) from None
     except (SwiftlogError, CheckpointError) as e:
-        raise _err(str(e), code=EXIT_PROBLEMS) from None
+        raise fail(str(e), code=EXIT_PROBLEMS) from None
     except ValueError as e:
-        raise _err(str(e)) from None
+        raise fail(str(e)) from None
     ok = all(r.verified for r in results)
     if json_out:
         print(json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2), flush=True)

@@ -38,6 +38,7 @@ __all__ = [
     "handle_errors",
     "make_node",
     "parse_cold_options",
+    "parse_kv",
     "print_json",
     "human_bytes",
 ]
@@ -94,15 +95,23 @@ def parse_cold_options(items: list[str] | None) -> dict[str, Any]:
         if not isinstance(loaded, dict):
             raise fail(f"{ENV_COLD_OPTIONS} must be a JSON object")
         opts.update(loaded)
+    opts.update(parse_kv(items, "--cold-option"))
+    return opts
+
+
+def parse_kv(items: list[str] | None, what: str) -> dict[str, Any]:
+    """``KEY=VALUE`` flags as a dict; values are JSON when they parse, else strings.
+    Raises the usage Exit naming ``what`` for an item without ``=``."""
+    out: dict[str, Any] = {}
     for item in items or []:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            raise fail(f"--cold-option {item!r} is not KEY=VALUE")
+            raise fail(f"{what} {item!r} is not KEY=VALUE")
         try:
-            opts[k] = json.loads(v)
+            out[k] = json.loads(v)
         except ValueError:
-            opts[k] = v
-    return opts
+            out[k] = v
+    return out
 
 
 def make_node(root: Path, cold_url: str | None = None, cold_options: list[str] | None = None) -> Node:
