@@ -321,11 +321,7 @@ def run_with_failures(
                 0.02
             )  # scheduler poll period (how fast a process exit is noticed), not a protocol wait
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in procs.values():
-            p.wait()
+        _launch.stop_all(procs.values())
     outputs = {}
     for n, path in logs.items():
         with open(path) as f:

@@ -179,17 +179,24 @@ def launch_pipeline(
                 break
             time.sleep(0.05)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in procs.values():
-            p.wait()
+        stop_all(procs.values())
     outputs = {}
     for k, f in logs.items():
         with open(f.name) as g:
             outputs[k] = g.read()
         f.close()
     return LaunchResult({k: p.returncode for k, p in procs.items()}, outputs, out_dir, time.monotonic() - t0, timed_out)
+
+
+def stop_all(procs: Any) -> None:
+    """SIGKILL every process of ``procs`` still running, then reap them all (subprocess.Popen or
+    the fork server's process handles, both expose poll/kill/wait)."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
 
 
 def load_stage_result(out_dir: str, stage: int) -> dict[str, Any]:
