@@ -23,6 +23,7 @@ This module never talks to anything but 127.0.0.1 and never leaves a process run
 
 from __future__ import annotations
 
+import abc
 import atexit
 import json
 import logging
@@ -84,7 +85,7 @@ def _free_ports(n: int) -> list[int]:
         return ports
 
 
-class S3Server:
+class S3Server(abc.ABC):
     """Base class: one S3-compatible server subprocess on 127.0.0.1 with one bucket.
 
     Use as a context manager, or call :meth:`start` and finally :meth:`stop`. Attributes:
@@ -222,9 +223,9 @@ class S3Server:
     def _allocate_ports(self) -> None:
         self.port = free_port()
 
+    @abc.abstractmethod
     def _spawn(self, deadline: float) -> None:
         """Start the server process(es) with :meth:`_popen`; readiness is checked afterwards."""
-        raise NotImplementedError
 
     def _popen(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         logger.info("starting %s: %s", self.kind, " ".join(argv))
