@@ -21,8 +21,10 @@ Reported in bench/results/client.json:
   encoded size.
 - queue_peak_bytes: the largest writer queue any stage saw.
 - enqueue_us_per_mb: training-thread time in the client's capture path per MB logged
-  (references/copies and queueing of sends, inputs, targets and META, queueing and settling the
-  digests of received buffers), wall clock (perf_counter), and its parts.
+  (references/copies and queueing of sends, inputs, targets and META, queueing the received
+  buffers by reference and settling their digests at the next step), wall clock (perf_counter),
+  and its parts; digests_settled_inline_fraction: the share of digests the training thread had to
+  hash itself at settle time because the background had not reached them.
 - copy_us_per_mb: time of a plain ``Tensor.clone()`` of every logged send, taken by the stage
   processes themselves right where the client enqueues it (``--probe-copy``; in logged
   iterations only, so it slightly inflates the logged iteration times: conservative), i.e. in the
@@ -170,6 +172,7 @@ def main() -> int:
         "enqueue_us_per_mb": (submit_s + digest_s) * 1e6 / submitted_mb,
         "enqueue_submit_us_per_mb": submit_s * 1e6 / submitted_mb,
         "enqueue_digest_us_per_mb": digest_s * 1e6 / submitted_mb,
+        "digests_settled_inline_fraction": sum(x["digests_settled_inline"] for x in w) / max(1, sum(x["digests_submitted"] for x in w)),
         "copy_us_per_mb": copy_us,
         "copy_quiet_us_per_mb": copy_quiet_us,
         "enqueue_over_copy": (submit_s + digest_s) * 1e6 / submitted_mb / copy_us,

@@ -164,6 +164,31 @@ def test_writer_copy_protects_reused_buffers_and_digests_hash_now(store):
     w.close()
 
 
+@pytest.mark.parametrize("pool_first", [False, True], ids=["settled-inline", "hashed-by-pool"])
+def test_deferred_digests_see_the_buffer_as_received_once_settled(store, pool_first):
+    w = AsyncLogWriter(store, encode_threads=1)
+    gate = threading.Event()
+    if not pool_first:
+        w.mark(gate.wait)  # hold the writer: settle_digests must hash on the calling thread
+    recv = [torch.randn(64), torch.randn(3, 5)]
+    want = [tensor_digest(t) for t in recv]
+    w.submit_digests(Channel.digest(1, 0), 0, 0, recv, defer=True)
+    if pool_first:
+        w.kick()
+        assert w.drain(30)  # the pool hashed the buffers by reference
+    w.settle_digests()
+    for t in recv:
+        t.fill_(0)  # the next step's receive overwrites the buffers
+    gate.set()
+    assert w.drain(30)
+    got = [digest_from_record(store.get(RecordKey(Channel.digest(1, 0), 0, 0, part))) for part in range(2)]
+    assert got == want
+    st = w.stats()
+    assert st.digests_settled_inline == (0 if pool_first else 2) and st.faults == 0
+    w.settle_digests()  # nothing pending: a no-op
+    w.close()
+
+
 def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
     w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="gap")
     gate = threading.Event()

@@ -4,14 +4,19 @@ The stage overrides four public methods and delegates the bookkeeping to a
 :class:`StageRecorder` (owned by :class:`~trainer_client.SwiftlogClient`):
 
 - ``forward_one_chunk(mb)``: records "F mb" in the iteration's order; on the first stage logs the
-  micro-batch inputs (copied: the user may reuse the batch); otherwise hashes the received
+  micro-batch inputs (copied: the user may reuse the batch); otherwise queues the received
   activation buffers (``args_recv_info[mb]``, filled by the receive that the schedule waited on
-  before calling it; they are reused by the next step's receive) into DIGEST records of the
+  before calling it) by reference to be hashed in the background into DIGEST records of the
   sender; then seeds the RNG for (iteration, mb).
+- ``clear_runtime_states()`` (called by the schedule at the start of every step, before any
+  receive): settles the deferred digests. A receive buffer belongs to one micro-batch index and
+  is only overwritten by the next step's receive into it, and nothing in between writes to it
+  (activation buffers are autograd leaves; gradient buffers are only read by backward), so
+  hashing it any time before the next step sees exactly what was received.
 - ``get_fwd_send_ops(mb)``: logs the activations sent to ``stage + 1`` (kept by reference on CPU:
   PipelineStage never mutates a sent output).
-- ``backward_one_chunk(mb)``: records "B mb"; hashes the received gradient buffers
-  (``grad_recv_info[mb]``) likewise.
+- ``backward_one_chunk(mb)``: records "B mb"; queues the received gradient buffers
+  (``grad_recv_info[mb]``) for hashing likewise.
 - ``get_bwd_send_ops(mb)``: logs the gradients sent to ``stage - 1`` (``input.grad``, which the
   stage releases, never mutates, after the send).
 
@@ -96,7 +101,7 @@ class StageRecorder:
                     self.log_inputs(self.iteration, micro_batch, args)
             elif self._digest_from_prev:
                 bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
-                self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs)
+                self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
         except Exception as e:
             self._hook_fault("forward", e, micro_batch)
 
@@ -117,7 +122,7 @@ class StageRecorder:
                 return
             bufs = [i.buffer for i in stage.grad_recv_info[micro_batch] if i.buffer is not None]
             if bufs:
-                self.writer.submit_digests(Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs)
+                self.writer.submit_digests(Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
         except Exception as e:
             self._hook_fault("backward", e, micro_batch)
 
@@ -128,6 +133,13 @@ class StageRecorder:
             self.log_send(tensors, self.stage - 1, "gradient", self.iteration, micro_batch)
         except Exception as e:
             self._hook_fault("bwd_send", e, micro_batch)
+
+    def settle(self) -> None:
+        """Finish the digests of received buffers queued by reference (before they are reused)."""
+        try:
+            self.writer.settle_digests()
+        except Exception as e:
+            self._hook_fault("settle", e, None)
 
     def on_loss(self, target: Any) -> None:
         try:
@@ -223,6 +235,12 @@ class LoggingPipelineStage(PipelineStage):
     ) -> None:
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         self.recorder = recorder
+
+    def clear_runtime_states(self) -> None:
+        # every schedule step starts here, before its first receive: the deferred digests of the
+        # buffers received in the previous step must be computed before they are overwritten
+        self.recorder.settle()
+        super().clear_runtime_states()
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, save_forward_output: bool = True):  # type: ignore[override]
         self.recorder.on_forward(self, fwd_chunk_id, args)

@@ -13,7 +13,10 @@ Data path::
 
 What the training thread pays: on CPU a reference (sent tensors are never mutated by
 ``PipelineStage`` afterwards) or a copy (``copy=True``: inputs/targets a user may reuse), plus an
-append under a lock; digests of received buffers are hashed on the spot (about a copy's cost).
+append under a lock. Digests of received buffers: the pipeline stage defers them (a reference,
+hashed by the encode pool while the next micro-batches compute; :meth:`AsyncLogWriter.settle_digests`
+at the start of the next schedule step, before any receive can overwrite a buffer, hashes on the
+training thread only what the pool has not reached yet); the explicit API hashes on the spot.
 On CUDA: one device-to-host copy into pinned memory issued on a side stream after an event on
 the current stream; the writer waits on the copy's event, never the training thread. Records
 are written in submission order, so a marker runs only after every record submitted before it
@@ -106,7 +109,8 @@ class WriterStats:
     # training-thread time in the capture path, wall clock (perf_counter, no syscall: a syscall
     # here would be where a pending preemption lands and attribute the stall to logging)
     submit_s: float = 0.0  # inside submit() (references, copies, queueing)
-    digest_s: float = 0.0  # inside submit_digests() (hashing received buffers)
+    digest_s: float = 0.0  # inside submit_digests() and settle_digests() (queueing / hashing received buffers)
+    digests_settled_inline: int = 0  # deferred digests the training thread had to hash itself at settle time
     submit_max_s: float = 0.0  # longest single submit()
     encode_s: float = 0.0  # background encode wall time (summed over threads)
     write_s: float = 0.0  # background store wall time
@@ -200,6 +204,8 @@ class AsyncLogWriter:
         self._faults: collections.deque[Fault] = collections.deque(maxlen=_MAX_FAULTS)
         self._new_faults: list[Fault] = []
         self._pinned = _PinnedPool()
+        self._unsettled: list[_Item] = []  # deferred digest items; only the training thread touches the list
+        self._hash_lock = threading.Lock()  # a deferred item is hashed exactly once, by whoever comes first
         # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
         # waking it for every record would make it compete for the GIL at every torch op
         self._wake_bytes = max(1, min(max_queue_bytes // 4, 8 << 20))
@@ -255,14 +261,18 @@ class AsyncLogWriter:
             self._stats.submit_s += dt
             self._stats.submit_max_s = max(self._stats.submit_max_s, dt)
 
-    def submit_digests(self, channel: Channel, iteration: int, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
+    def submit_digests(
+        self, channel: Channel, iteration: int, micro_batch: int, tensors: Sequence[torch.Tensor], *, defer: bool = False
+    ) -> None:
         """Queue digest records of ``tensors`` (parts 0..n-1) under a DIGEST channel.
 
-        CPU tensors are hashed now (xxh3 at memory speed, while a just-received buffer is still
-        in cache; about the cost of copying it), so the caller may reuse the buffers as soon as
-        this returns. CUDA tensors are copied to pinned memory on a side stream and hashed by
-        the writer, and the current stream waits for that copy, so a later receive cannot
-        overwrite the buffer before it was read. Digest records are never dropped; never raises.
+        ``defer=False``: CPU tensors are hashed now (xxh3), so the caller may reuse the buffers
+        as soon as this returns. ``defer=True``: CPU tensors are kept by reference and hashed by
+        the encode pool; the caller promises not to modify them before its next
+        :meth:`settle_digests` call. CUDA tensors are copied to pinned memory on a side stream and
+        hashed by the writer, and the current stream waits for that copy, so a later receive
+        cannot overwrite the buffer before it was read. Digest records are never dropped; never
+        raises.
         """
         t0 = time.perf_counter()
         try:
@@ -273,6 +283,10 @@ class AsyncLogWriter:
                 self._stage(item, tensors, copy=True, order_current_stream=True)
                 item.nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
                 self._reserve(item.nbytes, channel, iteration, micro_batch, force=True)
+            elif defer:
+                item.tensors = list(tensors)
+                item.nparts = len(item.tensors)
+                self._unsettled.append(item)
             else:
                 item.digests = [tensor_digest(t) for t in tensors]
                 item.nparts = len(item.digests)
@@ -283,6 +297,38 @@ class AsyncLogWriter:
             self._fault("encode", f"digest failed: {type(e).__name__}: {e}", channel, iteration, micro_batch)
         finally:
             self._stats.digest_s += time.perf_counter() - t0
+
+    def settle_digests(self) -> None:
+        """Make sure every digest deferred so far is computed, so that the buffers passed to
+        ``submit_digests(defer=True)`` may be overwritten once this returns.
+
+        Waits at most for one hash in progress on the pool; hashes on the calling thread what
+        the pool has not reached (counted in ``digests_settled_inline``). Never waits on
+        encoding or I/O; never raises (a failed hash is a fault and the record is dropped).
+        """
+        if not self._unsettled:
+            return
+        t0 = time.perf_counter()
+        pending, self._unsettled = self._unsettled, []
+        try:
+            for item in pending:
+                if item.digests is None:
+                    try:
+                        if self._hash_deferred(item):
+                            self._stats.digests_settled_inline += len(item.digests or ())
+                    except Exception as e:  # the pool will meet the same error and drop the record
+                        self._fault("encode", f"digest failed: {type(e).__name__}: {e}", item.channel, item.iteration, item.micro_batch)
+                        item.digests = []
+        finally:
+            self._stats.digest_s += time.perf_counter() - t0
+
+    def _hash_deferred(self, item: _Item) -> bool:
+        """Compute ``item.digests`` unless someone already did; True if this call hashed."""
+        with self._hash_lock:
+            if item.digests is not None:
+                return False
+            item.digests = [tensor_digest(t) for t in item.tensors]
+            return True
 
     def kick(self) -> None:
         """Wake the writer now (e.g. at the end of an iteration) instead of at the next threshold."""
@@ -507,9 +553,10 @@ class AsyncLogWriter:
             for ev in item.events:
                 ev.synchronize()
             if item.hash_only:
-                if item.digests is None:
-                    item.digests = [tensor_digest(t) for t in item.tensors]
-                recs = [digest_record(d) for d in item.digests]
+                self._hash_deferred(item)
+                if len(item.digests or ()) != item.nparts:
+                    raise RuntimeError("hashing the received buffers failed at settle time")
+                recs = [digest_record(d) for d in item.digests or ()]
                 codec_name = "raw"
             else:
                 recs, codec_name = item.tensors, self._codec
