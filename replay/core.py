@@ -130,7 +130,9 @@ class ReplayReport:
     ``losses``: last stage's per-micro-batch losses per iteration, in the order they were
     computed; ``loss_micro_batches`` the matching micro-batch numbers.
     ``fetch_seconds``: time spent reading/decoding records (on the compute thread or the prefetch
-    thread); ``compute_seconds``: the iterations' wall time.
+    thread); ``compute_seconds``: the iterations' wall time, of which ``reduce_seconds`` went to
+    the ``before_step`` hook (parallel replay: the gradient exchange, waits included) and
+    ``step_seconds`` to the optimizer and lr-scheduler steps.
     """
 
     stages: list[int]
@@ -151,6 +153,8 @@ class ReplayReport:
     records_fetched: int = 0
     fetch_seconds: float = 0.0
     compute_seconds: float = 0.0
+    reduce_seconds: float = 0.0
+    step_seconds: float = 0.0
     seconds: float = 0.0
 
     @property
@@ -230,6 +234,8 @@ class ReplayReport:
             "records_fetched": self.records_fetched,
             "fetch_seconds": self.fetch_seconds,
             "compute_seconds": self.compute_seconds,
+            "reduce_seconds": self.reduce_seconds,
+            "step_seconds": self.step_seconds,
             "seconds": self.seconds,
         }
 
@@ -239,7 +245,7 @@ class ReplayReport:
         r = cls(list(d["stages"]), int(d["start_iteration"]), int(d["stop_iteration"]))
         for name in ("micro_batches", "sends_generated", "digests_checked", "records_checked", "iterations_done", "records_fetched"):
             setattr(r, name, int(d.get(name, 0)))
-        for name in ("fetch_seconds", "compute_seconds", "seconds"):
+        for name in ("fetch_seconds", "compute_seconds", "reduce_seconds", "step_seconds", "seconds"):
             setattr(r, name, float(d.get(name, 0.0)))
         r.digest_mismatches = list(d.get("digest_mismatches", []))
         r.digests_missing = list(d.get("digests_missing", []))
@@ -597,8 +603,11 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
         if ctx.hooks.after_backward is not None:
             ctx.hooks.after_backward(it, mb)
+    t_reduce = time.perf_counter()
     if ctx.hooks.before_step is not None:
         ctx.hooks.before_step(it, plan.scale)
+    t_step = time.perf_counter()
+    report.reduce_seconds += t_step - t_reduce
     for st in states:
         if plan.scale != 1:
             for p in st.module.parameters():
@@ -608,6 +617,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         if st.lr_scheduler is not None:
             st.lr_scheduler.step()
         st.optimizer.zero_grad(set_to_none=True)
+    report.step_seconds += time.perf_counter() - t_step
     report.micro_batches += len(plan.mine)
     if is_last:
         report.losses[it] = losses

@@ -170,7 +170,9 @@ def run_with_failures(
     ``groups``: the run's logging-group sizes (the same as its ``--groups``): a failure takes its
     whole group down (the other members are killed, since only the group's boundaries were
     logged they must be replayed with it), and every member is replaced. ``grace_s``: after a death, how long the scheduler waits for every other stage to either report
-    as a survivor or die too (stages that die together are replaced together).
+    as a survivor or die too (stages that die together are replaced together). ``replay_workers``:
+    K > 1 starts K - 1 replay helpers (``--replay-helper-rank``) together with each replacement;
+    the replacement is rank 0 of the parallel replay (:func:`replay.replacement.recover_stage`).
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
@@ -190,14 +192,19 @@ def run_with_failures(
     gen = 0
     fallback: str | None = None
 
-    def start(k: int, g: int, extra: Sequence[str], *, name: str) -> None:
-        roots[k] = os.path.join(base_dir, "nodes", f"stage{k}-g{g}")
+    def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
+        root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
+        if not helper:
+            roots[k] = root
         argv = ["--resilient", "--stage", str(k), "--num-stages", str(num_stages), "--store-port", str(host.port), "--out", out_dir,
-                "--run-id", run_id, "--store-root", roots[k], "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
+                "--run-id", run_id, "--store-root", root, "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
         logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
         p = ctx.Process(target=_entry, args=(argv, logs[name]), name=name)
         p.start()
         procs[name] = _launch._ForkProc(p)
+        if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
+            timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
+            return
         current[k] = name
         timeline.append(
             {
@@ -208,6 +215,14 @@ def run_with_failures(
                 "generation": g,
             }
         )
+
+    def start_replacement(j: int, g: int) -> None:
+        # no --sources: the replacement reads the store roots the survivors report. Parallel replay:
+        # the scheduler starts the replacement's K - 1 helpers with it (from the same fork server:
+        # no start-up cost); the replacement is rank 0
+        start(j, g + 1, ["--replacement", "--generation", str(g), "--replay-helpers", str(replay_workers - 1)], name=f"stage{j}-g{g + 1}")
+        for r in range(1, replay_workers):
+            start(j, g, ["--generation", str(g), "--replay-helper-rank", str(r)], name=f"stage{j}-g{g + 1}-helper{r}", helper=True)
 
     def rollback(reason: str) -> None:
         nonlocal gen
@@ -291,17 +306,12 @@ def run_with_failures(
                                     "stage": j,
                                 }
                             )
-                    failed = _settle(
-                        store,
-                        keys,
-                        gen,
-                        procs,
-                        current,
-                        sorted(
-                            set(dead) | set(_group_members(groups, dead, num_stages))
-                        ),
-                        grace_s,
-                    )
+                    lost = sorted(set(dead) | set(_group_members(groups, dead, num_stages)))
+                    # the replacements of the stages known lost start now: their process start and
+                    # set-up overlap the survivors' reports (they wait for the failed-stage list)
+                    for j in lost:
+                        start_replacement(j, gen)
+                    failed = _settle(store, keys, gen, procs, current, lost, grace_s)
                     store.set(keys.failed_stages(gen), json.dumps(failed))
                     timeline.append(
                         {
@@ -311,10 +321,9 @@ def run_with_failures(
                             "generation": gen,
                         }
                     )
-                    survivors = [roots[j] for j in range(num_stages) if j not in failed]
                     for j in failed:
-                        start(j, gen + 1, ["--replacement", "--generation", str(gen), "--sources", ",".join(survivors),
-                                           "--replay-workers", str(replay_workers)], name=f"stage{j}-g{gen + 1}")  # fmt: skip
+                        if j not in lost:  # died while the others reported
+                            start_replacement(j, gen)
                     gen += 1
                 continue
             time.sleep(
@@ -451,6 +460,7 @@ def _timings(
             d["wait_survivors_s"] = tm.get("wait_survivors_s")
             d["fetch_s"] = (tm.get("setup_s") or 0.0) + (tm.get("fetch_s") or 0.0)
             d["replay_s"] = tm.get("replay_s")
+            d["replay_workers"] = tm.get("workers")
             d["bytes_fetched"] = ready[0].get("bytes_fetched")
             d["records_fetched"] = ready[0].get("records_fetched")
             d["verified"] = ready[0].get("verified")
@@ -464,13 +474,11 @@ def _timings(
                 ),
                 None,
             )
-            if t_kill is not None and replace_t is not None:
-                d["scheduler_s"] = (
-                    replace_t - t_kill
-                )  # death noticed, failed stages settled, replacement launched
-                d["replacement_start_s"] = (
-                    ready[0]["t_main"] - replace_t
-                )  # process start (fork server)
+            start_t = next((e["t"] for e in run.timeline if e["what"] == "start" and e["generation"] == g + 1 and e["stage"] in failed), None)
+            if t_kill is not None and replace_t is not None and start_t is not None:
+                d["scheduler_s"] = start_t - t_kill  # death noticed, replacement launched
+                d["settle_s"] = replace_t - t_kill  # every other stage reported or died: failed list written
+                d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
                 d["replacement_setup_s"] = (
                     ready[0]["t_recover"] - ready[0]["t_main"]
                 )  # store connection, log client

@@ -295,24 +295,32 @@ def worker_main(
     factory: StageFactory | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     data_source: Callable[[int], Any] | None = None,
+    sources: Sequence[Any] | None = None,
+    keep_states: bool = False,
+    timeout: datetime.timedelta = PG_TIMEOUT,
 ) -> dict[str, Any] | None:
     """One worker of a parallel replay; returns the result document on rank 0 (None elsewhere).
 
     ``store``: the rendezvous store (None: ``env://``, as torchrun sets it up). ``result_path``:
     where rank 0 writes the result JSON. ``progress``: a queue that receives rank 0's progress
-    dicts. Raises what the replay raises (every rank that sees it).
+    dicts. ``sources``: record sources already open (not closed here; default: open
+    ``job.sources``). ``keep_states``: rank 0's result also carries the recovered
+    :class:`StageState` objects under ``"states"`` (not JSON; for a caller that goes on with them
+    in this process, e.g. a replacement that is rank 0 itself). ``timeout``: of the rendezvous and
+    of every collective. Raises what the replay raises (every rank that sees it).
     """
     t0 = time.perf_counter()
     if store is not None:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     else:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=PG_TIMEOUT)
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
     opened = []
     try:
         if job.threads is not None:
             torch.set_num_threads(job.threads)
-        opened = open_sources(job.sources, job.run)
-        reader = LogReader(opened)
+        if sources is None:
+            opened = open_sources(job.sources, job.run)
+        reader = LogReader(list(sources) if sources is not None else opened)
         states = build_states(job, factory)
         ck = states[0].checkpoint
         assert ck is not None
@@ -382,6 +390,8 @@ def worker_main(
                 with open(tmp, "w") as f:
                     json.dump(result, f)
                 os.replace(tmp, result_path)
+            if keep_states:
+                result["states"] = list(states)
         dist.barrier()
         return result
     except BaseException as e:

@@ -13,8 +13,15 @@ operator or a Slurm ``--requeue`` hook, starts the same training command with ``
    checkpoint URL (a shared directory or the cold tier's object store: never the dead node);
 3. replays the stage from there to the resume iteration with :func:`replay.replay` from the
    survivors' node stores (read directly: in this single-machine setup each node's store root is
-   a directory; elsewhere a node server's URL or the cold tier after a flush) with optional
-   parallel helpers (``workers``), verifying every regenerated send against its receiver's digest;
+   a directory; elsewhere a node server's URL or the cold tier after a flush), verifying every
+   regenerated send against its receiver's digest. Parallel replay (SWIFT's parallel recovery)
+   comes in two forms: ``helpers=H`` - the scheduler started H helper processes together with the
+   replacement (:func:`serve_replay_helper`; on a cluster: on spare capacity or on the survivors'
+   nodes, whose devices idle while they wait); the replacement publishes the job
+   (``RecoveryKeys.replay_job``), is rank 0 of the replay group itself and keeps the recovered state
+   in memory. Helpers cost nothing to start when the scheduler starts them with the replacement.
+   Or ``workers=K``: the replacement spawns K fresh worker processes (:func:`replay.replay`;
+   they import torch first and hand the state back through a checkpoint file);
 4. returns the recovered objects; the caller reports ready (:func:`report_ready`) and joins the
    new process-group generation like the survivors.
 
@@ -40,8 +47,8 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError
-from replay.engine import ReplayJob, SourceSpec, load_object, replay
+from replay.core import ReplayError, ReplayReport
+from replay.engine import ReplayJob, ReplayResult, SourceSpec, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
@@ -54,6 +61,7 @@ __all__ = [
     "recover_stage",
     "report_fallback",
     "report_ready",
+    "serve_replay_helper",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,7 +168,7 @@ def recover_stage(
     num_stages: int,
     generation: int,
     checkpoint_url: str,
-    sources: Sequence[SourceSpec],
+    sources: Sequence[SourceSpec] | None,
     model: str = "replay.examples:gpt_stage",
     model_args: dict[str, Any] | None = None,
     data_source: str | None = None,
@@ -173,6 +181,7 @@ def recover_stage(
     commit_prefix: str | None = None,
     output: str | None = None,
     group: Sequence[int] | None = None,
+    helpers: int = 0,
 ) -> RecoveredStage:
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
 
@@ -182,112 +191,206 @@ def recover_stage(
     is written to ``output`` (default: a temporary directory) and loaded back here. ``group``: the
     logging group of ``stage`` (only its boundaries were logged): the whole group is replayed
     from the newest checkpoint all its members have, and this stage's state is kept (each member's
-    replacement does the same; the scheduler must replace every member).
+    replacement does the same; the scheduler must replace every member). ``sources``: where to
+    read the records; None: the store roots the survivors reported (and their cold tier), which
+    works when this process can reach them (one machine, a shared filesystem); on a cluster pass
+    the survivors' node servers (``SourceSpec("http", url)``) and the cold tier. ``helpers``: how
+    many helper processes the scheduler started for this replacement (:func:`serve_replay_helper`,
+    ranks 1..helpers); they are always told the outcome (the job, or a cancellation when the
+    replay is not needed or impossible), so none waits in vain. When the helpers fail (one dies,
+    the rendezvous times out) the replacement replays alone instead.
     """
     keys = RecoveryKeys(run_id, commit_prefix)
-    g = generation
-    t0 = time.monotonic()
-    v = wait_for_keys(
-        store,
-        [keys.failed_stages(g)],
-        timeout=timeout,
-        what=f"replacement of stage {stage}: waiting for the failed-stage list",
-    )
-    failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
-    if stage not in failed:
-        raise RecoveryFailedError(
-            f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}"
-        )
-    survivors = [k for k in range(num_stages) if k not in failed]
-    reports = wait_for_keys(store, [keys.survivor(g, k) for k in survivors], timeout=timeout,
-                            what=f"replacement of stage {stage}: waiting for the survivors' reports")  # fmt: skip
-    resumes = {k: json.loads(reports[keys.survivor(g, k)])["resume"] for k in survivors}
-    if len(set(resumes.values())) > 1:
-        raise RecoveryFailedError(
-            f"survivors disagree on the resume iteration: {resumes} (was the commit step disabled?)"
-        )
-    resume = next(iter(resumes.values())) if resumes else None
-    if resume is None:
-        raise ReplacementFallback(
-            f"no survivor of generation {g}: nothing to replay against"
-        )
-    t_survivors = time.monotonic()
-    members = sorted(set(group or [stage]) | {stage})
-    if members != list(range(members[0], members[-1] + 1)) or any(
-        k not in failed for k in members
-    ):
-        raise RecoveryFailedError(
-            f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
-        )
-    # a logging group restarts from one iteration: the newest checkpoint every member has
-    per_stage = [
-        _checkpoint_iterations(checkpoint_url, k, checkpoint_options) for k in members
-    ]
-    common = set.intersection(*({i for i in its if i <= resume} for its in per_stage))
-    if not common:
-        raise ReplacementFallback(
-            f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"
-        )
-    ck_it = max(common)
-    ck_uris = {k: its[ck_it] for k, its in zip(members, per_stage)}
-    ck_uri = ck_uris[stage]
-    t_ck = time.monotonic()
-    if ck_it == resume:
-        ck = load_checkpoint(ck_uri, storage_options=checkpoint_options)
-        fac = factory or load_object(model)
-        mod, opt, sched = fac(stage, num_stages, ck, **(model_args or {}))
-        ck.apply(mod, opt, sched)
-        return RecoveredStage(mod, opt, sched, resume, ck_it, ck_uri, True, 0, 0, 0,
-                              {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
-    job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
-                    sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
-                    data_source=data_source, workers=workers, n_microbatches=n_microbatches, scale_grads=True if n_microbatches else None,
-                    threads=threads)  # fmt: skip
-    if (
-        workers > 1
-    ):  # helpers run in their own processes: the recovered state comes back as a checkpoint
-        job = job.replace(
-            output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-")
-        )
-    opened = [_CountingSource(s.open(run_id)) for s in job.sources]
     try:
-        res = replay(job, factory=factory, sources=opened)
-    except (ReplayError, CheckpointError) as e:
-        raise ReplacementFallback(
-            f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"
-        ) from e
+        g = generation
+        t0 = time.monotonic()
+        v = wait_for_keys(
+            store,
+            [keys.failed_stages(g)],
+            timeout=timeout,
+            what=f"replacement of stage {stage}: waiting for the failed-stage list",
+        )
+        failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
+        if stage not in failed:
+            raise RecoveryFailedError(
+                f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}"
+            )
+        survivors = [k for k in range(num_stages) if k not in failed]
+        reports = wait_for_keys(store, [keys.survivor(g, k) for k in survivors], timeout=timeout,
+                                what=f"replacement of stage {stage}: waiting for the survivors' reports")  # fmt: skip
+        docs = {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
+        resumes = {k: d["resume"] for k, d in docs.items()}
+        if sources is None:
+            sources = _sources_from_reports(docs)
+        if len(set(resumes.values())) > 1:
+            raise RecoveryFailedError(
+                f"survivors disagree on the resume iteration: {resumes} (was the commit step disabled?)"
+            )
+        resume = next(iter(resumes.values())) if resumes else None
+        if resume is None:
+            raise ReplacementFallback(
+                f"no survivor of generation {g}: nothing to replay against"
+            )
+        t_survivors = time.monotonic()
+        members = sorted(set(group or [stage]) | {stage})
+        if members != list(range(members[0], members[-1] + 1)) or any(
+            k not in failed for k in members
+        ):
+            raise RecoveryFailedError(
+                f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
+            )
+        # a logging group restarts from one iteration: the newest checkpoint every member has
+        per_stage = [
+            _checkpoint_iterations(checkpoint_url, k, checkpoint_options) for k in members
+        ]
+        common = set.intersection(*({i for i in its if i <= resume} for its in per_stage))
+        if not common:
+            raise ReplacementFallback(
+                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"
+            )
+        ck_it = max(common)
+        ck_uris = {k: its[ck_it] for k, its in zip(members, per_stage)}
+        ck_uri = ck_uris[stage]
+        t_ck = time.monotonic()
+        if ck_it == resume:
+            ck = load_checkpoint(ck_uri, storage_options=checkpoint_options)
+            fac = factory or load_object(model)
+            mod, opt, sched = fac(stage, num_stages, ck, **(model_args or {}))
+            ck.apply(mod, opt, sched)
+            return RecoveredStage(mod, opt, sched, resume, ck_it, ck_uri, True, 0, 0, 0,
+                                  {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
+        job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
+                        sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
+                        data_source=data_source, workers=workers, n_microbatches=n_microbatches, scale_grads=True if n_microbatches else None,
+                        threads=threads)  # fmt: skip
+        if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
+            job = job.replace(
+                output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-")
+            )
+        opened = [_CountingSource(s.open(run_id)) for s in job.sources]
+        try:
+            res = None
+            if helpers > 0:
+                try:
+                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout)
+                except (ReplayError, CheckpointError):
+                    raise
+                except Exception as e:  # a helper died or never came: the replacement can still replay alone
+                    logger.warning("stage %d: replay with %d helper(s) failed (%s: %s); replaying alone", stage, helpers, type(e).__name__, e)
+            if res is None:
+                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, sources=opened)
+        except (ReplayError, CheckpointError) as e:
+            raise ReplacementFallback(
+                f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"
+            ) from e
+        finally:
+            for s in opened:
+                try:
+                    s.inner.close()
+                except Exception:
+                    logger.debug("closing a source failed", exc_info=True)
+        if not res.verified:
+            raise ReplacementFallback(f"replay of stage {stage} did not verify: first mismatch {res.first_mismatch}, "
+                                      f"missing digests {res.report.digests_missing[:3]}")  # fmt: skip
+        if res.states is not None:
+            mine = next(st for st in res.states if st.stage == stage)
+            st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
+        else:
+            rck = load_checkpoint(
+                res.outputs[stage], storage_options=job.output_options or None
+            )
+            st_mod, st_opt, st_sched = (factory or load_object(model))(
+                stage, num_stages, rck, **(model_args or {})
+            )
+            rck.apply(st_mod, st_opt, st_sched)
+        rep = res.report
+        nbytes = sum(s.bytes for s in opened)
+        timings = {
+            "wait_survivors_s": t_survivors - t0,
+            "find_checkpoint_s": t_ck - t_survivors,
+            "setup_s": res.setup_seconds,  # checkpoint load + stage build
+            "fetch_s": rep.fetch_seconds,  # reading/decoding records (partly overlapped with compute by prefetch)
+            "replay_s": res.replay_seconds,
+            "reduce_s": rep.reduce_seconds,  # parallel replay: gradient exchange, waits included
+            "step_s": rep.step_seconds,  # optimizer + lr-scheduler steps
+            "workers": res.job.workers,  # processes that replayed (the replacement and its helpers)
+            "total_s": time.monotonic() - t0,
+        }
+        return RecoveredStage(st_mod, st_opt, st_sched, resume, ck_it, ck_uri, True, rep.digests_checked,
+                              rep.records_fetched, nbytes, timings, list(rep.warnings))  # fmt: skip
     finally:
-        for s in opened:
-            try:
-                s.inner.close()
-            except Exception:
-                logger.debug("closing a source failed", exc_info=True)
-    if not res.verified:
-        raise ReplacementFallback(f"replay of stage {stage} did not verify: first mismatch {res.first_mismatch}, "
-                                  f"missing digests {res.report.digests_missing[:3]}")  # fmt: skip
-    if res.states is not None:
-        mine = next(st for st in res.states if st.stage == stage)
-        st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
-    else:
-        rck = load_checkpoint(
-            res.outputs[stage], storage_options=job.output_options or None
-        )
-        st_mod, st_opt, st_sched = (factory or load_object(model))(
-            stage, num_stages, rck, **(model_args or {})
-        )
-        rck.apply(st_mod, st_opt, st_sched)
-    rep = res.report
-    nbytes = sum(s.bytes for s in opened)
-    timings = {
-        "wait_survivors_s": t_survivors - t0,
-        "find_checkpoint_s": t_ck - t_survivors,
-        "setup_s": res.setup_seconds,  # checkpoint load + stage build
-        "fetch_s": rep.fetch_seconds,  # reading/decoding records (partly overlapped with compute by prefetch)
-        "replay_s": res.replay_seconds,
-        "total_s": time.monotonic() - t0,
-    }
-    return RecoveredStage(st_mod, st_opt, st_sched, resume, ck_it, ck_uri, True, rep.digests_checked,
-                          rep.records_fetched, nbytes, timings, list(rep.warnings))  # fmt: skip
+        if helpers > 0:
+            _release_helpers(store, keys.replay_job(generation, stage))
+
+
+def _release_helpers(store: dist.Store, key: str) -> None:
+    """Tell waiting helpers they are not needed, unless the job was published (never raises)."""
+    try:
+        if not store.check([key]):
+            store.set(key, json.dumps({"cancel": "the replacement replays without helpers"}))
+    except Exception as e:  # the store is gone: the helpers time out on their own
+        logger.warning("could not release the replay helpers (%s): %s", key, e)
+
+
+def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
+    """The survivors' reported store roots (each with its cold tier), then each cold tier alone."""
+    out = [SourceSpec(kind="store", location=d["store_root"], cold_url=d.get("cold_url")) for _, d in sorted(docs.items()) if d.get("store_root")]
+    for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):
+        out.append(SourceSpec(kind="cold", location=cold))
+    return out
+
+
+def _replay_with_helpers(
+    store: dist.Store, keys: RecoveryKeys, generation: int, stage: int, job: ReplayJob, helpers: int,
+    sources: Sequence[Any], factory: Callable[..., Any] | None, timeout: datetime.timedelta,
+) -> ReplayResult:  # fmt: skip
+    """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
+    from replay.parallel import worker_main
+
+    world = helpers + 1
+    job = job.replace(workers=world)
+    prefix = keys.replay_rendezvous(generation, stage)
+    store.set(keys.replay_job(generation, stage), json.dumps({"job": job.to_dict(), "world": world, "prefix": prefix}))
+    t0 = time.perf_counter()
+    doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, keep_states=True,
+                      timeout=timeout)
+    assert doc is not None  # rank 0 always returns the result
+    return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
+                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"])  # fmt: skip
+
+
+def serve_replay_helper(
+    store: dist.Store,
+    run_id: str,
+    generation: int,
+    stage: int,
+    rank: int,
+    *,
+    factory: Callable[..., Any] | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=120),
+    commit_prefix: str | None = None,
+) -> bool:
+    """Be replay worker ``rank`` (>= 1) for the replacement of ``stage`` after generation ``generation``.
+
+    Waits (at most ``timeout``) for the replacement's job, opens the job's record sources itself,
+    replays its share of every iteration and takes part in the gradient exchange; the replacement
+    (rank 0) keeps the result. Returns True when it took part, False when the replacement
+    cancelled (no replay needed, impossible, or fewer helpers wanted). Raises
+    RecoveryTimeoutError when no job comes, and what the replay raises.
+    """
+    from replay.parallel import worker_main
+
+    if rank < 1:
+        raise ValueError(f"helper ranks start at 1 (the replacement is rank 0), got {rank}")
+    keys = RecoveryKeys(run_id, commit_prefix)
+    key = keys.replay_job(generation, stage)
+    doc = json.loads(wait_for_keys(store, [key], timeout=timeout, what=f"replay helper {rank} of stage {stage}: waiting for the job")[key])
+    if "cancel" in doc or rank >= int(doc["world"]):
+        logger.info("replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}"))
+        return False
+    worker_main(rank, int(doc["world"]), ReplayJob.from_dict(doc["job"]), store=dist.PrefixStore(doc["prefix"], store), factory=factory,
+                timeout=timeout)
+    return True
 
 
 def report_ready(

@@ -126,9 +126,25 @@ def test_logs_gone_fall_back_to_rollback(
 def test_parallel_replay_replacement(
     references: dict[str, RecoveryRun], tmp_path: Path
 ) -> None:
-    """The replacement replays with 2 parallel helpers (exact gradient reduction order)."""
+    """The replacement replays as rank 0 with a helper the scheduler started with it (exact
+    gradient reduction order), and keeps the recovered state in memory."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], replay_workers=2)
     _check_recovered(r, [1], 3)
+    assert_same_as(r, references["1f1b"])
+    assert r.returncodes["stage1-g1-helper1"] == 0
+    assert '"took_part": true' in r.outputs["stage1-g1-helper1"], r.outputs["stage1-g1-helper1"]
+    assert r.timings[0]["replay_workers"] == 2
+
+
+def test_parallel_helpers_when_replay_is_impossible(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """Nothing logged: the replay fails in the replacement and in its helper alike (naming the
+    missing record), nobody hangs, and the scheduler rolls back."""
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], extra=("--data-source", "--no-logging"), replay_workers=2)
+    assert r.fallback is not None and "replay of stage 1" in r.fallback, r.fallback
+    helper = r.outputs["stage1-g1-helper1"]
+    assert r.returncodes["stage1-g1-helper1"] == 3 and "ReplayInputMissingError: no record of act_0_1" in helper, helper
     assert_same_as(r, references["1f1b"])
 
 
@@ -183,3 +199,15 @@ def test_kill_during_log_upload(
     assert r.timings[0]["failed_stages"] == [1] and r.timings[0]["verified"]
     assert r.timings[0]["resume"] in (3, 4)
     assert_same_as(r, references["gpipe"])
+
+
+def test_parallel_helpers_released_when_nothing_to_replay(
+    references: dict[str, RecoveryRun], tmp_path: Path
+) -> None:
+    """A failure right at a checkpoint (iteration 4): the replacement loads it, replays nothing and
+    releases its helper, which exits without taking part."""
+    r = run(tmp_path, "1f1b", [KillSpec(1, 4, 0, "forward")], replay_workers=2)
+    assert r.fallback is None and r.timings[0]["resume"] == 4, r.timings
+    helper = r.outputs["stage1-g1-helper1"]
+    assert r.returncodes["stage1-g1-helper1"] == 0 and '"took_part": false' in helper, helper
+    assert_same_as(r, references["1f1b"])

@@ -115,6 +115,15 @@ class RecoveryKeys:
     def heartbeat(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/hb/{stage}"
 
+    def replay_job(self, g: int, stage: int) -> str:
+        """JSON the replacement of ``stage`` publishes for its replay helpers: the job, the world
+        size and the rendezvous prefix; or ``{"cancel": reason}`` when it replays without them."""
+        return f"{self.base}/gen{g}/replay_job/{stage}"
+
+    def replay_rendezvous(self, g: int, stage: int) -> str:
+        """Prefix of the replay workers' process-group rendezvous keys (replacement = rank 0)."""
+        return f"{self.base}/gen{g}/replay_pg/{stage}/"
+
     def progress(self) -> str:
         """Appended by the example script's last stage after every applied iteration (plots)."""
         return f"{self.base}/progress"
@@ -479,6 +488,9 @@ class ResilientLoop:
             json.dumps(
                 {
                     "resume": it,
+                    # where this node's logs are (a replacement without explicit sources reads them there)
+                    "store_root": str(self.client.config.store_root),
+                    "cold_url": self.client.config.cold_url,
                     "t_detect": t_detect,
                     "t_reported": ev.t_reported,
                     "error": msg,

@@ -83,9 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--sources",
         default="",
-        help="replacement: comma-separated store roots of the surviving nodes",
+        help="replacement: comma-separated store roots of the surviving nodes (default: the roots the survivors report)",
     )
-    a("--replay-workers", type=int, default=1)
+    a("--replay-workers", type=int, default=1, help="replacement: spawn this many replay worker processes itself")
+    a(
+        "--replay-helpers",
+        type=int,
+        default=0,
+        help="replacement: the scheduler started this many replay helpers with it (ranks 1..N)",
+    )
+    a(
+        "--replay-helper-rank",
+        type=int,
+        default=0,
+        help="be replay helper RANK (>= 1) of the replacement of --stage after --generation failed, then exit",
+    )
     a(
         "--resume-from",
         type=int,
@@ -158,19 +170,17 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             report_ready,
         )
 
-        sources = [
-            SourceSpec(kind="store", location=r, cold_url=args.cold_url)
-            for r in args.sources.split(",")
-            if r
-        ]
-        if args.cold_url:
-            sources.append(SourceSpec(kind="cold", location=args.cold_url))
+        sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
+        if args.sources:
+            sources = [SourceSpec(kind="store", location=r, cold_url=args.cold_url) for r in args.sources.split(",") if r]
+            if args.cold_url:
+                sources.append(SourceSpec(kind="cold", location=args.cold_url))
         t_recover = time.time()
         try:
             rec = recover_stage(store, run_id=args.run_id, stage=k, num_stages=S, generation=generation,
                                 checkpoint_url=config.resolved_checkpoint_url(), sources=sources, model_args=cfg.to_dict(),
                                 data_source="replay.examples:gpt_data" if args.data_source else None,
-                                n_microbatches=cfg.n_microbatches, threads=args.threads, workers=args.replay_workers,
+                                n_microbatches=cfg.n_microbatches, threads=args.threads, workers=args.replay_workers, helpers=args.replay_helpers,
                                 timeout=datetime.timedelta(seconds=args.rejoin_timeout), group=_group_of(args.groups, k))  # fmt: skip
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, generation, str(e))
@@ -304,12 +314,33 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_replay_helper(args: argparse.Namespace) -> int:
+    """Serve as a replay helper of the replacement of ``args.stage`` (no training, no results file)."""
+    from replay.replacement import serve_replay_helper
+
+    torch.set_num_threads(args.threads)
+    store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    from replay.core import ReplayError
+    from trainer_client.errors import CheckpointError
+
+    info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
+    try:
+        info["took_part"] = serve_replay_helper(store, args.run_id, args.generation, args.stage, args.replay_helper_rank,
+                                                timeout=datetime.timedelta(seconds=args.rejoin_timeout))  # fmt: skip
+    except (ReplayError, CheckpointError) as e:  # the replay is impossible: the replacement reports the fallback
+        info |= {"took_part": True, "error": f"{type(e).__name__}: {e}"}
+    print("HELPER " + json.dumps(info), flush=True)
+    return EXIT_FALLBACK if "error" in info else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,
         format=f"stage{args.stage} %(levelname)s %(name)s: %(message)s",
     )
+    if args.replay_helper_rank:
+        return run_replay_helper(args)
     result = run_stage(args)
     print(
         "RESULT "
