@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smaller model (smoke test)")
-    p.add_argument("--replay-workers", type=int, default=1, help="parallel replay helpers of the replacement")
+    p.add_argument("--replay-workers", type=int, default=2,
+                   help="replay processes: the replacement plus (K - 1) helpers the scheduler starts with it")
     a = p.parse_args(argv)
     iters, every, fail_it = 40, 20, 30
     model = ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"] if a.quick else \

@@ -59,6 +59,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -310,10 +311,6 @@ def worker_main(
     of every collective. Raises what the replay raises (every rank that sees it).
     """
     t0 = time.perf_counter()
-    if store is not None:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
     opened = []
     try:
         if job.threads is not None:
@@ -321,7 +318,12 @@ def worker_main(
         if sources is None:
             opened = open_sources(job.sources, job.run)
         reader = LogReader(list(sources) if sources is not None else opened)
+        # build first, then meet: each worker's set-up overlaps the others' start
         states = build_states(job, factory)
+        if store is not None:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
         ck = states[0].checkpoint
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
@@ -401,7 +403,16 @@ def worker_main(
     finally:
         _close_all(opened)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_default_group()
+
+
+def _destroy_default_group() -> None:
+    """``destroy_process_group()``, with the gloo backend's destructor (it joins the backend's
+    threads: ~20 ms) run on another thread, off a recovery's critical path. Not a daemon thread:
+    the interpreter waits for it at exit (a backend torn down during interpreter shutdown aborts)."""
+    last_ref = [dist.group.WORLD]
+    dist.destroy_process_group()
+    threading.Thread(target=last_ref.clear, name="swiftlog-replay-pg-release").start()
 
 
 def _state_digest(states: Sequence[StageState]) -> str:

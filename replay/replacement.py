@@ -384,7 +384,9 @@ def serve_replay_helper(
         raise ValueError(f"helper ranks start at 1 (the replacement is rank 0), got {rank}")
     keys = RecoveryKeys(run_id, commit_prefix)
     key = keys.replay_job(generation, stage)
-    doc = json.loads(wait_for_keys(store, [key], timeout=timeout, what=f"replay helper {rank} of stage {stage}: waiting for the job")[key])
+    # a short poll period: the replacement (rank 0) waits for this helper at the rendezvous
+    got = wait_for_keys(store, [key], timeout=timeout, what=f"replay helper {rank} of stage {stage}: waiting for the job", max_poll_s=0.002)
+    doc = json.loads(got[key])
     if "cancel" in doc or rank >= int(doc["world"]):
         logger.info("replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}"))
         return False

@@ -218,11 +218,14 @@ def wait_for_keys(
     timeout: datetime.timedelta,
     what: str,
     abort_keys: list[str] | None = None,
+    max_poll_s: float = 0.02,
 ) -> dict[str, str]:
     """Poll until every key in ``keys`` exists; return their values.
 
-    Raises RecoveryFailedError as soon as one of ``abort_keys`` appears (its value in the
-    message), RecoveryTimeoutError after ``timeout`` naming the keys still missing.
+    The poll period grows from 1 ms to ``max_poll_s`` (how late a key may be noticed, traded
+    against store requests while waiting). Raises RecoveryFailedError as soon as one of
+    ``abort_keys`` appears (its value in the message), RecoveryTimeoutError after ``timeout``
+    naming the keys still missing.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     sleep = 1e-3
@@ -241,7 +244,7 @@ def wait_for_keys(
                 hint="is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays",
             )
         time.sleep(sleep)
-        sleep = min(sleep * 1.5, 0.02)
+        sleep = min(sleep * 1.5, max_poll_s)
 
 
 class _Heartbeat:
