@@ -26,6 +26,7 @@ running: on timeout everything still alive is killed and the result says ``timed
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import os
 import sys
 import tempfile
@@ -326,9 +327,12 @@ def run_with_failures(
                             start_replacement(j, gen)
                     gen += 1
                 continue
-            time.sleep(
-                0.02
-            )  # scheduler poll period (how fast a process exit is noticed), not a protocol wait
+            # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
+            alive = [procs[n].sentinel for n in current.values() if procs[n].poll() is None]
+            if alive:
+                multiprocessing.connection.wait(alive, timeout=0.02)
+            else:
+                time.sleep(0.02)
     finally:
         _launch.stop_all(procs.values())
     outputs = {}

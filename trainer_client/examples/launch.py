@@ -92,6 +92,11 @@ class _ForkProc:
     def returncode(self) -> int | None:
         return self._p.exitcode
 
+    @property
+    def sentinel(self) -> int:
+        """A handle that becomes ready when the process ends (``multiprocessing.connection.wait``)."""
+        return self._p.sentinel
+
 
 class StoreHost:
     """A TCPStore server on 127.0.0.1 (free port) owned by this process."""
