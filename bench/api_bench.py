@@ -23,6 +23,12 @@ Measured:
   ``download_vs_direct_1mib`` is the same for 1 MiB records, where the fixed cost of a request
   (about 1.5 ms here) dominates; ``download_vs_direct_4_connections`` fetches the 16 MiB records
   over 4 connections at once (a replay prefetching ahead) against the same sequential direct read.
+- ``download_ceiling_bare_asgi_vs_direct``: the same rounds against a bare ASGI app under the same
+  uvicorn (bench/_bare_asgi.py) that serves the same bytes from its memory and does nothing else:
+  what HTTP over loopback from Python costs by itself here, i.e. the best ``download_vs_direct``
+  any server on this stack could reach. The server streams a record from its segment file
+  (``LogStore.open_blob``: 4 MiB reads, hashed on the way, the last chunk held back until the
+  checksum matched).
 
 Writes bench/results/api.json. Run: ``python bench/api_bench.py`` (about a minute).
 """
@@ -30,17 +36,20 @@ Writes bench/results/api.json. Run: ``python bench/api_bench.py`` (about a minut
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,6 +77,40 @@ def _write(root: Path, cold_url: str, writer: str, ch: Channel, iterations: int,
            "--writer", writer, "--channels", ch.name, "--iterations", str(iterations), "--micro-batches", str(mbs),
            "--shape", ",".join(map(str, shape)), "--cold-url", cold_url, "--flush", "--segment-iters", "4"]  # fmt: skip
     subprocess.run(cmd, env=subprocess_env(), check=True, capture_output=True, text=True, timeout=900)
+
+
+@contextlib.contextmanager
+def _bare_server(root: Path, keys: list[RecordKey]) -> Iterator[int]:
+    """bench/_bare_asgi.py serving the same records' bytes from memory; yields its port."""
+    from logstore.hot import HotTier
+
+    spec = []
+    for k in keys:
+        hot = HotTier(root / RUN / "stage1", owner=False)
+        loc = hot.lookup(k)
+        spec.append([str(hot.seg_path(loc.segment.id)), loc.offset, loc.length])
+        hot.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_bare_asgi.py"), str(port), f.name], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the bare ASGI server did not start") from None
+                time.sleep(0.1)
+        yield port
+    finally:
+        p.terminate()
+        p.wait(30)
+        os.unlink(f.name)
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -163,12 +206,22 @@ def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespac
             raise SystemExit(f"bad download of {k}: {r.status}")
         return len(body)
 
-    def compare(keys: list[RecordKey], rounds: int, connections: int = 1) -> tuple[float, float, float, int]:
+    def bare_download(port: int, i: int) -> int:
+        conn = getattr(local, "bare", None)
+        if conn is None:
+            conn = local.bare = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", f"/{i}")
+        r = conn.getresponse()
+        body = r.read()
+        xxhash.xxh3_64_intdigest(body)  # the client's side of the work is the same
+        return len(body)
+
+    def compare(keys: list[RecordKey], rounds: int, connections: int = 1, bare_port: int | None = None) -> tuple[float, float, float, int, float | None]:
         pool = ThreadPoolExecutor(connections)
         nbytes = sum(len(store.get_blob(k)) for k in keys)  # also warms the page cache for both sides
         for k in keys[:2]:
             download(k)
-        ratios, direct, http_ = [], [], []
+        ratios, direct, http_, bare = [], [], [], []
         for _ in range(rounds):
             t = time.perf_counter()
             for k in keys:
@@ -181,14 +234,20 @@ def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespac
             ratios.append(td / th)
             direct.append(nbytes / td / 1e6)
             http_.append(nbytes / th / 1e6)
+            if bare_port is not None:
+                t = time.perf_counter()
+                assert sum(bare_download(bare_port, i) for i in range(len(keys))) == nbytes
+                bare.append(td / (time.perf_counter() - t))
         pool.shutdown()
-        return statistics.median(ratios), statistics.median(http_), statistics.median(direct), nbytes // len(keys)
+        return (statistics.median(ratios), statistics.median(http_), statistics.median(direct), nbytes // len(keys),
+                statistics.median(bare) if bare else None)  # fmt: skip
 
     big = [RecordKey(BIG, it, mb) for it in range(4) for mb in range(4)]
     mid = [RecordKey(MID, it, mb) for it in range(8) for mb in range(4)]
-    ratio, h_med, d_med, big_bytes = compare(big, args.rounds)
-    ratio_mid, h_mid, d_mid, mid_bytes = compare(mid, args.rounds)
-    ratio_par, h_par, _, _ = compare(big, args.rounds, connections=4)
+    with _bare_server(root, big) as bare_port:
+        ratio, h_med, d_med, big_bytes, ceiling = compare(big, args.rounds, bare_port=bare_port)
+    ratio_mid, h_mid, d_mid, mid_bytes, _ = compare(mid, args.rounds)
+    ratio_par, h_par, _, _, _ = compare(big, args.rounds, connections=4)
     store.close()
     return {
         "summary_p50_ms": round(_pct(lat, 50), 2),
@@ -200,6 +259,7 @@ def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespac
         "list_run_records": small_records,
         "list_whole_run_first_page_p50_ms": round(_pct(whole_lat, 50), 2),
         "download_vs_direct": round(ratio, 3),
+        "download_ceiling_bare_asgi_vs_direct": round(ceiling, 3) if ceiling is not None else None,
         "download_mb_s": round(h_med, 1),
         "direct_mb_s": round(d_med, 1),
         "download_records": len(big),

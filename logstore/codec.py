@@ -542,9 +542,9 @@ def _as_view(blob: Blob) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def _parse(mv: memoryview, key: object) -> tuple[TensorHeader, _Layout | None]:
+def _parse(mv: memoryview, key: object, total_length: int | None = None) -> tuple[TensorHeader, _Layout | None]:
     at = _where(key)
-    size = mv.nbytes
+    size = mv.nbytes if total_length is None else total_length
     if size < 5 or bytes(mv[:4]) != MAGIC:
         raise CodecError(f"not a swiftlog tensor record: bad magic {bytes(mv[:4])!r}{at}", key=key)
     if mv[4] != VERSION:
@@ -567,6 +567,8 @@ def _parse(mv: memoryview, key: object) -> tuple[TensorHeader, _Layout | None]:
     hlen += _HCHECK.size
     if size < hlen:
         raise CodecError(f"truncated tensor record: {size} bytes, header needs {hlen}{at}", key=key)
+    if mv.nbytes < hlen:
+        raise CodecError(f"the first {mv.nbytes} bytes do not hold the {hlen}-byte header{at}", key=key)
     (hcheck,) = _HCHECK.unpack_from(mv, hlen - _HCHECK.size)
     if xxhash.xxh3_64_intdigest(mv[: hlen - _HCHECK.size]) != hcheck:
         raise CorruptRecordError(f"tensor record header checksum mismatch{at}", key=key)
@@ -730,14 +732,16 @@ def _decode_planes(payload: memoryview, layout: _Layout, out_np: np.ndarray, h: 
             h.update(o)
 
 
-def read_header(blob: Blob, *, key: object = None) -> TensorHeader:
+def read_header(blob: Blob, *, key: object = None, total_length: int | None = None) -> TensorHeader:
     """Parse and check the header of a blob without decompressing or hashing the payload.
 
-    Raises CodecError if the blob is not a well-formed record (bad magic/version, truncated,
-    unknown dtype/codec, inconsistent lengths) and CorruptRecordError if the header's own checksum
-    does not match. Says nothing about whether the payload is intact: use :func:`verify_blob`.
+    ``total_length``: ``blob`` is only the first bytes (at least the header) of a record of that
+    many bytes, e.g. the first chunk of a stream. Raises CodecError if the blob is not a
+    well-formed record (bad magic/version, truncated, unknown dtype/codec, inconsistent lengths)
+    and CorruptRecordError if the header's own checksum does not match. Says nothing about
+    whether the payload is intact: use :func:`verify_blob`.
     """
-    return _parse(_as_view(blob), key)[0]
+    return _parse(_as_view(blob), key, total_length)[0]
 
 
 def decode_tensor(blob: Blob, *, key: object = None) -> torch.Tensor:

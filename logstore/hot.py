@@ -60,6 +60,7 @@ from logstore.errors import (
 )
 from logstore.keys import Channel, RecordKey, channel_range
 from logstore.segment import (
+    BlobStream,
     FILE_HEADER,
     FILE_HEADER_SIZE,
     FRAME_HEADER_SIZE,
@@ -626,6 +627,17 @@ class HotTier:
                 key=None,
             )
         return blob
+
+    def stream_local(self, loc: Location, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream | None:
+        """The blob at ``loc`` as a :class:`BlobStream` (verified as it is read) from the local
+        segment file; None if the file is gone. Raises CorruptRecordError at once for a one-chunk
+        record that does not match, otherwise while streaming (instead of the last chunk)."""
+        try:
+            fd = os.open(self.seg_path(loc.segment.id), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size,
+                                  f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}")  # fmt: skip
 
     def keys(
         self,

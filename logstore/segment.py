@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import xxhash
@@ -65,6 +65,92 @@ TRAILER_SIZE = _TRAILER.size  # 32
 def blob_checksum(blob: bytes | memoryview) -> int:
     """xxh3-64 of the stored record bytes (what frames and indexes carry)."""
     return xxhash.xxh3_64_intdigest(blob)
+
+
+class BlobStream:
+    """One stored record, read in chunks and verified on the way (what a download streams).
+
+    Iterating yields the record's bytes in order. The checksum (``checksum``, known from the
+    index before any byte is read) is computed over the chunks as they are read, and the last
+    chunk is held back until it matches: a consumer that sees the iteration end normally has had
+    every byte of an intact record; on a mismatch or a short read it gets CorruptRecordError
+    instead of the last chunk, so a corrupt record is never delivered whole. ``head`` is the first
+    chunk (already read: enough for the codec header). Never holds more than two chunks in memory.
+    """
+
+    def __init__(self, key: RecordKey, length: int, checksum: int, head: bytes, rest: Iterator[bytes], close: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.key, self.length, self.checksum, self.head = key, length, checksum, head
+        self._rest = rest
+        self._close = close
+
+    @classmethod
+    def of_bytes(cls, key: RecordKey, blob: bytes, chunk_size: int) -> BlobStream:
+        """A stream over a blob already read and verified."""
+        mv = memoryview(blob)
+        return cls(key, len(blob), blob_checksum(blob), bytes(mv[:chunk_size]),
+                   (bytes(mv[o : o + chunk_size]) for o in range(chunk_size, len(blob), chunk_size)))  # fmt: skip
+
+    @classmethod
+    def of_file(cls, key: RecordKey, fd: int, offset: int, length: int, checksum: int, chunk_size: int, where: str) -> BlobStream:
+        """A stream over ``length`` bytes at ``offset`` of the open file ``fd`` (closed at the end)."""
+        closed = False
+
+        def release() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                _close_quietly(fd)
+
+        try:
+            first = os.pread(fd, min(chunk_size, length), offset)
+        except BaseException:
+            release()
+            raise
+        h = xxhash.xxh3_64()
+        h.update(first)
+
+        def rest() -> Iterator[bytes]:
+            got, held = len(first), b""
+            try:
+                while got < length:
+                    chunk = os.pread(fd, min(chunk_size, length - got), offset + got)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    got += len(chunk)
+                    if held:
+                        yield held
+                    held = chunk
+                if got != length or h.intdigest() != checksum:
+                    raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
+                if held:
+                    yield held
+            finally:
+                release()
+
+        if len(first) == length and h.intdigest() != checksum:
+            release()
+            raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
+        return cls(key, length, checksum, first, rest(), close=release)
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self.head
+        yield from self._rest
+
+    def close(self) -> None:
+        """Release the file (also done when the iteration ends). Idempotent."""
+        close = getattr(self._rest, "close", None)
+        if close is not None:
+            close()  # a started generator runs its finally
+        if self._close is not None:
+            self._close()
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ from logstore.errors import (
 )
 from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
-from logstore.segment import TRAILER_SIZE, blob_checksum, parse_index, parse_trailer
+from logstore.segment import TRAILER_SIZE, BlobStream, blob_checksum, parse_index, parse_trailer
 
 __all__ = ["StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
 
@@ -372,6 +372,25 @@ class LogStore:
             if blob is not None:
                 return blob
         raise RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
+
+    def open_blob(self, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream:
+        """The encoded record under ``key`` as a :class:`~logstore.segment.BlobStream`: chunks
+        read from the local segment file and verified on the way (the last chunk only after the
+        whole record matched its checksum), so a big record can be sent while it is read. Records
+        not in a local segment file come from :meth:`get_blob` (read whole, verified). Raises
+        like :meth:`get_blob`; the caller closes the stream (or iterates it to the end)."""
+        wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
+        if key.iteration < wm:
+            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
+        for hot in self._hot_tiers():
+            loc = hot.lookup(key)
+            if loc is None:
+                continue
+            stream = hot.stream_local(loc, key, chunk_size)
+            if stream is not None:
+                return stream
+            break  # its segment file is gone: the read-through below finds it (cold tier)
+        return BlobStream.of_bytes(key, self.get_blob(key), chunk_size)
 
     def _read_loc(self, hot: HotTier, loc: Location, key: RecordKey) -> bytes | None:
         try:

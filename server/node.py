@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from logstore import codec
-from logstore.errors import ColdTierUnavailableError, SwiftlogError
+from logstore.errors import CodecError, ColdTierUnavailableError, SwiftlogError
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
-from logstore.segment import blob_checksum
+from logstore.segment import BlobStream, blob_checksum
 from logstore.store import LogStore, RecordInfo, StoreConfig, list_runs
 from server.errors import BadRequestError, NoColdTierError, RunNotFoundError
 from server.models import (
@@ -257,6 +257,7 @@ class Node:
         self.cold_options = dict(cold_options or {})
         self.max_open_runs = max_open_runs
         self.max_tensor_stats_bytes = max_tensor_stats_bytes
+        self.stream_chunk_bytes = 4 << 20  # bytes read, hashed and written per step of a record download
         self.planner = planner
         self._stores: OrderedDict[str, LogStore] = OrderedDict()
         self._lock = threading.Lock()
@@ -481,6 +482,27 @@ class Node:
         k = RecordKey.parse(key)
         blob = st.get_blob(k)
         return k, blob, codec.read_header(blob, key=k)
+
+    def blob_stream(self, run: str, key: str) -> tuple[RecordKey, BlobStream, codec.TensorHeader]:
+        """The encoded record as a stream verified while it is read (``LogStore.open_blob``) and
+        its header (from the first chunk). The caller iterates the stream to the end or closes it."""
+        st = self.store(run)
+        k = RecordKey.parse(key)
+        stream = st.open_blob(k, self.stream_chunk_bytes)
+        try:
+            header = codec.read_header(stream.head, key=k, total_length=stream.length)
+        except CodecError:
+            if len(stream.head) >= stream.length:
+                stream.close()
+                raise
+            # a header longer than the first chunk (huge planes tables): read the record whole
+            stream.close()
+            blob = st.get_blob(k)
+            stream, header = BlobStream.of_bytes(k, blob, self.stream_chunk_bytes), codec.read_header(blob, key=k)
+        except BaseException:
+            stream.close()
+            raise
+        return k, stream, header
 
     def tensor(self, run: str, key: str) -> tuple[RecordKey, torch.Tensor]:
         """The decoded tensor (checksum-verified)."""

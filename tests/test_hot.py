@@ -148,3 +148,33 @@ def test_sigkill_mid_write_keeps_acknowledged_records(tmp_path: Path) -> None:
 def test_reader_only_open_of_missing_dir_is_clear(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no hot tier"):
         HotTier(tmp_path / "nope", owner=False)
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 1 << 20])
+def test_stream_local_yields_the_record_and_holds_back_a_corrupt_end(tmp_path: Path, chunk: int) -> None:
+    hot = HotTier(tmp_path, owner=True)
+    key = RecordKey(Channel.activation(0), 0, 0)
+    blob = os.urandom(10_000)
+    hot.append([(key, blob, len(blob))])
+    loc = hot.lookup(key)
+    assert b"".join(hot.stream_local(loc, key, chunk)) == blob
+    fds = len(os.listdir("/proc/self/fd"))
+    s = hot.stream_local(loc, key, chunk)
+    s.close()  # never iterated: the file is still released
+    assert len(os.listdir("/proc/self/fd")) == fds
+    with open(hot.seg_path(loc.segment.id), "r+b") as f:  # flip a byte in the middle
+        f.seek(loc.offset + 5000)
+        b = f.read(1)
+        f.seek(loc.offset + 5000)
+        f.write(bytes([b[0] ^ 1]))
+    if chunk >= len(blob):  # one chunk: refused before anything is handed out
+        with pytest.raises(CorruptRecordError):
+            hot.stream_local(loc, key, chunk)
+    else:
+        got = []
+        with pytest.raises(CorruptRecordError, match="checksum mismatch"):
+            for c in hot.stream_local(loc, key, chunk):
+                got.append(c)
+        assert 0 < sum(map(len, got)) < len(blob)  # never the whole record
+    assert len(os.listdir("/proc/self/fd")) == fds
+    hot.close()
