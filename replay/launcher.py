@@ -201,7 +201,8 @@ def run_with_failures(
                 "--run-id", run_id, "--store-root", root, "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
         logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
         p = ctx.Process(target=_entry, args=(argv, logs[name]), name=name)
-        p.start()
+        with _launch.main_module_hidden():
+            p.start()
         procs[name] = _launch._ForkProc(p)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
             timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})

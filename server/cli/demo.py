@@ -89,6 +89,7 @@ def run_demo(
     fail_stage: int = 2,
     fail_iteration: int | None = None,
     phase: str = "backward",
+    replay_workers: int = 1,
     say: Any = None,
 ) -> dict[str, Any]:
     """Run the three trainings under ``workdir``; return the report (``ok``: recovery verified and
@@ -123,7 +124,7 @@ def run_demo(
         args = ["--schedule", "1f1b", "--iters", str(iterations), "--ckpt-at", ckpts, "--seed", "1234", "--data-source",
                 "--segment-iters", "2", "--cold-url", f"file://{(base / 'cold').resolve()}", *model]  # fmt: skip
         r = run_with_failures(args, run_id=RUN, base_dir=str(base.resolve()), checkpoint_url=f"file://{(base / 'ckpt').resolve()}",
-                              kills=kills, mode=mode, timeout_s=240)  # fmt: skip
+                              kills=kills, mode=mode, timeout_s=240, replay_workers=replay_workers)  # fmt: skip
         if not r.ok:
             raise RuntimeError(f"the {name} run did not finish:\n{r.describe()}")
         return r
@@ -157,6 +158,7 @@ def run_demo(
         "workdir": str(workdir),
         "run": RUN,
         "failure": {"stage": kill.stage, "iteration": kill.iteration, "micro_batch": kill.micro_batch, "phase": kill.phase},
+        "replay_workers": replay_workers,
         "plan": {
             "failed_stages": t["failed_stages"],
             "survivors": [k for k in range(4) if k not in t["failed_stages"]],
@@ -303,6 +305,10 @@ def demo(
             "--phase", help="forward | backward | commit | optimizer | checkpoint"
         ),
     ] = "backward",
+    replay_workers: Annotated[
+        int,
+        typer.Option("--replay-workers", min=1, max=8, help="replay processes: the replacement plus helpers started with it"),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
@@ -316,6 +322,7 @@ def demo(
             checkpoint_every=checkpoint_every,
             fail_stage=stage,
             phase=phase,
+            replay_workers=replay_workers,
             say=say,
         )
     if json_out:
