@@ -36,6 +36,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "replay_vs_live", "<= 0.5", "le", 0.5),
     ("replay", "parallel_speedup_k2", ">= 1.6", "ge", 1.6),
     ("replay", "parallel_speedup_k2_median", "(median)", None, None),
+    ("replay", "parallel_speedup_k2_cpu", "(CPU time: a core per worker)", None, None),
     ("replay", "parallel_max_abs_diff", "(approximate mode)", None, None),
     ("replay", "bit_exact", "true", "eq", True),
     ("recovery", "recovery_vs_global_rollback", "<= 0.3", "le", 0.3),
@@ -43,10 +44,12 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("recovery", "fetch_s", "", None, None),
     ("recovery", "replay_s", "", None, None),
     ("recovery", "rejoin_s", "", None, None),
+    ("recovery", "replay_workers", "(replacement + helpers)", None, None),
     ("recovery", "bit_exact", "true", "eq", True),
     ("api", "summary_p99_ms", "<= 50 ms", "le", 50),
     ("api", "list_p99_ms", "<= 50 ms", "le", 50),
     ("api", "download_vs_direct", ">= 0.7", "ge", 0.7),
+    ("api", "download_ceiling_bare_asgi_vs_direct", "(bare uvicorn app, bytes in memory)", None, None),
 ]
 
 
