@@ -186,6 +186,22 @@ class _GradReducer:
                 v.copy_(g)
                 self.present[i] = True
 
+    def _add_stash(self) -> None:
+        """``acc += stash[0]; acc += stash[1]; ...`` parameter by parameter: the same additions in
+        the same order for every element as one full pass per stashed micro-batch (bit-identical),
+        but each parameter's running sum stays in cache across the passes."""
+        for i in range(len(self.params)):
+            for grads in self.stash:
+                g = grads[i]
+                if g is None:
+                    continue
+                v = self._view(self.acc, i)
+                if self.present[i]:
+                    v.add_(g)
+                else:
+                    v.copy_(g)
+                    self.present[i] = True
+
     def _take(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]
         for p in self.params:
@@ -237,8 +253,7 @@ class _GradReducer:
                 dist.recv(t, src=self.rank - 1)
             dist.recv(flags, src=self.rank - 1)
             self.present = [bool(x) for x in flags.tolist()]
-            for grads in self.stash:
-                self._add(grads)
+            self._add_stash()
             self.stash = []
             flags = torch.tensor(self.present, dtype=torch.int32)
         if self.rank < self.world - 1:
