@@ -22,6 +22,7 @@ from trainer_client import (
     CheckpointError,
     ClientConfig,
     CommitCoordinator,
+    CommitStoreError,
     IterationAbortedError,
     SwiftlogClient,
     UnsupportedScheduleError,
@@ -309,6 +310,31 @@ def test_marked_failed_generation_aborts_waiters_and_new_generation_is_clean(tcp
     assert all(not isinstance(r, Exception) and r.generation == 1 for r in out.values()), out
 
 
+def test_commit_with_the_store_host_gone_raises_commit_store_error_and_abort_never_raises():
+    """The decision store dies (its host process is SIGKILLed): commit says so with a retryable
+    CommitStoreError naming the iteration, and abort() on the failure path returns "unknown"."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d\n"
+                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+                             "print(s.port, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
+        coord = CommitCoordinator(client, stage=0, num_stages=1, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=3))
+        assert coord.commit(0).iteration == 0  # alone in the pipeline: committed at once
+        host.kill()
+        host.wait()
+        with pytest.raises(CommitStoreError) as ei:
+            coord.commit(1)
+        assert ei.value.iteration == 1 and ei.value.retryable and "could not reach the store" in str(ei.value)
+        assert coord.abort(1, "failure path") == "unknown"
+    finally:
+        host.kill()
+        host.wait()
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     mod = torch.nn.Linear(4, 3)
@@ -430,3 +456,15 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     assert rep.ok and rep.digests_checked == 0 and rep.micro_batches == 9
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters()))
     assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in opt.state_dict()["state"])
+
+
+def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
+    from trainer_client.examples import train_pipeline, train_resilient
+
+    argv = ["--stage", "1", "--num-stages", "4", "--store-port", "1", "--out", "o", "--run-id", "r", "--store-root", "/tmp/x",
+            "--cold-url", "s3://b/p", "--cold-endpoint", "http://127.0.0.1:9", "--max-queue-bytes", "1000", "--overflow", "gap",
+            "--max-backlog-bytes", "5000", "--encode-threads", "2", "--groups", "2,2"]  # fmt: skip
+    for mod in (train_pipeline, train_resilient):
+        cfg = train_pipeline.config_from_args(mod.build_parser().parse_args(argv))
+        assert (cfg.stage, cfg.max_queue_bytes, cfg.overflow, cfg.max_backlog_bytes, cfg.encode_threads) == (1, 1000, "gap", 5000, 2)
+        assert cfg.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(cfg.logging_groups) == [2, 2]

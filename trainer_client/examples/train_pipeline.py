@@ -150,6 +150,21 @@ def _limit_file_size(nbytes: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard if nbytes is None else nbytes, hard))
 
 
+def config_from_args(args: argparse.Namespace) -> ClientConfig:
+    """The trainer client's configuration from this script's arguments (shared with train_resilient)."""
+    cold_options = {}
+    if args.cold_endpoint:
+        cold_options = {"key": args.cold_key, "secret": args.cold_secret, "client_kwargs": {"endpoint_url": args.cold_endpoint}}
+    return ClientConfig(
+        run_id=args.run_id, stage=args.stage, num_stages=args.num_stages, store_root=args.store_root, cold_url=args.cold_url,
+        cold_options=cold_options, checkpoint_url=args.checkpoint_url, seed=args.seed, segment_iters=args.segment_iters,
+        logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
+        log_data=not args.data_source, enabled=not args.no_logging, max_queue_bytes=args.max_queue_bytes,
+        overflow=args.overflow, max_backlog_bytes=args.max_backlog_bytes, encode_threads=args.encode_threads,
+        codec=args.codec, commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
+    )  # fmt: skip
+
+
 def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     """Train one stage for ``args.iters`` iterations; returns (and saves) its results."""
     t_start = time.perf_counter()
@@ -164,17 +179,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     t_pg = time.perf_counter()
     data = SyntheticTokens(cfg, seed=args.seed)
-    cold_options = {}
-    if args.cold_endpoint:
-        cold_options = {"key": args.cold_key, "secret": args.cold_secret, "client_kwargs": {"endpoint_url": args.cold_endpoint}}
-    config = ClientConfig(
-        run_id=args.run_id, stage=k, num_stages=S, store_root=args.store_root, cold_url=args.cold_url, cold_options=cold_options,
-        checkpoint_url=args.checkpoint_url, seed=args.seed, segment_iters=args.segment_iters,
-        logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
-        log_data=not args.data_source, enabled=not args.no_logging, max_queue_bytes=args.max_queue_bytes,
-        overflow=args.overflow, max_backlog_bytes=args.max_backlog_bytes, encode_threads=args.encode_threads,
-        codec=args.codec, commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
-    )  # fmt: skip
+    config = config_from_args(args)
     client = SwiftlogClient(config, commit_store=None if args.no_commit else store, data_source=data if args.data_source else None)
     model = build_stage_module(cfg, k, S, seed=args.seed)
     optimizer = make_optimizer(model)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint
+from trainer_client import SwiftlogClient, load_checkpoint
 from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.examples.gpt import (
     GPTConfig,
@@ -51,6 +51,7 @@ from trainer_client.examples.gpt import (
     make_optimizer,
 )
 from trainer_client.examples.train_pipeline import build_parser as _base_parser
+from trainer_client.examples.train_pipeline import config_from_args
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
@@ -151,12 +152,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     )
     keys = RecoveryKeys(args.run_id)
     data = SyntheticTokens(cfg, seed=args.seed)
-    config = ClientConfig(
-        run_id=args.run_id, stage=k, num_stages=S, store_root=args.store_root, cold_url=args.cold_url,
-        checkpoint_url=args.checkpoint_url, seed=args.seed, segment_iters=args.segment_iters,
-        logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
-        log_data=not args.data_source, codec=args.codec, enabled=not args.no_logging, commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
-    )  # fmt: skip
+    config = config_from_args(args)
     client = SwiftlogClient(
         config, commit_store=store, data_source=data if args.data_source else None
     )
