@@ -17,8 +17,8 @@ error or a lying proxy), then the codec's checksum of the decoded raw bytes. A m
 ``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
 then :class:`NodeUnavailableError` (retryable: the reader tries its other sources).
 
-The servers expose no gap listing: :meth:`HttpRecordSource.gaps` returns ``[]`` (the planner reads
-gaps from the stores or the cold tier).
+Gaps (records the client dropped, e.g. on a full queue) come from the run summary
+(``GET /v1/runs/{run}?fresh=true``), so a plan made through node servers sees them too.
 
 Never: sends the token anywhere but the configured server, or caches blobs on disk.
 """
@@ -124,8 +124,13 @@ class HttpRecordSource:
             params["cursor"] = page["next_cursor"]
 
     def gaps(self) -> list[dict[str, Any]]:
-        """Always ``[]``: the admin API does not list gaps (see the module docstring)."""
-        return []
+        """The gaps this node recorded for the run (channel, iteration, micro_batch, reason, at),
+        from a fresh run summary; ``[]`` when the node has no such run."""
+        try:
+            summary = self._request("GET", f"{self.base_url}/v1/runs/{self.run}", params={"fresh": "true"}).json()
+        except RecordNotFoundError:  # the run is unknown there: nothing was dropped there either
+            return []
+        return [dict(g) for g in summary.get("gaps", [])]
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, url: str, *, key: RecordKey | None = None, params: dict[str, Any] | None = None) -> httpx.Response:

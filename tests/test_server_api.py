@@ -279,3 +279,20 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
         flip(small_key)
         status, body, _ = get(small_key)
         assert status == 409 and b"corrupt_record" in body
+
+
+def test_node_server_lists_gaps_for_a_remote_planner(tmp_path) -> None:
+    """HttpRecordSource.gaps (what plan_recovery reads through a node server) sees recorded gaps."""
+    from logstore import LogStore
+    from replay.remote import HttpRecordSource
+
+    st = LogStore.open(tmp_path, "run-g", writer="stage1")
+    st.put(RecordKey(Channel.activation(1), 0, 0), torch.randn(8))
+    st.record_gap(Channel.activation(1), 0, 1, "queue full (overflow=gap)")
+    st.close()
+    with ServerProcess(tmp_path) as srv:
+        with HttpRecordSource(srv.url, "run-g") as src:
+            gaps = src.gaps()
+        assert [(g["channel"], g["iteration"], g["micro_batch"], g["reason"]) for g in gaps] == [("act_1_2", 0, 1, "queue full (overflow=gap)")]
+        with HttpRecordSource(srv.url, "no-such-run") as src:
+            assert src.gaps() == []
