@@ -608,14 +608,28 @@ class Node:
         )
 
     # ------------------------------------------------------------------ recovery
-    def plan(self, run: str, failed_stages: list[int]) -> RecoveryPlan:
-        """The recovery plan of the pluggable planner; NotAvailableError until it is installed."""
+    def plan(
+        self,
+        run: str,
+        failed_stages: list[int],
+        *,
+        target_iteration: int | None = None,
+        bandwidth_mbps: float | None = None,
+        workers: int | None = None,
+    ) -> RecoveryPlan:
+        """The recovery plan of the pluggable planner; NotAvailableError until it is installed.
+
+        ``target_iteration`` (where the survivors stand), ``bandwidth_mbps`` (for the fetch time
+        estimate) and ``workers`` (parallel replay) are passed to the planner only when given,
+        so a planner without them keeps working.
+        """
         st = self.store(run)
         if not failed_stages:
             raise BadRequestError("no failed stage given", hint="name at least one failed stage")
         fn = load_planner(self.planner)
+        options = {k: v for k, v in (("target_iteration", target_iteration), ("bandwidth_mbps", bandwidth_mbps), ("workers", workers)) if v is not None}
         try:
-            plan = fn(store=st, failed_stages=sorted(set(failed_stages)))
+            plan = fn(store=st, failed_stages=sorted(set(failed_stages)), **options)
         except SwiftlogError:
             raise
         except (ValueError, KeyError) as e:

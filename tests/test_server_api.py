@@ -146,6 +146,12 @@ def test_recovery_plan_from_the_replay_planner(client: httpx.Client) -> None:
     assert "no registered checkpoint" in plan["reasons"][0] and plan["fallback"]["iteration"] is None
     assert client.get("/v1/runs/run-a/recovery-plan", params={"failed": [9]}).status_code == 400  # outside the pipeline
     assert client.get("/v1/runs/run-a/recovery-plan").status_code == 422  # failed stage is required
+    # the planner's options pass through
+    r = client.get("/v1/runs/run-a/recovery-plan", params={"failed": [1], "target_iteration": 3, "bandwidth_mbps": 50, "workers": 2})
+    assert r.status_code == 200, r.text
+    plan = r.json()["plan"]
+    assert plan["target_iteration"] == 3 and plan["assumptions"].get("bandwidth_mbps") == 50, plan["assumptions"]
+    assert client.get("/v1/runs/run-a/recovery-plan", params={"failed": [1], "bandwidth_mbps": 0}).status_code == 422
 
 
 def test_metrics(client: httpx.Client) -> None:

@@ -21,6 +21,9 @@ def plan(
     run: RunOpt,
     failed: Annotated[list[int], typer.Option("--failed", "-f", min=0, max=0xFFFF, help="failed stage (repeat for several)")],
     planner: Annotated[str, typer.Option("--planner", envvar="SWIFTLOG_PLANNER", help="module:function of the planner")] = DEFAULT_PLANNER,
+    target_iteration: Annotated[int | None, typer.Option("--target-iteration", min=0, help="the iteration the survivors stand at")] = None,
+    bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch bandwidth for the estimate (MB/s)")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, max=1024, help="parallel replay workers for the estimate")] = None,
     cold_url: ColdUrlOpt = None,
     cold_option: ColdOptionOpt = None,
     json_out: JsonOpt = False,
@@ -29,7 +32,7 @@ def plan(
     with handle_errors():
         node = make_node(root, cold_url, cold_option)
         node.planner = planner
-        p = node.plan(run, failed)
+        p = node.plan(run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
     if json_out:
         print_json(p)
         return
