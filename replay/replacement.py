@@ -323,6 +323,10 @@ def recover_stage(
             _release_helpers(store, keys.replay_job(generation, stage))
 
 
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def _release_helpers(store: dist.Store, key: str) -> None:
     """Tell waiting helpers they are not needed, unless the job was published (never raises)."""
     try:
@@ -403,11 +407,16 @@ def report_ready(
     info: dict[str, Any],
     commit_prefix: str | None = None,
 ) -> None:
-    """Tell the survivors that ``stage`` is recovered (they then join generation + 1)."""
-    store.set(
-        RecoveryKeys(run_id, commit_prefix).ready(generation, stage),
-        json.dumps({"t": time.time(), **info}, default=str),
-    )
+    """Tell the survivors that ``stage`` is recovered (they then join generation + 1).
+
+    The last replacement of the generation to report also sets the generation's wake-up key,
+    which the survivors block on (no polling while the replay runs)."""
+    keys = RecoveryKeys(run_id, commit_prefix)
+    store.set(keys.ready(generation, stage), json.dumps({"t": time.time(), **info}, default=str))
+    reported = store.add(keys.ready_count(generation), 1)
+    failed = json.loads(_s(store.get(keys.failed_stages(generation))))
+    if reported >= len(failed):
+        store.set(keys.wake(generation), "ready")
 
 
 def report_fallback(
@@ -418,4 +427,6 @@ def report_fallback(
     commit_prefix: str | None = None,
 ) -> None:
     """Tell the survivors and the scheduler that in-place recovery is impossible (global rollback)."""
-    store.set(RecoveryKeys(run_id, commit_prefix).fallback(generation), reason)
+    keys = RecoveryKeys(run_id, commit_prefix)
+    store.set(keys.fallback(generation), reason)
+    store.set(keys.wake(generation), "fallback")

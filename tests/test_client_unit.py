@@ -468,3 +468,22 @@ def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
         cfg = train_pipeline.config_from_args(mod.build_parser().parse_args(argv))
         assert (cfg.stage, cfg.max_queue_bytes, cfg.overflow, cfg.max_backlog_bytes, cfg.encode_threads) == (1, 1000, "gap", 5000, 2)
         assert cfg.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(cfg.logging_groups) == [2, 2]
+
+
+def test_survivors_wake_when_every_replacement_is_ready_or_on_fallback_and_time_out_otherwise(tcp_store):
+    from replay.replacement import report_fallback, report_ready
+    from trainer_client.survivor import RecoveryKeys, RecoveryTimeoutError, wait_until_woken
+
+    keys = RecoveryKeys("w")
+    tcp_store.set(keys.failed_stages(0), "[1, 2]")  # two stages lost together
+    report_ready(tcp_store, "w", 0, 1, {"ok": True})
+    t0 = time.monotonic()
+    with pytest.raises(RecoveryTimeoutError, match="not ready after 0.3 s"):  # one replacement still replays
+        wait_until_woken(tcp_store, keys, 0, timeout=datetime.timedelta(seconds=0.3), what="survivor 0")
+    assert 0.25 < time.monotonic() - t0 < 5
+    client = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    threading.Timer(0.2, lambda: report_ready(client, "w", 0, 2, {"ok": True})).start()
+    assert wait_until_woken(tcp_store, keys, 0, timeout=datetime.timedelta(seconds=10), what="survivor 0") == "ready"
+    tcp_store.set(keys.failed_stages(1), "[3]")
+    threading.Timer(0.2, lambda: report_fallback(client, "w", 1, "records gone")).start()
+    assert wait_until_woken(tcp_store, keys, 1, timeout=datetime.timedelta(seconds=10), what="survivor 0") == "fallback"

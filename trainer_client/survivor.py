@@ -58,6 +58,7 @@ __all__ = [
     "RecoveryFailedError",
     "RecoveryKeys",
     "RecoveryTimeoutError",
+    "wait_until_woken",
     "ResilientLoop",
     "is_pipeline_failure",
     "pg_prefix",
@@ -114,6 +115,15 @@ class RecoveryKeys:
 
     def heartbeat(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/hb/{stage}"
+
+    def ready_count(self, g: int) -> str:
+        """Counter of the replacements of generation ``g`` that reported ready."""
+        return f"{self.base}/gen{g}/ready_count"
+
+    def wake(self, g: int) -> str:
+        """Set once every replacement of ``g`` is ready ("ready") or recovery was abandoned
+        ("fallback"): what the survivors block on while the replacement replays."""
+        return f"{self.base}/gen{g}/wake"
 
     def replay_job(self, g: int, stage: int) -> str:
         """JSON the replacement of ``stage`` publishes for its replay helpers: the job, the world
@@ -245,6 +255,23 @@ def wait_for_keys(
             )
         time.sleep(sleep)
         sleep = min(sleep * 1.5, max_poll_s)
+
+
+def wait_until_woken(store: dist.Store, keys: RecoveryKeys, g: int, *, timeout: datetime.timedelta, what: str) -> str:
+    """Block in the store until generation ``g``'s wake-up key is set: every replacement reported
+    ready (``"ready"``) or recovery was abandoned (``"fallback"``); return that value.
+
+    One ``Store.wait``: woken the moment the key is set, no polling while the replay runs.
+    Raises RecoveryTimeoutError (naming ``what``) after ``timeout``.
+    """
+    try:
+        store.wait([keys.wake(g)], timeout)
+    except dist.DistStoreError as e:
+        raise RecoveryTimeoutError(
+            f"{what}: not ready after {timeout.total_seconds():g} s",
+            hint="is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays",
+        ) from e
+    return _s(store.get(keys.wake(g)))
 
 
 class _Heartbeat:
@@ -509,6 +536,7 @@ class ResilientLoop:
                           what=f"stage {cfg.stage}: waiting for the scheduler to name the failed stage(s) of generation {g}",
                           abort_keys=[keys.fallback(g)])  # fmt: skip
         ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
+        wait_until_woken(self.store, keys, g, timeout=cfg.rejoin_timeout, what=f"stage {cfg.stage}: replacement(s) of stage(s) {ev.replaced}")
         wait_for_keys(self.store, [keys.ready(g, k) for k in ev.replaced], timeout=cfg.rejoin_timeout,
                       what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}", abort_keys=[keys.fallback(g)])  # fmt: skip
         ev.t_ready = time.time()

@@ -27,6 +27,7 @@ Writes ``{out}/stage{k}.pt`` like train_pipeline (model, optimizer, lr_scheduler
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -153,10 +154,17 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     keys = RecoveryKeys(args.run_id)
     data = SyntheticTokens(cfg, seed=args.seed)
     config = config_from_args(args)
-    client = SwiftlogClient(
-        config, commit_store=store, data_source=data if args.data_source else None
-    )
+    def make_client() -> SwiftlogClient:
+        return SwiftlogClient(config, commit_store=store, data_source=data if args.data_source else None)
+
     generation, start, recovered = args.generation, 0, None
+    if args.replacement:
+        # the replacement opens its log client while it replays (off the recovery's critical path)
+        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
+        opening = opener.submit(make_client)
+        opener.shutdown(wait=False)
+    else:
+        client = make_client()
     if args.replacement:
         from replay.engine import SourceSpec
         from replay.replacement import (
@@ -185,8 +193,9 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 + json.dumps({"stage": k, "generation": generation, "reason": str(e)}),
                 flush=True,
             )
-            client.close(flush=False)
+            opening.result().close(flush=False)
             raise SystemExit(EXIT_FALLBACK) from e
+        client = opening.result()  # raises what opening the client raised
         model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
         report_ready(store, args.run_id, generation, k, recovered)
