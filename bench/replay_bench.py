@@ -32,6 +32,10 @@ Results (merged into ``bench/results/replay.json``):
   shared: before each measurement the benchmark waits (up to ``--max-wait-s``) until other
   processes keep at most ``--quiet-cores`` cores busy; ``other_processes_cores_busy`` records the
   last 0.5 s sample before each measurement, which is what separates the two speedups.
+- ``two_busy_cores_slowdown`` / ``parallel_speedup_k2_ceiling``: calibration of this machine. The
+  same sequential replay runs alone, then twice at once in two processes that share nothing;
+  the slower of the two over the lone one is how much two busy cores slow each other down, and
+  2 / that is the most any K = 2 replay could gain here before exchanging a single gradient.
 - ``parallel_max_abs_diff``: largest parameter difference between the approximate K = 2 replay
   and the sequential one (the exact one is compared bytewise: ``parallel_exact_bit_identical``).
 - ``bit_exact``: the sequential replay's parameters, AdamW state and scheduler equal the live
@@ -123,6 +127,29 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def _replay_seconds(job_doc: dict[str, Any]) -> float:
+    from replay import replay
+    from replay.engine import ReplayJob
+
+    return replay(ReplayJob.from_dict(job_doc)).replay_seconds
+
+
+def _two_at_once(job: Any) -> tuple[float, float]:
+    """The replay proper of ``job`` in two processes started together (fork server: torch preloaded)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        list(pool.map(_noop, range(2)))  # both workers up before the clock starts
+        a, b = pool.map(_replay_seconds, [job.to_dict()] * 2)
+    return a, b
+
+
+def _noop(_: int) -> None:
+    return None
+
+
 def live_run(base: Path, ckpt: int, iters: int) -> tuple[dict[int, dict[str, Any]], float]:
     """The live pipeline; returns (every stage's result file, wall seconds)."""
     from trainer_client.examples.launch import launch_pipeline, load_stage_result
@@ -192,6 +219,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 verified[name] = res.verified
                 print(f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
                       f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  verified={res.verified}", flush=True)  # fmt: skip
+        # calibration: the same sequential replay, alone and then two at once in two processes
+        # (no exchange, no shared state): how much two busy cores slow each other down here
+        pairs = []
+        for _ in range(args.pair_rounds):
+            _wait_quiet(args.quiet_cores, args.max_wait_s)
+            alone = replay(kinds["seq"]).replay_seconds
+            _wait_quiet(args.quiet_cores, args.max_wait_s)
+            both = _two_at_once(kinds["seq"])
+            pairs.append((alone, both))
+            print(f"calibration: sequential replay alone {alone:7.3f} s, two at once {both[0]:7.3f} / {both[1]:7.3f} s", flush=True)
         store.close()
     seq, ex, ap = states["seq"], states["k2_exact"], states["k2_approx"]
     bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"]) and seq.lr_scheduler == live["lr_scheduler"]
@@ -213,6 +250,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_end_to_end": best_e2e["seq"] / best_e2e["k2_exact"],
         "parallel_speedup_k2_cpu": best_cpu["seq"] / best_cpu["k2_exact"],
         "parallel_max_abs_diff": max_diff,
+        "two_busy_cores_slowdown": statistics.median(max(b) / a for a, b in pairs) if pairs else None,
+        "parallel_speedup_k2_ceiling": statistics.median(2 * a / max(b) for a, b in pairs) if pairs else None,
+        "calibration_alone_vs_two_at_once_seconds": [[a, list(b)] for a, b in pairs],
         "parallel_exact_bit_identical": _state_equal(ex.model, ex.optimizer, seq.model, seq.optimizer),
         "bit_exact": bool(bit_exact),
         "verified": verified["seq"] and verified["k2_exact"],
@@ -254,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=8, help="iterations lost after the checkpoint (N)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
     p.add_argument("--live-runs", type=int, default=2, help="live pipeline runs (the fastest is replayed and compared)")
+    p.add_argument("--pair-rounds", type=int, default=3, help="calibration rounds: one sequential replay alone, then two at once")
     p.add_argument("--quiet-cores", type=float, default=0.3, help="before each measurement wait until others use at most this many cores")
     p.add_argument("--max-wait-s", type=float, default=120.0, help="longest wait for a quiet machine per measurement")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -261,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     res = bench(args)
     res["machine"] = _machine()
     res["timestamp"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    for k in ("replay_vs_live", "parallel_speedup_k2", "parallel_speedup_k2_cpu", "parallel_speedup_k2_approximate", "parallel_speedup_k2_end_to_end",
+    for k in ("replay_vs_live", "parallel_speedup_k2", "parallel_speedup_k2_ceiling", "parallel_speedup_k2_cpu", "parallel_speedup_k2_approximate", "parallel_speedup_k2_end_to_end",
               "parallel_max_abs_diff", "parallel_exact_bit_identical", "bit_exact", "verified", "live_seconds"):  # fmt: skip
         print(f"  {k:36s} {res[k]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

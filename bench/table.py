@@ -37,6 +37,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "parallel_speedup_k2", ">= 1.6", "ge", 1.6),
     ("replay", "parallel_speedup_k2_median", "(median)", None, None),
     ("replay", "parallel_speedup_k2_cpu", "(CPU time: a core per worker)", None, None),
+    ("replay", "parallel_speedup_k2_ceiling", "(2 / slowdown of two busy cores)", None, None),
     ("replay", "parallel_max_abs_diff", "(approximate mode)", None, None),
     ("replay", "bit_exact", "true", "eq", True),
     ("recovery", "recovery_vs_global_rollback", "<= 0.3", "le", 0.3),
