@@ -138,8 +138,11 @@ def _ctx() -> Any:
     if _launch._REPO_ROOT not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = _launch._REPO_ROOT + (os.pathsep + pp if pp else "")
     ctx = _launch._forkserver()
+    # everything a stage, a replacement or a replay helper imports before its first step: this
+    # module (the children's entry point), the training scripts, the replacement and parallel replay
     ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "trainer_client.examples.train_pipeline",
-                                "trainer_client.examples.train_resilient", "replay.replacement"])  # fmt: skip
+                                "trainer_client.examples.train_resilient", "replay.replacement", "replay.parallel",
+                                "replay.launcher"])  # fmt: skip
     return ctx
 
 
