@@ -238,3 +238,30 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
     with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     assert ei.value.retryable and "unavailable" in str(ei.value)
+
+
+def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path):
+    """recover_stage(helpers=1) publishes the job, waits for the rendezvous, and when no helper
+    shows up within the timeout replays alone: still verified and bit-exact."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from replay.replacement import recover_stage
+    from trainer_client.survivor import RecoveryKeys
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    keys = RecoveryKeys(f1b_run.run_id)
+    store.set(keys.failed_stages(0), json.dumps([1]))
+    for k in (0, 2, 3):  # the survivors' reports: where they stand and where their logs are
+        store.set(keys.survivor(0, k), json.dumps({"resume": ITERS, "store_root": f1b_run.root, "cold_url": f1b_run.cold_url}))
+    ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
+    rec = recover_stage(store, run_id=f1b_run.run_id, stage=1, num_stages=NUM_STAGES, generation=0, checkpoint_url=ck_base,
+                        sources=None, model_args=f1b_run.gpt.to_dict(), n_microbatches=f1b_run.gpt.n_microbatches, threads=1,
+                        helpers=1, timeout=datetime.timedelta(seconds=3))  # fmt: skip
+    assert rec.verified and rec.resume == ITERS and rec.checkpoint_iteration == CKPT
+    assert rec.timings["workers"] == 1  # replayed alone after the helper did not come
+    assert json.loads(store.get(keys.replay_job(0, 1)))["world"] == 2  # the job was published for it
+    live = f1b_run.results[1]
+    assert state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
