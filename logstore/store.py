@@ -42,7 +42,6 @@ import torch
 from logstore import codec
 from logstore.cold import ColdTier
 from logstore.errors import (
-    ColdTierUnavailableError,
     ConfigError,
     CorruptRecordError,
     RecordNotFoundError,
@@ -357,9 +356,7 @@ class LogStore:
 
     def get_blob(self, key: RecordKey) -> bytes:
         """The encoded record under ``key`` (verified against its stored checksum)."""
-        wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
-        if key.iteration < wm:
-            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
+        self._refuse_collected(key)
         for hot in self._hot_tiers():
             loc = hot.lookup(key)
             if loc is None:
@@ -379,9 +376,7 @@ class LogStore:
         whole record matched its checksum), so a big record can be sent while it is read. Records
         not in a local segment file come from :meth:`get_blob` (read whole, verified). Raises
         like :meth:`get_blob`; the caller closes the stream (or iterates it to the end)."""
-        wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
-        if key.iteration < wm:
-            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
+        self._refuse_collected(key)
         for hot in self._hot_tiers():
             loc = hot.lookup(key)
             if loc is None:
@@ -391,6 +386,13 @@ class LogStore:
                 return stream
             break  # its segment file is gone: the read-through below finds it (cold tier)
         return BlobStream.of_bytes(key, self.get_blob(key), chunk_size)
+
+    def _refuse_collected(self, key: RecordKey) -> None:
+        """RecordNotFoundError for a key below its owner's checkpoint watermark (garbage, even if
+        its bytes are still on disk)."""
+        wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
+        if key.iteration < wm:
+            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
 
     def _read_loc(self, hot: HotTier, loc: Location, key: RecordKey) -> bytes | None:
         try:

@@ -174,17 +174,21 @@ class _GradReducer:
         dt, off, n = self.where[i]
         return flats[dt][off : off + n].view(self.params[i].shape)
 
+    def _accumulate(self, i: int, g: torch.Tensor | None) -> None:
+        """``acc[i] += g`` in AccumulateGrad's arithmetic: the first gradient is assigned, the next added."""
+        if g is None:
+            return
+        v = self._view(self.acc, i)
+        if self.present[i]:
+            v.add_(g)
+        else:
+            v.copy_(g)
+            self.present[i] = True
+
     def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """``acc += grads`` in AccumulateGrad's arithmetic: the first gradient is assigned, the next added."""
+        """``acc += grads`` (see :meth:`_accumulate`)."""
         for i, g in enumerate(grads):
-            if g is None:
-                continue
-            v = self._view(self.acc, i)
-            if self.present[i]:
-                v.add_(g)
-            else:
-                v.copy_(g)
-                self.present[i] = True
+            self._accumulate(i, g)
 
     def _add_stash(self) -> None:
         """``acc += stash[0]; acc += stash[1]; ...`` parameter by parameter: the same additions in
@@ -192,15 +196,7 @@ class _GradReducer:
         but each parameter's running sum stays in cache across the passes."""
         for i in range(len(self.params)):
             for grads in self.stash:
-                g = grads[i]
-                if g is None:
-                    continue
-                v = self._view(self.acc, i)
-                if self.present[i]:
-                    v.add_(g)
-                else:
-                    v.copy_(g)
-                    self.present[i] = True
+                self._accumulate(i, grads[i])
 
     def _take(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]

@@ -245,7 +245,7 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
     import http.client
 
     from logstore import LogStore
-    from logstore.hot import HotTier
+    from tests._replay_helpers import corrupt_hot_record
 
     big_key, small_key = RecordKey(Channel.activation(0), 0, 0), RecordKey(Channel.activation(0), 0, 1)
     big, small = torch.randn(3, 1024, 1024), torch.randn(64)  # 12 MiB raw: 3 chunks of 4 MiB
@@ -253,17 +253,6 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
     st.put(big_key, big)
     st.put(small_key, small)
     st.close()
-
-    def flip(key: RecordKey) -> None:
-        hot = HotTier(tmp_path / "run-s" / "stage0", owner=False)
-        loc = hot.lookup(key)
-        seg = hot.seg_path(loc.segment.id)
-        hot.close()
-        with open(seg, "r+b") as f:
-            f.seek(loc.offset + loc.length // 2)
-            b = f.read(1)
-            f.seek(loc.offset + loc.length // 2)
-            f.write(bytes([b[0] ^ 0x40]))
 
     with ServerProcess(tmp_path) as srv:
         def get(key: RecordKey) -> tuple[int, bytes, dict[str, str]]:
@@ -279,10 +268,10 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
         assert status == 200 and len(body) == int(headers["content-length"]) > 8 << 20  # several chunks
         assert headers["x-swiftlog-checksum"] == f"{xxhash.xxh3_64_intdigest(body):016x}"
         assert torch.equal(codec.decode_tensor(body), big)
-        flip(big_key)
+        corrupt_hot_record(str(tmp_path), "run-s", big_key)
         with pytest.raises(http.client.IncompleteRead):
             get(big_key)
-        flip(small_key)
+        corrupt_hot_record(str(tmp_path), "run-s", small_key)
         status, body, _ = get(small_key)
         assert status == 409 and b"corrupt_record" in body
 

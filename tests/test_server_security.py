@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,11 +12,11 @@ import httpx
 import pytest
 
 from logstore.errors import ConfigError
-from logstore.hot import HotTier
 from logstore.keys import Channel, RecordKey
 from logstore.testing import free_port
 from server.settings import Settings
 from server.testing import TOKEN, ServerProcess, StoreFixture, start_writer, stop_writer, subprocess_env
+from tests._replay_helpers import corrupt_hot_record
 
 pytest_plugins = ["server.pytest_fixtures"]
 
@@ -235,15 +234,7 @@ def test_faults_are_reported_not_500(store_copy: StoreFixture) -> None:
     """A flipped byte is a 409 naming the key; an unreachable object store is a retryable 503 while
     everything the hot tier holds is still served."""
     key = RecordKey(Channel.gradient(1), 2, 1)
-    hot = HotTier(store_copy.root / "run-a" / "stage1", owner=False)
-    loc = hot.lookup(key)
-    seg = hot.seg_path(loc.segment.id)
-    hot.close()
-    with open(seg, "r+b") as f:
-        f.seek(loc.offset + loc.length // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x01]))
+    corrupt_hot_record(str(store_copy.root), "run-a", key)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     opts = ["--cold-option", "key=k", "--cold-option", "secret=s", "--cold-option", "client_kwargs=" + json.dumps({"endpoint_url": dead})]
     with ServerProcess(store_copy.root, token=TOKEN, cold_url="s3://swiftlog-test/cold", args=opts) as srv, \

@@ -494,18 +494,23 @@ class AsyncLogWriter:
                     self._writer_idle = False
                 if self._closing and not self._queue and not inflight:
                     return
-                while self._queue and len(inflight) < _WINDOW:
-                    it = self._queue.popleft()
-                    self._busy += 1
-                    inflight.append(it)
-            for it in inflight:
-                if it.kind == "rec" and it.future is None and self._pool is not None:
-                    it.future = self._pool.submit(self._encode, it)
+            self._refill(inflight)
             try:
                 self._process(inflight)
             except Exception as e:  # the writer thread must survive anything
                 logger.exception("swiftlog writer: unexpected error")
                 self._fault("write", f"writer loop: {type(e).__name__}: {e}")
+
+    def _refill(self, inflight: collections.deque[_Item]) -> None:
+        """Move queued items into the in-flight window (up to ``_WINDOW``) and hand every record
+        not yet encoding to the pool. Writer thread only."""
+        with self._cv:
+            while self._queue and len(inflight) < _WINDOW:
+                inflight.append(self._queue.popleft())
+                self._busy += 1
+        for it in inflight:
+            if it.kind == "rec" and it.future is None and self._pool is not None:
+                it.future = self._pool.submit(self._encode, it)
 
     def _process(self, inflight: collections.deque[_Item]) -> None:
         batch: list[tuple[_Item, list[bytes]]] = []
@@ -533,15 +538,8 @@ class AsyncLogWriter:
                 inflight.popleft()
                 self._control(head)
                 self._finish(head)
-            if not inflight:
-                with self._cv:  # keep going while work is queued: fewer, larger batches
-                    while self._queue and len(inflight) < _WINDOW:
-                        it = self._queue.popleft()
-                        self._busy += 1
-                        inflight.append(it)
-                for it in inflight:
-                    if it.kind == "rec" and it.future is None and self._pool is not None:
-                        it.future = self._pool.submit(self._encode, it)
+            if not inflight:  # keep going while work is queued: fewer, larger batches
+                self._refill(inflight)
         if batch:
             self._write(batch)
 
