@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ __all__ = [
     "jobs_from_plan",
     "open_sources",
     "build_states",
+    "PreparedStates",
     "load_object",
     "write_outputs",
     "checkpoint_of",
@@ -284,23 +286,95 @@ def load_object(spec: str) -> Any:
     return obj
 
 
-def build_states(job: ReplayJob, factory: StageFactory | None = None) -> list[StageState]:
+def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: PreparedStates | None = None) -> list[StageState]:
     """Load every stage's checkpoint into fresh objects from the factory (no aliasing).
 
-    Raises ReplayError when a checkpoint is of another run, stage or iteration than the others.
+    ``prepared``: objects built ahead (:class:`PreparedStates`); used when they were built for
+    exactly this job's stages, checkpoints and model, otherwise built here. Raises ReplayError
+    when a checkpoint is of another run, stage or iteration than the others.
     """
-    fac: StageFactory = factory or load_object(job.model)
+    if prepared is not None:
+        states = prepared.take(job)
+        if states is not None:
+            return states
+    return _build(job.run, job.num_stages, job.stages, job.checkpoints, job.checkpoint_options, job.model, job.model_args, factory)
+
+
+def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str], checkpoint_options: Mapping[str, Any],
+           model: str, model_args: Mapping[str, Any], factory: StageFactory | None) -> list[StageState]:  # fmt: skip
+    fac: StageFactory = factory or load_object(model)
     states = []
-    for k in job.stages:
-        ck = load_checkpoint(job.checkpoints[k], storage_options=job.checkpoint_options or None)
-        if ck.run_id != job.run or ck.stage != k:
-            raise ReplayError(f"checkpoint {job.checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {job.run!r} stage {k}")
-        module, optimizer, sched = fac(k, job.num_stages, ck, **job.model_args)
+    for k in stages:
+        ck = load_checkpoint(checkpoints[k], storage_options=dict(checkpoint_options) or None)
+        if ck.run_id != run or ck.stage != k:
+            raise ReplayError(f"checkpoint {checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {run!r} stage {k}")
+        module, optimizer, sched = fac(k, num_stages, ck, **model_args)
         states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:
-        raise ReplayError(f"checkpoints of stages {job.stages} are at different iterations {sorted(its)}; a group restarts from one")
+        raise ReplayError(f"checkpoints of stages {list(stages)} are at different iterations {sorted(its)}; a group restarts from one")
     return states
+
+
+class PreparedStates:
+    """A job's stage objects, built ahead on a background thread from a guess of its checkpoints.
+
+    A replacement (or a replay helper) knows which stages it rebuilds, from which checkpoint
+    directory and with which factory before it knows the job: the iteration to replay up to comes
+    with the survivors' reports, and the checkpoint is the newest one at or below it, which is
+    nearly always simply the newest. Building from that guess while waiting hides the checkpoint
+    load and the model construction. ``checkpoints``: stage -> URI, or a callable that returns
+    that mapping (run on the thread, e.g. a listing of the checkpoint directory) or None when
+    there is nothing to guess from.
+
+    :meth:`take` hands the objects out only for a job with exactly these run, stages,
+    checkpoints, checkpoint options, model and model arguments, and only once. Never: raises the
+    speculative build's error (it is logged; the caller's own build then raises its own), or
+    hands the same objects to two replays.
+    """
+
+    def __init__(self, *, run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None],
+                 checkpoint_options: Mapping[str, Any] | None = None, model: str = DEFAULT_MODEL, model_args: Mapping[str, Any] | None = None,
+                 factory: StageFactory | None = None) -> None:  # fmt: skip
+        self.run, self.num_stages, self.stages = run, num_stages, [int(k) for k in stages]
+        self.checkpoint_options = dict(checkpoint_options or {})
+        self.model, self.model_args = model, dict(model_args or {})
+        self.checkpoints: dict[int, str] | None = None
+        self._states: list[StageState] | None = None
+        self._taken = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._build, args=(checkpoints, factory), name="swiftlog-prepare-states", daemon=True)
+        self._thread.start()
+
+    def _build(self, checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None], factory: StageFactory | None) -> None:
+        try:
+            cks = checkpoints() if callable(checkpoints) else checkpoints
+            if cks is None:
+                return
+            self.checkpoints = {int(k): v for k, v in cks.items()}
+            self._states = _build(self.run, self.num_stages, self.stages, self.checkpoints, self.checkpoint_options, self.model, self.model_args, factory)
+        except Exception as e:  # noqa: BLE001 - a guess; the real build reports its own error
+            logger.info("building stages %s ahead failed (they are built when the job is known): %s: %s", self.stages, type(e).__name__, e)
+            self._states = None
+
+    def matches(self, job: ReplayJob) -> bool:
+        """Whether these objects are what ``build_states(job)`` would build (waits for the build)."""
+        self._thread.join()
+        return (self._states is not None and job.run == self.run and job.num_stages == self.num_stages and list(job.stages) == self.stages
+                and dict(job.checkpoints) == self.checkpoints and dict(job.checkpoint_options) == self.checkpoint_options
+                and job.model == self.model and dict(job.model_args) == self.model_args)  # fmt: skip
+
+    def take(self, job: ReplayJob) -> list[StageState] | None:
+        """The objects built for ``job`` (once), or None when they were built for something else,
+        their build failed, or they were taken already. Waits for the build to finish."""
+        ok = self.matches(job)
+        with self._lock:
+            if not ok or self._taken:
+                return None
+            self._taken = True
+            states, self._states = self._states, None
+        logger.debug("stages %s: using the objects built ahead from %s", self.stages, self.checkpoints)
+        return states
 
 
 def _loss_and_data(job: ReplayJob, seed: int, loss_fn: Callable[..., Any] | None, data_source: Callable[[int], Any] | None) -> tuple[Any, Any]:
@@ -394,7 +468,9 @@ class ReplayResult:
     (sequential replay in this process only; None for parallel). ``outputs``: stage -> URI of
     the written checkpoint. ``seconds``: end to end (including worker start-up and output);
     ``replay_seconds``: from the first replayed iteration to the last step (slowest worker);
-    ``setup_seconds``: loading checkpoints and building stages (slowest worker).
+    ``setup_seconds``: loading checkpoints and building stages (slowest worker), and for parallel
+    replay the workers' rendezvous; ``build_seconds``: the part that built the stages (slowest
+    worker; near 0 when they were built ahead, see :class:`PreparedStates`).
     ``grad_error_bound``: approximate parallel mode only: the largest elementwise bound on how far
     any reduced gradient may be from the sequential one (see ``replay.parallel``).
     ``cpu_seconds``: CPU time of each worker's process during the replay proper (all its threads);
@@ -410,6 +486,7 @@ class ReplayResult:
     setup_seconds: float = 0.0
     grad_error_bound: float | None = None
     cpu_seconds: list[float] = field(default_factory=list)
+    build_seconds: float = 0.0
 
     @property
     def verified(self) -> bool:
@@ -432,6 +509,7 @@ class ReplayResult:
             "seconds": self.seconds,
             "replay_seconds": self.replay_seconds,
             "setup_seconds": self.setup_seconds,
+            "build_seconds": self.build_seconds,
             "grad_error_bound": self.grad_error_bound,
             "cpu_seconds": list(self.cpu_seconds),
             "report": self.report.to_dict(),
@@ -449,6 +527,7 @@ def replay(
     on_progress: Callable[[ReplayProgress], None] | None = None,
     start_method: str = "forkserver",
     timeout_s: float | None = None,
+    prepared: PreparedStates | None = None,
 ) -> ReplayResult:
     """Run ``job``: sequentially here (``workers == 1``) or over ``workers`` processes.
 
@@ -456,7 +535,8 @@ def replay(
     parallel replay they must be picklable, e.g. module-level functions) and, for sequential
     replay only, ``sources`` (already opened record sources; not closed here; parallel workers
     open ``job.sources`` themselves). ``start_method`` / ``timeout_s`` apply to parallel replay
-    (see :func:`replay.parallel.run_parallel`).
+    (see :func:`replay.parallel.run_parallel`). ``prepared``: stage objects built ahead for a
+    sequential replay (:class:`PreparedStates`; used only when they match the job).
 
     Returns the result with the merged report (mismatches are reported, not raised: check
     ``result.verified`` or call ``result.report.raise_for_mismatch()``). Raises
@@ -472,7 +552,9 @@ def replay(
     opened: list[RecordSource] = [] if sources is not None else open_sources(job.sources, job.run)
     try:
         reader = LogReader(list(sources) if sources is not None else opened)
-        states = build_states(job, factory)
+        t_build = time.perf_counter()
+        states = build_states(job, factory, prepared)
+        t_build = time.perf_counter() - t_build
         seed = states[0].checkpoint.seed if states[0].checkpoint is not None else 0
         loss, data = _loss_and_data(job, seed, loss_fn, data_source)
         start = states[0].checkpoint.iteration if states[0].checkpoint is not None else 0
@@ -490,7 +572,7 @@ def replay(
         outputs = write_outputs(job, states, report)
     finally:
         _close_all(opened)
-    res = ReplayResult(job, report, outputs, states, time.perf_counter() - t0, report.compute_seconds, t_setup, None, [cpu])
+    res = ReplayResult(job, report, outputs, states, time.perf_counter() - t0, report.compute_seconds, t_setup, None, [cpu], t_build)
     _log_outcome(res)
     return res
 

@@ -80,6 +80,7 @@ from replay.core import (
     replay_stages,
 )
 from replay.engine import (
+    PreparedStates,
     ReplayJob,
     ReplayProgress,
     ReplayResult,
@@ -310,6 +311,7 @@ def worker_main(
     sources: Sequence[Any] | None = None,
     keep_states: bool = False,
     timeout: datetime.timedelta = PG_TIMEOUT,
+    prepared: PreparedStates | None = None,
 ) -> dict[str, Any] | None:
     """One worker of a parallel replay; returns the result document on rank 0 (None elsewhere).
 
@@ -319,7 +321,9 @@ def worker_main(
     ``job.sources``). ``keep_states``: rank 0's result also carries the recovered
     :class:`StageState` objects under ``"states"`` (not JSON; for a caller that goes on with them
     in this process, e.g. a replacement that is rank 0 itself). ``timeout``: of the rendezvous and
-    of every collective. Raises what the replay raises (every rank that sees it).
+    of every collective. ``prepared``: this worker's stage objects built ahead
+    (:class:`~replay.engine.PreparedStates`; used only when they match the job). Raises what the
+    replay raises (every rank that sees it).
     """
     t0 = time.perf_counter()
     opened = []
@@ -330,7 +334,9 @@ def worker_main(
             opened = open_sources(job.sources, job.run)
         reader = LogReader(list(sources) if sources is not None else opened)
         # build first, then meet: each worker's set-up overlaps the others' start
-        states = build_states(job, factory)
+        t_build = time.perf_counter()
+        states = build_states(job, factory, prepared)
+        build_s = time.perf_counter() - t_build
         if store is not None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         else:
@@ -374,7 +380,7 @@ def worker_main(
             note = f"approximate parallel replay: only iteration {start}'s sends are verified (later states differ within the stated bound)"
             report.warnings.append(note)
         digest = _state_digest(states)
-        payload = {"report": report.to_dict(), "setup_s": setup_s, "replay_s": replay_s, "cpu_s": replay_cpu, "bound": reducer.bound_max, "digest": digest}
+        payload = {"report": report.to_dict(), "setup_s": setup_s, "build_s": build_s, "replay_s": replay_s, "cpu_s": replay_cpu, "bound": reducer.bound_max, "digest": digest}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, payload)
         if len({g["digest"] for g in gathered}) != 1:
@@ -393,6 +399,7 @@ def worker_main(
                 "report": merged.to_dict(),
                 "outputs": {str(k): v for k, v in outputs.items()},
                 "setup_seconds": max(g["setup_s"] for g in gathered),
+                "build_seconds": max(g["build_s"] for g in gathered),
                 "replay_seconds": max(g["replay_s"] for g in gathered),
                 "cpu_seconds": [g["cpu_s"] for g in gathered],
                 "grad_error_bound": bound,
@@ -535,7 +542,7 @@ def run_parallel(
             doc = json.load(f)
     report = ReplayReport.from_dict(doc["report"])
     res = ReplayResult(job, report, {int(k): v for k, v in doc["outputs"].items()}, None, time.perf_counter() - t0,
-                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"])  # fmt: skip
+                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"])  # fmt: skip
     _log_outcome(res)
     return res
 

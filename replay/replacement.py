@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from replay.core import ReplayError, ReplayReport
-from replay.engine import ReplayJob, ReplayResult, SourceSpec, load_object, replay
+from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
@@ -58,6 +58,7 @@ __all__ = [
     "ReplacementFallback",
     "common_checkpoint",
     "latest_checkpoint",
+    "prepare_states",
     "recover_stage",
     "report_fallback",
     "report_ready",
@@ -107,6 +108,37 @@ def _checkpoint_iterations(
         return {}
     its = [int(m.group(1)) for m in (_IT_RE.search(str(n)) for n in names) if m]
     return {i: checkpoint_uri(base, stage, i) for i in its}
+
+
+def prepare_states(
+    checkpoint_url: str,
+    *,
+    run_id: str,
+    stages: Sequence[int],
+    num_stages: int,
+    model: str = "replay.examples:gpt_stage",
+    model_args: dict[str, Any] | None = None,
+    checkpoint_options: dict[str, Any] | None = None,
+    factory: Callable[..., Any] | None = None,
+) -> PreparedStates:
+    """Start building ``stages`` from their newest common checkpoint under ``checkpoint_url``, ahead
+    of the job (a background thread; see :class:`~replay.engine.PreparedStates`).
+
+    The failed stages write no more checkpoints, so their newest one is final when the
+    replacement starts; the job uses it unless the survivors resume below it (then the objects
+    are not used and the job's own checkpoint is built instead).
+    """
+
+    def newest_common() -> dict[int, str] | None:
+        per_stage = [_checkpoint_iterations(checkpoint_url, k, checkpoint_options) for k in stages]
+        common = set.intersection(*(set(p) for p in per_stage)) if per_stage else set()
+        if not common:
+            return None
+        it = max(common)
+        return {k: p[it] for k, p in zip(stages, per_stage)}
+
+    return PreparedStates(run=run_id, num_stages=num_stages, stages=stages, checkpoints=newest_common, checkpoint_options=checkpoint_options,
+                          model=model, model_args=model_args, factory=factory)  # fmt: skip
 
 
 class _CountingSource:
@@ -201,6 +233,10 @@ def recover_stage(
     the rendezvous times out) the replacement replays alone instead.
     """
     keys = RecoveryKeys(run_id, commit_prefix)
+    members = sorted(set(group or [stage]) | {stage})
+    # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint listing)
+    prepared = prepare_states(checkpoint_url, run_id=run_id, stages=members, num_stages=num_stages, model=model, model_args=model_args,
+                              checkpoint_options=checkpoint_options, factory=factory)  # fmt: skip
     try:
         g = generation
         t0 = time.monotonic()
@@ -232,7 +268,6 @@ def recover_stage(
                 f"no survivor of generation {g}: nothing to replay against"
             )
         t_survivors = time.monotonic()
-        members = sorted(set(group or [stage]) | {stage})
         if members != list(range(members[0], members[-1] + 1)) or any(
             k not in failed for k in members
         ):
@@ -252,17 +287,22 @@ def recover_stage(
         ck_uris = {k: its[ck_it] for k, its in zip(members, per_stage)}
         ck_uri = ck_uris[stage]
         t_ck = time.monotonic()
-        if ck_it == resume:
-            ck = load_checkpoint(ck_uri, storage_options=checkpoint_options)
-            fac = factory or load_object(model)
-            mod, opt, sched = fac(stage, num_stages, ck, **(model_args or {}))
-            ck.apply(mod, opt, sched)
-            return RecoveredStage(mod, opt, sched, resume, ck_it, ck_uri, True, 0, 0, 0,
-                                  {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
         job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
                         sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
                         data_source=data_source, workers=workers, n_microbatches=n_microbatches, scale_grads=True if n_microbatches else None,
                         threads=threads)  # fmt: skip
+        if ck_it == resume:
+            built = prepared.take(job)
+            if built is not None:
+                mine = next(st for st in built if st.stage == stage)
+                mod, opt, sched = mine.module, mine.optimizer, mine.lr_scheduler
+            else:
+                ck = load_checkpoint(ck_uri, storage_options=checkpoint_options)
+                fac = factory or load_object(model)
+                mod, opt, sched = fac(stage, num_stages, ck, **(model_args or {}))
+                ck.apply(mod, opt, sched)
+            return RecoveredStage(mod, opt, sched, resume, ck_it, ck_uri, True, 0, 0, 0,
+                                  {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(
                 output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-")
@@ -272,13 +312,13 @@ def recover_stage(
             res = None
             if helpers > 0:
                 try:
-                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout)
+                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout, prepared)
                 except (ReplayError, CheckpointError):
                     raise
                 except Exception as e:  # a helper died or never came: the replacement can still replay alone
                     logger.warning("stage %d: replay with %d helper(s) failed (%s: %s); replaying alone", stage, helpers, type(e).__name__, e)
             if res is None:
-                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, sources=opened)
+                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, sources=opened, prepared=prepared)
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(
                 f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"
@@ -308,7 +348,8 @@ def recover_stage(
         timings = {
             "wait_survivors_s": t_survivors - t0,
             "find_checkpoint_s": t_ck - t_survivors,
-            "setup_s": res.setup_seconds,  # checkpoint load + stage build
+            "setup_s": res.setup_seconds,  # checkpoint load + stage build (+ the replay workers' rendezvous)
+            "build_s": res.build_seconds,  # of which the stage build (slowest worker; ~0 when built ahead)
             "fetch_s": rep.fetch_seconds,  # reading/decoding records (partly overlapped with compute by prefetch)
             "replay_s": res.replay_seconds,
             "reduce_s": rep.reduce_seconds,  # parallel replay: gradient exchange, waits included
@@ -346,7 +387,7 @@ def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
 
 def _replay_with_helpers(
     store: dist.Store, keys: RecoveryKeys, generation: int, stage: int, job: ReplayJob, helpers: int,
-    sources: Sequence[Any], factory: Callable[..., Any] | None, timeout: datetime.timedelta,
+    sources: Sequence[Any], factory: Callable[..., Any] | None, timeout: datetime.timedelta, prepared: PreparedStates | None = None,
 ) -> ReplayResult:  # fmt: skip
     """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
     from replay.parallel import worker_main
@@ -357,10 +398,10 @@ def _replay_with_helpers(
     store.set(keys.replay_job(generation, stage), json.dumps({"job": job.to_dict(), "world": world, "prefix": prefix}))
     t0 = time.perf_counter()
     doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, keep_states=True,
-                      timeout=timeout)
+                      timeout=timeout, prepared=prepared)
     assert doc is not None  # rank 0 always returns the result
     return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
-                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"])  # fmt: skip
+                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"])  # fmt: skip
 
 
 def serve_replay_helper(
@@ -373,6 +414,7 @@ def serve_replay_helper(
     factory: Callable[..., Any] | None = None,
     timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     commit_prefix: str | None = None,
+    prepared: PreparedStates | None = None,
 ) -> bool:
     """Be replay worker ``rank`` (>= 1) for the replacement of ``stage`` after generation ``generation``.
 
@@ -380,7 +422,8 @@ def serve_replay_helper(
     replays its share of every iteration and takes part in the gradient exchange; the replacement
     (rank 0) keeps the result. Returns True when it took part, False when the replacement
     cancelled (no replay needed, impossible, or fewer helpers wanted). Raises
-    RecoveryTimeoutError when no job comes, and what the replay raises.
+    RecoveryTimeoutError when no job comes, and what the replay raises. ``prepared``: the stage
+    objects built ahead while the job is awaited (:func:`prepare_states`; used when they match).
     """
     from replay.parallel import worker_main
 
@@ -395,7 +438,7 @@ def serve_replay_helper(
         logger.info("replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}"))
         return False
     worker_main(rank, int(doc["world"]), ReplayJob.from_dict(doc["job"]), store=dist.PrefixStore(doc["prefix"], store), factory=factory,
-                timeout=timeout)
+                timeout=timeout, prepared=prepared)
     return True
 
 

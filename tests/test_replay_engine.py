@@ -265,3 +265,40 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     assert json.loads(store.get(keys.replay_job(0, 1)))["world"] == 2  # the job was published for it
     live = f1b_run.results[1]
     assert state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
+
+
+def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_path, caplog):
+    """PreparedStates (a replacement builds from its newest checkpoint while it waits for the
+    survivors): a matching job uses the objects built ahead, once; a different job, a second
+    replay or a failed guess builds its own; the replay stays bit-exact either way."""
+    from replay.engine import PreparedStates
+    from replay.replacement import prepare_states
+
+    builds = []
+
+    def counting(*a, **kw):
+        builds.append(a[0])
+        return gpt_stage(*a, **kw)
+
+    job = _job(f1b_run, 1, tmp_path, output=None)
+    ahead = PreparedStates(run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints=job.checkpoints, model=job.model,
+                           model_args=job.model_args, factory=counting)  # fmt: skip
+    assert not ahead.matches(job.replace(model_args={**job.model_args, "dropout": 0.0}))
+    assert ahead.take(job.replace(checkpoints={1: job.checkpoints[1] + ".other"})) is None and builds == [1]
+    live = f1b_run.results[1]
+    first = replay(job, factory=counting, prepared=ahead)
+    assert builds == [1], "the objects built ahead were not used"
+    second = replay(job, factory=counting, prepared=ahead)  # taken already: built anew
+    assert builds == [1, 1] and second.states[0].module is not first.states[0].module
+    for res in (first, second):
+        st = res.states[0]
+        assert res.verified and state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), live["model"], live["optimizer"]) == []
+    # the replacement's guess: the newest common checkpoint under the checkpoint URL
+    ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
+    assert prepare_states(ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model_args=job.model_args).matches(job)
+    # nothing to guess from, or a guess that fails: nothing is handed out and nothing raises
+    with caplog.at_level("INFO", logger="replay.engine"):
+        assert prepare_states(str(tmp_path / "no-checkpoints"), run_id=job.run, stages=[1], num_stages=NUM_STAGES).take(job) is None
+        broken = PreparedStates(run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints={1: str(tmp_path / "missing.pt")})
+        assert broken.take(job) is None
+    assert "building stages [1] ahead failed" in caplog.text

@@ -15,7 +15,9 @@ The protocol (DESIGN.md "Failure protocol"), per failure, on every surviving sta
    which marks it when a stage's heartbeat in the store goes stale).
 2. The survivor marks generation ``g`` failed in the store (every stage waiting in ``commit``
    aborts), writes "abort" for the iteration, and destroys its process group at once so that its
-   other neighbours' pending receives fail too (gloo would otherwise wait for its timeout).
+   other neighbours' pending receives fail too (gloo would otherwise wait for its timeout). The
+   destruction (gloo joins its threads: ~30 ms) runs on a thread of its own while step 3 goes on,
+   so the report does not wait for it; it is joined before the next group forms.
 3. It keeps model, optimizer and scheduler state, zeroes the gradients of the unfinished
    iteration, drains its log writer (the replacement reads the records it sent) and reports
    ``{resume, t_detect, error}`` under ``swiftlog/{run}/recovery/gen{g}/survivor/{stage}``.
@@ -202,6 +204,35 @@ class RecoveryEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _GroupTeardown:
+    """``dist.destroy_process_group()`` of a failed group, on a thread of its own (never raises:
+    the group is already broken, it only has to go)."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self._t0 = time.monotonic()
+        self._t1: float | None = None
+        self._thread = threading.Thread(target=self._run, name="swiftlog-failed-pg-teardown", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - already broken; we only need it gone
+            logger.info("stage %d: destroying the failed process group: %s", self.stage, e)
+        self._t1 = time.monotonic()
+
+    def seconds(self) -> float:
+        """How long the teardown took, or has taken so far."""
+        return (self._t1 if self._t1 is not None else time.monotonic()) - self._t0
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the old group is gone (a new one must not form before); RecoveryTimeoutError after ``timeout_s``."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RecoveryTimeoutError(f"stage {self.stage}: the failed process group was not torn down within {timeout_s:.0f} s")
 
 
 def is_pipeline_failure(e: BaseException) -> bool:
@@ -475,15 +506,11 @@ class ResilientLoop:
                 f"stage {cfg.stage}: the store is unreachable during recovery: {e}"
             ) from e
         t_a = time.monotonic()
-        try:  # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too
-            dist.destroy_process_group()
-        except Exception as e:  # noqa: BLE001 - already broken; we only need it gone
-            logger.info(
-                "stage %d: destroying the failed process group: %s", cfg.stage, e
-            )
+        # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too; on
+        # its own thread: shutting gloo down joins its threads (~30 ms) and nothing below needs it
+        teardown = _GroupTeardown(cfg.stage)
         # destroy_process_group only unregisters the group; its sockets close when the last reference
         # (stage, schedule, pending work) is gone. A non-neighbour blocked on us waits until then.
-        t_a2 = time.monotonic()
         self.client.release_pipeline()
         gc.collect()
         t_b = time.monotonic()
@@ -526,7 +553,7 @@ class ResilientLoop:
                     "error": msg,
                     "drained": drained,
                     "teardown_s": t_b - t_a,
-                    "destroy_s": t_a2 - t_a,
+                    "destroy_s": teardown.seconds(),  # so far, if it is still running
                     "drain_s": t_c - t_b,
                 }
             ),
@@ -540,6 +567,7 @@ class ResilientLoop:
         wait_for_keys(self.store, [keys.ready(g, k) for k in ev.replaced], timeout=cfg.rejoin_timeout,
                       what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}", abort_keys=[keys.fallback(g)])  # fmt: skip
         ev.t_ready = time.time()
+        teardown.wait(cfg.rejoin_timeout.total_seconds())
         self.join(g + 1)
         ev.t_rejoined = time.time()
         self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))

@@ -138,13 +138,17 @@ def _group_of(groups: str, stage: int) -> list[int]:
     raise ValueError(f"--groups {groups} does not cover stage {stage}")
 
 
+def _gpt_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
+                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+
+
 def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     """Train (or replace and then train) one stage; returns and saves its results."""
     t_main = time.time()
     torch.set_num_threads(args.threads)
     k, S = args.stage, args.num_stages
-    cfg = GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
-                    dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+    cfg = _gpt_config(args)
     store = dist.TCPStore(
         args.store_host,
         args.store_port,
@@ -321,9 +325,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_replay_helper(args: argparse.Namespace) -> int:
     """Serve as a replay helper of the replacement of ``args.stage`` (no training, no results file)."""
-    from replay.replacement import serve_replay_helper
+    from replay.replacement import prepare_states, serve_replay_helper
 
     torch.set_num_threads(args.threads)
+    # build the stage from its newest checkpoint while the replacement works out the job
+    prepared = prepare_states(config_from_args(args).resolved_checkpoint_url(), run_id=args.run_id, stages=_group_of(args.groups, args.stage),
+                              num_stages=args.num_stages, model_args=_gpt_config(args).to_dict())  # fmt: skip
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     from replay.core import ReplayError
     from trainer_client.errors import CheckpointError
@@ -331,7 +338,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
     try:
         info["took_part"] = serve_replay_helper(store, args.run_id, args.generation, args.stage, args.replay_helper_rank,
-                                                timeout=datetime.timedelta(seconds=args.rejoin_timeout))  # fmt: skip
+                                                timeout=datetime.timedelta(seconds=args.rejoin_timeout), prepared=prepared)  # fmt: skip
     except (ReplayError, CheckpointError) as e:  # the replay is impossible: the replacement reports the fallback
         info |= {"took_part": True, "error": f"{type(e).__name__}: {e}"}
     print("HELPER " + json.dumps(info), flush=True)
