@@ -161,6 +161,7 @@ class _GradReducer:
         if not hasattr(self, "acc"):
             self.acc = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
             self.abs = None if self.exact else {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
+            self.views = [self._view(self.acc, i) for i in range(len(self.params))]  # made once: slicing costs more than adding here
         elif not self.exact:  # summed by all-reduce: a slice no micro-batch wrote must be zero
             assert self.abs is not None
             for dt in self.dtypes:
@@ -175,29 +176,51 @@ class _GradReducer:
         dt, off, n = self.where[i]
         return flats[dt][off : off + n].view(self.params[i].shape)
 
-    def _accumulate(self, i: int, g: torch.Tensor | None) -> None:
-        """``acc[i] += g`` in AccumulateGrad's arithmetic: the first gradient is assigned, the next added."""
-        if g is None:
-            return
-        v = self._view(self.acc, i)
-        if self.present[i]:
-            v.add_(g)
-        else:
-            v.copy_(g)
-            self.present[i] = True
+    def _accumulate(self, idx: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
+        """``acc[i] += grads[i]`` for ``i`` in ``idx``, in AccumulateGrad's arithmetic: a parameter's
+        first gradient is assigned, the next ones added (one ``_foreach_add_`` call: on CPU the same
+        per-tensor ``add_``, without a Python round per parameter)."""
+        add_to: list[torch.Tensor] = []
+        add: list[torch.Tensor] = []
+        for i in idx:
+            g = grads[i]
+            if g is None:
+                continue
+            if self.present[i]:
+                add_to.append(self.views[i])
+                add.append(g)
+            else:
+                self.views[i].copy_(g)
+                self.present[i] = True
+        if add_to:
+            torch._foreach_add_(add_to, add)
 
     def _add(self, grads: Sequence[torch.Tensor | None]) -> None:
         """``acc += grads`` (see :meth:`_accumulate`)."""
-        for i, g in enumerate(grads):
-            self._accumulate(i, g)
+        self._accumulate(range(len(self.params)), grads)
 
     def _add_stash(self) -> None:
-        """``acc += stash[0]; acc += stash[1]; ...`` parameter by parameter: the same additions in
-        the same order for every element as one full pass per stashed micro-batch (bit-identical),
-        but each parameter's running sum stays in cache across the passes."""
-        for i in range(len(self.params)):
+        """``acc += stash[0]; acc += stash[1]; ...`` group of parameters by group: the same additions
+        in the same order for every element as one full pass per stashed micro-batch
+        (bit-identical), but a group's running sums (about 1 MiB) stay in cache across the passes."""
+        for idx in self._groups():
             for grads in self.stash:
-                self._accumulate(i, grads[i])
+                self._accumulate(idx, grads)
+
+    def _groups(self, limit: int = 1 << 20) -> list[list[int]]:
+        """Consecutive parameters in groups of at most ``limit`` bytes (a bigger one alone)."""
+        if not hasattr(self, "_group_list"):
+            groups: list[list[int]] = [[]]
+            size = 0
+            for i, p in enumerate(self.params):
+                n = p.numel() * p.element_size()
+                if groups[-1] and size + n > limit:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(i)
+                size += n
+            self._group_list = groups
+        return self._group_list
 
     def _take(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]
@@ -235,7 +258,7 @@ class _GradReducer:
             else:
                 self.global_n = self.n_mb
         for i, p in enumerate(self.params):
-            p.grad = self._view(self.acc, i) if self.present[i] else None
+            p.grad = self.views[i] if self.present[i] else None
         if self.dump_dir is not None and self.rank == 0:
             self._dump(it, scale)
 
