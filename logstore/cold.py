@@ -45,7 +45,6 @@ for a multipart upload, and (for ``read``) checking the marker unless ``verify=T
 from __future__ import annotations
 
 import abc
-
 import asyncio
 import errno
 import json

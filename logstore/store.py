@@ -357,10 +357,7 @@ class LogStore:
     def get_blob(self, key: RecordKey) -> bytes:
         """The encoded record under ``key`` (verified against its stored checksum)."""
         self._refuse_collected(key)
-        for hot in self._hot_tiers():
-            loc = hot.lookup(key)
-            if loc is None:
-                continue
+        for hot, loc in self._hot_locations(key):
             blob = self._read_loc(hot, loc, key)
             if blob is not None:
                 return blob
@@ -377,15 +374,19 @@ class LogStore:
         not in a local segment file come from :meth:`get_blob` (read whole, verified). Raises
         like :meth:`get_blob`; the caller closes the stream (or iterates it to the end)."""
         self._refuse_collected(key)
-        for hot in self._hot_tiers():
-            loc = hot.lookup(key)
-            if loc is None:
-                continue
+        for hot, loc in self._hot_locations(key):
             stream = hot.stream_local(loc, key, chunk_size)
             if stream is not None:
                 return stream
             break  # its segment file is gone: the read-through below finds it (cold tier)
         return BlobStream.of_bytes(key, self.get_blob(key), chunk_size)
+
+    def _hot_locations(self, key: RecordKey) -> Iterator[tuple[HotTier, Location]]:
+        """Each hot tier here that indexes ``key``, with the record's location in it."""
+        for hot in self._hot_tiers():
+            loc = hot.lookup(key)
+            if loc is not None:
+                yield hot, loc
 
     def _refuse_collected(self, key: RecordKey) -> None:
         """RecordNotFoundError for a key below its owner's checkpoint watermark (garbage, even if

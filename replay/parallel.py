@@ -128,6 +128,20 @@ def adamw_update_bound(beta1: float = 0.9, beta2: float = 0.999) -> float:
 
 
 # ====================================================================== gradient reduction
+def _groups(params: Sequence[torch.Tensor], limit: int = 1 << 20) -> list[list[int]]:
+    """Indices of consecutive parameters in groups of at most ``limit`` bytes (a bigger one alone)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, p in enumerate(params):
+        n = p.numel() * p.element_size()
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
 class _GradReducer:
     """Collects each worker's micro-batch gradients and reduces them over the workers.
 
@@ -150,6 +164,7 @@ class _GradReducer:
             self.where.append((p.dtype, sizes[p.dtype], p.numel()))
             sizes[p.dtype] += p.numel()
         self.sizes = sizes
+        self.groups = _groups(self.params)
         self.dump_dir = dump_dir
         self.bound_max = 0.0
         self.global_n = 0
@@ -203,24 +218,9 @@ class _GradReducer:
         """``acc += stash[0]; acc += stash[1]; ...`` group of parameters by group: the same additions
         in the same order for every element as one full pass per stashed micro-batch
         (bit-identical), but a group's running sums (about 1 MiB) stay in cache across the passes."""
-        for idx in self._groups():
+        for idx in self.groups:
             for grads in self.stash:
                 self._accumulate(idx, grads)
-
-    def _groups(self, limit: int = 1 << 20) -> list[list[int]]:
-        """Consecutive parameters in groups of at most ``limit`` bytes (a bigger one alone)."""
-        if not hasattr(self, "_group_list"):
-            groups: list[list[int]] = [[]]
-            size = 0
-            for i, p in enumerate(self.params):
-                n = p.numel() * p.element_size()
-                if groups[-1] and size + n > limit:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(i)
-                size += n
-            self._group_list = groups
-        return self._group_list
 
     def _take(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]

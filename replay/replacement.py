@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from replay.core import ReplayError, ReplayReport
-from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, load_object, replay
+from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
@@ -110,6 +110,19 @@ def _checkpoint_iterations(
     return {i: checkpoint_uri(base, stage, i) for i in its}
 
 
+def _newest_common(
+    base: str, stages: Sequence[int], at_most: int | None = None, storage_options: dict[str, Any] | None = None
+) -> tuple[int, dict[int, str]] | None:
+    """The newest iteration (<= ``at_most`` if given) at which every stage of ``stages`` has a
+    checkpoint under ``base``, with each stage's URI; None when there is none."""
+    per_stage = [_checkpoint_iterations(base, k, storage_options) for k in stages]
+    common = set.intersection(*({i for i in its if at_most is None or i <= at_most} for its in per_stage)) if per_stage else set()
+    if not common:
+        return None
+    it = max(common)
+    return it, {k: its[it] for k, its in zip(stages, per_stage)}
+
+
 def prepare_states(
     checkpoint_url: str,
     *,
@@ -130,12 +143,8 @@ def prepare_states(
     """
 
     def newest_common() -> dict[int, str] | None:
-        per_stage = [_checkpoint_iterations(checkpoint_url, k, checkpoint_options) for k in stages]
-        common = set.intersection(*(set(p) for p in per_stage)) if per_stage else set()
-        if not common:
-            return None
-        it = max(common)
-        return {k: p[it] for k, p in zip(stages, per_stage)}
+        found = _newest_common(checkpoint_url, stages, None, checkpoint_options)
+        return found[1] if found else None
 
     return PreparedStates(run=run_id, num_stages=num_stages, stages=stages, checkpoints=newest_common, checkpoint_options=checkpoint_options,
                           model=model, model_args=model_args, factory=factory)  # fmt: skip
@@ -166,15 +175,8 @@ def latest_checkpoint(
 
     Checkpoints are written atomically (temporary name, rename), so a listed one is complete.
     """
-    its = {
-        i: u
-        for i, u in _checkpoint_iterations(base, stage, storage_options).items()
-        if i <= at_most
-    }
-    if not its:
-        return None
-    i = max(its)
-    return i, its[i]
+    found = _newest_common(base, [stage], at_most, storage_options)
+    return (found[0], found[1][stage]) if found else None
 
 
 def common_checkpoint(
@@ -184,12 +186,8 @@ def common_checkpoint(
     storage_options: dict[str, Any] | None = None,
 ) -> int | None:
     """The newest iteration <= ``at_most`` at which every stage has a checkpoint (global rollback)."""
-    sets = [
-        {i for i in _checkpoint_iterations(base, k, storage_options) if i <= at_most}
-        for k in range(num_stages)
-    ]
-    common = set.intersection(*sets) if sets else set()
-    return max(common) if common else None
+    found = _newest_common(base, range(num_stages), at_most, storage_options)
+    return found[0] if found else None
 
 
 def recover_stage(
@@ -275,33 +273,21 @@ def recover_stage(
                 f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
             )
         # a logging group restarts from one iteration: the newest checkpoint every member has
-        per_stage = [
-            _checkpoint_iterations(checkpoint_url, k, checkpoint_options) for k in members
-        ]
-        common = set.intersection(*({i for i in its if i <= resume} for its in per_stage))
-        if not common:
+        found = _newest_common(checkpoint_url, members, resume, checkpoint_options)
+        if found is None:
             raise ReplacementFallback(
                 f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"
             )
-        ck_it = max(common)
-        ck_uris = {k: its[ck_it] for k, its in zip(members, per_stage)}
+        ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
         t_ck = time.monotonic()
         job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
                         sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
                         data_source=data_source, workers=workers, n_microbatches=n_microbatches, scale_grads=True if n_microbatches else None,
                         threads=threads)  # fmt: skip
-        if ck_it == resume:
-            built = prepared.take(job)
-            if built is not None:
-                mine = next(st for st in built if st.stage == stage)
-                mod, opt, sched = mine.module, mine.optimizer, mine.lr_scheduler
-            else:
-                ck = load_checkpoint(ck_uri, storage_options=checkpoint_options)
-                fac = factory or load_object(model)
-                mod, opt, sched = fac(stage, num_stages, ck, **(model_args or {}))
-                ck.apply(mod, opt, sched)
-            return RecoveredStage(mod, opt, sched, resume, ck_it, ck_uri, True, 0, 0, 0,
+        if ck_it == resume:  # nothing to replay: the checkpoint is the state
+            mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
+            return RecoveredStage(mine.module, mine.optimizer, mine.lr_scheduler, resume, ck_it, ck_uri, True, 0, 0, 0,
                                   {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(

@@ -252,6 +252,9 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+_WAIT_HINT = "is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays"
+
+
 def wait_for_keys(
     store: dist.Store,
     keys: list[str],
@@ -282,7 +285,7 @@ def wait_for_keys(
         if time.monotonic() >= deadline:
             raise RecoveryTimeoutError(
                 f"{what}: still missing after {timeout.total_seconds():g} s: {missing}",
-                hint="is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays",
+                hint=_WAIT_HINT,
             )
         time.sleep(sleep)
         sleep = min(sleep * 1.5, max_poll_s)
@@ -300,7 +303,7 @@ def wait_until_woken(store: dist.Store, keys: RecoveryKeys, g: int, *, timeout: 
     except dist.DistStoreError as e:
         raise RecoveryTimeoutError(
             f"{what}: not ready after {timeout.total_seconds():g} s",
-            hint="is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays",
+            hint=_WAIT_HINT,
         ) from e
     return _s(store.get(keys.wake(g)))
 

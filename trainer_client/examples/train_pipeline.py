@@ -150,6 +150,12 @@ def _limit_file_size(nbytes: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard if nbytes is None else nbytes, hard))
 
 
+def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
+    """The example model's configuration from this script's arguments (shared with train_resilient)."""
+    return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
+                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+
+
 def config_from_args(args: argparse.Namespace) -> ClientConfig:
     """The trainer client's configuration from this script's arguments (shared with train_resilient)."""
     cold_options = {}
@@ -170,8 +176,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     k, S = args.stage, args.num_stages
-    cfg = GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
-                    dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+    cfg = gpt_config_from_args(args)
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group(
         "gloo", store=dist.PrefixStore(f"{args.run_id}/pg/gen0", store), rank=k, world_size=S,

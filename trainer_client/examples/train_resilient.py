@@ -43,7 +43,6 @@ import torch.distributed as dist
 from trainer_client import SwiftlogClient, load_checkpoint
 from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.examples.gpt import (
-    GPTConfig,
     SyntheticTokens,
     build_stage_module,
     example_io,
@@ -52,7 +51,7 @@ from trainer_client.examples.gpt import (
     make_optimizer,
 )
 from trainer_client.examples.train_pipeline import build_parser as _base_parser
-from trainer_client.examples.train_pipeline import config_from_args
+from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
@@ -138,17 +137,12 @@ def _group_of(groups: str, stage: int) -> list[int]:
     raise ValueError(f"--groups {groups} does not cover stage {stage}")
 
 
-def _gpt_config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
-                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
-
-
 def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     """Train (or replace and then train) one stage; returns and saves its results."""
     t_main = time.time()
     torch.set_num_threads(args.threads)
     k, S = args.stage, args.num_stages
-    cfg = _gpt_config(args)
+    cfg = gpt_config_from_args(args)
     store = dist.TCPStore(
         args.store_host,
         args.store_port,
@@ -167,9 +161,6 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-    else:
-        client = make_client()
-    if args.replacement:
         from replay.engine import SourceSpec
         from replay.replacement import (
             ReplacementFallback,
@@ -205,6 +196,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         report_ready(store, args.run_id, generation, k, recovered)
         start, generation = rec.resume, generation + 1
     else:
+        client = make_client()
         model = build_stage_module(cfg, k, S, seed=args.seed)
         optimizer = make_optimizer(model)
         lr_scheduler = make_lr_scheduler(optimizer)
@@ -330,7 +322,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     # build the stage from its newest checkpoint while the replacement works out the job
     prepared = prepare_states(config_from_args(args).resolved_checkpoint_url(), run_id=args.run_id, stages=_group_of(args.groups, args.stage),
-                              num_stages=args.num_stages, model_args=_gpt_config(args).to_dict())  # fmt: skip
+                              num_stages=args.num_stages, model_args=gpt_config_from_args(args).to_dict())  # fmt: skip
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     from replay.core import ReplayError
     from trainer_client.errors import CheckpointError
