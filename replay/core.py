@@ -535,25 +535,45 @@ def _split(batch: Any, n: int) -> list[tuple[Any, ...]]:
     return [tuple(c) for c in chunks]
 
 
+def _passes(plan: _Plan) -> list[tuple[str, int]]:
+    """The order this replay runs its micro-batches' passes: ("F", mb) and ("B", mb).
+
+    Forwards in the live forward order (module buffers such as running statistics are updated in
+    that order), backwards in the live backward order (the order of the gradient sums), and each
+    backward as soon as its forward has run: with equal orders (GPipe and 1F1B replayed alone)
+    F0 B0 F1 B1 ..., so one micro-batch's activations are alive instead of all of them (less
+    memory than the live GPipe schedule, warm caches). Only this replay's micro-batches (``plan.mine``).
+    """
+    mine = set(plan.mine)
+    pending = iter([mb for mb in plan.fwd_order if mb in mine])
+    done: set[int] = set()
+    out: list[tuple[str, int]] = []
+    for mb in plan.bwd_order:
+        if mb not in mine:
+            continue
+        while mb not in done:
+            f = next(pending)
+            out.append(("F", f))
+            done.add(f)
+        out.append(("B", mb))
+    return out
+
+
 def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport) -> None:
     reader, states, num_stages = ctx.reader, ctx.states, ctx.num_stages
     first = ctx.first
     is_last = ctx.last == num_stages - 1
     check = ctx.checks(it)
-    mine = set(plan.mine)
     src_inputs: list[tuple[Any, ...]] | None = None
     src_targets: list[Any] | None = None
     if ctx.data_source is not None and (first == 0 or is_last):
         inputs, target = ctx.data_source(it)
         src_inputs = _split(inputs, plan.n_mb)
         src_targets = None if target is None else [c[0] for c in _split(target, plan.n_mb)]
-    # cache[mb][i] = (input leaves of states[i], outputs of states[i] or the loss)
-    cache: dict[int, list[tuple[tuple[torch.Tensor, ...], Any]]] = {}
-    losses: list[float] = []
-    loss_mbs: list[int] = []
-    for mb in plan.fwd_order:
-        if mb not in mine:
-            continue
+    losses: list[tuple[int, float]] = []  # (micro-batch, loss) of the last stage, in forward order
+
+    def forward(mb: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+        """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss)."""
         if first == 0:
             x = src_inputs[mb] if src_inputs is not None else tuple(reader.require_parts(Channel.input(0), it, mb))
         else:
@@ -570,8 +590,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 loss = ctx.loss_fn(out, target)  # type: ignore[misc]
-                losses.append(float(loss.detach()))
-                loss_mbs.append(mb)
+                losses.append((mb, float(loss.detach())))
                 per_stage.append((x, loss))
             else:
                 per_stage.append((x, outs))
@@ -579,11 +598,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     x = tuple(_leaf(o.detach()) for o in outs)
                 else:
                     _check_sends(ctx, Channel.activation(st.stage), Channel.digest(st.stage, st.stage + 1), it, mb, outs, check, report)
-        cache[mb] = per_stage
-    for mb in plan.bwd_order:
-        if mb not in mine:
-            continue
-        per_stage = cache.pop(mb)
+        return per_stage
+
+    def backward(mb: int, per_stage: list[tuple[tuple[torch.Tensor, ...], Any]]) -> None:
         grads_in: list[torch.Tensor | None] | None = None
         for i in range(len(states) - 1, -1, -1):
             st = states[i]
@@ -603,6 +620,13 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
         if ctx.hooks.after_backward is not None:
             ctx.hooks.after_backward(it, mb)
+
+    forwarded: dict[int, list[tuple[tuple[torch.Tensor, ...], Any]]] = {}  # mb -> forward's per-stage record
+    for kind, mb in _passes(plan):
+        if kind == "F":
+            forwarded[mb] = forward(mb)
+        else:
+            backward(mb, forwarded.pop(mb))
     t_reduce = time.perf_counter()
     if ctx.hooks.before_step is not None:
         ctx.hooks.before_step(it, plan.scale)
@@ -620,8 +644,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     report.step_seconds += time.perf_counter() - t_step
     report.micro_batches += len(plan.mine)
     if is_last:
-        report.losses[it] = losses
-        report.loss_micro_batches[it] = loss_mbs
+        report.losses[it] = [v for _, v in losses]
+        report.loss_micro_batches[it] = [mb for mb, _ in losses]
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -720,12 +744,8 @@ class _Prefetcher:
                 bwd.append(Channel.digest(first, first - 1))
             if ctx.compare_logged and check:
                 bwd.append(Channel.gradient(first))
-        mine = set(plan.mine)
         keys: list[RecordKey] = []
-        for mb in (m for m in plan.fwd_order if m in mine):
-            for c in fwd:
-                keys += ctx.reader.part_keys(c, it, mb)
-        for mb in (m for m in plan.bwd_order if m in mine):
-            for c in bwd:
+        for kind, mb in _passes(plan):
+            for c in fwd if kind == "F" else bwd:
                 keys += ctx.reader.part_keys(c, it, mb)
         return keys

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from logstore import Channel, LogStore, RecordKey
 from logstore.errors import CorruptRecordError
@@ -27,7 +29,7 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import LogReader, ReplayInputMissingError, StageState
+from replay.core import LogReader, ReplayInputMissingError, StageState, _passes, _Plan
 from replay.engine import build_states, checkpoint_of
 from replay.examples import gpt_stage
 from server.testing import ServerProcess
@@ -302,3 +304,33 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
         broken = PreparedStates(run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints={1: str(tmp_path / "missing.pt")})
         assert broken.take(job) is None
     assert "building stages [1] ahead failed" in caplog.text
+
+
+@st.composite
+def _orders(draw):
+    n = draw(st.integers(1, 9))
+    fwd = draw(st.permutations(range(n)))
+    bwd = draw(st.permutations(range(n)))
+    mine = draw(st.lists(st.sampled_from(range(n)), unique=True, min_size=1))
+    return list(fwd), list(bwd), [mb for mb in bwd if mb in set(mine)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_orders())
+def test_passes_keep_the_live_orders_and_run_each_backward_as_early_as_they_allow(orders):
+    fwd, bwd, mine = orders
+    passes = _passes(_Plan(len(fwd), fwd, bwd, 1, None, mine))
+    assert [mb for k, mb in passes if k == "F"] == [mb for mb in fwd if mb in mine]  # live forward order: buffers
+    assert [mb for k, mb in passes if k == "B"] == mine  # live backward order: gradient sums
+    seen = 0
+    for i, (k, mb) in enumerate(passes):
+        if k == "F":
+            seen += 1
+            continue
+        done = {m for kk, m in passes[:i] if kk == "F"}
+        assert mb in done
+        # no forward ran early: the last forward before this backward was needed by it or an earlier one
+        needed = max(fwd.index(m) for m in mine[: mine.index(mb) + 1])
+        assert seen == sum(1 for m in fwd[: needed + 1] if m in mine)
+    if fwd == bwd:  # GPipe and 1F1B replayed alone: one micro-batch alive at a time
+        assert passes == [p for mb in mine for p in (("F", mb), ("B", mb))]
