@@ -414,8 +414,8 @@ class LogStore:
             found.update(k for k, _ in hot.keys(channel, it_lo, it_hi))
         if self.cold is not None:
             for seg in self._cold_segments(channel, it_lo, it_hi):
-                for kb in self._footer(seg.name):
-                    k = RecordKey.decode(kb)
+                for e in self._footer(seg.name).values():  # keys decoded once, when the footer was read
+                    k = e.key
                     if channel is None or (k.iteration >= it_lo and (it_hi is None or k.iteration < it_hi)):
                         found.add(k)
         wm = self.watermarks(max_age=2.0)

@@ -76,6 +76,7 @@ class LogReader:
         self._listing: dict[tuple[Channel, int], dict[int, list[RecordKey]]] = {}
         self._metas: dict[tuple[int, int], dict[str, Any]] = {}
         self._meta_pending: dict[tuple[int, int], Future[dict[str, Any] | None]] = {}
+        self._listing_pending: dict[tuple[Channel, int], Future[dict[int, list[RecordKey]]]] = {}
         self._pending: dict[RecordKey, Future[torch.Tensor]] = {}
         self._taken: set[RecordKey] = set()  # fetched by get() while a prefetch thread runs
         self._prefetchers = 0
@@ -232,27 +233,42 @@ class LogReader:
     def _parts_of(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
         """Keys of one (channel, iteration) by micro-batch. A miss lists :data:`LIST_WINDOW`
         iterations at once (one call per source instead of one per iteration); iterations of the
-        window with no key are not cached, so records that arrive later are still found."""
+        window with no key are not cached, so records that arrive later are still found.
+        Concurrent misses of one (channel, iteration) share one listing (the compute and the
+        prefetch thread start on the same iteration)."""
         k = (channel, iteration)
         with self._lock:
             hit = self._listing.get(k)
-        if hit is not None:
-            return hit
-        found: set[RecordKey] = set()
-        for s in self.stores:
-            try:
-                found.update(s.keys(channel, iteration, iteration + LIST_WINDOW))
-            except StoreError as e:
-                logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
-        by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
-        for key in sorted(found):
-            by_it.setdefault(key.iteration, {}).setdefault(key.micro_batch, []).append(key)
-        with self._lock:
-            if len(self._listing) > 4096:
-                self._listing.clear()
-            for it, by_mb in by_it.items():
-                self._listing[(channel, it)] = by_mb
-        return by_it[iteration]
+            if hit is not None:
+                return hit
+            fut = self._listing_pending.get(k)
+            mine = fut is None
+            if fut is None:
+                fut = self._listing_pending[k] = Future()
+        if not mine:
+            return fut.result()
+        try:
+            found: set[RecordKey] = set()
+            for s in self.stores:
+                try:
+                    found.update(s.keys(channel, iteration, iteration + LIST_WINDOW))
+                except StoreError as e:
+                    logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
+            by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
+            for key in sorted(found):
+                by_it.setdefault(key.iteration, {}).setdefault(key.micro_batch, []).append(key)
+            with self._lock:
+                if len(self._listing) > 4096:
+                    self._listing.clear()
+                for it, by_mb in by_it.items():
+                    self._listing[(channel, it)] = by_mb
+            fut.set_result(by_it[iteration])
+        except BaseException as e:  # handed to every waiter
+            fut.set_exception(e)
+        finally:
+            with self._lock:
+                self._listing_pending.pop(k, None)
+        return fut.result()
 
     def _gap_note(self, key: RecordKey) -> str:
         try:

@@ -9,6 +9,8 @@ a corrupt or missing record fails naming it; a perturbed model is caught at its 
 from __future__ import annotations
 
 import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -334,3 +336,33 @@ def test_passes_keep_the_live_orders_and_run_each_backward_as_early_as_they_allo
         assert seen == sum(1 for m in fwd[: needed + 1] if m in mine)
     if fwd == bwd:  # GPipe and 1F1B replayed alone: one micro-batch alive at a time
         assert passes == [p for mb in mine for p in (("F", mb), ("B", mb))]
+
+
+class _SlowListing:
+    """A real store whose key listings take 50 ms and are counted (to make two readers overlap)."""
+
+    def __init__(self, inner: LogStore) -> None:
+        self.inner, self.listings = inner, 0
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def keys(self, channel=None, it_lo=0, it_hi=None):
+        self.listings += 1
+        time.sleep(0.05)
+        return self.inner.keys(channel, it_lo, it_hi)
+
+    def gaps(self):
+        return self.inner.gaps()
+
+
+def test_concurrent_listings_of_one_window_share_one_call_per_source(f1b_run):
+    with f1b_run.store() as st:
+        src = _SlowListing(st)
+        reader = LogReader([src])
+        ch = Channel.activation(0)
+        with ThreadPoolExecutor(4) as pool:  # the compute and the prefetch thread start on the same iteration
+            got = list(pool.map(lambda mb: reader.part_keys(ch, CKPT, mb % 2), range(4)))
+        assert src.listings == 1
+        assert got[0] == got[2] == st.keys(ch, CKPT, CKPT + 1)[: len(got[0])] and got[0] and got[1] and got[0] != got[1]
+        assert reader.part_keys(ch, CKPT + 1, 0) and src.listings == 1  # the window was listed at once
