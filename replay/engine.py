@@ -444,19 +444,23 @@ class _Progress:
         self.t0 = time.perf_counter()
         self._last_log = self.t0
 
-    def __call__(self, it: int, report: ReplayReport) -> None:
+    def __call__(self, it: int, report: ReplayReport, micro_batches: int | None = None) -> ReplayProgress:
+        """Iteration ``it`` is done: report it (``micro_batches``: done so far by every worker;
+        default ``report.micro_batches * workers``) and return the progress."""
         now = time.perf_counter()
         done = it - self.start + 1
         elapsed = now - self.t0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - done) / rate if rate > 0 else None
-        p = ReplayProgress(tuple(self.job.stages), it, done, self.total, elapsed, rate, eta, report.micro_batches * self.workers, self.workers)
+        mbs = report.micro_batches * self.workers if micro_batches is None else micro_batches
+        p = ReplayProgress(tuple(self.job.stages), it, done, self.total, elapsed, rate, eta, mbs, self.workers)
         if self.on_progress is not None:
             self.on_progress(p)
         if now - self._last_log >= self.job.progress_every_s or done == self.total:
             self._last_log = now
             logger.info("replay run=%s stages=%s iteration=%d: %d/%d done, %.2f it/s, eta %s s", self.job.run, self.job.stages, it, done, self.total,
                         rate, "-" if eta is None else f"{eta:.1f}")  # fmt: skip
+        return p
 
 
 # ====================================================================== the result
@@ -475,6 +479,8 @@ class ReplayResult:
     any reduced gradient may be from the sequential one (see ``replay.parallel``).
     ``cpu_seconds``: CPU time of each worker's process during the replay proper (all its threads);
     on a machine shared with other work, ``replay_seconds`` over these shows the contention.
+    ``split``: parallel replay only: iteration -> micro-batches each worker replayed (the slices
+    follow the workers' measured speeds, see ``replay.parallel``).
     """
 
     job: ReplayJob
@@ -487,6 +493,7 @@ class ReplayResult:
     grad_error_bound: float | None = None
     cpu_seconds: list[float] = field(default_factory=list)
     build_seconds: float = 0.0
+    split: dict[int, list[int]] | None = None
 
     @property
     def verified(self) -> bool:
@@ -512,6 +519,7 @@ class ReplayResult:
             "build_seconds": self.build_seconds,
             "grad_error_bound": self.grad_error_bound,
             "cpu_seconds": list(self.cpu_seconds),
+            "split": None if self.split is None else {str(k): v for k, v in self.split.items()},
             "report": self.report.to_dict(),
         }
 

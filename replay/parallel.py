@@ -8,6 +8,14 @@ every worker divides them by the schedule's factor and steps its optimizer and s
 identically. Worker 0 writes the recovered checkpoint(s); before that the workers compare a
 digest of their parameters, so "they stepped identically" is checked, not assumed.
 
+Balance: the slices need not be equal. Every worker measures its time per micro-batch in each
+iteration and the reduction carries those times to every worker; iteration ``i``'s slice sizes
+follow from the (exponentially averaged) times measured up to iteration ``i - prefetch - 1``
+(:func:`balanced_counts`: the split whose slowest worker is done first), the same on every worker
+and known before the prefetch thread asks. A worker on a busier core or a slower machine gets
+fewer micro-batches; the results do not depend on the split (the exact chain's order is the
+backward order whatever the sizes).
+
 Two reductions:
 
 **exact** (default): the sequential replay's ``.grad`` after an iteration is
@@ -95,7 +103,7 @@ from replay.engine import (
 )
 from trainer_client.digest import tensor_digest
 
-__all__ = ["run_parallel", "worker_main", "slice_of", "adamw_update_bound", "main"]
+__all__ = ["run_parallel", "worker_main", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +114,24 @@ def slice_of(order: Sequence[int], rank: int, world: int) -> list[int]:
     """Worker ``rank``'s contiguous share of ``order`` (sizes differ by at most one)."""
     n = len(order)
     return list(order[rank * n // world : (rank + 1) * n // world])
+
+
+def balanced_counts(n: int, per_mb: Sequence[float] | None, world: int) -> list[int]:
+    """How many of ``n`` micro-batches each of ``world`` workers replays, given each worker's time per
+    micro-batch (``per_mb``; None or a non-positive entry: unknown, equal split as :func:`slice_of`).
+
+    The split that minimises the slowest worker's time ``max(count_r * per_mb_r)`` (one micro-batch
+    at a time to the worker that would finish it first: optimal for equal items), at least one
+    micro-batch each when ``n >= world``; ties go to the lower rank. Deterministic: the same inputs
+    give the same split on every worker.
+    """
+    if per_mb is None or len(per_mb) != world or not all(math.isfinite(t) and t > 0 for t in per_mb):
+        return [(r + 1) * n // world - r * n // world for r in range(world)]
+    counts = [1 if n >= world else 0 for _ in range(world)]
+    for _ in range(n - sum(counts)):
+        r = min(range(world), key=lambda r: ((counts[r] + 1) * per_mb[r], r))
+        counts[r] += 1
+    return counts
 
 
 def _gamma(k: int, dtype: torch.dtype) -> float:
@@ -154,8 +180,15 @@ class _GradReducer:
     gradient for it, so one without keeps ``grad=None`` as in the sequential replay.
     """
 
-    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, dump_dir: str | None = None) -> None:
+    #: weight of the newest iteration in the averaged time per micro-batch
+    EMA = 0.5
+
+    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, dump_dir: str | None = None, lag: int = 1) -> None:
         self.rank, self.world, self.exact = rank, world, exact
+        self.lag = max(1, lag)  # iteration i's split uses the times measured up to i - lag
+        self.per_mb: dict[int, list[float]] = {}  # iteration -> averaged seconds per micro-batch, per worker
+        self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (as replayed)
+        self._t_ready = time.perf_counter()
         self.params = [p for st in states for p in st.module.parameters()]
         self.dtypes = sorted({p.dtype for p in self.params}, key=str)
         sizes = {dt: 0 for dt in self.dtypes}
@@ -229,8 +262,16 @@ class _GradReducer:
         return grads
 
     # -- hooks --------------------------------------------------------------------------
+    def start(self) -> None:
+        """The replay starts now (the first iteration's time per micro-batch is measured from here)."""
+        self._t_ready = time.perf_counter()
+
     def select(self, it: int, order: Sequence[int]) -> list[int]:
-        return slice_of(order, self.rank, self.world)
+        """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
+        compute thread and, ahead, by the prefetch thread: both get the same answer)."""
+        counts = self.splits[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
+        lo = sum(counts[: self.rank])
+        return list(order[lo : lo + counts[self.rank]])
 
     def after_backward(self, it: int, mb: int) -> None:
         self.n_mb += 1
@@ -246,57 +287,81 @@ class _GradReducer:
                 self._view(self.abs, i).add_(g.abs())
 
     def before_step(self, it: int, scale: int) -> None:
+        mine = (time.perf_counter() - self._t_ready) / self.n_mb if self.n_mb else 0.0
+        times = [mine]
         if self.exact:
             if self.world == 1:
                 return  # nothing to reduce: .grad holds the sum
             if self.rank == 0:
                 self._add(self._take())
-            self._chain()
+            times = self._chain(mine)
         else:
             if self.world > 1:
-                self._all_reduce(it)
+                times = self._all_reduce(mine)
             else:
                 self.global_n = self.n_mb
+        self._record(it, times)
         for i, p in enumerate(self.params):
             p.grad = self.views[i] if self.present[i] else None
         if self.dump_dir is not None and self.rank == 0:
             self._dump(it, scale)
 
+    def _record(self, it: int, times: Sequence[float]) -> None:
+        """Average the workers' times per micro-batch of iteration ``it`` into the estimate that sizes
+        iteration ``it + lag``'s slices (a worker without micro-batches keeps its estimate)."""
+        prev = self.per_mb.get(it - 1)
+        est = []
+        for r, t in enumerate(times):
+            old = prev[r] if prev is not None else 0.0
+            est.append(t if old <= 0 else old if t <= 0 else self.EMA * t + (1 - self.EMA) * old)
+        self.per_mb[it] = est
+
     def _comm_buffers(self) -> list[torch.Tensor]:
         return [self.acc[dt] for dt in self.dtypes]
 
-    def _chain(self) -> None:
-        """Running sum in backward order: 0 -> 1 -> ... -> K-1, then broadcast from K-1."""
-        flags = torch.tensor(self.present, dtype=torch.int32)
+    def _chain(self, mine: float) -> list[float]:
+        """Running sum in backward order: 0 -> 1 -> ... -> K-1, then broadcast from K-1. The "present"
+        flags and each worker's time per micro-batch travel with it; returns every worker's time."""
+        n = len(self.params)
+        info = torch.zeros(n + self.world, dtype=torch.float64)
         if self.rank > 0:
             for t in self._comm_buffers():
                 dist.recv(t, src=self.rank - 1)
-            dist.recv(flags, src=self.rank - 1)
-            self.present = [bool(x) for x in flags.tolist()]
+            dist.recv(info, src=self.rank - 1)
+            self.present = [bool(x) for x in info[:n].tolist()]
             self._add_stash()
             self.stash = []
-            flags = torch.tensor(self.present, dtype=torch.int32)
+        info[:n] = torch.tensor(self.present, dtype=torch.float64)
+        info[n + self.rank] = mine
         if self.rank < self.world - 1:
             for t in self._comm_buffers():
                 dist.send(t, dst=self.rank + 1)
-            dist.send(flags, dst=self.rank + 1)
+            dist.send(info, dst=self.rank + 1)
         for t in self._comm_buffers():
             dist.broadcast(t, src=self.world - 1)
-        dist.broadcast(flags, src=self.world - 1)
-        self.present = [bool(x) for x in flags.tolist()]
+        dist.broadcast(info, src=self.world - 1)
+        self.present = [bool(x) for x in info[:n].tolist()]
+        return info[n:].tolist()
 
-    def _all_reduce(self, it: int) -> None:
+    def _all_reduce(self, mine: float) -> list[float]:
+        """Sum the gradients, their absolute values (for the bound), the "present" flags and the
+        micro-batch counts over the workers; returns every worker's time per micro-batch."""
         for t in self._comm_buffers():
             dist.all_reduce(t)
-        counts = torch.tensor([*self.present, self.n_mb], dtype=torch.int64)
+        n = len(self.params)
+        counts = torch.zeros(n + 1 + self.world, dtype=torch.int64)
+        counts[:n] = torch.tensor(self.present, dtype=torch.int64)
+        counts[n] = self.n_mb
+        counts[n + 1 + self.rank] = round(mine * 1e9)  # the others add zeros: a gather
         dist.all_reduce(counts)
-        self.present = [bool(x) for x in counts[:-1].tolist()]
-        self.global_n = int(counts[-1].item())
+        self.present = [bool(x) for x in counts[:n].tolist()]
+        self.global_n = int(counts[n].item())
         assert self.abs is not None
         for dt in self.dtypes:
             dist.all_reduce(self.abs[dt])
             if self.abs[dt].numel():
                 self.bound_max = max(self.bound_max, self._factor(dt) * float(self.abs[dt].max()))
+        return [x / 1e9 for x in counts[n + 1 :].tolist()]
 
     def _factor(self, dt: torch.dtype) -> float:
         """``2 * gamma_{n-1}`` for this iteration's n micro-batches."""
@@ -317,6 +382,7 @@ class _GradReducer:
 
     def end_iteration(self) -> None:
         self._reset()
+        self._t_ready = time.perf_counter()
 
 
 # ====================================================================== a worker
@@ -368,30 +434,31 @@ def worker_main(
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
-        reducer = _GradReducer(states, rank, world, exact=job.exact, dump_dir=job.dump_gradients)
+        reducer = _GradReducer(states, rank, world, exact=job.exact, dump_dir=job.dump_gradients, lag=job.prefetch + 1)
         hooks = ReplayHooks(
             select=reducer.select,
             after_backward=reducer.after_backward,
             before_step=reducer.before_step,
             verify=None if job.exact else (lambda it: it == start),
         )
-        tracker = _Progress(job, start, None, workers=world) if rank == 0 else None
+        tracker: _Progress | None = None
+        mb_done = 0
 
         def on_iteration(it: int, report: ReplayReport) -> None:
+            nonlocal mb_done
             reducer.end_iteration()
+            mb_done += sum(reducer.splits[it])
             if tracker is not None:
-                tracker(it, report)
+                p = tracker(it, report, micro_batches=mb_done)
                 if progress is not None:
-                    done = it - start + 1
-                    el = time.perf_counter() - t_replay
-                    rate = done / el if el > 0 else 0.0
-                    progress.put(ReplayProgress(tuple(job.stages), it, done, tracker.total, el, rate,
-                                                (tracker.total - done) / rate if rate > 0 else None, report.micro_batches * world, world).to_dict())  # fmt: skip
+                    progress.put(p.to_dict())
 
         setup_s = time.perf_counter() - t0
         dist.barrier()  # replay time is measured from a common start
         t_replay = time.perf_counter()
         cpu0 = time.process_time()
+        tracker = _Progress(job, start, None, workers=world) if rank == 0 else None
+        reducer.start()
         report = replay_stages(
             states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
             n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
@@ -427,6 +494,7 @@ def worker_main(
                 "cpu_seconds": [g["cpu_s"] for g in gathered],
                 "grad_error_bound": bound,
                 "workers": world,
+                "split": sorted(reducer.splits.items()),  # [iteration, micro-batches per worker]
             }
             if result_path is not None:
                 tmp = f"{result_path}.partial-{os.getpid()}"
@@ -565,7 +633,7 @@ def run_parallel(
             doc = json.load(f)
     report = ReplayReport.from_dict(doc["report"])
     res = ReplayResult(job, report, {int(k): v for k, v in doc["outputs"].items()}, None, time.perf_counter() - t0,
-                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"])  # fmt: skip
+                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]))  # fmt: skip
     _log_outcome(res)
     return res
 

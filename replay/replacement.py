@@ -364,8 +364,12 @@ def _release_helpers(store: dist.Store, key: str) -> None:
 
 
 def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
-    """The survivors' reported store roots (each with its cold tier), then each cold tier alone."""
-    out = [SourceSpec(kind="store", location=d["store_root"], cold_url=d.get("cold_url")) for _, d in sorted(docs.items()) if d.get("store_root")]
+    """The survivors' reported store roots (their hot tiers), then each cold tier once.
+
+    The same records either way (a hot entry whose segment went to the cold tier is found in the
+    cold source), but a cold tier is listed once per key window instead of once per survivor.
+    """
+    out = [SourceSpec(kind="store", location=d["store_root"]) for _, d in sorted(docs.items()) if d.get("store_root")]
     for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):
         out.append(SourceSpec(kind="cold", location=cold))
     return out
@@ -387,7 +391,7 @@ def _replay_with_helpers(
                       timeout=timeout, prepared=prepared)
     assert doc is not None  # rank 0 always returns the result
     return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
-                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"])  # fmt: skip
+                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]))  # fmt: skip
 
 
 def serve_replay_helper(

@@ -151,3 +151,22 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
     shutil.copytree(run.root, root)
     shutil.copytree(run.cold_url[len("file://"):], cold)
     return str(root), f"file://{cold}"
+
+
+def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
+    """``replay.examples.gpt_stage`` whose forward sleeps 30 ms in parallel-replay worker 1 (a worker on a
+    busy core), for the balancing test; the arithmetic is untouched."""
+    import time
+
+    import torch.distributed as dist
+
+    from replay.examples import gpt_stage
+
+    module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
+
+    def slow(mod: Any, args: Any) -> None:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(0.03)
+
+    module.register_forward_pre_hook(slow)
+    return module, optimizer, scheduler

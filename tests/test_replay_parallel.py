@@ -29,7 +29,7 @@ from replay import (
 )
 from replay.core import LogReader, ReplayInputMissingError
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import adamw_update_bound, slice_of
+from replay.parallel import adamw_update_bound, balanced_counts, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -57,6 +57,46 @@ def test_slices_are_contiguous_balanced_and_cover_everything():
             parts = [slice_of(list(range(n)), r, k) for r in range(k)]
             assert [x for part in parts for x in part] == list(range(n)) and max(map(len, parts)) - min(map(len, parts)) <= 1
     assert slice_of([3, 1, 2, 0], 1, 2) == [2, 0]  # the live backward order, not sorted
+
+
+def test_balanced_counts_give_the_slower_worker_fewer_micro_batches_and_are_optimal():
+    for n in range(9):
+        for k in range(1, 5):  # speeds unknown: the equal split of slice_of
+            assert balanced_counts(n, None, k) == [len(slice_of(list(range(n)), r, k)) for r in range(k)]
+            assert balanced_counts(n, [1.0] * (k - 1) + [0.0], k) == balanced_counts(n, None, k)
+    assert balanced_counts(8, [1.0, 1.0], 2) == [4, 4]
+    assert balanced_counts(8, [1.0, 1.1], 2) == [4, 4]  # a one-micro-batch move would not pay
+    assert balanced_counts(8, [1.0, 1.4], 2) == [5, 3]
+    assert balanced_counts(8, [1.0, 100.0], 2) == [7, 1]  # everyone keeps at least one (its speed stays measured)
+    assert balanced_counts(1, [1.0, 1.0], 2) == [1, 0]
+    for n in range(1, 10):
+        for times in ([1.0, 2.0], [3.0, 1.0, 2.0], [1.0, 1.0, 5.0], [2.0, 1.5, 1.5]):
+            k = len(times)
+            got = balanced_counts(n, times, k)
+            assert sum(got) == n and (n < k or min(got) >= 1)
+            best = min(max(c * t for c, t in zip(cs, times)) for cs in _splits(n, k) if n < k or min(cs) >= 1)
+            assert max(c * t for c, t in zip(got, times)) == best
+
+
+def _splits(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for c in range(n + 1):
+        for rest in _splits(n - c, k - 1):
+            yield (c, *rest)
+
+
+def test_a_slow_worker_gets_fewer_micro_batches_and_the_replay_stays_bit_identical(f1b_run, tmp_path):
+    stage = 2
+    seq = replay(_job(f1b_run, [stage], tmp_path / "seq"))
+    # prefetch 1: iteration i's split follows the times measured up to i - 2
+    job = _job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage")
+    par = replay(job)
+    a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
+    assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
+    assert par.verified and par.report.micro_batches == seq.report.micro_batches
+    assert par.split == {CKPT: [2, 2], CKPT + 1: [2, 2], CKPT + 2: [3, 1], CKPT + 3: [3, 1]}
 
 
 @pytest.mark.parametrize(("workers", "run_name", "stage"), [(2, "gpipe_s3_run", 1), (3, "f1b_run", 3)])
