@@ -80,11 +80,24 @@ class Checkpoint:
         if optimizer is not None:
             if self.optimizer is None:
                 raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no optimizer state")
-            optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+            optimizer.load_state_dict(_copy_state(self.optimizer))
         if lr_scheduler is not None:
             if self.lr_scheduler is None:
                 raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no lr scheduler state")
-            lr_scheduler.load_state_dict(copy.deepcopy(self.lr_scheduler))
+            lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
+
+
+def _copy_state(obj: Any) -> Any:
+    """A copy of a state dict that shares no tensor with ``obj``: tensors cloned (values, dtype, shape
+    and strides kept), plain dicts / lists / tuples rebuilt, anything else deep-copied. Faster than
+    ``copy.deepcopy`` for the many small tensors of an optimizer state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone().requires_grad_(obj.requires_grad)
+    if type(obj) is dict:
+        return {k: _copy_state(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_state(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def checkpoint_uri(base: str, stage: int, iteration: int) -> str:
