@@ -2,8 +2,10 @@
 
 A source is anything with the :class:`RecordSource` methods: a ``LogStore`` opened on a node's
 store root (every writer's hot tier there, plus its cold tier), a cold-tier-only store, or a node
-server over HTTP (``replay.remote.HttpRecordSource``). The first source holding an intact copy of
-a key wins; a retryable error of one source (an unreachable server) falls through to the next.
+server over HTTP (``replay.remote.HttpRecordSource``). A key is asked first of the first source
+that listed it (no failed lookups in the sources that do not hold it), then of the others in
+order; the first intact copy wins; a retryable error of one source (an unreachable server) falls
+through to the next.
 
 Prefetching: :meth:`LogReader.prefetch` fetches and decodes keys ahead (the replay's prefetch
 thread calls it); :meth:`LogReader.get` hands each prefetched record out once, or waits for one
@@ -74,6 +76,7 @@ class LogReader:
             raise ValueError("LogReader needs at least one record source")
         self._lock = threading.Lock()
         self._listing: dict[tuple[Channel, int], dict[int, list[RecordKey]]] = {}
+        self._source_of: dict[RecordKey, int] = {}  # the first source that listed a key: asked first
         self._metas: dict[tuple[int, int], dict[str, Any]] = {}
         self._meta_pending: dict[tuple[int, int], Future[dict[str, Any] | None]] = {}
         self._listing_pending: dict[tuple[Channel, int], Future[dict[int, list[RecordKey]]]] = {}
@@ -86,7 +89,8 @@ class LogReader:
 
     # -------------------------------------------------------------- records
     def get(self, key: RecordKey) -> torch.Tensor:
-        """The tensor under ``key`` from the first source that has an intact copy.
+        """The tensor under ``key`` from the first source that has an intact copy (asking first the
+        first source that listed it).
 
         Raises ReplayInputMissingError if no source has it (with the gaps recorded for it, if
         any), the CorruptRecordError of the last source when every copy is corrupt, or the
@@ -106,8 +110,9 @@ class LogReader:
         t0 = time.perf_counter()
         corrupt: CorruptRecordError | None = None
         unavailable: StoreError | None = None
+        first = self._source_of.get(key, 0)
         try:
-            for s in self.stores:
+            for s in [self.stores[first], *self.stores[:first], *self.stores[first + 1 :]] if first else self.stores:
                 try:
                     return s.get(key)
                 except RecordNotFoundError:
@@ -248,10 +253,11 @@ class LogReader:
         if not mine:
             return fut.result()
         try:
-            found: set[RecordKey] = set()
-            for s in self.stores:
+            found: dict[RecordKey, int] = {}  # key -> the first source listing it
+            for i, s in enumerate(self.stores):
                 try:
-                    found.update(s.keys(channel, iteration, iteration + LIST_WINDOW))
+                    for key in s.keys(channel, iteration, iteration + LIST_WINDOW):
+                        found.setdefault(key, i)
                 except StoreError as e:
                     logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
             by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
@@ -260,6 +266,9 @@ class LogReader:
             with self._lock:
                 if len(self._listing) > 4096:
                     self._listing.clear()
+                if len(self._source_of) > 1 << 20:
+                    self._source_of.clear()
+                self._source_of.update((key, i) for key, i in found.items() if i)
                 for it, by_mb in by_it.items():
                     self._listing[(channel, it)] = by_mb
             fut.set_result(by_it[iteration])

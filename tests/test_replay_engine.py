@@ -366,3 +366,31 @@ def test_concurrent_listings_of_one_window_share_one_call_per_source(f1b_run):
         assert src.listings == 1
         assert got[0] == got[2] == st.keys(ch, CKPT, CKPT + 1)[: len(got[0])] and got[0] and got[1] and got[0] != got[1]
         assert reader.part_keys(ch, CKPT + 1, 0) and src.listings == 1  # the window was listed at once
+
+
+class _CountingGets:
+    def __init__(self, inner: LogStore) -> None:
+        self.inner, self.gets = inner, 0
+
+    def get(self, key):
+        self.gets += 1
+        return self.inner.get(key)
+
+    def keys(self, channel=None, it_lo=0, it_hi=None):
+        return self.inner.keys(channel, it_lo, it_hi)
+
+    def gaps(self):
+        return self.inner.gaps()
+
+
+def test_a_key_is_asked_first_of_the_source_that_listed_it(f1b_run, tmp_path):
+    with LogStore.open(str(tmp_path / "empty"), f1b_run.run_id) as empty, f1b_run.store() as full:
+        a, b = _CountingGets(empty), _CountingGets(full)
+        reader = LogReader([a, b])
+        ch = Channel.activation(1)
+        parts = reader.require_parts(ch, CKPT, 1)
+        assert parts and a.gets == 0 and b.gets == len(parts)
+        assert all(torch.equal(p, full.get(k)) for p, k in zip(parts, reader.part_keys(ch, CKPT, 1)))
+        with pytest.raises(ReplayInputMissingError):  # a key nobody listed is still looked for everywhere
+            reader.get(RecordKey(ch, ITERS + 5, 0))
+        assert a.gets == 1 and b.gets == len(parts) + 1
