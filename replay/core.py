@@ -42,7 +42,7 @@ mismatch into :class:`ReplayMismatchError`.
 What exactness requires of the environment is in ``trainer_client.determinism``; the replay
 runs with the live ``torch.get_num_threads()`` (from META) and warns about other differences.
 
-Never: writes to the log store; modifies a checkpoint object (``Checkpoint.apply`` deep-copies);
+Never: writes to the log store; modifies a checkpoint object (``Checkpoint.apply`` copies);
 silently replays over a gap (a missing input raises :class:`ReplayInputMissingError` naming the
 record); consumes RNG outside the seeded forwards (the prefetch thread only decodes).
 """

@@ -1,7 +1,8 @@
 """Parallel replay (SWIFT's parallel recovery): K workers share every iteration's micro-batches.
 
 Each worker loads the same checkpoint(s), replays a contiguous slice of each iteration's
-micro-batches (in the live backward order: worker r gets positions ``[r*n//K, (r+1)*n//K)``),
+micro-batches (in the live backward order: worker 0 the first positions, worker K - 1 the last;
+equal sizes ``[r*n//K, (r+1)*n//K)`` until the workers' speeds are known, see "Balance" below),
 forward and backward, reads only the records of its own micro-batches, and verifies the sends
 of its own micro-batches. Then the parameter gradients are reduced over the workers (gloo), and
 every worker divides them by the schedule's factor and steps its optimizer and scheduler

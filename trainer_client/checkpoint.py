@@ -16,7 +16,7 @@ older logs garbage. A checkpoint counts as durable only where a replacement mach
 (shared filesystem or object store), never on the stage's own disk alone.
 
 Reading (:func:`load_checkpoint`) returns a :class:`Checkpoint`; :meth:`Checkpoint.apply` loads it
-into live objects with a deep copy of the optimizer and scheduler state, because
+into live objects with a copy of the optimizer and scheduler state (every tensor cloned), because
 ``Optimizer.load_state_dict`` keeps references to the tensors it is given.
 
 Never: leaves a partial file under the final name; loads pickled code (``weights_only=True``).
@@ -72,8 +72,8 @@ class Checkpoint:
     ) -> None:
         """Load this checkpoint into live objects; never aliases the checkpoint's tensors.
 
-        The model copies values into its parameters; the optimizer and scheduler get deep copies,
-        so applying the same Checkpoint twice gives two independent states. Raises
+        The model copies values into its parameters; the optimizer and scheduler get copies (every
+        tensor cloned), so applying the same Checkpoint twice gives two independent states. Raises
         CheckpointError if the checkpoint lacks a state the caller asks to load.
         """
         model.load_state_dict(self.model)

@@ -28,7 +28,7 @@ each iteration's META record (:func:`environment_fingerprint`) and the replay ch
    (``scale_grads=True``, i.e. ``PipelineStage.scale_grads``). The replay does the same division,
    not a division of the loss.
 7. **Optimizer state without aliasing.** ``Optimizer.load_state_dict`` keeps references to the
-   tensors of the dict it is given; load a *deep copy* of a checkpoint's optimizer state
+   tensors of the dict it is given; load a *copy* (tensors cloned) of a checkpoint's optimizer state
    (``trainer_client.checkpoint`` does), or two optimizers end up sharing moments.
 8. **Same update sequence.** ``optimizer.step()``, then ``lr_scheduler.step()``, then
    ``optimizer.zero_grad(set_to_none=True)`` once per iteration, after the commit step.
