@@ -316,6 +316,7 @@ class _GradReducer:
             old = prev[r] if prev is not None else 0.0
             est.append(t if old <= 0 else old if t <= 0 else self.EMA * t + (1 - self.EMA) * old)
         self.per_mb[it] = est
+        self.per_mb.pop(it - self.lag - 1, None)  # no select() asks below it - lag any more
 
     def _comm_buffers(self) -> list[torch.Tensor]:
         return [self.acc[dt] for dt in self.dtypes]
