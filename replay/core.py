@@ -570,7 +570,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         inputs, target = ctx.data_source(it)
         src_inputs = _split(inputs, plan.n_mb)
         src_targets = None if target is None else [c[0] for c in _split(target, plan.n_mb)]
-    losses: list[tuple[int, float]] = []  # (micro-batch, loss) of the last stage, in forward order
+    losses: list[float] = []  # the last stage's, in forward order
+    loss_mbs: list[int] = []
 
     def forward(mb: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
         """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss)."""
@@ -590,7 +591,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 loss = ctx.loss_fn(out, target)  # type: ignore[misc]
-                losses.append((mb, float(loss.detach())))
+                losses.append(float(loss.detach()))
+                loss_mbs.append(mb)
                 per_stage.append((x, loss))
             else:
                 per_stage.append((x, outs))
@@ -644,8 +646,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     report.step_seconds += time.perf_counter() - t_step
     report.micro_batches += len(plan.mine)
     if is_last:
-        report.losses[it] = [v for _, v in losses]
-        report.loss_micro_batches[it] = [mb for mb, _ in losses]
+        report.losses[it] = losses
+        report.loss_micro_batches[it] = loss_mbs
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

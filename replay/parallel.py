@@ -111,10 +111,14 @@ logger = logging.getLogger(__name__)
 PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def slice_of(order: Sequence[int], rank: int, world: int) -> list[int]:
-    """Worker ``rank``'s contiguous share of ``order`` (sizes differ by at most one)."""
+def slice_of(order: Sequence[int], rank: int, world: int, counts: Sequence[int] | None = None) -> list[int]:
+    """Worker ``rank``'s contiguous share of ``order``: ``counts[rank]`` items after those of the
+    lower ranks (default counts: equal, sizes differing by at most one)."""
     n = len(order)
-    return list(order[rank * n // world : (rank + 1) * n // world])
+    if counts is None:
+        return list(order[rank * n // world : (rank + 1) * n // world])
+    lo = sum(counts[:rank])
+    return list(order[lo : lo + counts[rank]])
 
 
 def balanced_counts(n: int, per_mb: Sequence[float] | None, world: int) -> list[int]:
@@ -127,7 +131,7 @@ def balanced_counts(n: int, per_mb: Sequence[float] | None, world: int) -> list[
     give the same split on every worker.
     """
     if per_mb is None or len(per_mb) != world or not all(math.isfinite(t) and t > 0 for t in per_mb):
-        return [(r + 1) * n // world - r * n // world for r in range(world)]
+        return [len(slice_of(range(n), r, world)) for r in range(world)]
     counts = [1 if n >= world else 0 for _ in range(world)]
     for _ in range(n - sum(counts)):
         r = min(range(world), key=lambda r: ((counts[r] + 1) * per_mb[r], r))
@@ -271,8 +275,7 @@ class _GradReducer:
         """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
         compute thread and, ahead, by the prefetch thread: both get the same answer)."""
         counts = self.splits[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
-        lo = sum(counts[: self.rank])
-        return list(order[lo : lo + counts[self.rank]])
+        return slice_of(order, self.rank, self.world, counts)
 
     def after_backward(self, it: int, mb: int) -> None:
         self.n_mb += 1
@@ -288,19 +291,18 @@ class _GradReducer:
                 self._view(self.abs, i).add_(g.abs())
 
     def before_step(self, it: int, scale: int) -> None:
+        if self.exact and self.world == 1:
+            return  # nothing to reduce: .grad holds the sum
         mine = (time.perf_counter() - self._t_ready) / self.n_mb if self.n_mb else 0.0
-        times = [mine]
         if self.exact:
-            if self.world == 1:
-                return  # nothing to reduce: .grad holds the sum
             if self.rank == 0:
                 self._add(self._take())
             times = self._chain(mine)
+        elif self.world > 1:
+            times = self._all_reduce(mine)
         else:
-            if self.world > 1:
-                times = self._all_reduce(mine)
-            else:
-                self.global_n = self.n_mb
+            self.global_n = self.n_mb
+            times = [mine]
         self._record(it, times)
         for i, p in enumerate(self.params):
             p.grad = self.views[i] if self.present[i] else None

@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -40,6 +40,8 @@ from trainer_client.digest import digest_from_record
 __all__ = ["RecordSource", "LogReader", "LIST_WINDOW"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: iterations listed per key-listing call of a source (see ``LogReader._parts_of``)
 LIST_WINDOW = 16
@@ -201,32 +203,19 @@ class LogReader:
         Concurrent callers (the compute and the prefetch thread) share one fetch.
         """
         k = (stage, iteration)
-        with self._lock:
-            doc = self._metas.get(k)
-            if doc is not None:
-                return doc
-            fut = self._meta_pending.get(k)
-            mine = fut is None
-            if fut is None:
-                fut = self._meta_pending[k] = Future()
-        if mine:
+
+        def fetch() -> dict[str, Any] | None:
             try:
-                try:
-                    doc = decode_meta(self._fetch(RecordKey(Channel.meta(stage), iteration, 0)))
-                except ReplayInputMissingError:
-                    doc = None
-                with self._lock:
-                    if doc is not None:
-                        if len(self._metas) > 4096:
-                            self._metas.clear()
-                        self._metas[k] = doc
-                fut.set_result(doc)
-            except BaseException as e:  # handed to every waiter
-                fut.set_exception(e)
-            finally:
-                with self._lock:
-                    self._meta_pending.pop(k, None)
-        return fut.result()
+                doc = decode_meta(self._fetch(RecordKey(Channel.meta(stage), iteration, 0)))
+            except ReplayInputMissingError:
+                return None
+            with self._lock:
+                if len(self._metas) > 4096:
+                    self._metas.clear()
+                self._metas[k] = doc
+            return doc
+
+        return self._shared(self._metas, self._meta_pending, k, fetch)
 
     def digest(self, src: int, dst: int, iteration: int, micro_batch: int, part: int) -> int | None:
         """The digest that receiver ``dst`` kept of part ``part`` sent by ``src``, or None."""
@@ -241,42 +230,50 @@ class LogReader:
         window with no key are not cached, so records that arrive later are still found.
         Concurrent misses of one (channel, iteration) share one listing (the compute and the
         prefetch thread start on the same iteration)."""
-        k = (channel, iteration)
+        return self._shared(self._listing, self._listing_pending, (channel, iteration), lambda: self._list(channel, iteration))
+
+    def _list(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
+        """List every source for the window starting at ``iteration`` and cache it (see :meth:`_parts_of`)."""
+        found: dict[RecordKey, int] = {}  # key -> the first source listing it
+        for i, s in enumerate(self.stores):
+            try:
+                for key in s.keys(channel, iteration, iteration + LIST_WINDOW):
+                    found.setdefault(key, i)
+            except StoreError as e:
+                logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
+        by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
+        for key in sorted(found):
+            by_it.setdefault(key.iteration, {}).setdefault(key.micro_batch, []).append(key)
         with self._lock:
-            hit = self._listing.get(k)
+            if len(self._listing) > 4096:
+                self._listing.clear()
+            if len(self._source_of) > 1 << 20:
+                self._source_of.clear()
+            self._source_of.update((key, i) for key, i in found.items() if i)
+            for it, by_mb in by_it.items():
+                self._listing[(channel, it)] = by_mb
+        return by_it[iteration]
+
+    def _shared(self, cache: dict[Any, Any], pending: dict[Any, Future[Any]], k: Any, compute: Callable[[], _T]) -> _T:
+        """``cache[k]`` if it is there, else ``compute()`` run once however many threads ask at the
+        same time (the others wait for its result or its exception). ``compute`` caches what it
+        wants cached."""
+        with self._lock:
+            hit = cache.get(k)
             if hit is not None:
                 return hit
-            fut = self._listing_pending.get(k)
+            fut = pending.get(k)
             mine = fut is None
             if fut is None:
-                fut = self._listing_pending[k] = Future()
-        if not mine:
-            return fut.result()
-        try:
-            found: dict[RecordKey, int] = {}  # key -> the first source listing it
-            for i, s in enumerate(self.stores):
-                try:
-                    for key in s.keys(channel, iteration, iteration + LIST_WINDOW):
-                        found.setdefault(key, i)
-                except StoreError as e:
-                    logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
-            by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
-            for key in sorted(found):
-                by_it.setdefault(key.iteration, {}).setdefault(key.micro_batch, []).append(key)
-            with self._lock:
-                if len(self._listing) > 4096:
-                    self._listing.clear()
-                if len(self._source_of) > 1 << 20:
-                    self._source_of.clear()
-                self._source_of.update((key, i) for key, i in found.items() if i)
-                for it, by_mb in by_it.items():
-                    self._listing[(channel, it)] = by_mb
-            fut.set_result(by_it[iteration])
-        except BaseException as e:  # handed to every waiter
-            fut.set_exception(e)
-        finally:
-            with self._lock:
-                self._listing_pending.pop(k, None)
+                fut = pending[k] = Future()
+        if mine:
+            try:
+                fut.set_result(compute())
+            except BaseException as e:  # handed to every waiter
+                fut.set_exception(e)
+            finally:
+                with self._lock:
+                    pending.pop(k, None)
         return fut.result()
 
     def _gap_note(self, key: RecordKey) -> str:
