@@ -103,6 +103,7 @@ class WriterStats:
     queue_bytes: int = 0
     queue_peak_bytes: int = 0
     queue_items: int = 0
+    pinned_bytes: int = 0  # pinned host memory held for device-to-host copies now (in flight or kept for reuse, at most max_queue_bytes free)
     faults: int = 0
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     last_fault: str | None = None
@@ -122,11 +123,20 @@ class WriterStats:
 
 
 class _PinnedPool:
-    """Reusable pinned host buffers keyed by (dtype, numel); allocating pinned memory is slow."""
+    """Reusable pinned host buffers keyed by (dtype, numel); allocating pinned memory is slow.
 
-    def __init__(self) -> None:
+    At most ``max_free_bytes`` are kept free for reuse (a run whose shapes keep changing, e.g.
+    variable sequence lengths, would otherwise keep a buffer of every shape it ever logged); a
+    buffer returned beyond that is released to torch's pinned-memory allocator. ``nbytes``: the
+    pinned memory this pool holds now, in use or free.
+    """
+
+    def __init__(self, max_free_bytes: int) -> None:
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = collections.defaultdict(list)
         self._lock = threading.Lock()
+        self._max_free = max_free_bytes
+        self._free_bytes = 0
+        self.nbytes = 0
 
     def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         n = 1
@@ -135,12 +145,21 @@ class _PinnedPool:
         with self._lock:
             free = self._free.get((dtype, n))
             buf = free.pop() if free else None
+            if buf is not None:
+                self._free_bytes -= buf.numel() * buf.element_size()
         if buf is None:
             buf = torch.empty(n, dtype=dtype, pin_memory=True)
+            with self._lock:
+                self.nbytes += buf.numel() * buf.element_size()
         return buf.view(shape)
 
     def put(self, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
         with self._lock:
+            if self._free_bytes + size > self._max_free:
+                self.nbytes -= size  # dropped: torch's caching host allocator takes it back
+                return
+            self._free_bytes += size
             self._free[(t.dtype, t.numel())].append(t.reshape(-1))
 
 
@@ -203,7 +222,7 @@ class AsyncLogWriter:
         self._stats = WriterStats()
         self._faults: collections.deque[Fault] = collections.deque(maxlen=_MAX_FAULTS)
         self._new_faults: list[Fault] = []
-        self._pinned = _PinnedPool()
+        self._pinned = _PinnedPool(max_queue_bytes)
         self._unsettled: list[_Item] = []  # deferred digest items; only the training thread touches the list
         self._hash_lock = threading.Lock()  # a deferred item is hashed exactly once, by whoever comes first
         # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
@@ -370,6 +389,7 @@ class AsyncLogWriter:
             s = WriterStats(**{k: getattr(self._stats, k) for k in WriterStats.__slots__})
             s.faults_by_kind = dict(self._stats.faults_by_kind)
             s.queue_items = len(self._queue) + self._busy
+            s.pinned_bytes = self._pinned.nbytes
             return s
 
     def take_faults(self) -> list[Fault]:
