@@ -42,6 +42,12 @@ mismatch into :class:`ReplayMismatchError`.
 What exactness requires of the environment is in ``trainer_client.determinism``; the replay
 runs with the live ``torch.get_num_threads()`` (from META) and warns about other differences.
 
+Device: the replay runs where the stages' modules are (:func:`replay_device`): on CPU, or on the
+GPU a job trained on, with its ``seed_micro_batch`` seeding the same CUDA generator the live
+forward drew dropout masks from (a CPU replay of a GPU run cannot reproduce those). Logged records
+are decoded on the host and moved to the device when the loop uses them; regenerated sends are
+copied back to the host to be hashed. Parallel replay (gloo) runs on CPU only.
+
 Never: writes to the log store; modifies a checkpoint object (``Checkpoint.apply`` copies);
 silently replays over a gap (a missing input raises :class:`ReplayInputMissingError` naming the
 record); consumes RNG outside the seeded forwards (the prefetch thread only decodes).
@@ -63,6 +69,7 @@ from logstore import Channel, RecordKey
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError
 from replay.reader import LogReader, RecordSource
 from trainer_client.checkpoint import Checkpoint
+from trainer_client.client import on_device
 from trainer_client.determinism import (
     SEED_SCHEME,
     environment_differences,
@@ -83,6 +90,7 @@ __all__ = [
     "replay_stages",
     "replay_stage",
     "needed_channels",
+    "replay_device",
 ]
 
 logger = logging.getLogger(__name__)
@@ -338,7 +346,9 @@ def replay_stages(
     """Replay consecutive stages (one stage, or a logging group) for ``[start, stop_iteration)``.
 
     Args:
-        stages: the stages' live objects, consecutive and ascending; advanced in place.
+        stages: the stages' live objects, consecutive and ascending; advanced in place. The replay
+            runs on their device (:func:`replay_device`: CPU, or e.g. the CUDA device the factory
+            put them on); records are moved there as they are used, sends are hashed on the host.
         logs: where the records are (a LogReader, a record source such as a LogStore, or several).
         num_stages: pipeline size (to know which stage is last).
         stop_iteration: first iteration not replayed (e.g. the survivors' current iteration).
@@ -388,7 +398,8 @@ def replay_stages(
         raise ReplayError(f"stop_iteration {stop_iteration} < start_iteration {start_iteration}")
     report = ReplayReport(idx, start_iteration, stop_iteration)
     fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
-    ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks)
+    ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks,
+                   replay_device(states))
     pf = None
     if prefetch > 0 and stop_iteration > start_iteration:
         reader.start_prefetching()
@@ -429,6 +440,7 @@ class _Context:
     compare_logged: bool
     keep_sends: bool
     hooks: ReplayHooks
+    device: torch.device
 
     @property
     def first(self) -> int:
@@ -513,6 +525,8 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     env = m0.get("env", {})
     if report is not None and it == report.start_iteration:
         diff = environment_differences(env)
+        if env.get("cuda_device") and ctx.device.type != "cuda":  # its kernels and dropout masks are not reproducible here
+            diff["cuda_device"] = (env["cuda_device"], f"replay on {ctx.device}")
         if diff:
             report.warnings.append(f"environment differs from the live run: {diff}")
             logger.warning("replay: environment differs from the live run: %s", diff)
@@ -560,7 +574,7 @@ def _passes(plan: _Plan) -> list[tuple[str, int]]:
 
 
 def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport) -> None:
-    reader, states, num_stages = ctx.reader, ctx.states, ctx.num_stages
+    reader, states, num_stages, dev = ctx.reader, ctx.states, ctx.num_stages, ctx.device
     first = ctx.first
     is_last = ctx.last == num_stages - 1
     check = ctx.checks(it)
@@ -576,9 +590,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     def forward(mb: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
         """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss)."""
         if first == 0:
-            x = src_inputs[mb] if src_inputs is not None else tuple(reader.require_parts(Channel.input(0), it, mb))
+            x = on_device(src_inputs[mb] if src_inputs is not None else tuple(reader.require_parts(Channel.input(0), it, mb)), dev)
         else:
-            x = tuple(_leaf(t) for t in reader.require_parts(Channel.activation(first - 1), it, mb))
+            x = tuple(_leaf(on_device(t, dev)) for t in reader.require_parts(Channel.activation(first - 1), it, mb))
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
@@ -590,6 +604,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 else:
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
+                target = on_device(target, dev)
                 loss = ctx.loss_fn(out, target)  # type: ignore[misc]
                 losses.append(float(loss.detach()))
                 loss_mbs.append(mb)
@@ -611,7 +626,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 torch.autograd.backward([out])
             else:
                 if grads_in is None:  # last stage of the group, not of the pipeline: logged gradients
-                    grads_in = list(reader.require_parts(Channel.gradient(st.stage + 1), it, mb))
+                    grads_in = [on_device(g, dev) for g in reader.require_parts(Channel.gradient(st.stage + 1), it, mb)]
                 with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
                 if len(with_grad) != len(grads_in):
                     raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
@@ -655,16 +670,29 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.requires_grad_(t.is_floating_point() or t.is_complex())
 
 
+def replay_device(states: Sequence[StageState]) -> torch.device:
+    """The device a replay of ``states`` runs on: that of the stages' parameters and buffers
+    (CPU for a stage without any). Raises ReplayError when they are spread over several devices."""
+    found = {t.device for st in states for t in (*st.module.parameters(), *st.module.buffers())}
+    if len(found) > 1:
+        raise ReplayError(f"stages {[st.stage for st in states]} have tensors on several devices {sorted(map(str, found))}; "
+                          "a replay runs on one device", hint="move every replayed stage's module to one device before loading the checkpoint")  # fmt: skip
+    return found.pop() if found else torch.device("cpu")
+
+
 def _check_sends(
     ctx: _Context, data_channel: Channel, digest_channel: Channel, it: int, mb: int, tensors: Sequence[torch.Tensor],
     check: bool, report: ReplayReport,
 ) -> None:  # fmt: skip
     reader = ctx.reader
-    for part, t in enumerate(tensors):
+    for part, sent in enumerate(tensors):
         key = RecordKey(data_channel, it, mb, part)
         report.sends_generated += 1
+        if not (ctx.keep_sends or (check and (ctx.verify or ctx.compare_logged))):
+            continue
+        t = sent.detach().cpu()  # digests and logged records are host bytes (no copy on CPU)
         if ctx.keep_sends:
-            report.sends[key] = t.detach().clone()
+            report.sends[key] = t.clone() if sent.device.type == "cpu" else t
         if ctx.verify and check:
             want = reader.digest(digest_channel.src, digest_channel.dst, it, mb, part)
             if want is None:
@@ -679,7 +707,7 @@ def _check_sends(
             except ReplayInputMissingError:
                 continue
             report.records_checked += 1
-            if logged.dtype != t.dtype or logged.shape != t.shape or not torch.equal(logged, t.detach()):
+            if logged.dtype != t.dtype or logged.shape != t.shape or not torch.equal(logged, t):
                 report.record_mismatches.append(str(key))
 
 

@@ -86,6 +86,7 @@ from replay.core import (
     ReplayInputMissingError,
     ReplayReport,
     StageState,
+    replay_device,
     replay_stages,
 )
 from replay.engine import (
@@ -430,6 +431,10 @@ def worker_main(
         t_build = time.perf_counter()
         states = build_states(job, factory, prepared)
         build_s = time.perf_counter() - t_build
+        dev = replay_device(states)
+        if world > 1 and dev.type != "cpu":  # the same on every worker: each raises before the rendezvous
+            raise ReplayError(f"parallel replay exchanges gradients over gloo, which runs on CPU; the stage factory put stages {job.stages} on {dev}",
+                              hint=f"replay with one worker on {dev}, or build the stages on CPU for workers > 1")  # fmt: skip
         if store is not None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         else:

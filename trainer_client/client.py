@@ -46,6 +46,16 @@ logger = logging.getLogger(__name__)
 #: whole batch of targets of the last stage (or None). Same iteration, same tensors, every time.
 DataSource = Callable[[int], tuple[Any, Any]]
 
+
+def on_device(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor, or a tuple/list of tensors and other values, e.g. a DataSource batch) with
+    its tensors on ``device``. Tensors already there are returned as they are (never copied)."""
+    if isinstance(x, torch.Tensor):
+        return x if x.device == device else x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_device(v, device) for v in x)
+    return x
+
 SUPPORTED_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -252,6 +262,8 @@ class SwiftlogClient:
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
             inputs, target = self.data_source(iteration)
             args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            assert self._stage is not None
+            args, target = on_device(args, self._stage.device), on_device(target, self._stage.device)  # where the stage computes
         if not c.is_first:
             args = ()
         if not c.is_last:

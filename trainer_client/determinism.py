@@ -138,6 +138,8 @@ def environment_fingerprint() -> dict[str, Any]:
         fp["cudnn_benchmark"] = bool(torch.backends.cudnn.benchmark)
         fp["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         fp["allow_tf32_matmul"] = bool(torch.backends.cuda.matmul.allow_tf32)
+        if torch.cuda.is_initialized():  # a process computing on the GPU: its model (kernels differ between models)
+            fp["cuda_device"] = torch.cuda.get_device_name()
     return fp
 
 
