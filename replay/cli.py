@@ -56,6 +56,7 @@ def replay_command(
     data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function, for runs that did not log inputs/targets")] = None,
     prefetch: Annotated[int, typer.Option("--prefetch", min=0, help="iterations fetched ahead")] = 2,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,
+    device: Annotated[str | None, typer.Option("--device", help="replay on this torch device, e.g. cuda (default: where --model builds the stage; one worker only)")] = None,
     bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch rate for the estimate (MB/s)")] = None,
     check_records: Annotated[bool, typer.Option("--check-records", help="plan: read every needed record and check its checksums")] = False,
     plan_only: Annotated[bool, typer.Option("--plan-only", help="print the plan and stop")] = False,
@@ -88,7 +89,7 @@ def replay_command(
 
         jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
-                              output_options=opts, checkpoint_options=opts)  # fmt: skip
+                              output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
         results = []
         for job in jobs:
             last = [0.0]

@@ -182,7 +182,9 @@ class ReplayJob:
     is missing. output / output_options: where to write the recovered checkpoints (None: not
     written). threads: torch intra-op threads for workers (default: the live value from META).
     progress_every_s: INFO log period. dump_gradients: directory where parallel replay writes
-    each iteration's reduced gradients (diagnostics; None = off).
+    each iteration's reduced gradients (diagnostics; None = off). device: where the stages are
+    replayed (``"cpu"``, ``"cuda"``, ``"cuda:1"``; the factory's modules are moved there before
+    the checkpoint is loaded); None = where the factory builds them. Parallel replay is CPU-only.
     """
 
     run: str
@@ -208,6 +210,7 @@ class ReplayJob:
     threads: int | None = None
     progress_every_s: float = 5.0
     dump_gradients: str | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         validate_run(self.run)
@@ -229,6 +232,13 @@ class ReplayJob:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if self.stop_iteration < 0:
             raise ValueError(f"stop_iteration must be >= 0, got {self.stop_iteration}")
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+            if self.workers > 1 and dev.type != "cpu":
+                raise ValueError(f"device {self.device!r} with workers={self.workers}: parallel replay exchanges gradients over gloo and runs on CPU")
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -297,11 +307,11 @@ def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: 
         states = prepared.take(job)
         if states is not None:
             return states
-    return _build(job.run, job.num_stages, job.stages, job.checkpoints, job.checkpoint_options, job.model, job.model_args, factory)
+    return _build(job.run, job.num_stages, job.stages, job.checkpoints, job.checkpoint_options, job.model, job.model_args, factory, job.device)
 
 
 def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str], checkpoint_options: Mapping[str, Any],
-           model: str, model_args: Mapping[str, Any], factory: StageFactory | None) -> list[StageState]:  # fmt: skip
+           model: str, model_args: Mapping[str, Any], factory: StageFactory | None, device: str | None = None) -> list[StageState]:  # fmt: skip
     fac: StageFactory = factory or load_object(model)
     states = []
     for k in stages:
@@ -309,6 +319,8 @@ def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mappin
         if ck.run_id != run or ck.stage != k:
             raise ReplayError(f"checkpoint {checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {run!r} stage {k}")
         module, optimizer, sched = fac(k, num_stages, ck, **model_args)
+        if device is not None:
+            module.to(device)  # in place: the optimizer keeps the same parameter objects (its state is still empty)
         states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:
@@ -328,15 +340,16 @@ class PreparedStates:
     there is nothing to guess from.
 
     :meth:`take` hands the objects out only for a job with exactly these run, stages,
-    checkpoints, checkpoint options, model and model arguments, and only once. Never: raises the
+    checkpoints, checkpoint options, model, model arguments and device, and only once. Never: raises the
     speculative build's error (it is logged; the caller's own build then raises its own), or
     hands the same objects to two replays.
     """
 
     def __init__(self, *, run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None],
                  checkpoint_options: Mapping[str, Any] | None = None, model: str = DEFAULT_MODEL, model_args: Mapping[str, Any] | None = None,
-                 factory: StageFactory | None = None) -> None:  # fmt: skip
+                 factory: StageFactory | None = None, device: str | None = None) -> None:  # fmt: skip
         self.run, self.num_stages, self.stages = run, num_stages, [int(k) for k in stages]
+        self.device = device
         self.checkpoint_options = dict(checkpoint_options or {})
         self.model, self.model_args = model, dict(model_args or {})
         self.checkpoints: dict[int, str] | None = None
@@ -352,7 +365,8 @@ class PreparedStates:
             if cks is None:
                 return
             self.checkpoints = {int(k): v for k, v in cks.items()}
-            self._states = _build(self.run, self.num_stages, self.stages, self.checkpoints, self.checkpoint_options, self.model, self.model_args, factory)
+            self._states = _build(self.run, self.num_stages, self.stages, self.checkpoints, self.checkpoint_options, self.model, self.model_args, factory,
+                                  self.device)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a guess; the real build reports its own error
             logger.info("building stages %s ahead failed (they are built when the job is known): %s: %s", self.stages, type(e).__name__, e)
             self._states = None
@@ -362,7 +376,7 @@ class PreparedStates:
         self._thread.join()
         return (self._states is not None and job.run == self.run and job.num_stages == self.num_stages and list(job.stages) == self.stages
                 and dict(job.checkpoints) == self.checkpoints and dict(job.checkpoint_options) == self.checkpoint_options
-                and job.model == self.model and dict(job.model_args) == self.model_args)  # fmt: skip
+                and job.model == self.model and dict(job.model_args) == self.model_args and job.device == self.device)  # fmt: skip
 
     def take(self, job: ReplayJob) -> list[StageState] | None:
         """The objects built for ``job`` (once), or None when they were built for something else,

@@ -257,6 +257,16 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
         assert a.is_cuda and torch.equal(a, b)
     got, want = fopt.state_dict()["state"], opt.state_dict()["state"]
     assert all(torch.equal(got[i]["exp_avg_sq"], want[i]["exp_avg_sq"]) for i in want)
+    # the same through a job (what `swiftlog replay --device cuda` runs): the example factory builds on CPU, the job moves it
+    from replay import ReplayJob, SourceSpec, replay
+
+    job = ReplayJob(run="g", num_stages=1, stages=[0], stop_iteration=4, checkpoints={0: uri}, sources=[SourceSpec(kind="store", location=root)],
+                    model_args=cfg.to_dict(), data_source=None if source is None else "replay.examples:gpt_data", device="cuda",
+                    output=str(tmp_path / "out"))  # fmt: skip
+    res = replay(job)
+    assert res.report.ok and res.report.micro_batches == 9
+    assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(res.states[0].module.parameters(), mod.parameters(), strict=True))
+    assert torch.equal(load_checkpoint(res.outputs[0]).model["blocks.0.fc1.weight"], mod.blocks[0].fc1.weight.cpu())
     # the same logs replayed on CPU: the replay says it cannot be the GPU run's kernels or masks
     cpu = build_stage_module(cfg, 0, 1, seed=5)
     copt = make_optimizer(cpu)

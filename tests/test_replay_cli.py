@@ -51,6 +51,11 @@ def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path)
     assert r.exit_code == 2 and "outside the pipeline" in r.output
     r = runner.invoke(app, ["replay", "--run", "x", "-s", "1", "--plan-only"], env={"SWIFTLOG_ROOT": "", "SWIFTLOG_COLD_URL": ""})
     assert r.exit_code == 2 and "no log source" in r.output
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path), "--device", "gpu0"))
+    assert r.exit_code == 2 and "'gpu0' is not a torch device" in r.output
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path), "--device", "cuda", "-w", "2"))
+    assert r.exit_code == 2 and "parallel replay exchanges gradients over gloo" in r.output
+    assert not any(tmp_path.iterdir())
 
 
 def test_swiftlog_plan_uses_the_replay_planner(f1b_run):

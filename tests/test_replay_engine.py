@@ -213,6 +213,17 @@ def test_checkpoints_must_agree(f1b_run, tmp_path):
     assert rep.iterations_done == 0 and rep.micro_batches == 0 and not rep.verified
 
 
+def test_a_job_names_the_device_it_replays_on(f1b_run, tmp_path):
+    job = _job(f1b_run, 1, tmp_path, device="cpu")
+    res = replay(job)
+    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+    assert ReplayJob.from_dict(job.to_dict()).device == "cpu"
+    with pytest.raises(ValueError, match="'gpu0' is not a torch device"):
+        job.replace(device="gpu0")
+    with pytest.raises(ValueError, match="workers=2: parallel replay .* CPU"):
+        job.replace(device="cuda", workers=2)
+
+
 def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
     # the failed stage's META lived on its node and never reached the cold tier: the replay still works
     _, cold = copy_run_files(f1b_run, tmp_path)
