@@ -56,6 +56,7 @@ def on_device(x: Any, device: torch.device) -> Any:
         return type(x)(on_device(v, device) for v in x)
     return x
 
+
 SUPPORTED_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
