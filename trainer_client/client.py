@@ -147,7 +147,6 @@ class SwiftlogClient:
                 timeout=config.commit_timeout,
             )
         self._maint = CheckpointMaintenance(self.store, self.writer, name)
-        self._env = environment_fingerprint()
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
@@ -479,8 +478,7 @@ class SwiftlogClient:
         c = self.config
         rec = self.recorder
         n_mb = self._schedule_info.get("n_microbatches") or len({mb for _, mb in rec.order})
-        env = dict(self._env)
-        env["num_threads"] = torch.get_num_threads()
+        env = environment_fingerprint()  # now, not at construction: determinism flags or the GPU may be set up after the client
         return {
             "version": META_VERSION,
             "run_id": c.run_id,
