@@ -666,13 +666,9 @@ class LogStore:
         with self._upload_lock:
             self._ship_gaps()
             for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: m.id):
-                name = self._cold_name(m)
-                meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": self.config.writer,
-                        "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}
-                path = self.hot.seg_path(m.id)
-                if not path.exists():
-                    continue  # garbage-collected meanwhile
-                self.cold.put_segment(name, str(path), meta=meta)
+                name = self._ship(self.hot, m)
+                if name is None:
+                    continue
                 self.hot.set_state(m.id, UPLOADED, cold_name=name)
                 self._upload_stats["uploaded_segments"] += 1
                 self._upload_stats["uploaded_bytes"] += m.file_size
@@ -683,6 +679,27 @@ class LogStore:
                 self._cold_epoch += 1
             self._evict()
         return n
+
+    def _ship(self, hot: HotTier, m: SegmentMeta) -> str | None:
+        """Upload sealed segment ``m`` of ``hot`` (any writer's) to the cold tier; its cold name, or
+        None when a checkpoint's GC deleted it (or its writer uploaded it) before or while it was
+        read: nothing is left to ship and that is no cold-tier fault. Raises the cold tier's error
+        otherwise."""
+        assert self.cold is not None
+        name = self._cold_name(m, hot.writer)
+        meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
+                "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}  # fmt: skip
+        path = hot.seg_path(m.id)
+        if path.exists():
+            try:
+                self.cold.put_segment(name, str(path), meta=meta)
+                return name
+            except StoreError:
+                cur = hot.segment(m.id)
+                if cur is not None and cur.state == SEALED and path.exists():
+                    raise
+        logger.debug("run %s: segment %s of %s was collected or uploaded meanwhile", self.run, m.id, hot.writer)
+        return None
 
     def _evict(self) -> None:
         limit = self.config.hot_max_bytes
@@ -777,16 +794,9 @@ class LogStore:
                         if m.state != SEALED:
                             rep["already_uploaded"] += 1
                             continue
-                        name = self._cold_name(m, hot.writer)
-                        meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
-                                "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}
-                        try:
-                            self.cold.put_segment(name, str(hot.seg_path(m.id)), meta=meta)
-                        except StoreError:
-                            cur = hot.segment(m.id)
-                            if cur is None or cur.state != SEALED or not hot.seg_path(m.id).exists():
-                                continue  # garbage-collected or uploaded by its writer meanwhile
-                            raise
+                        name = self._ship(hot, m)
+                        if name is None:
+                            continue
                         cur = hot.segment(m.id)
                         if cur is not None and cur.state == SEALED:
                             hot.set_state(m.id, UPLOADED, cold_name=name)

@@ -132,6 +132,36 @@ def test_checkpoint_gc_deletes_exactly_the_garbage(tmp_path: Path, cold_backend)
     s.close()
 
 
+def test_a_segment_garbage_collected_during_its_upload_is_no_cold_tier_fault(tmp_path: Path, caplog) -> None:
+    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=2, upload=False)
+    _fill(s, range(4))
+    real = s.cold.put_segment
+    gone: list[str] = []
+
+    def collected_first(name, source, **kw):  # a checkpoint's GC deletes the file between the uploader's check and its read
+        if not gone:
+            gone.append(source)
+            Path(source).unlink()
+        return real(name, source, **kw)
+
+    s.cold.put_segment = collected_first
+    with caplog.at_level("WARNING", logger="logstore"):
+        assert s.flush() >= 1  # the other segments are shipped
+    up = s.stats()["upload"]
+    assert gone and up["errors"] == 0 and up["last_error"] is None and "cold tier error" not in caplog.text
+
+    def broken(name, source, **kw):  # the file is still there: a real failure is still one
+        raise ColdTierUnavailableError("object store down")
+
+    s.put(RecordKey(ACT, 9, 0), _t(9, 0))
+    s.cold.put_segment = broken
+    with pytest.raises(ColdTierUnavailableError):
+        s.flush()
+    assert s.stats()["upload"]["errors"] == 1
+    s.cold.put_segment = real
+    s.close()
+
+
 def test_gc_concurrent_with_writer(tmp_path: Path, cold_backend) -> None:
     import threading
 

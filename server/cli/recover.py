@@ -1,6 +1,8 @@
-"""``swiftlog plan``: the recovery plan for failed stages, from the pluggable planner.
+"""``swiftlog plan``: the recovery plan for failed stages, from the pluggable planner
+(``replay.plan:plan_recovery`` by default), over one node's store root and the cold tier.
 
-Until replay/ lands it says so and exits 4 (unavailable), exactly like the API's 501.
+A planner that cannot be imported is reported with exit 4 (unavailable), like the API's 501. To
+plan over several nodes' roots at once, ``swiftlog replay --plan-only --root A --root B``.
 """
 
 from __future__ import annotations
