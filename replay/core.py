@@ -463,6 +463,7 @@ class _Plan:
     scale: int
     threads: int | None
     mine: list[int]  # micro-batches replayed here, in backward order
+    input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -530,7 +531,8 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
         if diff:
             report.warnings.append(f"environment differs from the live run: {diff}")
             logger.warning("replay: environment differs from the live run: %s", diff)
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order))
+    kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw)
 
 
 def _select(ctx: _Context, it: int, bwd_order: list[int]) -> list[int]:
@@ -589,14 +591,21 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
 
     def forward(mb: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
         """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss)."""
+        kw: dict[str, Any] = {}  # stage 0's keyword inputs (the schedules pass kwargs to the first stage only)
         if first == 0:
-            x = on_device(src_inputs[mb] if src_inputs is not None else tuple(reader.require_parts(Channel.input(0), it, mb)), dev)
+            if src_inputs is not None:
+                x = on_device(src_inputs[mb], dev)
+            else:
+                x = on_device(tuple(reader.require_parts(Channel.input(0), it, mb)), dev)
+                if plan.input_kwargs:
+                    n_pos = len(x) - len(plan.input_kwargs)
+                    x, kw = x[:n_pos], dict(zip(plan.input_kwargs, x[n_pos:], strict=True))
         else:
             x = tuple(_leaf(on_device(t, dev)) for t in reader.require_parts(Channel.activation(first - 1), it, mb))
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
-            out = st.module(*x)
+            out = st.module(*x, **kw) if i == 0 else st.module(*x)
             outs = out if isinstance(out, tuple) else (out,)
             if st.stage == num_stages - 1:
                 if src_targets is not None:

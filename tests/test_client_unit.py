@@ -458,6 +458,57 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in opt.state_dict()["state"])
 
 
+class _Masked(torch.nn.Module):
+    """A first stage whose forward takes keyword inputs (an attention-mask-like tensor and a shift;
+    not in name order, so passing the logged keywords positionally would mix them up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.lin = torch.nn.Linear(8, 5)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(5, 8, generator=g))
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.drop(self.lin(x))
+        if mask is not None:
+            h = h * mask
+        return h if scale is None else h + scale
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
+    client = SwiftlogClient(ClientConfig(run_id="kw", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        g = torch.Generator().manual_seed(it)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+        mask, scale = (torch.rand(4, 5, generator=g) > 0.5).float(), torch.rand(4, 1, generator=g) + 0.5
+        client.step(it, x, target=y, mask=mask, scale=scale)
+        client.commit(it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "kw")
+    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    assert meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    assert rep.ok and rep.micro_batches == 6
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
+    assert torch.equal(fopt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+
+
 def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
     from trainer_client.examples import train_pipeline, train_resilient
 

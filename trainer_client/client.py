@@ -494,6 +494,7 @@ class SwiftlogClient:
             "seed_scheme": SEED_SCHEME,
             "seeds": [derive_seed(c.seed, c.stage, iteration, mb) for mb in range(n_mb)],
             "data": "logged" if c.log_data else "source",
+            "input_kwargs": list(rec.input_kwargs),
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),
             "env": env,
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,

@@ -6,7 +6,8 @@ and the environment fingerprint (thread count...) from it. Fields (version 1): `
 ``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``, ``schedule``,
 ``n_microbatches``, ``scale_grads``, ``grad_scale_factor``, ``order`` (``[["F"|"B", mb], ...]``
 as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch),
-``data`` ("logged" | "source"), ``logging_groups``, ``env`` (``determinism.environment_fingerprint``),
+``data`` ("logged" | "source"), ``input_kwargs`` (stage 0: names of the keyword inputs logged after
+the positional ones, in this order), ``logging_groups``, ``env`` (``determinism.environment_fingerprint``),
 ``step_s``, ``time``.
 """
 

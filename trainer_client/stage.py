@@ -65,6 +65,7 @@ class StageRecorder:
         self.iteration = 0
         self.order: list[tuple[str, int]] = []
         self.split_backward = False
+        self.input_kwargs: list[str] = []  # names of the stage-0 keyword inputs logged after the positional ones (in META)
         self._cur_fwd_mb: int | None = None
         self._fwd_boundary = config.logs_forward_send()
         self._bwd_boundary = config.logs_backward_send()
@@ -84,13 +85,14 @@ class StageRecorder:
         self.order = []
         self._cur_fwd_mb = None
         self.split_backward = False
+        self.input_kwargs = []
 
     def seed(self, micro_batch: int) -> int:
         """Seed the RNG for this stage's forward of ``micro_batch`` in the current iteration."""
         return seed_micro_batch(self.config.seed, self.stage, self.iteration, micro_batch)
 
     # ------------------------------------------------------------------ hooks of the stage
-    def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...]) -> None:
+    def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
         try:
             self.order.append(("F", micro_batch))
             self._cur_fwd_mb = micro_batch
@@ -98,7 +100,7 @@ class StageRecorder:
                 return
             if stage.is_first:
                 if self.log_data:
-                    self.log_inputs(self.iteration, micro_batch, args)
+                    self.log_inputs(self.iteration, micro_batch, args, kwargs)
             elif self._digest_from_prev:
                 bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
                 self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
@@ -150,12 +152,18 @@ class StageRecorder:
             self._hook_fault("loss", e, self._cur_fwd_mb)
 
     # ------------------------------------------------------------------ explicit logging API
-    def log_inputs(self, iteration: int, micro_batch: int, args: Sequence[Any]) -> bool:
-        """Log stage-0 inputs of one micro-batch (tensors only, copied). Returns False if dropped."""
+    def log_inputs(self, iteration: int, micro_batch: int, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+        """Log stage-0 inputs of one micro-batch (tensors only, copied): the positional ones, then
+        the keyword ones in name order (their names go to META as ``input_kwargs``, so a replay
+        passes them by name again). Returns False if dropped."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if len(tensors) != len(args) and not self._warned_non_tensor:
+        names = sorted(k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor))
+        if (len(tensors) != len(args) or len(names) != len(kwargs or {})) and not self._warned_non_tensor:
             self._warned_non_tensor = True
             logger.warning("stage %d: non-tensor inputs are not logged; a replay must get them elsewhere", self.stage)
+        if names:
+            self.input_kwargs = names
+            tensors += [kwargs[k] for k in names]  # type: ignore[index]
         if not tensors:
             return False
         return self.writer.submit(Channel.input(self.stage), iteration, micro_batch, tensors, copy=True)
@@ -243,7 +251,7 @@ class LoggingPipelineStage(PipelineStage):
         super().clear_runtime_states()
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, save_forward_output: bool = True):  # type: ignore[override]
-        self.recorder.on_forward(self, fwd_chunk_id, args)
+        self.recorder.on_forward(self, fwd_chunk_id, args, kwargs)
         self.recorder.seed(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
