@@ -86,11 +86,13 @@ class ClientConfig:
     Asynchronous writer
         max_queue_bytes: bound on bytes held by queued, not yet written records (default 256
             MiB; pinned host memory on GPU). A single record larger than the bound is admitted
-            when the queue is empty.
+            when the queue is empty. On a GPU, hold at least 4-8 micro-batches of the stage's
+            sends and receives (``docs/gpu.md``).
         overflow: what happens when the bound is hit: "wait" (default) or "gap".
         codec: record codec, "auto" (default), "planes", "zstd" or "raw".
         encode_threads: background threads that encode records (default 1); 0 = encode on the
-            writer thread. Encoding is extra CPU load on the node: size it to spare cores.
+            writer thread. Encoding is extra CPU load on the node: size it to spare cores (on a
+            GPU node, where the cores are mostly idle, 4 per stage; ``docs/gpu.md``).
         write_batch_records: at most this many records per store transaction (default 64).
         write_batch_bytes: at most about this many encoded bytes per transaction (default 16 MiB).
 
