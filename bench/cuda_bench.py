@@ -220,9 +220,9 @@ def copy_rates(shape: tuple[int, ...]) -> dict:
 
 
 def headline(rows: list[dict], threads: int) -> dict:
-    """The table's figures: the overhead with ``threads`` encode threads (the setting docs/gpu.md
-    recommends for a GPU node; the closest measured count if that one was not run), with the
-    client's default of one thread, and of the naive logger."""
+    """The table's figures: the overhead with ``threads`` encode threads (what the client's default
+    chooses for a GPU stage on a node with 4 or more cores per GPU; the closest measured count if
+    that one was not run), with one thread, and of the naive logger."""
     asyncs = [r for r in rows if r["mode"].startswith("async")]
     pick = min(asyncs, key=lambda r: (abs(r["encode_threads"] - threads), r["encode_threads"]))
     one = next((r for r in asyncs if r["encode_threads"] == 1), None)

@@ -34,7 +34,7 @@ from trainer_client import (
 )
 from trainer_client.config import group_starts
 from trainer_client.digest import digest_from_record, digest_record
-from trainer_client.writer import AsyncLogWriter
+from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 
 def test_public_api_is_pinned():
@@ -61,6 +61,7 @@ def test_public_api_is_pinned():
         ({"overflow": "drop"}, "overflow"),
         ({"codec": "lz4"}, "codec"),
         ({"max_queue_bytes": 0}, "max_queue_bytes"),
+        ({"encode_threads": -1}, "encode_threads"),
         ({"seed": -1}, "seed"),
         ({"commit_timeout": 5}, "commit_timeout"),
         ({"run_id": "../x"}, "run id"),
@@ -84,6 +85,7 @@ def test_config_defaults_and_boundaries(tmp_path):
     assert [x.group_of() for x in g] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     cold = ClientConfig(run_id="r", stage=0, num_stages=1, store_root=str(tmp_path), cold_url="s3://b/p")
     assert cold.resolved_checkpoint_url() == "s3://b/p/r/checkpoint-files"
+    assert c.encode_threads is None  # chosen by the writer at the first record
 
 
 # ------------------------------------------------------------------------------ seeds and digests
@@ -146,6 +148,18 @@ def test_writer_writes_in_order_and_markers_see_everything_before(store):
     st = w.stats()
     assert st.records_written == 24 and st.bytes_written == st.bytes_submitted and st.queue_bytes == 0 and st.faults == 0
     assert w.close(10)
+
+
+def test_writer_chooses_its_encode_threads_at_the_first_record(store):
+    w = AsyncLogWriter(store, encode_threads=None)
+    assert w.stats().encode_threads == 0  # nothing captured yet: the device is not known
+    assert w.submit(Channel.activation(0), 0, 0, [torch.randn(16)]) and w.drain(30)
+    assert w.stats().encode_threads == 1 == auto_encode_threads(on_gpu=False)  # a CPU stage: its compute needs the cores
+    assert 1 <= auto_encode_threads(on_gpu=True) <= 4
+    assert store.get(RecordKey(Channel.activation(0), 0, 0)).shape == (16,)
+    assert w.close(10)
+    fixed = AsyncLogWriter(store, encode_threads=3)
+    assert fixed.stats().encode_threads == 3 and fixed.close(10)
 
 
 def test_writer_copy_protects_reused_buffers_and_digests_hash_now(store):

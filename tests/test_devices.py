@@ -24,7 +24,7 @@ from logstore import Channel, LogStore, RecordKey
 from replay.core import LogReader, ReplayError, StageState, replay_device, replay_stage
 from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint, tensor_digest
 from trainer_client.digest import digest_from_record
-from trainer_client.writer import AsyncLogWriter
+from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (run `pytest -m cuda` on a GPU machine)")
@@ -187,6 +187,15 @@ def test_cuda_received_buffer_is_hashed_before_the_next_receive_overwrites_it(st
     assert w.drain(30)
     assert digest_from_record(store.get(RecordKey(Channel.digest(1, 0), 0, 0))) == tensor_digest(torch.full((4096,), 7.0))
     assert torch.equal(buf.cpu(), torch.full((4096,), -1.0))
+    assert w.close(10)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_stage_gets_more_encode_threads_by_default(store):
+    w = AsyncLogWriter(store, encode_threads=None)  # the client's default
+    assert w.submit(Channel.activation(0), 0, 0, [torch.randn(64, device="cuda")]) and w.drain(30)
+    assert w.stats().encode_threads == auto_encode_threads(on_gpu=True) > 1 or (os.cpu_count() or 1) < 2
     assert w.close(10)
 
 

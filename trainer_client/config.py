@@ -90,9 +90,11 @@ class ClientConfig:
             sends and receives (``docs/gpu.md``).
         overflow: what happens when the bound is hit: "wait" (default) or "gap".
         codec: record codec, "auto" (default), "planes", "zstd" or "raw".
-        encode_threads: background threads that encode records (default 1); 0 = encode on the
-            writer thread. Encoding is extra CPU load on the node: size it to spare cores (on a
-            GPU node, where the cores are mostly idle, 4 per stage; ``docs/gpu.md``).
+        encode_threads: background threads that encode records; 0 = encode on the writer thread.
+            Encoding is extra CPU load on the node: size it to spare cores. None (default): chosen
+            at the first record (``writer.auto_encode_threads``): 1 for a stage on CPU, whose own
+            compute needs the cores; for a stage on a GPU the node's cores per GPU, at most 4
+            (``docs/gpu.md``).
         write_batch_records: at most this many records per store transaction (default 64).
         write_batch_bytes: at most about this many encoded bytes per transaction (default 16 MiB).
 
@@ -123,7 +125,7 @@ class ClientConfig:
     max_queue_bytes: int = 256 * MiB
     overflow: str = "wait"
     codec: str = "auto"
-    encode_threads: int = 1
+    encode_threads: int | None = None
     write_batch_records: int = 64
     write_batch_bytes: int = 16 * MiB
     commit_timeout: timedelta = timedelta(seconds=120)
@@ -167,8 +169,10 @@ class ClientConfig:
             raise ConfigError(f"codec must be one of {_CODECS}, got {self.codec!r}")
         for name, lo in (("max_queue_bytes", 1), ("encode_threads", 0), ("write_batch_records", 1), ("write_batch_bytes", 1), ("segment_iters", 1)):
             v = getattr(self, name)
+            if v is None and name == "encode_threads":
+                continue
             if not _is_int(v) or v < lo:
-                raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
+                raise ConfigError(f"{name} must be an int >= {lo}" + (" or None" if name == "encode_threads" else "") + f", got {v!r}")
         if self.max_backlog_bytes is not None and (not _is_int(self.max_backlog_bytes) or self.max_backlog_bytes < 0):
             raise ConfigError(f"max_backlog_bytes must be None or an int >= 0, got {self.max_backlog_bytes!r}")
         if self.durability not in ("process", "fsync"):
