@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,39 +91,29 @@ class Stage:
         t0 = time.perf_counter()
         cap = 0.0
         host: list[torch.Tensor] = []
+
+        def capture(t: torch.Tensor, log: Any) -> None:
+            """What the configuration does with a send or a receive, timed on the training thread."""
+            nonlocal cap
+            c0 = time.perf_counter()
+            if mode == "sync-copy":
+                host.append(t.detach().cpu())
+                del host[:-8]
+            elif client is not None:
+                log()
+            cap += time.perf_counter() - c0
+
         for mb in range(self.args.n_mb):
             self.recv_act.copy_(self.acts[mb % 2])  # the receive
             x = self.recv_act.detach().requires_grad_()
-            c0 = time.perf_counter()
-            if mode == "sync-copy":
-                host.append(x.detach().cpu())
-            elif client is not None:
-                client.log_received(x, 0, it, mb)
-            cap += time.perf_counter() - c0
+            capture(x, lambda: client.log_received(x, 0, it, mb))
             seed_micro_batch(1, 1, it, mb)  # every configuration seeds, as the client always does
             out = self.model(x)
-            c0 = time.perf_counter()
-            if mode == "sync-copy":
-                host.append(out.detach().cpu())
-            elif client is not None:
-                client.log_send(out, 2, "activation", it, mb)
-            cap += time.perf_counter() - c0
+            capture(out, lambda: client.log_send(out, 2, "activation", it, mb))
             self.recv_grad.copy_(self.grads[mb % 2])
-            c0 = time.perf_counter()
-            if mode == "sync-copy":
-                host.append(self.recv_grad.cpu())
-            elif client is not None:
-                client.log_received(self.recv_grad, 2, it, mb)
-            cap += time.perf_counter() - c0
+            capture(self.recv_grad, lambda: client.log_received(self.recv_grad, 2, it, mb))
             out.backward(self.recv_grad)
-            c0 = time.perf_counter()
-            if mode == "sync-copy":
-                host.append(x.grad.cpu())
-            elif client is not None:
-                client.log_send(x.grad, 0, "gradient", it, mb)
-            cap += time.perf_counter() - c0
-            if len(host) > 8:
-                host = host[-8:]
+            capture(x.grad, lambda: client.log_send(x.grad, 0, "gradient", it, mb))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         _sync()

@@ -167,12 +167,12 @@ class ClientConfig:
             raise ConfigError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if self.codec not in _CODECS:
             raise ConfigError(f"codec must be one of {_CODECS}, got {self.codec!r}")
-        for name, lo in (("max_queue_bytes", 1), ("encode_threads", 0), ("write_batch_records", 1), ("write_batch_bytes", 1), ("segment_iters", 1)):
+        for name, lo in (("max_queue_bytes", 1), ("write_batch_records", 1), ("write_batch_bytes", 1), ("segment_iters", 1)):
             v = getattr(self, name)
-            if v is None and name == "encode_threads":
-                continue
             if not _is_int(v) or v < lo:
-                raise ConfigError(f"{name} must be an int >= {lo}" + (" or None" if name == "encode_threads" else "") + f", got {v!r}")
+                raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.encode_threads is not None and (not _is_int(self.encode_threads) or self.encode_threads < 0):
+            raise ConfigError(f"encode_threads must be None or an int >= 0, got {self.encode_threads!r}")
         if self.max_backlog_bytes is not None and (not _is_int(self.max_backlog_bytes) or self.max_backlog_bytes < 0):
             raise ConfigError(f"max_backlog_bytes must be None or an int >= 0, got {self.max_backlog_bytes!r}")
         if self.durability not in ("process", "fsync"):
