@@ -270,18 +270,26 @@ class ReplayHooks:
 
     select(iteration, backward_order) -> micro-batches this process replays (default: all);
         forward and backward keep the live order restricted to them.
+    before_backward(iteration, micro_batch): called just before the micro-batch's backward pass
+        (e.g. to arm gradient hooks for the last one).
     after_backward(iteration, micro_batch): called after the micro-batch's backward through every
         replayed stage, before the next one (its parameter gradients are in ``.grad``, summed with
         those of earlier micro-batches unless the hook took them out).
     before_step(iteration, scale): called after the last backward, before gradients are divided
         by ``scale`` and the optimizers step (e.g. to all-reduce the gradients).
     verify(iteration) -> whether to check this iteration's sends (default: all iterations).
+    shadow_forwards(iteration) -> whether this process also runs the forwards of the micro-batches
+        ``select`` left out, for their effect on module buffers (BatchNorm's running statistics):
+        every forward then runs in the live forward order, so the buffers evolve as in the live
+        run; a left-out micro-batch's outputs are discarded (no check, no loss, no backward).
     """
 
     select: Callable[[int, Sequence[int]], Collection[int]] | None = None
+    before_backward: Callable[[int, int], None] | None = None
     after_backward: Callable[[int, int], None] | None = None
     before_step: Callable[[int, int], None] | None = None
     verify: Callable[[int], bool] | None = None
+    shadow_forwards: Callable[[int], bool] | None = None
 
 
 def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool = False, verify: bool = True, compare_logged: bool = False) -> dict[str, list[Channel]]:
@@ -464,6 +472,7 @@ class _Plan:
     threads: int | None
     mine: list[int]  # micro-batches replayed here, in backward order
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
+    shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -493,7 +502,7 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
         n = ctx.n_mb_arg
         scale = n if ctx.scale_arg in (None, True) else 1
         order = list(range(n))
-        return _Plan(n, order, order, scale, None, _select(ctx, it, order))
+        return _Plan(n, order, order, scale, None, _select(ctx, it, order), shadow=_shadow(ctx, it))
     if present:
         m0 = next(iter(present.values()))
     else:
@@ -532,7 +541,11 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
             report.warnings.append(f"environment differs from the live run: {diff}")
             logger.warning("replay: environment differs from the live run: %s", diff)
     kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw)
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it))
+
+
+def _shadow(ctx: _Context, it: int) -> bool:
+    return ctx.hooks.shadow_forwards is not None and bool(ctx.hooks.shadow_forwards(it))
 
 
 def _select(ctx: _Context, it: int, bwd_order: list[int]) -> list[int]:
@@ -552,16 +565,18 @@ def _split(batch: Any, n: int) -> list[tuple[Any, ...]]:
 
 
 def _passes(plan: _Plan) -> list[tuple[str, int]]:
-    """The order this replay runs its micro-batches' passes: ("F", mb) and ("B", mb).
+    """The order this replay runs its micro-batches' passes: ("F", mb), ("B", mb) and ("S", mb).
 
     Forwards in the live forward order (module buffers such as running statistics are updated in
     that order), backwards in the live backward order (the order of the gradient sums), and each
     backward as soon as its forward has run: with equal orders (GPipe and 1F1B replayed alone)
     F0 B0 F1 B1 ..., so one micro-batch's activations are alive instead of all of them (less
-    memory than the live GPipe schedule, warm caches). Only this replay's micro-batches (``plan.mine``).
+    memory than the live GPipe schedule, warm caches). Only this replay's micro-batches
+    (``plan.mine``); with ``plan.shadow`` the others' forwards too ("S": shadow forwards, for the
+    buffers only), each at its place in the forward order.
     """
     mine = set(plan.mine)
-    pending = iter([mb for mb in plan.fwd_order if mb in mine])
+    pending = iter([mb for mb in plan.fwd_order if mb in mine or plan.shadow])
     done: set[int] = set()
     out: list[tuple[str, int]] = []
     for mb in plan.bwd_order:
@@ -569,9 +584,10 @@ def _passes(plan: _Plan) -> list[tuple[str, int]]:
             continue
         while mb not in done:
             f = next(pending)
-            out.append(("F", f))
+            out.append(("F" if f in mine else "S", f))
             done.add(f)
         out.append(("B", mb))
+    out += [("S", f) for f in pending]  # every forward of this replay's own micro-batches has run
     return out
 
 
@@ -589,8 +605,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     losses: list[float] = []  # the last stage's, in forward order
     loss_mbs: list[int] = []
 
-    def forward(mb: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
-        """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss)."""
+    def forward(mb: int, shadow: bool = False) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+        """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss).
+        ``shadow``: only for the modules' buffers (no loss, no check of the sends, not counted)."""
         kw: dict[str, Any] = {}  # stage 0's keyword inputs (the schedules pass kwargs to the first stage only)
         if first == 0:
             if src_inputs is not None:
@@ -607,6 +624,10 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
             out = st.module(*x, **kw) if i == 0 else st.module(*x)
             outs = out if isinstance(out, tuple) else (out,)
+            if shadow:
+                if i + 1 < len(states):
+                    x = tuple(_leaf(o.detach()) for o in outs)
+                continue
             if st.stage == num_stages - 1:
                 if src_targets is not None:
                     target = src_targets[mb]
@@ -628,6 +649,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
 
     def backward(mb: int, per_stage: list[tuple[tuple[torch.Tensor, ...], Any]]) -> None:
         grads_in: list[torch.Tensor | None] | None = None
+        if ctx.hooks.before_backward is not None:
+            ctx.hooks.before_backward(it, mb)
         for i in range(len(states) - 1, -1, -1):
             st = states[i]
             x, out = per_stage[i]
@@ -651,6 +674,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     for kind, mb in _passes(plan):
         if kind == "F":
             forwarded[mb] = forward(mb)
+        elif kind == "S":
+            forward(mb, shadow=True)
         else:
             backward(mb, forwarded.pop(mb))
     t_reduce = time.perf_counter()
@@ -783,8 +808,9 @@ class _Prefetcher:
                 bwd.append(Channel.digest(first, first - 1))
             if ctx.compare_logged and check:
                 bwd.append(Channel.gradient(first))
+        shadow = fwd[:1] if first > 0 or not src else []  # a shadow forward reads only the inputs
         keys: list[RecordKey] = []
         for kind, mb in _passes(plan):
-            for c in fwd if kind == "F" else bwd:
+            for c in fwd if kind == "F" else shadow if kind == "S" else bwd:
                 keys += ctx.reader.part_keys(c, it, mb)
         return keys

@@ -7,7 +7,17 @@ forward and backward, reads only the records of its own micro-batches, and verif
 of its own micro-batches. Then the parameter gradients are reduced over the workers (gloo), and
 every worker divides them by the schedule's factor and steps its optimizer and scheduler
 identically. Worker 0 writes the recovered checkpoint(s); before that the workers compare a
-digest of their parameters, so "they stepped identically" is checked, not assumed.
+digest of their parameters and buffers, so "they stepped identically" is checked, not assumed.
+
+Buffers: a forward may update module buffers (BatchNorm's running statistics), and the live run
+updated them with every micro-batch in the live forward order. A worker that ran only its own
+forwards would end with statistics of its slice alone (and a forward that reads them would see
+wrong ones). So when the stages have buffers, every worker runs, in the first iteration, the
+other workers' forwards too, in the live forward order ("shadow" forwards: outputs discarded, no
+backward, no check), and watches the buffers' version counters: if any worker saw them change,
+every later iteration runs the shadow forwards as well (exact buffers for about a third more
+compute per worker: a forward without its backward); if none did, later iterations skip them,
+and a change that shows up later anyway is an error naming the buffer, never a silent difference.
 
 Balance: the slices need not be equal. Every worker measures its time per micro-batch in each
 iteration and the reduction carries those times to every worker; iteration ``i``'s slice sizes
@@ -25,11 +35,16 @@ gradient in place, elementwise; the first one is assigned). Each ``g_i`` a worke
 bit-identical to the sequential one (same weights, inputs, per-micro-batch seed and thread
 count). So the workers form exactly that sum as an ordered chain: worker 0 lets autograd
 accumulate its slice in ``.grad``; worker r > 0 keeps its slice's gradients apart, receives the
-running sum from worker r - 1, adds its own in order and passes it on; the last worker broadcasts
-the total. The result is bit-identical to sequential replay (the tests compare every byte). Cost:
-worker r > 0 holds its ``n/K`` micro-batches' gradients (``n/K x`` the parameter bytes);
-communication is ``K - 1`` point-to-point hops plus one broadcast of the gradients per iteration,
-in sequence (an all-reduce's volume, with a latency that grows with K).
+running sum from worker r - 1, adds its own in order and passes it on; the last worker sends the
+total to every other worker. The result is bit-identical to sequential replay (the tests compare
+every byte). The chain is pipelined in buckets of about 1 MiB of consecutive parameters: worker 0
+sends a bucket from a gradient hook as soon as its last backward has finished that bucket's
+parameters (while it computes the others), the next worker adds its stash to a bucket as soon as
+it arrives, and each finished bucket travels on while the next ones are added. Cost: worker
+r > 0 holds its ``n/K`` micro-batches' gradients (``n/K x`` the parameter bytes), workers other
+than the last a second gradient buffer for the total; communication is ``K - 1`` point-to-point
+hops plus ``K - 1`` sends of the total per iteration (an all-reduce's volume, with a latency that
+grows with K, most of it hidden behind worker 0's last backward and the adds).
 
 **approximate** (``exact=False``): each worker sums its slice locally, then one all-reduce. Both
 this and the sequential replay are floating-point sums of the same ``n`` terms in different
@@ -61,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -160,18 +176,20 @@ def adamw_update_bound(beta1: float = 0.9, beta2: float = 0.999) -> float:
 
 
 # ====================================================================== gradient reduction
-def _groups(params: Sequence[torch.Tensor], limit: int = 1 << 20) -> list[list[int]]:
-    """Indices of consecutive parameters in groups of at most ``limit`` bytes (a bigger one alone)."""
-    groups: list[list[int]] = [[]]
-    size = 0
+def _buckets(params: Sequence[torch.Tensor], limit: int = 1 << 20) -> list[range]:
+    """Runs of consecutive parameters of one dtype, at most ``limit`` bytes each (a bigger parameter
+    alone): a run's gradients are one contiguous slice of its dtype's flat buffer."""
+    buckets: list[range] = []
+    lo = size = 0
     for i, p in enumerate(params):
         n = p.numel() * p.element_size()
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
+        if i > lo and (size + n > limit or p.dtype != params[lo].dtype):
+            buckets.append(range(lo, i))
+            lo, size = i, 0
         size += n
-    return groups
+    if lo < len(params):
+        buckets.append(range(lo, len(params)))
+    return buckets
 
 
 class _GradReducer:
@@ -180,17 +198,31 @@ class _GradReducer:
     Exact mode: worker 0's slice starts the running sum, so autograd accumulates it in ``.grad``
     exactly as the sequential replay does; a worker r > 0 takes each micro-batch's gradient tensors
     out of ``.grad`` (references, no copy) until the running sum of the slices before it arrives.
+    The running sum travels in buckets (consecutive parameters, about 1 MiB, sent last parameters
+    first) so that the chain is a pipeline: worker 0 sends a bucket from a gradient hook as soon as
+    its last backward has finished that bucket's parameters (while it computes the rest), worker
+    r > 0 adds its stash to a bucket as soon as it arrives and passes it on while the next ones
+    travel, and the last worker sends each finished bucket back to the others. Each bucket's
+    "present" flags travel with it (they decide, per parameter, whether the next gradient is
+    assigned or added).
     Approximate mode: every worker sums its slice into a flat buffer (the same arithmetic) and,
     for the error bound, the absolute values. Flat buffers hold one dtype each (views give each
     parameter its slice); a parameter's "present" flag says whether any micro-batch produced a
     gradient for it, so one without keeps ``grad=None`` as in the sequential replay.
+    Call :meth:`close` when done: it removes the gradient hooks from the (surviving) modules.
     """
 
     #: weight of the newest iteration in the averaged time per micro-batch
     EMA = 0.5
 
-    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, dump_dir: str | None = None, lag: int = 1) -> None:
+    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, start: int, dump_dir: str | None = None, lag: int = 1) -> None:
         self.rank, self.world, self.exact = rank, world, exact
+        self.states = list(states)
+        self.first_it = start
+        # module buffers (running statistics) follow every micro-batch's forward: None = not known yet
+        # whether the forwards change them; the first iteration runs all forwards and finds out
+        self.buffers_mutate: bool | None = None if world > 1 and any(True for st in states for _ in st.module.buffers()) else False
+        self._versions = self._buffer_versions()
         self.lag = max(1, lag)  # iteration i's split uses the times measured up to i - lag
         self.per_mb: dict[int, list[float]] = {}  # iteration -> averaged seconds per micro-batch, per worker
         self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (as replayed)
@@ -203,11 +235,33 @@ class _GradReducer:
             self.where.append((p.dtype, sizes[p.dtype], p.numel()))
             sizes[p.dtype] += p.numel()
         self.sizes = sizes
-        self.groups = _groups(self.params)
+        self.buckets = _buckets(self.params)
+        self.bucket_of = [b for b, r in enumerate(self.buckets) for _ in r]
+        self.send_order = list(range(len(self.buckets)))[::-1]  # backward usually finishes the last parameters first
         self.dump_dir = dump_dir
         self.bound_max = 0.0
         self.global_n = 0
+        self.chained = exact and world > 1
+        self._last_mb: dict[int, int | None] = {}  # iteration -> this worker's last micro-batch (backward order)
+        self._hooks: list[Any] = []
+        self._armed = False
+        if self.chained:
+            self.flags = torch.zeros(len(self.params), dtype=torch.uint8)  # "present", as it travels with the buckets
+            self.info = torch.zeros(world + 1, dtype=torch.float64)  # every worker's time per micro-batch; "buffers changed" anywhere
+            if rank < world - 1:  # the total arrives in buffers of its own (this worker's sends may still read acc)
+                self.final = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
+                self.final_views = [self._view(self.final, i) for i in range(len(self.params))]
+                self.final_flags = torch.zeros(len(self.params), dtype=torch.uint8)
+                self.final_info = torch.zeros(world + 1, dtype=torch.float64)
+            if rank == 0:
+                self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params)]
         self._reset()
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the modules go on without them)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _reset(self) -> None:
         """Ready for the next iteration; buffers are allocated once (the optimizer has let go of the
@@ -225,10 +279,23 @@ class _GradReducer:
         self.present = [False] * len(self.params)
         self.stash: list[list[torch.Tensor | None]] = []
         self.n_mb = 0
+        self._armed = False
+        self._shipped = [False] * len(self.buckets)
+        self._pending = [len(r) for r in self.buckets]
+        self._sends: list[Any] = []
+        self._chain_in: dict[int, tuple[Any, Any]] | None = None  # bucket -> (data, flags) receives from rank - 1
+        self._info_in: Any = None
 
     def _view(self, flats: dict[torch.dtype, torch.Tensor], i: int) -> torch.Tensor:
         dt, off, n = self.where[i]
         return flats[dt][off : off + n].view(self.params[i].shape)
+
+    def _flat(self, flats: dict[torch.dtype, torch.Tensor], b: int) -> torch.Tensor:
+        """Bucket ``b``'s slice of ``flats`` (its parameters are consecutive of one dtype)."""
+        r = self.buckets[b]
+        dt, off, _ = self.where[r.start]
+        _, off_last, n_last = self.where[r.stop - 1]
+        return flats[dt][off : off_last + n_last]
 
     def _accumulate(self, idx: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
         """``acc[i] += grads[i]`` for ``i`` in ``idx``, in AccumulateGrad's arithmetic: a parameter's
@@ -253,14 +320,6 @@ class _GradReducer:
         """``acc += grads`` (see :meth:`_accumulate`)."""
         self._accumulate(range(len(self.params)), grads)
 
-    def _add_stash(self) -> None:
-        """``acc += stash[0]; acc += stash[1]; ...`` group of parameters by group: the same additions
-        in the same order for every element as one full pass per stashed micro-batch
-        (bit-identical), but a group's running sums (about 1 MiB) stay in cache across the passes."""
-        for idx in self.groups:
-            for grads in self.stash:
-                self._accumulate(idx, grads)
-
     def _take(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]
         for p in self.params:
@@ -270,13 +329,67 @@ class _GradReducer:
     # -- hooks --------------------------------------------------------------------------
     def start(self) -> None:
         """The replay starts now (the first iteration's time per micro-batch is measured from here)."""
+        self._versions = self._buffer_versions()
         self._t_ready = time.perf_counter()
+
+    # -- module buffers -------------------------------------------------------------------
+    def _buffer_versions(self) -> dict[str, tuple[int, int]]:
+        """Every buffer's identity and version counter (an in-place update, e.g. BatchNorm's running
+        statistics, bumps the counter; assigning a new tensor changes the identity)."""
+        return {f"stage {st.stage} {name}": (id(b), b._version) for st in self.states for name, b in st.module.named_buffers()}
+
+    def shadow_forwards(self, it: int) -> bool:
+        """Whether iteration ``it`` runs every micro-batch's forward here (ReplayHooks.shadow_forwards):
+        in the first iteration whenever the stages have buffers (to find out whether the forwards
+        change them), later iff they did. Until the first iteration has shown it, the prefetch
+        thread asking ahead hears no (a record it did not fetch is fetched when needed)."""
+        if self.buffers_mutate is None:
+            return it == self.first_it
+        return self.buffers_mutate
+
+    def _settle_buffers(self, it: int, changed_here: list[str], changed_anywhere: bool) -> None:
+        """After iteration ``it``'s forwards: the first iteration decides whether later ones run
+        every forward; a change after a first iteration without any is an error (the other
+        workers' forwards did not run here, so the buffers would be wrong), never silent."""
+        if self.buffers_mutate is None:
+            self.buffers_mutate = changed_anywhere
+            if changed_anywhere:
+                logger.info("parallel replay: the forwards change module buffers (%s): every worker runs every forward", ", ".join(changed_here[:3]) or "seen by another worker")
+        elif changed_anywhere and not self.buffers_mutate:
+            where = ", ".join(changed_here[:5]) or "on another worker"
+            raise ReplayError(f"parallel replay: module buffers changed in iteration {it} ({where}) but not in iteration {self.first_it}, "
+                              "so this worker did not run the other workers' forwards and its buffers would differ from the live run's",
+                              hint="replay these stages with one worker (sequential replay reproduces every buffer update)")  # fmt: skip
+
+    def _buffers_changed(self) -> list[str]:
+        now = self._buffer_versions()
+        return sorted(k for k in now.keys() | self._versions.keys() if now.get(k) != self._versions.get(k))
 
     def select(self, it: int, order: Sequence[int]) -> list[int]:
         """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
         compute thread and, ahead, by the prefetch thread: both get the same answer)."""
         counts = self.splits[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
-        return slice_of(order, self.rank, self.world, counts)
+        mine = slice_of(order, self.rank, self.world, counts)
+        self._last_mb[it] = mine[-1] if mine else None
+        return mine
+
+    def before_backward(self, it: int, mb: int) -> None:
+        if not self.chained:
+            return
+        if self.rank == 0:  # the last backward of worker 0's slice finishes the running sum parameter by parameter
+            self._armed = mb == self._last_mb.get(it)
+        elif self._chain_in is None:  # the previous step has let go of acc: the running sum may arrive
+            self._post_chain_receives()
+
+    def _grad_ready(self, i: int, _param: torch.Tensor) -> None:
+        """Worker 0's gradient hook: parameter ``i``'s ``.grad`` is final once its last backward
+        accumulated it; a bucket whose parameters all are goes on its way."""
+        if not self._armed:
+            return
+        b = self.bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._ship_first(b)
 
     def after_backward(self, it: int, mb: int) -> None:
         self.n_mb += 1
@@ -295,18 +408,21 @@ class _GradReducer:
         if self.exact and self.world == 1:
             return  # nothing to reduce: .grad holds the sum
         mine = (time.perf_counter() - self._t_ready) / self.n_mb if self.n_mb else 0.0
+        changed = self._buffers_changed()
         if self.exact:
-            if self.rank == 0:
-                self._add(self._take())
-            times = self._chain(mine)
+            times = self._chain(mine, bool(changed))
         elif self.world > 1:
-            times = self._all_reduce(mine)
+            times = self._all_reduce(mine, bool(changed))
+            for i, p in enumerate(self.params):
+                p.grad = self.views[i] if self.present[i] else None
         else:
             self.global_n = self.n_mb
-            times = [mine]
+            times = [mine, 0.0]  # one worker runs every forward: nothing to miss
+            for i, p in enumerate(self.params):
+                p.grad = self.views[i] if self.present[i] else None
+        self._settle_buffers(it, changed, times.pop() > 0)
         self._record(it, times)
-        for i, p in enumerate(self.params):
-            p.grad = self.views[i] if self.present[i] else None
+        self._last_mb.pop(it, None)
         if self.dump_dir is not None and self.rank == 0:
             self._dump(it, scale)
 
@@ -321,43 +437,113 @@ class _GradReducer:
         self.per_mb[it] = est
         self.per_mb.pop(it - self.lag - 1, None)  # no select() asks below it - lag any more
 
-    def _comm_buffers(self) -> list[torch.Tensor]:
-        return [self.acc[dt] for dt in self.dtypes]
+    # -- the exact chain ------------------------------------------------------------------
+    def _tags(self, b: int, final: bool) -> tuple[int, int]:
+        """Message tags of bucket ``b``'s data and flags, on the chain or on the way back."""
+        n = len(self.buckets)
+        return (2 * n + b, 3 * n + b) if final else (b, n + b)
 
-    def _chain(self, mine: float) -> list[float]:
-        """Running sum in backward order: 0 -> 1 -> ... -> K-1, then broadcast from K-1. The "present"
-        flags and each worker's time per micro-batch travel with it; returns every worker's time."""
-        n = len(self.params)
-        info = torch.zeros(n + self.world, dtype=torch.float64)
-        if self.rank > 0:
-            for t in self._comm_buffers():
-                dist.recv(t, src=self.rank - 1)
-            dist.recv(info, src=self.rank - 1)
-            self.present = [bool(x) for x in info[:n].tolist()]
-            self._add_stash()
+    def _isend(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, dst: int, final: bool) -> None:
+        r = self.buckets[b]
+        t_data, t_flags = self._tags(b, final)
+        self._sends.append(dist.isend(self._flat(data, b), dst=dst, tag=t_data))
+        self._sends.append(dist.isend(flags[r.start : r.stop], dst=dst, tag=t_flags))
+
+    def _set_flags(self, b: int) -> None:
+        r = self.buckets[b]
+        self.flags[r.start : r.stop] = torch.tensor(self.present[r.start : r.stop], dtype=torch.uint8)
+
+    def _ship_first(self, b: int) -> None:
+        """Worker 0: bucket ``b``'s (final) ``.grad`` into the running sum and on to worker 1."""
+        if self._shipped[b]:
+            return
+        self._shipped[b] = True
+        for i in self.buckets[b]:
+            g = self.params[i].grad
+            if g is not None:
+                self.views[i].copy_(g)
+                self.present[i] = True
+        self._set_flags(b)
+        self._isend(b, self.acc, self.flags, 1, final=False)
+
+    def _post_chain_receives(self) -> None:
+        """Worker r > 0: receive the running sum of the earlier slices into acc, bucket by bucket."""
+        ins = {}
+        n = len(self.buckets)
+        for b in range(n):
+            r = self.buckets[b]
+            t_data, t_flags = self._tags(b, final=False)
+            ins[b] = (dist.irecv(self._flat(self.acc, b), src=self.rank - 1, tag=t_data),
+                      dist.irecv(self.flags[r.start : r.stop], src=self.rank - 1, tag=t_flags))  # fmt: skip
+        self._chain_in = ins
+        self._info_in = dist.irecv(self.info, src=self.rank - 1, tag=4 * n)
+
+    def _chain(self, mine: float, changed: bool) -> list[float]:
+        """Running sum in backward order: 0 -> 1 -> ... -> K-1, bucket by bucket; the last worker
+        sends each finished bucket to every other one. Every worker's time per micro-batch and
+        whether its buffers ``changed`` travel with it; returns the times and, last, 1.0 if any
+        worker's buffers changed. On return ``.grad`` holds the total and no send is in flight."""
+        n, last = len(self.buckets), self.world - 1
+        finals = []
+        if self.rank < last:  # the total comes back from the last worker
+            for b in range(n):
+                r = self.buckets[b]
+                t_data, t_flags = self._tags(b, final=True)
+                finals.append(dist.irecv(self._flat(self.final, b), src=last, tag=t_data))
+                finals.append(dist.irecv(self.final_flags[r.start : r.stop], src=last, tag=t_flags))
+            final_info = dist.irecv(self.final_info, src=last, tag=4 * n + 1)
+        if self.rank == 0:
+            for b in self.send_order:  # those its gradient hooks have not sent (no gradient in the last micro-batch)
+                self._ship_first(b)
+            self._take()
+            self.info[0] = mine
+            self.info[self.world] = float(changed)
+            self._sends.append(dist.isend(self.info, dst=1, tag=4 * n))
+        else:
+            if self._chain_in is None:  # no micro-batch here this iteration
+                self._post_chain_receives()
+            assert self._chain_in is not None
+            for b in self.send_order:
+                r = self.buckets[b]
+                for w in self._chain_in[b]:
+                    w.wait()
+                self.present[r.start : r.stop] = [bool(x) for x in self.flags[r.start : r.stop].tolist()]
+                for grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
+                    self._accumulate(r, grads)
+                self._set_flags(b)
+                for dst in [self.rank + 1] if self.rank < last else range(last):
+                    self._isend(b, self.acc, self.flags, dst, final=self.rank == last)
             self.stash = []
-        info[:n] = torch.tensor(self.present, dtype=torch.float64)
-        info[n + self.rank] = mine
-        if self.rank < self.world - 1:
-            for t in self._comm_buffers():
-                dist.send(t, dst=self.rank + 1)
-            dist.send(info, dst=self.rank + 1)
-        for t in self._comm_buffers():
-            dist.broadcast(t, src=self.world - 1)
-        dist.broadcast(info, src=self.world - 1)
-        self.present = [bool(x) for x in info[:n].tolist()]
-        return info[n:].tolist()
+            self._info_in.wait()
+            self.info[self.rank] = mine
+            self.info[self.world] = max(float(self.info[self.world]), float(changed))
+            for dst in [self.rank + 1] if self.rank < last else range(last):
+                self._sends.append(dist.isend(self.info, dst=dst, tag=4 * n + (self.rank == last)))
+        for w in self._sends:  # the step divides the gradients in place; and acc is reused
+            w.wait()
+        self._sends = []
+        if self.rank < last:
+            for w in finals:
+                w.wait()
+            final_info.wait()
+            self.present = [bool(x) for x in self.final_flags.tolist()]
+        views = self.views if self.rank == last else self.final_views
+        for i, p in enumerate(self.params):
+            p.grad = views[i] if self.present[i] else None
+        return (self.info if self.rank == last else self.final_info).tolist()
 
-    def _all_reduce(self, mine: float) -> list[float]:
-        """Sum the gradients, their absolute values (for the bound), the "present" flags and the
-        micro-batch counts over the workers; returns every worker's time per micro-batch."""
-        for t in self._comm_buffers():
-            dist.all_reduce(t)
+    def _all_reduce(self, mine: float, changed: bool) -> list[float]:
+        """Sum the gradients, their absolute values (for the bound), the "present" flags, the
+        micro-batch counts and the "buffers changed" flags over the workers; returns every
+        worker's time per micro-batch and, last, 1.0 if any worker's buffers changed."""
+        for dt in self.dtypes:
+            dist.all_reduce(self.acc[dt])
         n = len(self.params)
-        counts = torch.zeros(n + 1 + self.world, dtype=torch.int64)
+        counts = torch.zeros(n + 2 + self.world, dtype=torch.int64)
         counts[:n] = torch.tensor(self.present, dtype=torch.int64)
         counts[n] = self.n_mb
         counts[n + 1 + self.rank] = round(mine * 1e9)  # the others add zeros: a gather
+        counts[n + 1 + self.world] = int(changed)
         dist.all_reduce(counts)
         self.present = [bool(x) for x in counts[:n].tolist()]
         self.global_n = int(counts[n].item())
@@ -366,7 +552,7 @@ class _GradReducer:
             dist.all_reduce(self.abs[dt])
             if self.abs[dt].numel():
                 self.bound_max = max(self.bound_max, self._factor(dt) * float(self.abs[dt].max()))
-        return [x / 1e9 for x in counts[n + 1 :].tolist()]
+        return [x / 1e9 for x in counts[n + 1 : n + 1 + self.world].tolist()] + [float(counts[n + 1 + self.world] > 0)]
 
     def _factor(self, dt: torch.dtype) -> float:
         """``2 * gamma_{n-1}`` for this iteration's n micro-batches."""
@@ -379,7 +565,7 @@ class _GradReducer:
             "iteration": it,
             "scale": scale,
             "exact": self.exact,
-            "grads": [self._view(self.acc, i).clone() if self.present[i] else None for i in range(len(self.params))],
+            "grads": [None if p.grad is None else p.grad.clone() for p in self.params],
         }
         if self.abs is not None:
             doc["bound"] = [self._factor(p.dtype) * self._view(self.abs, i) for i, p in enumerate(self.params)]
@@ -387,6 +573,7 @@ class _GradReducer:
 
     def end_iteration(self) -> None:
         self._reset()
+        self._versions = self._buffer_versions()
         self._t_ready = time.perf_counter()
 
 
@@ -421,6 +608,7 @@ def worker_main(
     """
     t0 = time.perf_counter()
     opened = []
+    reducer: _GradReducer | None = None
     try:
         if job.threads is not None:
             torch.set_num_threads(job.threads)
@@ -443,12 +631,14 @@ def worker_main(
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
-        reducer = _GradReducer(states, rank, world, exact=job.exact, dump_dir=job.dump_gradients, lag=job.prefetch + 1)
+        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1)
         hooks = ReplayHooks(
             select=reducer.select,
+            before_backward=reducer.before_backward,
             after_backward=reducer.after_backward,
             before_step=reducer.before_step,
             verify=None if job.exact else (lambda it: it == start),
+            shadow_forwards=reducer.shadow_forwards,
         )
         tracker: _Progress | None = None
         mb_done = 0
@@ -483,7 +673,7 @@ def worker_main(
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, payload)
         if len({g["digest"] for g in gathered}) != 1:
-            raise ReplayError(f"parallel replay workers ended with different parameters (digests {[g['digest'] for g in gathered]})",
+            raise ReplayError(f"parallel replay workers ended with different parameters or buffers (digests {[g['digest'] for g in gathered]})",
                               hint="a nondeterministic kernel or an environment difference between workers")  # fmt: skip
         result = None
         if rank == 0:
@@ -519,6 +709,8 @@ def worker_main(
             _write_error(result_path, rank, e)
         raise
     finally:
+        if reducer is not None:
+            reducer.close()
         _close_all(opened)
         if dist.is_initialized():
             _destroy_default_group()
@@ -534,11 +726,12 @@ def _destroy_default_group() -> None:
 
 
 def _state_digest(states: Sequence[StageState]) -> str:
-    """A digest of every parameter's bytes (same on every worker iff they stepped identically)."""
+    """A digest of every parameter's and buffer's bytes (the same on every worker iff they stepped
+    identically and their buffers evolved alike)."""
     h = hashlib.blake2b(digest_size=16)
     for st in states:
-        for p in st.module.parameters():
-            h.update(tensor_digest(p.detach()).to_bytes(8, "big"))
+        for t in (*st.module.parameters(), *st.module.buffers()):
+            h.update(tensor_digest(t.detach()).to_bytes(8, "big"))
     return h.hexdigest()
 
 

@@ -13,7 +13,7 @@ from logstore.testing.s3servers import MotoServer
 from tests._client_mp import run_pipeline
 from tests._replay_helpers import CKPT, ITERS, Run, file_run
 
-__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run"]
+__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run"]
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +37,12 @@ def f1b_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="session")
 def groups_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return file_run(tmp_path_factory.mktemp("groups"), "groups", "1f1b", extra=["--groups", "2,2"])
+
+
+@pytest.fixture(scope="session")
+def batchnorm_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """GPipe with a BatchNorm before every MLP: forwards that update module buffers (running statistics)."""
+    return file_run(tmp_path_factory.mktemp("batchnorm"), "batchnorm", "gpipe", extra=["--mlp-norm", "batch"])
 
 
 @pytest.fixture(scope="session")

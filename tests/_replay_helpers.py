@@ -170,3 +170,23 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
 
     module.register_forward_pre_hook(slow)
     return module, optimizer, scheduler
+
+
+def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
+    """``replay.examples.gpt_stage`` with a counter buffer that its forward starts to bump only after
+    the first ``n_microbatches`` calls (after a parallel replay's first iteration); the outputs are
+    untouched. For the test that such a late buffer update is an error, not a silent difference."""
+    from replay.examples import gpt_config, gpt_stage
+
+    module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
+    quiet_calls = gpt_config(checkpoint, **model_args).n_microbatches
+    module.register_buffer("late_count", torch.zeros((), dtype=torch.int64), persistent=False)  # not in the checkpoint
+    calls = [0]
+
+    def count(mod: Any, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] > quiet_calls:
+            mod.late_count.add_(1)
+
+    module.register_forward_pre_hook(count)
+    return module, optimizer, scheduler

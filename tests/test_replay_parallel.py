@@ -27,7 +27,7 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.core import LogReader, ReplayInputMissingError
+from replay.core import LogReader, ReplayError, ReplayInputMissingError
 from replay.engine import build_states, checkpoint_of
 from replay.parallel import adamw_update_bound, balanced_counts, slice_of
 from server.testing import subprocess_env
@@ -166,6 +166,33 @@ def test_approximate_parallel_replay_stays_within_the_stated_bound(workers, f1b_
     r = par.report
     assert r.digests_checked == 2 * n_mb and r.digest_mismatches == [] and r.sends_generated == 2 * n_mb * (ITERS - CKPT)
     assert not par.verified and any("approximate" in w for w in r.warnings)
+
+
+@pytest.mark.parametrize(("workers", "stage", "exact"), [(2, 1, True), (3, 0, True), (2, 3, False)])
+def test_parallel_replay_reproduces_buffers_updated_in_forward(workers, stage, exact, batchnorm_run, tmp_path):
+    """BatchNorm's running statistics follow every micro-batch's forward in the live order: each worker
+    also runs the other workers' forwards (found necessary in the first iteration), so the recovered
+    buffers equal the live ones byte for byte, whichever worker's slice a micro-batch was in."""
+    live = batchnorm_run.results[stage]
+    assert any("running_mean" in name for name in live["model"]), "the run has no BatchNorm"
+    par = replay(_job(batchnorm_run, [stage], tmp_path / "par", workers=workers, exact=exact))
+    ck = checkpoint_of(par, stage)
+    if exact:
+        assert checkpoint_vs_live(ck, live) == [] and par.verified
+    else:  # the approximate gradients move the parameters, and with them the statistics, a little
+        for name, t in live["model"].items():
+            if "running" in name:
+                assert torch.allclose(ck.model[name], t, rtol=1e-4, atol=1e-6), name
+            elif "num_batches_tracked" in name:
+                assert torch.equal(ck.model[name], t), name
+    assert par.report.micro_batches == (ITERS - CKPT) * batchnorm_run.gpt.n_microbatches  # shadow forwards are not counted
+
+
+def test_a_buffer_change_after_a_quiet_first_iteration_is_an_error(f1b_run, tmp_path):
+    job = _job(f1b_run, [2], tmp_path / "out", workers=2, model="tests._replay_helpers:late_buffer_gpt_stage")
+    with pytest.raises(ReplayError, match=rf"module buffers changed in iteration {CKPT + 1} \(stage 2 late_count\) but not in iteration {CKPT}"):
+        replay(job, timeout_s=300)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_worker_error_names_the_missing_record(f1b_run, tmp_path):

@@ -45,7 +45,9 @@ class GPTConfig:
     heads: attention heads (default 4). layers_per_stage: blocks per stage (default 1).
     seq: sequence length (default 16). dropout: dropout probability everywhere (default 0.1).
     micro_batch_size: sequences per micro-batch (default 2). n_microbatches: micro-batches per
-    iteration (default 4).
+    iteration (default 4). mlp_norm: the norm before each block's MLP, "layer" (default: LayerNorm)
+    or "batch" (BatchNorm over the micro-batch's tokens: a module whose forward updates buffers,
+    its running statistics).
     """
 
     vocab: int = 64
@@ -56,8 +58,11 @@ class GPTConfig:
     dropout: float = 0.1
     micro_batch_size: int = 2
     n_microbatches: int = 4
+    mlp_norm: str = "layer"
 
     def __post_init__(self) -> None:
+        if self.mlp_norm not in ("layer", "batch"):
+            raise ValueError(f"mlp_norm must be 'layer' or 'batch', got {self.mlp_norm!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         for name in ("vocab", "hidden", "heads", "layers_per_stage", "seq", "micro_batch_size", "n_microbatches"):
@@ -72,17 +77,24 @@ class GPTConfig:
         return asdict(self)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention and a GELU MLP, with dropout."""
+class TokenBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over every token of a ``(batch, seq, hidden)`` input (statistics per hidden feature)."""
 
-    def __init__(self, hidden: int, heads: int, dropout: float, n_blocks: int) -> None:
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return super().forward(x_BSH.reshape(-1, x_BSH.shape[-1])).view_as(x_BSH)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, with dropout."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float, n_blocks: int, mlp_norm: str = "layer") -> None:
         super().__init__()
         self.heads = heads
         self.dropout = dropout
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
+        self.ln2 = TokenBatchNorm(hidden) if mlp_norm == "batch" else nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, 4 * hidden)
         self.fc2 = nn.Linear(4 * hidden, hidden)
         self.drop = nn.Dropout(dropout)
@@ -115,7 +127,7 @@ class StageModule(nn.Module):
             nn.init.normal_(self.tok.weight, std=0.02)
             nn.init.normal_(self.pos.weight, std=0.01)
         n_blocks = cfg.layers_per_stage * num_stages
-        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads, cfg.dropout, n_blocks) for _ in range(cfg.layers_per_stage))
+        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads, cfg.dropout, n_blocks, cfg.mlp_norm) for _ in range(cfg.layers_per_stage))
         if self.last:
             self.lnf = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab)

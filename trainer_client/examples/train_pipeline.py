@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropout", type=float, default=0.1)
     a("--micro-batch-size", type=int, default=2)
     a("--n-microbatches", type=int, default=4)
+    a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
     # logging
     a("--no-logging", action="store_true")
     a("--alternate-logging", type=int, default=0, help="blocks of N iterations: logging on, off, on, ...")
@@ -153,7 +154,8 @@ def _limit_file_size(nbytes: int | None) -> None:
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The example model's configuration from this script's arguments (shared with train_resilient)."""
     return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
-                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches)  # fmt: skip
+                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches,
+                     mlp_norm=args.mlp_norm)  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> ClientConfig:
