@@ -253,8 +253,8 @@ class _GradReducer:
                 self.final_views = [self._view(self.final, i) for i in range(len(self.params))]
                 self.final_flags = torch.zeros(len(self.params), dtype=torch.uint8)
                 self.final_info = torch.zeros(world + 1, dtype=torch.float64)
-            if rank == 0:
-                self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params)]
+            if rank == 0:  # (a frozen parameter has no hook; its bucket goes when the backward is over)
+                self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params) if p.requires_grad]
         self._reset()
 
     def close(self) -> None:
@@ -281,7 +281,7 @@ class _GradReducer:
         self.n_mb = 0
         self._armed = False
         self._shipped = [False] * len(self.buckets)
-        self._pending = [len(r) for r in self.buckets]
+        self._pending = [sum(self.params[i].requires_grad for i in r) or -1 for r in self.buckets]  # hooks to go (-1: none)
         self._sends: list[Any] = []
         self._chain_in: dict[int, tuple[Any, Any]] | None = None  # bucket -> (data, flags) receives from rank - 1
         self._info_in: Any = None

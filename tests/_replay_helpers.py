@@ -172,6 +172,17 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
     return module, optimizer, scheduler
 
 
+def frozen_ln_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
+    """``replay.examples.gpt_stage`` with its first LayerNorm frozen (``requires_grad=False``): a
+    stage with parameters that get no gradient and no gradient hook."""
+    from replay.examples import gpt_stage
+
+    module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
+    for p in module.blocks[0].ln1.parameters():
+        p.requires_grad_(False)
+    return module, optimizer, scheduler
+
+
 def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
     """``replay.examples.gpt_stage`` with a counter buffer that its forward starts to bump only after
     the first ``n_microbatches`` calls (after a parallel replay's first iteration); the outputs are

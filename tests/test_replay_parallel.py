@@ -188,6 +188,17 @@ def test_parallel_replay_reproduces_buffers_updated_in_forward(workers, stage, e
     assert par.report.micro_batches == (ITERS - CKPT) * batchnorm_run.gpt.n_microbatches  # shadow forwards are not counted
 
 
+def test_frozen_parameters_replay_in_parallel_as_sequentially(f1b_run, tmp_path):
+    model = "tests._replay_helpers:frozen_ln_gpt_stage"  # differs from the live run: compared with the sequential replay only
+    seq = replay(_job(f1b_run, [1], tmp_path / "seq", model=model, verify=False))
+    par = replay(_job(f1b_run, [1], tmp_path / "par", model=model, verify=False, workers=2))
+    a, b = checkpoint_of(seq, 1), checkpoint_of(par, 1)
+    assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
+    start = load_checkpoint(f1b_run.results[1]["checkpoints"][CKPT])
+    assert torch.equal(b.model["blocks.0.ln1.weight"], start.model["blocks.0.ln1.weight"])  # frozen: untouched
+    assert not torch.equal(b.model["blocks.0.ln2.weight"], start.model["blocks.0.ln2.weight"])
+
+
 def test_a_buffer_change_after_a_quiet_first_iteration_is_an_error(f1b_run, tmp_path):
     job = _job(f1b_run, [2], tmp_path / "out", workers=2, model="tests._replay_helpers:late_buffer_gpt_stage")
     with pytest.raises(ReplayError, match=rf"module buffers changed in iteration {CKPT + 1} \(stage 2 late_count\) but not in iteration {CKPT}"):
