@@ -10,7 +10,8 @@ inputs (received activations become fresh leaves with ``requires_grad``; stage 0
 logged inputs or a deterministic data source), and on the last stage compute the *unscaled*
 ``loss_fn(output, target)``; then backward per micro-batch in the live backward order with the
 logged gradients (the last stage from its loss); then divide gradients by the schedule's factor
-(``n_microbatches`` when ``scale_grads``), ``optimizer.step()``, ``lr_scheduler.step()``,
+(``n_microbatches`` when ``scale_grads``), repeat the live ``client.clip_grad_norm_`` calls with
+their logged total norms (META ``grad_clip``), ``optimizer.step()``, ``lr_scheduler.step()``,
 ``zero_grad(set_to_none=True)``. Inside a logging group the stages are chained in-process (what
 stage s sends, stage s+1 receives), exactly as the live pipeline did.
 
@@ -473,6 +474,7 @@ class _Plan:
     mine: list[int]  # micro-batches replayed here, in backward order
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
+    clips: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> the live clip_grad_norm_ calls (META "grad_clip")
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -541,7 +543,8 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
             report.warnings.append(f"environment differs from the live run: {diff}")
             logger.warning("replay: environment differs from the live run: %s", diff)
     kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it))
+    clips = {k: list(m.get("grad_clip") or ()) for k, m in present.items()}
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips)
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -688,6 +691,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             for p in st.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(plan.scale)
+        for clip in plan.clips.get(st.stage, ()):
+            _clip_as_logged(st, it, clip, dev)
         st.optimizer.step()
         if st.lr_scheduler is not None:
             st.lr_scheduler.step()
@@ -697,6 +702,21 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     if is_last:
         report.losses[it] = losses
         report.loss_micro_batches[it] = loss_mbs
+
+
+def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.device) -> None:
+    """Repeat one live ``client.clip_grad_norm_`` call: the same parameters, max norm and total norm
+    (the logged value: the norm may have spanned other stages' gradients), through the same torch
+    function, so the clipped gradients are bit-identical."""
+    params = list(st.module.parameters())
+    idx = clip.get("params")
+    try:
+        chosen = params if idx is None else [params[i] for i in idx]
+        total = torch.tensor(float(clip["total_norm"]), dtype=getattr(torch, str(clip["dtype"])), device=dev)
+        max_norm = float(clip["max_norm"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise ReplayError(f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} parameters ({e})") from e
+    torch.nn.utils.clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

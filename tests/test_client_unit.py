@@ -552,3 +552,50 @@ def test_survivors_wake_when_every_replacement_is_ready_or_on_fallback_and_time_
     tcp_store.set(keys.failed_stages(1), "[3]")
     threading.Timer(0.2, lambda: report_fallback(client, "w", 1, "records gone")).start()
     assert wait_until_woken(tcp_store, keys, 1, timeout=datetime.timedelta(seconds=10), what="survivor 0") == "fallback"
+
+
+def _torch_clip(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What ``torch.nn.utils.clip_grad_norm_`` makes of copies of ``grads``: (total norm, clipped copies)."""
+    refs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for r, g in zip(refs, grads, strict=True):
+        r.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(refs, max_norm, norm_type)
+    return total, [r.grad for r in refs]
+
+
+def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, single_rank_group):
+    client = SwiftlogClient(ClientConfig(run_id="clip", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=4))
+    mod = _Masked()
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=_mse)
+    with pytest.raises(RuntimeError, match="no iteration is in progress"):
+        client.clip_grad_norm_(mod.parameters(), 1.0)
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        g = torch.Generator().manual_seed(it)
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        want_norm, want = _torch_clip([p.grad for p in mod.parameters()], 0.05)
+        got_norm = client.clip_grad_norm_(mod.parameters(), 0.05)
+        assert torch.equal(got_norm, want_norm) and want_norm > 0.05  # clipping is active
+        assert all(torch.equal(p.grad, w) for p, w in zip(mod.parameters(), want, strict=True))
+        if it == 2:  # a second call, on a subset and with the inf norm: both replayed, in order
+            client.clip_grad_norm_([mod.lin.weight], 0.001, norm_type=float("inf"))
+            with pytest.raises(ValueError, match=r"parameters \[0\] .* are not parameters of the stage's module"):
+                client.clip_grad_norm_([torch.nn.Parameter(torch.zeros(1))], 1.0)
+        client.commit(it)
+        with pytest.raises(RuntimeError, match="between client.step"):
+            client.clip_grad_norm_(mod.parameters(), 1.0)  # after the commit: META is gone
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "clip")
+    clips = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["grad_clip"]
+    assert [c["params"] for c in clips] == [None, [0]] and clips[1]["max_norm"] == 0.001 and clips[0]["dtype"] == "float32"
+    fresh = _Masked()
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    assert rep.ok and rep.micro_batches == 6
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
+    assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"]) for i in opt.state_dict()["state"])

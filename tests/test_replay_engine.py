@@ -91,6 +91,21 @@ def test_sequential_replay_of_every_stage_is_bit_exact(any_run, tmp_path):
         assert all(torch.equal(p, run.results[k]["model"][n]) for n, p in mod.state_dict().items())
 
 
+def test_clipping_to_a_global_norm_replays_bit_for_bit(clip_run, tmp_path):
+    """Each stage clipped with the norm over all four stages' gradients; a replay of one stage has
+    only its own, so it clips with the logged norm: bit-exact, alone and with two workers."""
+    with clip_run.store() as st:
+        reader = LogReader(st)
+        for it in range(CKPT, ITERS):
+            clips = [reader.meta(k, it)["grad_clip"] for k in range(NUM_STAGES)]
+            norms = [c[0]["total_norm"] for c in clips]
+            assert all(len(c) == 1 and c[0]["max_norm"] == 0.05 and c[0]["params"] is None for c in clips)
+            assert min(norms) > 0.05 and max(norms) - min(norms) <= 1e-6 * max(norms)  # active; one global norm
+    for stage, workers in ((1, 1), (3, 2)):
+        res = replay(_job(clip_run, stage, tmp_path / f"s{stage}", workers=workers))
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), clip_run.results[stage]) == [], f"stage {stage}"
+
+
 def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, tmp_path):
     seen = []
     a = replay(_job(f1b_run, 1, tmp_path / "a", prefetch=0))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +152,7 @@ class SwiftlogClient:
         self._schedule_info: dict[str, Any] = {}
         self._iteration: int | None = None
         self._step_t0: float | None = None
+        self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -246,6 +247,7 @@ class SwiftlogClient:
             raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
         self._iteration = iteration
         self._step_t0 = time.perf_counter()
+        self._grad_clips = []
         self.recorder.begin(iteration)
 
     def step(self, iteration: int, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
@@ -270,6 +272,57 @@ class SwiftlogClient:
             target, losses = None, None
         return self._schedule.step(*args, target=target, losses=losses, **kwargs)
 
+    def clip_grad_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        module: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` that a replay can repeat exactly; returns the total norm.
+
+        Call it after the schedule's step and before ``commit(iteration)``. ``group``: the norm is
+        taken over the gradients of every rank of this process group (e.g. all the pipeline's
+        stages: the global norm, each rank's ``norm ** norm_type`` summed, or the max for inf);
+        None: over ``parameters`` only. ``parameters`` must belong to the stage's module
+        (``module``, default: the one given to :meth:`pipeline_stage`). The norm it used goes into
+        the iteration's META record, so the replay clips with the same norm, bit for bit, without
+        the other stages' gradients. Several calls in one iteration are replayed in order.
+        Raises ValueError for a parameter not in the module, RuntimeError when called outside an
+        iteration or after its commit. Never changes gradients other than by the torch clip.
+        """
+        if self._iteration is None or self._step_t0 is None:
+            raise RuntimeError("clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
+        mod = module if module is not None else (self._stage.submod if self._stage is not None else None)
+        if mod is None:
+            raise ValueError("clip_grad_norm_ needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        index = {id(p): i for i, p in enumerate(mod.parameters())}
+        missing = [i for i, p in enumerate(params) if id(p) not in index]
+        if missing:
+            raise ValueError(f"clip_grad_norm_: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if group is not None:
+            inf = norm_type == float("inf")
+            part = total if inf else total.pow(norm_type)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            total = part if inf else part.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        positions = [index[id(p)] for p in params]
+        self._grad_clips.append({
+            "max_norm": float(max_norm),
+            "total_norm": float(total),  # a float32 / bf16 value is exact as a Python float (and in JSON)
+            "dtype": str(total.dtype).removeprefix("torch."),
+            "foreach": foreach,
+            "params": None if positions == list(range(len(index))) else positions,
+        })  # fmt: skip
+        return total
+
     def commit(self, iteration: int) -> CommitReport:
         """Finish ``iteration``'s logs and, with a decision store, agree with every stage to apply it.
 
@@ -293,6 +346,7 @@ class SwiftlogClient:
                 store, ship = self.store, list(self._ship)
                 self.writer.mark(lambda: store.seal(ship))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
+        self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
             logger.warning("stage %d iteration %d: %d logging fault(s), first: %s: %s", self.config.stage, iteration, len(faults), faults[0].kind, faults[0].message)
@@ -495,6 +549,7 @@ class SwiftlogClient:
             "seeds": [derive_seed(c.seed, c.stage, iteration, mb) for mb in range(n_mb)],
             "data": "logged" if c.log_data else "source",
             "input_kwargs": list(rec.input_kwargs),
+            "grad_clip": list(self._grad_clips),
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),
             "env": env,
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--micro-batch-size", type=int, default=2)
     a("--n-microbatches", type=int, default=4)
     a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
+    a("--clip-grad-norm", type=float, default=None, help="clip gradients to this global norm (over all stages) before each step")
     # logging
     a("--no-logging", action="store_true")
     a("--alternate-logging", type=int, default=0, help="blocks of N iterations: logging on, off, on, ...")
@@ -222,6 +223,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         else:
             x, y = data(it)
             client.step(it, x, target=y, losses=losses)
+        if args.clip_grad_norm is not None:  # the global norm: every stage's gradients
+            client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
         try:
             client.commit(it)
         except IterationAbortedError:

@@ -264,6 +264,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         else:
             x, y = data(it)
             client.step(it, x, target=y, losses=losses)
+        if args.clip_grad_norm is not None:  # the global norm over the current generation's stages
+            client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
         if kill is not None and kill[2] == "commit" and kill[0] == it:
             _kill(store, keys, k)
 
