@@ -194,7 +194,13 @@ class ReplayReport:
                 f"replay of stages {self.stages} regenerated {len(self.digest_mismatches) + len(self.record_mismatches)} send(s) that differ "
                 f"from the log; first divergence at iteration {first['iteration']} micro-batch {first['micro_batch']} channel {first['channel']} "
                 f"({first['key']})",
-                hint="check trainer_client.determinism: thread count, deterministic kernels, seeds, data source",
+                hint=(
+                    "every send of the first iteration matched, so most likely the update differs: gradients changed between backward and "
+                    "optimizer step outside the client (clip with client.clip_grad_norm_, which logs what the replay needs), "
+                    "or an optimizer / lr scheduler other than the live one"
+                    if first["iteration"] > self.start_iteration
+                    else "check trainer_client.determinism: thread count, deterministic kernels, seeds, data source"
+                ),
             )
 
     def merge(self, other: ReplayReport) -> None:

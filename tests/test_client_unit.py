@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import trainer_client
 from logstore import Channel, LogStore, RecordKey, codec
 from logstore.errors import ConfigError
-from replay.core import LogReader, StageState, replay_stage
+from replay.core import LogReader, ReplayReport, StageState, replay_stage
+from replay.errors import ReplayMismatchError
 from trainer_client import (
     CheckpointError,
     ClientConfig,
@@ -599,3 +600,16 @@ def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, 
     assert rep.ok and rep.micro_batches == 6
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
     assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"]) for i in opt.state_dict()["state"])
+
+
+def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
+    """A replay whose first iteration matched but a later one did not: the hint names what changes an
+    update behind the client's back (torch's clip_grad_norm_ called directly); a divergence in the first
+    iteration points at determinism instead."""
+    key = lambda it: str(RecordKey(Channel.activation(1), it, 0))  # noqa: E731
+    for it, words in ((3, "client.clip_grad_norm_"), (2, "trainer_client.determinism")):
+        rep = ReplayReport([1], 2, 5)
+        rep.digest_mismatches.append(key(it))
+        with pytest.raises(ReplayMismatchError) as ei:
+            rep.raise_for_mismatch()
+        assert words in (ei.value.hint or "") and f"iteration {it} " in str(ei.value)

@@ -7,8 +7,10 @@ and the environment fingerprint (thread count...) from it. Fields (version 1): `
 ``n_microbatches``, ``scale_grads``, ``grad_scale_factor``, ``order`` (``[["F"|"B", mb], ...]``
 as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch),
 ``data`` ("logged" | "source"), ``input_kwargs`` (stage 0: names of the keyword inputs logged after
-the positional ones, in this order), ``logging_groups``, ``env`` (``determinism.environment_fingerprint``),
-``step_s``, ``time``.
+the positional ones, in this order), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
+order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
+module's ``parameters()`` or null for all; absent in older records: no clipping), ``logging_groups``,
+``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``.
 """
 
 from __future__ import annotations
