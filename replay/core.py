@@ -73,6 +73,7 @@ from trainer_client.checkpoint import Checkpoint
 from trainer_client.client import on_device
 from trainer_client.determinism import (
     SEED_SCHEME,
+    autocast_as,
     environment_differences,
     num_threads,
     seed_micro_batch,
@@ -481,6 +482,7 @@ class _Plan:
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
     clips: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> the live clip_grad_norm_ calls (META "grad_clip")
+    autocast: dict[int, Any] = field(default_factory=dict)  # stage -> autocast regions of its live forwards (META "autocast")
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -550,7 +552,12 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
             logger.warning("replay: environment differs from the live run: %s", diff)
     kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
     clips = {k: list(m.get("grad_clip") or ()) for k, m in present.items()}
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips)
+    varies = sorted(k for k, m in present.items() if m.get("autocast_varies"))
+    if varies:
+        raise ReplayError(f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
+                          hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
+    autocast = {k: m.get("autocast") for k, m in present.items()}
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips, autocast)
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -631,7 +638,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
-            out = st.module(*x, **kw) if i == 0 else st.module(*x)
+            with autocast_as(plan.autocast.get(st.stage)):  # the live forward's autocast regions
+                out = st.module(*x, **kw) if i == 0 else st.module(*x)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
                 if i + 1 < len(states):
@@ -644,7 +652,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 target = on_device(target, dev)
-                loss = ctx.loss_fn(out, target)  # type: ignore[misc]
+                with autocast_as(plan.autocast.get(st.stage)):  # the schedule computed the loss inside the step too
+                    loss = ctx.loss_fn(out, target)  # type: ignore[misc]
                 losses.append(float(loss.detach()))
                 loss_mbs.append(mb)
                 per_stage.append((x, loss))
@@ -664,14 +673,16 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             st = states[i]
             x, out = per_stage[i]
             if st.stage == num_stages - 1:
-                torch.autograd.backward([out])
+                with autocast_as(plan.autocast.get(st.stage)):
+                    torch.autograd.backward([out])
             else:
                 if grads_in is None:  # last stage of the group, not of the pipeline: logged gradients
                     grads_in = [on_device(g, dev) for g in reader.require_parts(Channel.gradient(st.stage + 1), it, mb)]
                 with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
                 if len(with_grad) != len(grads_in):
                     raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
-                torch.autograd.backward(with_grad, grad_tensors=grads_in)
+                with autocast_as(plan.autocast.get(st.stage)):
+                    torch.autograd.backward(with_grad, grad_tensors=grads_in)
             sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
             grads_in = sent
             if st.stage > 0 and i == 0:

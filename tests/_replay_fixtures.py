@@ -13,7 +13,7 @@ from logstore.testing.s3servers import MotoServer
 from tests._client_mp import run_pipeline
 from tests._replay_helpers import CKPT, ITERS, Run, file_run
 
-__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run"]
+__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run"]
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +49,12 @@ def batchnorm_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def clip_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """1F1B with gradients clipped to a global norm over all four stages (client.clip_grad_norm_)."""
     return file_run(tmp_path_factory.mktemp("clip"), "clip", "1f1b", extra=["--clip-grad-norm", "0.05"])
+
+
+@pytest.fixture(scope="session")
+def autocast_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """1F1B with every schedule step under torch.autocast (CPU, bfloat16)."""
+    return file_run(tmp_path_factory.mktemp("autocast"), "autocast", "1f1b", extra=["--autocast", "bf16"])
 
 
 @pytest.fixture(scope="session")

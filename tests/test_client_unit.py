@@ -613,3 +613,29 @@ def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
         with pytest.raises(ReplayMismatchError) as ei:
             rep.raise_for_mismatch()
         assert words in (ei.value.hint or "") and f"iteration {it} " in str(ei.value)
+
+
+def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, single_rank_group):
+    client = SwiftlogClient(ClientConfig(run_id="amp", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=5))
+    mod = _Masked()
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=torch.bfloat16, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        g = torch.Generator().manual_seed(it)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        client.commit(it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "amp")
+    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    assert meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}] and not meta["autocast_varies"]
+    fresh = _Masked()
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    assert rep.ok and rep.micro_batches == 6
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))

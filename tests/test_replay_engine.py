@@ -106,6 +106,14 @@ def test_clipping_to_a_global_norm_replays_bit_for_bit(clip_run, tmp_path):
         assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), clip_run.results[stage]) == [], f"stage {stage}"
 
 
+def test_a_run_under_autocast_replays_under_it_bit_for_bit(autocast_run, tmp_path):
+    with autocast_run.store() as st:
+        assert LogReader(st).meta(2, CKPT)["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}]
+    for stage, workers in ((3, 1), (1, 2)):
+        res = replay(_job(autocast_run, stage, tmp_path / f"s{stage}", workers=workers))
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), autocast_run.results[stage]) == [], f"stage {stage}"
+
+
 def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, tmp_path):
     seen = []
     a = replay(_job(f1b_run, 1, tmp_path / "a", prefetch=0))

@@ -550,6 +550,8 @@ class SwiftlogClient:
             "data": "logged" if c.log_data else "source",
             "input_kwargs": list(rec.input_kwargs),
             "grad_clip": list(self._grad_clips),
+            "autocast": rec.autocast,
+            "autocast_varies": rec.autocast_varies,
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),
             "env": env,
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,

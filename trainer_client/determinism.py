@@ -54,7 +54,12 @@ __all__ = [
     "environment_fingerprint",
     "environment_differences",
     "num_threads",
+    "autocast_state",
+    "autocast_as",
 ]
+
+#: device types whose autocast state is recorded (those the stages run on)
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
 #: Name of the seed derivation below; stored in META so a replay refuses a different scheme.
 SEED_SCHEME = "blake2b64-v1"
@@ -169,3 +174,32 @@ def num_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def autocast_state() -> list[dict[str, Any]] | None:
+    """The autocast regions in force now (``torch.autocast`` around the schedule's step), as JSON:
+    one ``{"device_type", "dtype", "cache_enabled"}`` per enabled device type, or None when none is."""
+    out = [
+        {"device_type": d, "dtype": str(torch.get_autocast_dtype(d)).removeprefix("torch."), "cache_enabled": torch.is_autocast_cache_enabled()}
+        for d in AUTOCAST_DEVICE_TYPES
+        if torch.is_autocast_enabled(d)
+    ]
+    return out or None
+
+
+@contextlib.contextmanager
+def autocast_as(state: list[dict[str, Any]] | None) -> Iterator[None]:
+    """Run the block under the autocast regions ``state`` describes (:func:`autocast_state`; None:
+    as is). Raises ValueError for a state it cannot rebuild (unknown dtype or device type)."""
+    if not state:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for region in state:
+            try:
+                dtype = getattr(torch, str(region["dtype"]))
+                ctx = torch.autocast(str(region["device_type"]), dtype=dtype, cache_enabled=bool(region.get("cache_enabled", True)))
+            except (KeyError, AttributeError, RuntimeError, TypeError) as e:
+                raise ValueError(f"cannot rebuild the autocast region {region!r}: {e}") from e
+            stack.enter_context(ctx)
+        yield

@@ -41,7 +41,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from logstore import Channel
 from trainer_client.config import ClientConfig
-from trainer_client.determinism import seed_micro_batch
+from trainer_client.determinism import autocast_state, seed_micro_batch
 from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["LoggingPipelineStage", "StageRecorder"]
@@ -66,6 +66,8 @@ class StageRecorder:
         self.order: list[tuple[str, int]] = []
         self.split_backward = False
         self.input_kwargs: list[str] = []  # names of the stage-0 keyword inputs logged after the positional ones (in META)
+        self.autocast: list[dict[str, Any]] | None = None  # autocast regions of the iteration's forwards (META "autocast")
+        self.autocast_varies = False  # they differed between forwards of one iteration
         self._cur_fwd_mb: int | None = None
         self._fwd_boundary = config.logs_forward_send()
         self._bwd_boundary = config.logs_backward_send()
@@ -86,6 +88,8 @@ class StageRecorder:
         self._cur_fwd_mb = None
         self.split_backward = False
         self.input_kwargs = []
+        self.autocast = None
+        self.autocast_varies = False
 
     def seed(self, micro_batch: int) -> int:
         """Seed the RNG for this stage's forward of ``micro_batch`` in the current iteration."""
@@ -94,6 +98,11 @@ class StageRecorder:
     # ------------------------------------------------------------------ hooks of the stage
     def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
         try:
+            state = autocast_state()
+            if not any(k == "F" for k, _ in self.order):
+                self.autocast = state
+            elif state != self.autocast:
+                self.autocast_varies = True
             self.order.append(("F", micro_batch))
             self._cur_fwd_mb = micro_batch
             if not self.enabled:

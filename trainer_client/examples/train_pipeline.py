@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--n-microbatches", type=int, default=4)
     a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
     a("--clip-grad-norm", type=float, default=None, help="clip gradients to this global norm (over all stages) before each step")
+    a("--autocast", default="none", choices=["none", "bf16"], help="run each schedule step under torch.autocast (bf16 on the stage's device)")
     # logging
     a("--no-logging", action="store_true")
     a("--alternate-logging", type=int, default=0, help="blocks of N iterations: logging on, off, on, ...")
@@ -218,11 +219,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         logged.append(client.recorder.enabled)
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
-        if args.data_source:
-            client.step(it, losses=losses)
-        else:
-            x, y = data(it)
-            client.step(it, x, target=y, losses=losses)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            if args.data_source:
+                client.step(it, losses=losses)
+            else:
+                x, y = data(it)
+                client.step(it, x, target=y, losses=losses)
         if args.clip_grad_norm is not None:  # the global norm: every stage's gradients
             client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
         try:
