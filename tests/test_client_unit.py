@@ -7,6 +7,9 @@ import datetime
 import os
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -496,31 +499,46 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
-    client = SwiftlogClient(ClientConfig(run_id="kw", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer], step: Callable[[SwiftlogClient, torch.nn.Module, int, torch.Generator], None], *,
+                     schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
+    """Train ``_Masked`` as a one-stage pipeline for 4 iterations (checkpoint at 1; ``step(client, module,
+    it, generator)`` runs the schedule step and whatever goes before the commit), then replay it from the
+    checkpoint on a fresh module. Returns (live module, live optimizer, logs, replayed module, its
+    optimizer, replay report)."""
+    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
     mod = _Masked()
-    opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
-    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    opt = make_opt(mod)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
+    client.schedule(stage, schedule, n_microbatches=2, loss_fn=_mse)
     for it in range(4):
         if it == 1:
             uri = client.checkpoint(1, mod, opt)
-        g = torch.Generator().manual_seed(it)
-        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
-        mask, scale = (torch.rand(4, 5, generator=g) > 0.5).float(), torch.rand(4, 1, generator=g) + 0.5
-        client.step(it, x, target=y, mask=mask, scale=scale)
+        step(client, mod, it, torch.Generator().manual_seed(it))
         client.commit(it)
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert client.close().ok
-    logs = LogStore.open(tmp_path / "store", "kw")
+    logs = LogStore.open(tmp_path / "store", run_id)
+    fresh = _Masked()
+    fopt = make_opt(fresh)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    return mod, opt, logs, fresh, fopt, rep
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
+    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+        mask, scale = (torch.rand(4, 5, generator=g) > 0.5).float(), torch.rand(4, 1, generator=g) + 0.5
+        client.step(it, x, target=y, mask=mask, scale=scale)
+
+    mod, opt, logs, fresh, fopt, rep = _single_rank_run(tmp_path, "kw", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), step)
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
-    fresh = _Masked()
-    fopt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
-    assert rep.ok and rep.micro_batches == 6
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
+    assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
     assert torch.equal(fopt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
 
 
@@ -565,17 +583,9 @@ def _torch_clip(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2
 
 
 def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, single_rank_group):
-    client = SwiftlogClient(ClientConfig(run_id="clip", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=4))
-    mod = _Masked()
-    opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
-    client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=_mse)
-    with pytest.raises(RuntimeError, match="no iteration is in progress"):
-        client.clip_grad_norm_(mod.parameters(), 1.0)
-    for it in range(4):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt)
-        g = torch.Generator().manual_seed(it)
+    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
+        with pytest.raises(RuntimeError, match="between client.step"):  # before the first step, or after a commit (META is gone)
+            client.clip_grad_norm_(mod.parameters(), 1.0)
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         want_norm, want = _torch_clip([p.grad for p in mod.parameters()], 0.05)
         got_norm = client.clip_grad_norm_(mod.parameters(), 0.05)
@@ -585,20 +595,11 @@ def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, 
             client.clip_grad_norm_([mod.lin.weight], 0.001, norm_type=float("inf"))
             with pytest.raises(ValueError, match=r"parameters \[0\] .* are not parameters of the stage's module"):
                 client.clip_grad_norm_([torch.nn.Parameter(torch.zeros(1))], 1.0)
-        client.commit(it)
-        with pytest.raises(RuntimeError, match="between client.step"):
-            client.clip_grad_norm_(mod.parameters(), 1.0)  # after the commit: META is gone
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert client.close().ok
-    logs = LogStore.open(tmp_path / "store", "clip")
+
+    mod, opt, logs, fresh, fopt, rep = _single_rank_run(tmp_path, "clip", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, schedule="gpipe")
     clips = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["grad_clip"]
     assert [c["params"] for c in clips] == [None, [0]] and clips[1]["max_norm"] == 0.001 and clips[0]["dtype"] == "float32"
-    fresh = _Masked()
-    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
-    assert rep.ok and rep.micro_batches == 6
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
+    assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
     assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"]) for i in opt.state_dict()["state"])
 
 
@@ -616,26 +617,11 @@ def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
 
 
 def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, single_rank_group):
-    client = SwiftlogClient(ClientConfig(run_id="amp", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=5))
-    mod = _Masked()
-    opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=torch.bfloat16, requires_grad=True))
-    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
-    for it in range(4):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt)
-        g = torch.Generator().manual_seed(it)
+    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
-        client.commit(it)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert client.close().ok
-    logs = LogStore.open(tmp_path / "store", "amp")
+
+    mod, _, logs, fresh, _, rep = _single_rank_run(tmp_path, "amp", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, out_dtype=torch.bfloat16)
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}] and not meta["autocast_varies"]
-    fresh = _Masked()
-    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
-    assert rep.ok and rep.micro_batches == 6
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
+    assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
