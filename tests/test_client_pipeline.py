@@ -218,3 +218,38 @@ def test_faults_do_not_stop_or_change_training_and_are_reported(tmp_path, gpipe_
     assert len(overflow_gaps) == w[2]["gaps_recorded"]
     assert {g["channel"] for g in overflow_gaps} <= {"act_2_3", "grad_2_1", "meta_2"}
     json.dumps(run.results[1]["stats"])  # stats stay plain data
+
+
+def _mismatch_rank(rank: int, port: int, root: str, out: str) -> None:
+    """Rank ``rank`` of a two-stage pipeline whose stage 0 runs under bf16 autocast but declares a
+    float32 output (a user mistake torch's pipelining does not catch outside its debug mode)."""
+    import torch.distributed as dist
+
+    from trainer_client import ClientConfig, SwiftlogClient
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
+    client = SwiftlogClient(ClientConfig(run_id="mis", stage=rank, num_stages=2, store_root=root))
+    mod = torch.nn.Linear(8, 8)
+    inp = torch.zeros(2, 8) if rank == 0 else torch.zeros(2, 8, requires_grad=True)
+    stage = client.pipeline_stage(mod, "cpu", input_args=inp, output_args=torch.zeros(2, 8, requires_grad=True))
+    client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=lambda o, y: ((o.float() - y) ** 2).mean())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        client.step(0, torch.randn(4, 8), target=torch.randn(4, 8))
+    report = client.commit(0)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump([[x.kind, x.message] for x in report.logging_faults], f)
+    client.close()
+    dist.destroy_process_group()
+
+
+def test_a_stage_sending_other_than_it_declared_is_named_by_the_client(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_mismatch_rank, args=(host.port, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    faults = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert [k for k, _ in faults[0]] == ["send_mismatch"] and "sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]" in faults[0][0][1]
+    assert faults[1] == []

@@ -625,3 +625,19 @@ def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, singl
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}] and not meta["autocast_varies"]
     assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
+
+
+def test_a_send_that_differs_from_the_declared_output_is_reported_once(tmp_path):
+    """torch's pipelining receives into buffers of the declared type without converting: a bf16 output
+    declared float32 (autocast) corrupts what arrives, so the client names it (and never raises)."""
+    from types import SimpleNamespace
+
+    client = SwiftlogClient(ClientConfig(run_id="decl", stage=0, num_stages=2, store_root=str(tmp_path / "store")))
+    declared = [SimpleNamespace(dtype=torch.float32, shape=torch.Size([4, 32]))]
+    client.recorder.check_declared_sends([torch.zeros(4, 32)], declared)
+    client.recorder.check_declared_sends([torch.zeros(4, 32)], None)  # nothing declared: nothing to compare
+    assert client.writer.take_faults() == []
+    client.recorder.check_declared_sends([torch.zeros(4, 32, dtype=torch.bfloat16)], declared)
+    (fault,) = client.writer.take_faults()
+    assert fault.kind == "send_mismatch" and "bfloat16 [4, 32] but declared float32 [4, 32]" in fault.message
+    client.close()

@@ -137,6 +137,29 @@ class StageRecorder:
         except Exception as e:
             self._hook_fault("backward", e, micro_batch)
 
+    def check_declared_sends(self, sent: Sequence[torch.Tensor], declared: Sequence[Any] | None) -> None:
+        """Compare what the forward sends with the outputs the stage declared (``output_args``): the
+        next stage receives into buffers of the declared dtype and shape and torch's pipelining
+        does not convert (it checks only with TORCH_DISTRIBUTED_DEBUG=DETAIL), so a mismatch (e.g.
+        a bf16 output under autocast declared float32) corrupts what arrives, and no replay of the
+        run can verify. Reported once, as a "send_mismatch" fault (logged as a warning); never raises."""
+        try:
+            if declared is None or len(declared) != len(sent):
+                return
+            for i, (t, meta) in enumerate(zip(sent, declared, strict=True)):
+                want_dtype, want_shape = getattr(meta, "dtype", None), getattr(meta, "shape", None)
+                if want_dtype is None or want_shape is None:
+                    continue
+                if t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
+                    msg = (f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
+                           f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
+                           "of the declared type without conversion, so what arrives is not what was sent; declare output_args as the "
+                           "forward produces them (under autocast: its dtype)")  # fmt: skip
+                    self.writer.note_fault("send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration)
+                    return
+        except Exception as e:
+            self._hook_fault("fwd_send_check", e, None)
+
     def on_bwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
         try:
             if not tensors or not self.enabled:
@@ -252,6 +275,7 @@ class LoggingPipelineStage(PipelineStage):
     ) -> None:
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         self.recorder = recorder
+        self._send_checked = False  # the first forward send is compared with the declared outputs
 
     def clear_runtime_states(self) -> None:
         # every schedule step starts here, before its first receive: the deferred digests of the
@@ -272,7 +296,11 @@ class LoggingPipelineStage(PipelineStage):
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[torch.distributed.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if ops:
-            self.recorder.on_fwd_send(fwd_chunk_id, [op.tensor for op in ops])
+            sent = [op.tensor for op in ops]
+            if not self._send_checked:
+                self._send_checked = True
+                self.recorder.check_declared_sends(sent, getattr(getattr(self, "_stage_meta", None), "outputs", None))
+            self.recorder.on_fwd_send(fwd_chunk_id, sent)
         return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[torch.distributed.P2POp]:
