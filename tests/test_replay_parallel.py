@@ -27,9 +27,9 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.core import LogReader, ReplayError, ReplayInputMissingError
+from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import adamw_update_bound, balanced_counts, slice_of
+from replay.parallel import _GradReducer, adamw_update_bound, balanced_counts, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -76,6 +76,25 @@ def test_balanced_counts_give_the_slower_worker_fewer_micro_batches_and_are_opti
             assert sum(got) == n and (n < k or min(got) >= 1)
             best = min(max(c * t for c, t in zip(cs, times)) for cs in _splits(n, k) if n < k or min(cs) >= 1)
             assert max(c * t for c, t in zip(got, times)) == best
+
+
+def test_gradient_buckets_are_contiguous_runs_of_one_dtype():
+    """The exact chain sends each bucket as one slice of its dtype's flat buffer: a bucket never mixes
+    dtypes or exceeds the limit (a bigger parameter goes alone), and the slices tile the buffers."""
+    m = torch.nn.Module()
+    shapes = [((300, 300), torch.float32), ((10,), torch.float32), ((64, 64), torch.bfloat16), ((8,), torch.bfloat16),
+              ((600, 600), torch.float32), ((5,), torch.float32)]  # fmt: skip
+    for i, (shape, dt) in enumerate(shapes):
+        m.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape, dtype=dt)))
+    red = _GradReducer([StageState(0, m, torch.optim.SGD(m.parameters(), lr=0.1))], 0, 1, exact=True, start=0)
+    assert red.buckets == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]  # 600x600 fp32 > 1 MiB: alone
+    covered = {dt: 0 for dt in red.dtypes}
+    for b, r in enumerate(red.buckets):
+        flat = red._flat(red.acc, b)
+        assert flat.dtype == m.get_parameter(f"p{r.start}").dtype and flat.numel() == sum(m.get_parameter(f"p{i}").numel() for i in r)
+        assert flat.data_ptr() == red.acc[flat.dtype].data_ptr() + covered[flat.dtype] * flat.element_size()
+        covered[flat.dtype] += flat.numel()
+    assert covered == red.sizes
 
 
 def _splits(n: int, k: int):
