@@ -14,7 +14,7 @@ updated them with every micro-batch in the live forward order. A worker that ran
 forwards would end with statistics of its slice alone (and a forward that reads them would see
 wrong ones). So when the stages have buffers, every worker runs, in the first iteration, the
 other workers' forwards too, in the live forward order ("shadow" forwards: outputs discarded, no
-backward, no check), and watches the buffers' version counters: if any worker saw them change,
+backward, no check), and compares the buffers' contents before and after: if any worker saw a change,
 every later iteration runs the shadow forwards as well (exact buffers for about a third more
 compute per worker: a forward without its backward); if none did, later iterations skip them,
 and a change that shows up later anyway is an error naming the buffer, never a silent difference.
@@ -119,6 +119,7 @@ from replay.engine import (
     open_sources,
     write_outputs,
 )
+from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.digest import tensor_digest
 
 __all__ = ["run_parallel", "worker_main", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
@@ -221,8 +222,8 @@ class _GradReducer:
         self.first_it = start
         # module buffers (running statistics) follow every micro-batch's forward: None = not known yet
         # whether the forwards change them; the first iteration runs all forwards and finds out
-        self.buffers_mutate: bool | None = None if world > 1 and any(True for st in states for _ in st.module.buffers()) else False
-        self._versions = self._buffer_versions()
+        self.buffers_mutate: bool | None = None if world > 1 and self._named_buffers() else False
+        self._buffers = BufferSnapshot()  # the buffers at the start of the current iteration
         self.lag = max(1, lag)  # iteration i's split uses the times measured up to i - lag
         self.per_mb: dict[int, list[float]] = {}  # iteration -> averaged seconds per micro-batch, per worker
         self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (as replayed)
@@ -329,14 +330,19 @@ class _GradReducer:
     # -- hooks --------------------------------------------------------------------------
     def start(self) -> None:
         """The replay starts now (the first iteration's time per micro-batch is measured from here)."""
-        self._versions = self._buffer_versions()
+        self._snap_buffers()
         self._t_ready = time.perf_counter()
 
     # -- module buffers -------------------------------------------------------------------
-    def _buffer_versions(self) -> dict[str, tuple[int, int]]:
-        """Every buffer's identity and version counter (an in-place update, e.g. BatchNorm's running
-        statistics, bumps the counter; assigning a new tensor changes the identity)."""
-        return {f"stage {st.stage} {name}": (id(b), b._version) for st in self.states for name, b in st.module.named_buffers()}
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
+        return named_buffers({f"stage {st.stage} ": st.module for st in self.states})
+
+    def _snap_buffers(self) -> None:
+        """Copy the buffers at the start of an iteration, while it is still open whether the forwards
+        change them (contents are compared: BatchNorm's kernel updates its running statistics
+        without bumping their version counters)."""
+        if self.buffers_mutate is not True and self.world > 1:
+            self._buffers.take(self._named_buffers())
 
     def shadow_forwards(self, it: int) -> bool:
         """Whether iteration ``it`` runs every micro-batch's forward here (ReplayHooks.shadow_forwards):
@@ -362,8 +368,9 @@ class _GradReducer:
                               hint="replay these stages with one worker (sequential replay reproduces every buffer update)")  # fmt: skip
 
     def _buffers_changed(self) -> list[str]:
-        now = self._buffer_versions()
-        return sorted(k for k in now.keys() | self._versions.keys() if now.get(k) != self._versions.get(k))
+        if self.buffers_mutate is True or self.world == 1:  # every forward runs here anyway / nothing to miss
+            return []
+        return self._buffers.changed(self._named_buffers())
 
     def select(self, it: int, order: Sequence[int]) -> list[int]:
         """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
@@ -573,7 +580,7 @@ class _GradReducer:
 
     def end_iteration(self) -> None:
         self._reset()
-        self._versions = self._buffer_versions()
+        self._snap_buffers()
         self._t_ready = time.perf_counter()
 
 

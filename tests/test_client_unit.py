@@ -641,3 +641,23 @@ def test_a_send_that_differs_from_the_declared_output_is_reported_once(tmp_path)
     (fault,) = client.writer.take_faults()
     assert fault.kind == "send_mismatch" and "bfloat16 [4, 32] but declared float32 [4, 32]" in fault.message
     client.close()
+
+
+def test_a_buffer_snapshot_sees_changes_by_content_and_puts_them_back():
+    from trainer_client.buffers import BufferSnapshot, named_buffers
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    m.register_buffer("zero", torch.zeros(2))
+    snap = BufferSnapshot()
+    snap.take(named_buffers({"": m}))
+    versions = m[1].running_mean._version
+    m(torch.randn(8, 4))  # BatchNorm's kernel moves its statistics without bumping their version counters
+    assert m[1].running_mean._version == versions
+    assert snap.changed(named_buffers({"": m})) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    m.zero.neg_()  # -0.0: equal as numbers, different bits
+    m.register_buffer("grown", torch.ones(3))
+    assert snap.changed(named_buffers({"": m})) == ["1.num_batches_tracked", "1.running_mean", "1.running_var", "grown", "zero"]
+    m[1].running_var = torch.ones(7)  # replaced by a tensor of another shape
+    snap.restore(m)
+    assert torch.equal(m[1].running_mean, torch.zeros(4)) and torch.equal(m[1].running_var, torch.ones(4)) and int(m[1].num_batches_tracked) == 0
+    assert not torch.signbit(m.zero).any()

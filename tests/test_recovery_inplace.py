@@ -136,6 +136,18 @@ def test_parallel_replay_replacement(
     assert r.timings[0]["replay_workers"] == 2
 
 
+def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(tmp_path: Path) -> None:
+    """A job whose stages update BatchNorm statistics, run under bf16 autocast and clip to a global
+    norm over all stages: the replacement (with a helper: shadow forwards and the logged clip norms)
+    ends bit-exact with a failure-free run of the same job, buffers included."""
+    extra = ("--data-source", "--mlp-norm", "batch", "--autocast", "bf16", "--clip-grad-norm", "0.05")
+    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra, replay_workers=2)
+    _check_recovered(r, [1], 3)
+    assert any("running_mean" in name for name in r.results[1]["model"])
+    assert_same_as(r, ref)
+
+
 def test_parallel_helpers_when_replay_is_impossible(
     references: dict[str, RecoveryRun], tmp_path: Path
 ) -> None:

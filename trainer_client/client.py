@@ -234,6 +234,11 @@ class SwiftlogClient:
         }
         return self._schedule
 
+    @property
+    def stage_module(self) -> torch.nn.Module | None:
+        """The module of the stage built by :meth:`pipeline_stage` (None before, or after :meth:`release_pipeline`)."""
+        return None if self._stage is None else self._stage.submod
+
     def release_pipeline(self) -> None:
         """Forget the stage and schedule (after a failure), so that the process group they hold
         can be destructed and its connections closed; build new ones before the next ``step``."""

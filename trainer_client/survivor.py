@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
 from trainer_client.errors import ClientError, CommitStoreError, IterationAbortedError
 
@@ -404,6 +405,18 @@ class ResilientLoop:
             tuple[int, float, int]
         ] = []  # (iteration, time.time() at apply, generation)
         self._hb: _Heartbeat | None = None
+        # module buffers at the start of the current iteration (restored when it is discarded)
+        self._buffers = BufferSnapshot()
+        self._buffers_of: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ module buffers
+    def _save_buffers(self) -> None:
+        """Before an iteration: copy the stage module's buffers, so that an iteration discarded after
+        its forwards ran (BatchNorm's running statistics moved) leaves none of their updates behind.
+        A copy into buffers kept from the previous iteration: the buffers' bytes once per iteration."""
+        self._buffers_of = self.client.stage_module
+        if self._buffers_of is not None:
+            self._buffers.take(named_buffers({"": self._buffers_of}))
 
     # ------------------------------------------------------------------ process groups
     def join(self, generation: int | None = None) -> float:
@@ -467,6 +480,7 @@ class ResilientLoop:
                 try:
                     if before is not None:
                         before(it)
+                    self._save_buffers()
                     forward_backward(it)
                     self.client.commit(it)
                 except Exception as e:
@@ -528,7 +542,9 @@ class ResilientLoop:
             )
         self.optimizer.zero_grad(
             set_to_none=True
-        )  # 3. discard the unfinished iteration
+        )  # 3. discard the unfinished iteration: its gradients and its buffer updates
+        if self._buffers_of is not None:
+            self._buffers.restore(self._buffers_of)
         drained = self.client.writer.drain(cfg.rejoin_timeout.total_seconds())
         t_c = time.monotonic()
         if not drained:

@@ -259,11 +259,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     def forward_backward(it: int) -> None:
         losses.clear()
         armed[0] = kill is not None and it >= kill[0]
-        if args.data_source:
-            client.step(it, losses=losses)
-        else:
-            x, y = data(it)
-            client.step(it, x, target=y, losses=losses)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            if args.data_source:
+                client.step(it, losses=losses)
+            else:
+                x, y = data(it)
+                client.step(it, x, target=y, losses=losses)
         if args.clip_grad_norm is not None:  # the global norm over the current generation's stages
             client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
         if kill is not None and kill[2] == "commit" and kill[0] == it:
