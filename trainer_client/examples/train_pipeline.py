@@ -160,6 +160,20 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
                      mlp_norm=args.mlp_norm)  # fmt: skip
 
 
+def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch.nn.Module, data: SyntheticTokens, it: int, losses: list) -> None:
+    """Iteration ``it``'s schedule step as the example scripts run it (shared with train_resilient):
+    under bf16 autocast with ``--autocast bf16``, on the data source's batch or the synthetic one,
+    then with ``--clip-grad-norm`` the clip to the global norm over the current process group's stages."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+        if args.data_source:
+            client.step(it, losses=losses)
+        else:
+            x, y = data(it)
+            client.step(it, x, target=y, losses=losses)
+    if args.clip_grad_norm is not None:
+        client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
+
+
 def config_from_args(args: argparse.Namespace) -> ClientConfig:
     """The trainer client's configuration from this script's arguments (shared with train_resilient)."""
     cold_options = {}
@@ -219,14 +233,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         logged.append(client.recorder.enabled)
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            if args.data_source:
-                client.step(it, losses=losses)
-            else:
-                x, y = data(it)
-                client.step(it, x, target=y, losses=losses)
-        if args.clip_grad_norm is not None:  # the global norm: every stage's gradients
-            client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
+        step_and_clip(args, client, model, data, it, losses)
         try:
             client.commit(it)
         except IterationAbortedError:

@@ -51,7 +51,7 @@ from trainer_client.examples.gpt import (
     make_optimizer,
 )
 from trainer_client.examples.train_pipeline import build_parser as _base_parser
-from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args
+from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
@@ -259,14 +259,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     def forward_backward(it: int) -> None:
         losses.clear()
         armed[0] = kill is not None and it >= kill[0]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            if args.data_source:
-                client.step(it, losses=losses)
-            else:
-                x, y = data(it)
-                client.step(it, x, target=y, losses=losses)
-        if args.clip_grad_norm is not None:  # the global norm over the current generation's stages
-            client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
+        step_and_clip(args, client, model, data, it, losses)
         if kill is not None and kill[2] == "commit" and kill[0] == it:
             _kill(store, keys, k)
 
