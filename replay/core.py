@@ -483,6 +483,7 @@ class _Plan:
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
     clips: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> the live clip_grad_norm_ calls (META "grad_clip")
     autocast: dict[int, Any] = field(default_factory=dict)  # stage -> autocast regions of its live forwards (META "autocast")
+    lrs: dict[int, list[float] | None] = field(default_factory=dict)  # stage -> learning rates its live step used (META "lrs")
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -557,7 +558,8 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
         raise ReplayError(f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
                           hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
     autocast = {k: m.get("autocast") for k, m in present.items()}
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips, autocast)
+    lrs = {k: m.get("lrs") for k, m in present.items()}
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips, autocast, lrs)
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -710,6 +712,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     p.grad.div_(plan.scale)
         for clip in plan.clips.get(st.stage, ()):
             _clip_as_logged(st, it, clip, dev)
+        _check_learning_rates(st, it, plan.lrs.get(st.stage))
         st.optimizer.step()
         if st.lr_scheduler is not None:
             st.lr_scheduler.step()
@@ -719,6 +722,19 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     if is_last:
         report.losses[it] = losses
         report.loss_micro_batches[it] = loss_mbs
+
+
+def _check_learning_rates(st: StageState, it: int, live: list[float] | None) -> None:
+    """The replay's optimizer is about to step with the learning rates the live step used (META
+    ``lrs``, when the client knew the optimizer); raises ReplayError naming both otherwise: the
+    live loop changed them in a way the replay does not repeat, and every later state would differ."""
+    if live is None:
+        return
+    have = [float(g["lr"]) for g in st.optimizer.param_groups]
+    if have != [float(x) for x in live]:
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live optimizer step used learning rates {live}, the replay's would use {have}",
+                          hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate otherwise "
+                               "(a scheduler stepped per epoch, a hand-set lr) or a stage factory whose optimizer / scheduler differs cannot be replayed")  # fmt: skip
 
 
 def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.device) -> None:

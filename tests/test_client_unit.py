@@ -21,7 +21,7 @@ import trainer_client
 from logstore import Channel, LogStore, RecordKey, codec
 from logstore.errors import ConfigError
 from replay.core import LogReader, ReplayReport, StageState, replay_stage
-from replay.errors import ReplayMismatchError
+from replay.errors import ReplayError, ReplayMismatchError
 from trainer_client import (
     CheckpointError,
     ClientConfig,
@@ -499,10 +499,11 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer], step: Callable[[SwiftlogClient, torch.nn.Module, int, torch.Generator], None], *,
+def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                     step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None], *,
                      schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
     """Train ``_Masked`` as a one-stage pipeline for 4 iterations (checkpoint at 1; ``step(client, module,
-    it, generator)`` runs the schedule step and whatever goes before the commit), then replay it from the
+    optimizer, it, generator)`` runs the schedule step and whatever goes before the commit), then replay it from the
     checkpoint on a fresh module. Returns (live module, live optimizer, logs, replayed module, its
     optimizer, replay report)."""
     client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
@@ -513,7 +514,7 @@ def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.M
     for it in range(4):
         if it == 1:
             uri = client.checkpoint(1, mod, opt)
-        step(client, mod, it, torch.Generator().manual_seed(it))
+        step(client, mod, opt, it, torch.Generator().manual_seed(it))
         client.commit(it)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -530,7 +531,7 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
         mask, scale = (torch.rand(4, 5, generator=g) > 0.5).float(), torch.rand(4, 1, generator=g) + 0.5
         client.step(it, x, target=y, mask=mask, scale=scale)
@@ -583,7 +584,7 @@ def _torch_clip(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2
 
 
 def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         with pytest.raises(RuntimeError, match="between client.step"):  # before the first step, or after a commit (META is gone)
             client.clip_grad_norm_(mod.parameters(), 1.0)
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
@@ -617,7 +618,7 @@ def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
 
 
 def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, it: int, g: torch.Generator) -> None:
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
 
@@ -661,3 +662,20 @@ def test_a_buffer_snapshot_sees_changes_by_content_and_puts_them_back():
     snap.restore(m)
     assert torch.equal(m[1].running_mean, torch.zeros(4)) and torch.equal(m[1].running_var, torch.ones(4)) and int(m[1].num_batches_tracked) == 0
     assert not torch.signbit(m.zero).any()
+
+
+def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tmp_path, single_rank_group):
+    """META records the learning rates each step used (the optimizer given to checkpoint); a loop that
+    sets them in a way the replay does not repeat (here by hand, in iteration 2) stops the replay at
+    that step, naming both, instead of replaying on to a state that differs."""
+
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        if it == 2:
+            for group in opt.param_groups:
+                group["lr"] = 0.01
+
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live optimizer step used learning rates \[0\.01\], the replay's would use \[0\.05\]"):
+        _single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
+    meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
+    assert meta["lrs"] == [0.05]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,7 @@ class SwiftlogClient:
         self._iteration: int | None = None
         self._step_t0: float | None = None
         self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the one given to checkpoint() (META "lrs")
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -439,6 +441,8 @@ class SwiftlogClient:
             uri, run_id=c.run_id, stage=c.stage, num_stages=c.num_stages, iteration=iteration, seed=c.seed,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra, storage_options=opts,
         )  # fmt: skip
+        if optimizer is not None:  # from now on META records the learning rates each step uses
+            self._optimizer = weakref.ref(optimizer)
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
@@ -533,6 +537,17 @@ class SwiftlogClient:
         self.close()
 
     # ================================================================ internals
+    def _learning_rates(self) -> list[float] | None:
+        """Each param group's learning rate now (at commit: what the coming optimizer step uses), of
+        the optimizer last given to :meth:`checkpoint`; None before (no replay starts earlier)."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is None:
+            return None
+        try:
+            return [float(g["lr"]) for g in opt.param_groups]
+        except (KeyError, TypeError, ValueError):  # an optimizer without a scalar lr
+            return None
+
     def _meta(self, iteration: int) -> dict[str, Any]:
         c = self.config
         rec = self.recorder
@@ -555,6 +570,7 @@ class SwiftlogClient:
             "data": "logged" if c.log_data else "source",
             "input_kwargs": list(rec.input_kwargs),
             "grad_clip": list(self._grad_clips),
+            "lrs": self._learning_rates(),
             "autocast": rec.autocast,
             "autocast_varies": rec.autocast_varies,
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),

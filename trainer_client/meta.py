@@ -9,7 +9,9 @@ as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micr
 ``data`` ("logged" | "source"), ``input_kwargs`` (stage 0: names of the keyword inputs logged after
 the positional ones, in this order), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
 order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
-module's ``parameters()`` or null for all; absent in older records: no clipping), ``autocast`` (the
+module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
+group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer last
+given to ``checkpoint``; null before any), ``autocast`` (the
 ``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
 "cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
 iteration: not replayable), ``logging_groups``,
