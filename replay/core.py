@@ -481,9 +481,12 @@ class _Plan:
     mine: list[int]  # micro-batches replayed here, in backward order
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
-    clips: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # stage -> the live clip_grad_norm_ calls (META "grad_clip")
-    autocast: dict[int, Any] = field(default_factory=dict)  # stage -> autocast regions of its live forwards (META "autocast")
-    lrs: dict[int, list[float] | None] = field(default_factory=dict)  # stage -> learning rates its live step used (META "lrs")
+    metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its META record of the iteration (when logged)
+
+    def logged(self, stage: int, key: str) -> Any:
+        """Field ``key`` of ``stage``'s META (None without it): its ``grad_clip`` calls, ``autocast``
+        regions, ``lrs``."""
+        return self.metas.get(stage, {}).get(key)
 
 
 def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Plan:
@@ -552,14 +555,11 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
             report.warnings.append(f"environment differs from the live run: {diff}")
             logger.warning("replay: environment differs from the live run: %s", diff)
     kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
-    clips = {k: list(m.get("grad_clip") or ()) for k, m in present.items()}
     varies = sorted(k for k, m in present.items() if m.get("autocast_varies"))
     if varies:
         raise ReplayError(f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
                           hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
-    autocast = {k: m.get("autocast") for k, m in present.items()}
-    lrs = {k: m.get("lrs") for k, m in present.items()}
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), clips, autocast, lrs)
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), present)
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -640,7 +640,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
-            with autocast_as(plan.autocast.get(st.stage)):  # the live forward's autocast regions
+            with autocast_as(plan.logged(st.stage, "autocast")):  # the live forward's autocast regions
                 out = st.module(*x, **kw) if i == 0 else st.module(*x)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
@@ -654,7 +654,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 target = on_device(target, dev)
-                with autocast_as(plan.autocast.get(st.stage)):  # the schedule computed the loss inside the step too
+                with autocast_as(plan.logged(st.stage, "autocast")):  # the schedule computed the loss inside the step too
                     loss = ctx.loss_fn(out, target)  # type: ignore[misc]
                 losses.append(float(loss.detach()))
                 loss_mbs.append(mb)
@@ -675,7 +675,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             st = states[i]
             x, out = per_stage[i]
             if st.stage == num_stages - 1:
-                with autocast_as(plan.autocast.get(st.stage)):
+                with autocast_as(plan.logged(st.stage, "autocast")):
                     torch.autograd.backward([out])
             else:
                 if grads_in is None:  # last stage of the group, not of the pipeline: logged gradients
@@ -683,7 +683,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
                 if len(with_grad) != len(grads_in):
                     raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
-                with autocast_as(plan.autocast.get(st.stage)):
+                with autocast_as(plan.logged(st.stage, "autocast")):
                     torch.autograd.backward(with_grad, grad_tensors=grads_in)
             sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
             grads_in = sent
@@ -710,9 +710,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             for p in st.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(plan.scale)
-        for clip in plan.clips.get(st.stage, ()):
+        for clip in plan.logged(st.stage, "grad_clip") or ():
             _clip_as_logged(st, it, clip, dev)
-        _check_learning_rates(st, it, plan.lrs.get(st.stage))
+        _check_learning_rates(st, it, plan.logged(st.stage, "lrs"))
         st.optimizer.step()
         if st.lr_scheduler is not None:
             st.lr_scheduler.step()

@@ -337,11 +337,15 @@ class _GradReducer:
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return named_buffers({f"stage {st.stage} ": st.module for st in self.states})
 
+    def _watching_buffers(self) -> bool:
+        """Whether a buffer change could still be missed: several workers, and not every forward runs here."""
+        return self.world > 1 and self.buffers_mutate is not True
+
     def _snap_buffers(self) -> None:
         """Copy the buffers at the start of an iteration, while it is still open whether the forwards
         change them (contents are compared: BatchNorm's kernel updates its running statistics
         without bumping their version counters)."""
-        if self.buffers_mutate is not True and self.world > 1:
+        if self._watching_buffers():
             self._buffers.take(self._named_buffers())
 
     def shadow_forwards(self, it: int) -> bool:
@@ -368,9 +372,7 @@ class _GradReducer:
                               hint="replay these stages with one worker (sequential replay reproduces every buffer update)")  # fmt: skip
 
     def _buffers_changed(self) -> list[str]:
-        if self.buffers_mutate is True or self.world == 1:  # every forward runs here anyway / nothing to miss
-            return []
-        return self._buffers.changed(self._named_buffers())
+        return self._buffers.changed(self._named_buffers()) if self._watching_buffers() else []
 
     def select(self, it: int, order: Sequence[int]) -> list[int]:
         """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
@@ -456,6 +458,12 @@ class _GradReducer:
         self._sends.append(dist.isend(self._flat(data, b), dst=dst, tag=t_data))
         self._sends.append(dist.isend(flags[r.start : r.stop], dst=dst, tag=t_flags))
 
+    def _irecv(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, src: int, final: bool) -> tuple[Any, Any]:
+        """Receive bucket ``b``'s data and flags into ``data`` / ``flags`` (the counterpart of :meth:`_isend`)."""
+        r = self.buckets[b]
+        t_data, t_flags = self._tags(b, final)
+        return dist.irecv(self._flat(data, b), src=src, tag=t_data), dist.irecv(flags[r.start : r.stop], src=src, tag=t_flags)
+
     def _set_flags(self, b: int) -> None:
         r = self.buckets[b]
         self.flags[r.start : r.stop] = torch.tensor(self.present[r.start : r.stop], dtype=torch.uint8)
@@ -475,15 +483,8 @@ class _GradReducer:
 
     def _post_chain_receives(self) -> None:
         """Worker r > 0: receive the running sum of the earlier slices into acc, bucket by bucket."""
-        ins = {}
-        n = len(self.buckets)
-        for b in range(n):
-            r = self.buckets[b]
-            t_data, t_flags = self._tags(b, final=False)
-            ins[b] = (dist.irecv(self._flat(self.acc, b), src=self.rank - 1, tag=t_data),
-                      dist.irecv(self.flags[r.start : r.stop], src=self.rank - 1, tag=t_flags))  # fmt: skip
-        self._chain_in = ins
-        self._info_in = dist.irecv(self.info, src=self.rank - 1, tag=4 * n)
+        self._chain_in = {b: self._irecv(b, self.acc, self.flags, self.rank - 1, final=False) for b in range(len(self.buckets))}
+        self._info_in = dist.irecv(self.info, src=self.rank - 1, tag=4 * len(self.buckets))
 
     def _chain(self, mine: float, changed: bool) -> list[float]:
         """Running sum in backward order: 0 -> 1 -> ... -> K-1, bucket by bucket; the last worker
@@ -491,13 +492,10 @@ class _GradReducer:
         whether its buffers ``changed`` travel with it; returns the times and, last, 1.0 if any
         worker's buffers changed. On return ``.grad`` holds the total and no send is in flight."""
         n, last = len(self.buckets), self.world - 1
+        dsts = [self.rank + 1] if self.rank < last else range(last)  # on along the chain, or (last) the total back to everyone
         finals = []
         if self.rank < last:  # the total comes back from the last worker
-            for b in range(n):
-                r = self.buckets[b]
-                t_data, t_flags = self._tags(b, final=True)
-                finals.append(dist.irecv(self._flat(self.final, b), src=last, tag=t_data))
-                finals.append(dist.irecv(self.final_flags[r.start : r.stop], src=last, tag=t_flags))
+            finals = [w for b in range(n) for w in self._irecv(b, self.final, self.final_flags, last, final=True)]
             final_info = dist.irecv(self.final_info, src=last, tag=4 * n + 1)
         if self.rank == 0:
             for b in self.send_order:  # those its gradient hooks have not sent (no gradient in the last micro-batch)
@@ -518,13 +516,13 @@ class _GradReducer:
                 for grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
                     self._accumulate(r, grads)
                 self._set_flags(b)
-                for dst in [self.rank + 1] if self.rank < last else range(last):
+                for dst in dsts:
                     self._isend(b, self.acc, self.flags, dst, final=self.rank == last)
             self.stash = []
             self._info_in.wait()
             self.info[self.rank] = mine
             self.info[self.world] = max(float(self.info[self.world]), float(changed))
-            for dst in [self.rank + 1] if self.rank < last else range(last):
+            for dst in dsts:
                 self._sends.append(dist.isend(self.info, dst=dst, tag=4 * n + (self.rank == last)))
         for w in self._sends:  # the step divides the gradients in place; and acc is reused
             w.wait()

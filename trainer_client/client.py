@@ -304,7 +304,7 @@ class SwiftlogClient:
         """
         if self._iteration is None or self._step_t0 is None:
             raise RuntimeError("clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
-        mod = module if module is not None else (self._stage.submod if self._stage is not None else None)
+        mod = module if module is not None else self.stage_module
         if mod is None:
             raise ValueError("clip_grad_norm_ needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -99,7 +99,7 @@ class StageRecorder:
     def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
         try:
             state = autocast_state()
-            if not any(k == "F" for k, _ in self.order):
+            if self._cur_fwd_mb is None:  # the iteration's first forward
                 self.autocast = state
             elif state != self.autocast:
                 self.autocast_varies = True
