@@ -522,7 +522,9 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     else:
         assert stand_in is not None
         k_in, m0 = stand_in
-        note = f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage)"
+        note = (f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage); "
+                "what only a stage's own META says (its autocast regions, clip_grad_norm_ calls, learning rates) is unknown, so a run that "
+                "used them does not verify: give the replay the stage's META (a replacement reads it from the commit store)")  # fmt: skip
         if report is not None and not any("no META of stages" in w for w in report.warnings):
             report.warnings.append(note)
             logger.warning("replay: %s (further iterations alike are not reported)", note)

@@ -90,7 +90,9 @@ class SourceSpec:
     kind "store": ``location`` is a node's store root (every writer's hot tier there), plus the
     cold tier ``cold_url`` if given. kind "cold": ``location`` is the cold tier URL
     (``file://`` or ``s3://``) alone. kind "http": ``location`` is a node server's base URL, with
-    ``token`` if its reads need one. ``options``: fsspec storage options of the cold tier.
+    ``token`` if its reads need one. kind "metas": ``docs`` holds META documents
+    (``"stage/iteration"`` -> JSON text) read from the commit store, ``location`` says where
+    from (:class:`~replay.reader.MetaDocSource`). ``options``: fsspec storage options of the cold tier.
     """
 
     kind: str
@@ -98,10 +100,13 @@ class SourceSpec:
     cold_url: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     token: str | None = None
+    docs: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("store", "cold", "http"):
-            raise ValueError(f"source kind must be store, cold or http, got {self.kind!r}")
+        if self.kind not in ("store", "cold", "http", "metas"):
+            raise ValueError(f"source kind must be store, cold, http or metas, got {self.kind!r}")
+        if (self.kind == "metas") != (self.docs is not None):
+            raise ValueError("a source of kind 'metas' (and only one) carries docs")
         if not self.location:
             raise ValueError("source location is empty")
 
@@ -130,6 +135,10 @@ class SourceSpec:
             from replay.plan import cold_only_store
 
             return cold_only_store(self.location, run, self.options)
+        if self.kind == "metas":
+            from replay.reader import MetaDocSource
+
+            return MetaDocSource(self.docs or {})
         return LogStore.open(self.location, run, cold_url=self.cold_url, cold_options=dict(self.options))
 
     def describe(self) -> str:
@@ -137,6 +146,8 @@ class SourceSpec:
             return f"server {self.location}"
         if self.kind == "cold":
             return f"cold tier {self.location}"
+        if self.kind == "metas":
+            return f"{len(self.docs or {})} META document(s) from {self.location}"
         return f"store root {self.location}" + (f" + cold tier {self.cold_url}" if self.cold_url else "")
 
     def to_dict(self) -> dict[str, Any]:

@@ -474,6 +474,7 @@ def _timings(
             d["verified"] = ready[0].get("verified")
             d["digests_checked"] = ready[0].get("digests_checked")
             d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
+            d["warnings"] = ready[0].get("warnings", [])  # the replay's (e.g. a META it had to stand in for)
             replace_t = next(
                 (
                     e["t"]

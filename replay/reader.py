@@ -37,7 +37,7 @@ from replay.errors import ReplayError, ReplayInputMissingError
 from trainer_client.client import decode_meta
 from trainer_client.digest import digest_from_record
 
-__all__ = ["RecordSource", "LogReader", "LIST_WINDOW"]
+__all__ = ["RecordSource", "LogReader", "MetaDocSource", "LIST_WINDOW"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,37 @@ class RecordSource(Protocol):
     def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]: ...
 
     def gaps(self) -> list[dict[str, Any]]: ...
+
+
+class MetaDocSource:
+    """META documents held in memory, as a :class:`RecordSource` of META records only.
+
+    A replacement reads them from the commit store (``trainer_client.commit.stored_metas``): the
+    copy of every committed iteration's META that outlives the failed stage's machine. ``docs``
+    maps ``"stage/iteration"`` to the JSON text as the stage encoded it (so a :class:`~replay.engine.ReplayJob` carries
+    them to helper processes as plain values). Never holds or returns another channel's records.
+    """
+
+    def __init__(self, docs: dict[str, str]) -> None:
+        self._docs: dict[RecordKey, str] = {}
+        for name, text in docs.items():
+            stage, _, it = name.partition("/")
+            self._docs[RecordKey(Channel.meta(int(stage)), int(it), 0)] = text
+
+    def get(self, key: RecordKey) -> torch.Tensor:
+        text = self._docs.get(key)
+        if text is None:
+            raise RecordNotFoundError(f"no META document {key} from the commit store")
+        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)  # the bytes the stage stored
+
+    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
+        return sorted(k for k in self._docs if (channel is None or k.channel == channel) and it_lo <= k.iteration and (it_hi is None or k.iteration < it_hi))
+
+    def gaps(self) -> list[dict[str, Any]]:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 class LogReader:

@@ -14,7 +14,9 @@ operator or a Slurm ``--requeue`` hook, starts the same training command with ``
 3. replays the stage from there to the resume iteration with :func:`replay.replay` from the
    survivors' node stores (read directly: in this single-machine setup each node's store root is
    a directory; elsewhere a node server's URL or the cold tier after a flush), verifying every
-   regenerated send against its receiver's digest. Parallel replay (SWIFT's parallel recovery)
+   regenerated send against its receiver's digest. The failed stage's META documents (its
+   autocast regions, clip norms, learning rates) come from the commit store, where the commit step
+   put them (``trainer_client.commit``): its own log may not have shipped the last ones. Parallel replay (SWIFT's parallel recovery)
    comes in two forms: ``helpers=H`` - the scheduler started H helper processes together with the
    replacement (:func:`serve_replay_helper`; on a cluster: on spare capacity or on the survivors'
    nodes, whose devices idle while they wait); the replacement publishes the job
@@ -50,6 +52,7 @@ import torch.distributed as dist
 from replay.core import ReplayError, ReplayReport
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
+from trainer_client.commit import stored_metas
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
 
@@ -280,6 +283,9 @@ def recover_stage(
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
+        metas = _committed_metas(store, keys, members, range(ck_it, resume))
+        if metas is not None:  # first: the dead stage's own log may not have shipped its last META
+            sources = [metas, *sources]
         t_ck = time.monotonic()
         job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
                         sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
@@ -348,6 +354,19 @@ def recover_stage(
     finally:
         if helpers > 0:
             _release_helpers(store, keys.replay_job(generation, stage))
+
+
+def _committed_metas(store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range) -> SourceSpec | None:
+    """The META documents of ``stages`` over ``iterations`` that the commit step stored (see
+    ``trainer_client.commit``), as a source; None when there are none (no commit store, a run
+    without META). A store error is logged, never raised: the logs may still hold them."""
+    docs: dict[str, str] = {}
+    try:
+        for k in stages:
+            docs.update({f"{k}/{it}": b.decode() for it, b in stored_metas(store, keys.commit_prefix, k, iterations).items()})
+    except Exception as e:
+        logger.warning("reading the stored META documents of stages %s failed: %s", list(stages), e)
+    return SourceSpec(kind="metas", location="the commit store", docs=docs) if docs else None
 
 
 def _s(v: Any) -> str:

@@ -36,6 +36,7 @@ from trainer_client import (
     seed_micro_batch,
     tensor_digest,
 )
+from trainer_client.commit import stored_metas
 from trainer_client.config import group_starts
 from trainer_client.digest import digest_from_record, digest_record
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
@@ -273,12 +274,12 @@ def _coordinators(tcp_store, n=4, timeout=5.0):
     return [CommitCoordinator(c, stage=k, num_stages=n, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=timeout)) for k, c in enumerate(clients)]
 
 
-def _commit_all(coords, it, stages=None):
+def _commit_all(coords, it, stages=None, meta=None):
     out = {}
 
     def one(c):
         try:
-            out[c.stage] = c.commit(it)
+            out[c.stage] = c.commit(it, meta=None if meta is None else meta(c.stage, it))
         except Exception as e:
             out[c.stage] = e
 
@@ -297,6 +298,28 @@ def test_commit_all_stages_agree(tcp_store):
         assert all(not isinstance(r, Exception) for r in out.values()), out
         assert len({r.decided_by for r in out.values()}) == 1
         assert coords[0].decision(it) == "commit"
+
+
+def test_commit_stores_each_meta_with_the_done_mark_and_a_checkpoint_forgets_older_ones(tcp_store):
+    """Every committed iteration's META of every stage is in the store (it outlives the stage's
+    machine); a checkpoint deletes a stage's older ones, including those a predecessor left."""
+    coords = _coordinators(tcp_store, n=2)
+
+    def doc(stage: int, it: int) -> bytes:
+        return f'{{"iteration":{it},"stage":{stage}}}'.encode()
+
+    for it in range(3, 7):
+        out = _commit_all(coords, it, meta=doc)
+        assert all(not isinstance(r, Exception) for r in out.values()), out
+    assert stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {it: doc(1, it) for it in range(3, 7)}  # some missing: key by key
+    assert stored_metas(tcp_store, "swiftlog/t", 0, range(4, 6)) == {4: doc(0, 4), 5: doc(0, 5)}  # all there: one multi_get
+    assert coords[1].forget_metas(5) == 2  # from the first committed iteration (3) up to the checkpoint
+    assert sorted(stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9))) == [5, 6]
+    assert coords[1].forget_metas(5) == 0
+    other = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    replacement = CommitCoordinator(other, stage=1, num_stages=2, prefix="swiftlog/t")  # a new process: knows nothing
+    assert replacement.forget_metas(7) == 2 and stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {}
+    assert sorted(stored_metas(tcp_store, "swiftlog/t", 0, range(0, 9))) == [3, 4, 5, 6]  # another stage's are its own
 
 
 def test_abort_by_one_stage_aborts_everyone(tcp_store):

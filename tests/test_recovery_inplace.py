@@ -148,6 +148,19 @@ def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(tmp_path: P
     assert_same_as(r, ref)
 
 
+def test_the_failed_stages_meta_comes_from_the_commit_store(tmp_path: Path) -> None:
+    """The failed stage's own META of its last iterations never left its machine (not shipped: its
+    segment was still open when it died), yet the replay needs it: this job runs under bf16
+    autocast, which only the stage's META records. The commit step stored every committed META in
+    the decision store; the replacement reads it there and the recovery is exact."""
+    extra = ("--data-source", "--autocast", "bf16", "--no-ship-data")
+    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra)
+    _check_recovered(r, [1], 3)
+    assert not [w for w in r.timings[0]["warnings"] if "META" in w], r.timings[0]
+    assert_same_as(r, ref)
+
+
 def test_parallel_helpers_when_replay_is_impossible(
     references: dict[str, RecoveryRun], tmp_path: Path
 ) -> None:

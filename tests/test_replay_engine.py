@@ -262,6 +262,29 @@ def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
     assert any("using stage 0's" in w for w in res.report.warnings)
 
 
+def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, tmp_path):
+    """What a replacement does when the failed stage's META is gone from the logs: the copies the
+    commit step kept in the decision store come as a "metas" source (plain values: a job carries
+    them to helper processes), and the replay uses the stage's own META, not a neighbour's."""
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+        p.unlink()
+    with f1b_run.spec().open(f1b_run.run_id) as st:
+        docs = {f"1/{it}": st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes().decode() for it in range(CKPT, ITERS)}
+    metas = SourceSpec(kind="metas", location="the commit store", docs=docs)
+    job = _job(f1b_run, 1, tmp_path, sources=[metas, SourceSpec(kind="cold", location=cold)])
+    assert ReplayJob.from_dict(job.to_dict()).sources[0] == metas
+    res = replay(job)
+    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+    assert not any("META" in w for w in res.report.warnings), res.report.warnings
+    src = metas.open(f1b_run.run_id)  # META records only, never another channel's
+    assert [k.iteration for k in src.keys(Channel.meta(1))] == list(range(CKPT, ITERS)) and src.keys(Channel.activation(0)) == []
+    with pytest.raises(KeyError, match="no META document"):
+        src.get(RecordKey(Channel.activation(0), CKPT, 0))
+    with pytest.raises(ValueError, match="carries docs"):
+        SourceSpec(kind="metas", location="the commit store")
+
+
 def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tmp_path):
     from logstore.testing import free_port
     from replay.plan import cold_only_store

@@ -334,7 +334,8 @@ class SwiftlogClient:
         """Finish ``iteration``'s logs and, with a decision store, agree with every stage to apply it.
 
         Call after the schedule's step and before ``optimizer.step()``. Queues the iteration's
-        META record, asks the store to ship inputs/targets/META off the node, and reports the
+        META record, asks the store to ship inputs/targets/META off the node (and, with a decision
+        store, puts the META there too, in the request that reports this stage done), and reports the
         logging faults since the last report (logged as a warning, never raised). Raises
         IterationAbortedError when the decision is "abort" (zero the gradients, skip the
         optimizer step, recover) and ValueError if ``iteration`` is not the current one.
@@ -347,8 +348,10 @@ class SwiftlogClient:
         n_mb = self._schedule_info.get("n_microbatches")
         if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
             self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
+        meta = None
         if rec.enabled:
-            self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [encode_meta(self._meta(iteration))])
+            meta = encode_meta(self._meta(iteration))
+            self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
                 store, ship = self.store, list(self._ship)
                 self.writer.mark(lambda: store.seal(ship))
@@ -360,7 +363,8 @@ class SwiftlogClient:
         decision = None
         if self.coordinator is not None:
             try:
-                decision = self.coordinator.commit(iteration)
+                # META goes to the decision store too: it outlives this machine, unlike a log not yet shipped
+                decision = self.coordinator.commit(iteration, meta=None if meta is None else meta.numpy().tobytes())
             except IterationAbortedError:
                 self._aborts += 1
                 raise
@@ -447,6 +451,8 @@ class SwiftlogClient:
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
         self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.gc_after_checkpoint))
+        if self.coordinator is not None and c.gc_after_checkpoint:  # the META copies below it too (cheap store requests)
+            self.coordinator.forget_metas(iteration)
         return uri
 
     # ================================================================ reporting and lifecycle

@@ -18,6 +18,15 @@ hosted outside the training ranks, so it survives any of them) under
 So after a failure all survivors stand at the same iteration: either all applied it (the
 decision was "commit" before the failure was noticed) or none did.
 
+META in the store: a stage may pass its iteration's META document to :meth:`CommitCoordinator.commit`;
+it is written under ``{prefix}/meta/{stage}/it{iteration}`` in the same request as the done mark
+(``multi_set``), so every committed iteration's META of every stage is in the store, which
+survives the stage's machine, before anyone applies the iteration. A replacement reads it there
+(:func:`stored_metas`) when the dead stage's own log, which ships META to the cold tier only
+after the fact, lost the last iterations. :meth:`CommitCoordinator.forget_metas` deletes a stage's
+META keys below its checkpoint (the same rule as the log GC); the lowest key that may remain is
+kept in the store too (``.../meta/{stage}/floor``), so a replacement deletes its predecessor's.
+
 Waiting polls the store with a short exponential backoff (0.1 ms to 5 ms), two cheap requests
 per poll. Never: decides anything locally, retries a decided iteration, or raises anything but
 :class:`IterationAbortedError` / :class:`CommitStoreError` from ``commit``.
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from trainer_client.errors import CommitStoreError, IterationAbortedError
 
-__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT"]
+__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT", "meta_key", "stored_metas"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +66,24 @@ def _parse(value: str) -> tuple[str, int | None, str]:
     decision, _, rest = value.partition(":")
     by, _, why = rest.partition(":")
     return decision, int(by) if by.isdigit() else None, why
+
+
+def meta_key(prefix: str, stage: int, iteration: int) -> str:
+    """Store key of ``stage``'s META document of ``iteration`` under the commit ``prefix``."""
+    return f"{prefix.rstrip('/')}/meta/{stage}/it{iteration}"
+
+
+def stored_metas(store: dist.Store, prefix: str, stage: int, iterations: range) -> dict[int, bytes]:
+    """The META documents (encoded JSON) of ``stage`` that the store holds for ``iterations``:
+    iteration -> bytes, missing ones left out. One request when all are there (``multi_get``),
+    else one ``check`` and ``get`` per key; never waits for a key to appear. Raises what the
+    store client raises when the store cannot be reached."""
+    keys = [meta_key(prefix, stage, it) for it in iterations]
+    if not keys:
+        return {}
+    if store.check(keys):
+        return {it: bytes(v) for it, v in zip(iterations, store.multi_get(keys), strict=True)}
+    return {it: bytes(store.get(k)) for it, k in zip(iterations, keys, strict=True) if store.check([k])}
 
 
 class CommitCoordinator:
@@ -89,11 +116,15 @@ class CommitCoordinator:
         self.prefix = prefix.rstrip("/")
         self.timeout = timeout
         self.generation = generation
+        self._floor_known = False  # the store has this stage's META floor (set at the first META commit)
 
     # -- keys ------------------------------------------------------------------------------
     def _it_key(self, iteration: int, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
         return f"{self.prefix}/gen{g}/it{iteration}"
+
+    def _floor_key(self) -> str:
+        return f"{self.prefix}/meta/{self.stage}/floor"
 
     def _failed_key(self, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
@@ -104,10 +135,11 @@ class CommitCoordinator:
         self.generation = generation
 
     # -- protocol --------------------------------------------------------------------------
-    def commit(self, iteration: int) -> CommitResult:
+    def commit(self, iteration: int, meta: bytes | None = None) -> CommitResult:
         """Report this stage done with ``iteration`` and wait for the decision.
 
-        Returns when the decision is "commit". Raises IterationAbortedError when it is "abort"
+        ``meta``: the iteration's META document, stored with the done mark in one request (see
+        the module docstring). Returns when the decision is "commit". Raises IterationAbortedError when it is "abort"
         (a stage failed, the generation was marked failed, or the wait timed out), and
         CommitStoreError when the store cannot be reached (outcome unknown: treat as a failure).
         """
@@ -115,7 +147,13 @@ class CommitCoordinator:
         dec = key + "/decision"
         t0 = time.monotonic()
         try:
-            self.store.set(f"{key}/done/{self.stage}", "1")
+            if meta is None:
+                self.store.set(f"{key}/done/{self.stage}", "1")
+            else:  # one request: the META is in the store before this stage counts as done
+                if not self._floor_known:  # the lowest META key of this stage (kept if a predecessor set it)
+                    self.store.compare_set(self._floor_key(), "", str(iteration))
+                    self._floor_known = True
+                self.store.multi_set([meta_key(self.prefix, self.stage, iteration), f"{key}/done/{self.stage}"], [meta, b"1"])
             last_to_report = self.store.add(key + "/done", 1) >= self.num_stages
             if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (COMMIT, self.stage, ""):
                 self._forget(iteration - 2)
@@ -167,6 +205,23 @@ class CommitCoordinator:
         except Exception as e:
             logger.warning("stage %d: could not write abort of iteration %d: %s", self.stage, iteration, e)
             return "unknown"
+
+    def forget_metas(self, below: int) -> int:
+        """Delete this stage's META keys of iterations below ``below`` (its durable checkpoint:
+        a replay starts there or later), from the floor the store records (what this stage or a
+        predecessor left) up; returns how many iterations were cleared. Housekeeping: never raises
+        (a store error is logged and the keys are left for the next call)."""
+        floor_key = self._floor_key()
+        try:
+            low = int(self._get_str(floor_key)) if self.store.check([floor_key]) else below
+            for it in range(low, below):
+                self.store.delete_key(meta_key(self.prefix, self.stage, it))
+            if below > low:
+                self.store.set(floor_key, str(below))
+            return max(0, below - low)
+        except Exception as e:
+            logger.warning("stage %d: deleting META keys below iteration %d from the commit store failed: %s", self.stage, below, e)
+            return 0
 
     def mark_failed(self, who: str = "", generation: int | None = None) -> None:
         """Mark the whole generation failed: every stage waiting in ``commit`` aborts."""
