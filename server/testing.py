@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -88,6 +89,9 @@ def stage_channels(stage: int, stages: int) -> list[Channel]:
     return out
 
 
+_STOP = threading.Event()  # set by SIGINT / SIGTERM in a writer process (main)
+
+
 def _write_stage(args: argparse.Namespace) -> None:
     """Body of one writer process (see :func:`write_run`)."""
     from logstore.store import LogStore, StoreConfig
@@ -116,8 +120,8 @@ def _write_stage(args: argparse.Namespace) -> None:
             if args.gap_at is not None and it == args.gap_at:
                 store.record_gap(chans[0], it, 0, "test: queue overflow")
             it += 1
-            if args.sleep:
-                time.sleep(args.sleep)
+            if _STOP.wait(args.sleep) if args.sleep else _STOP.is_set():
+                break
     finally:
         store.close(flush=args.flush)
     print(f"wrote {it - args.start} iterations", flush=True)
@@ -343,12 +347,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     w.add_argument("--gap-at", type=int)
     w.add_argument("--segment-iters", type=int, default=2)
     args = ap.parse_args(argv)
-    # SIGINT/SIGTERM end the write loop; the finally block still seals and closes the store
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        _write_stage(args)
-    except KeyboardInterrupt:
-        pass
+    # SIGINT/SIGTERM end the write loop after the current iteration, then the store is sealed and
+    # closed. A flag, not KeyboardInterrupt: an exception raised inside the store (holding a lock,
+    # mid-transaction) made the close in the finally block hang until the caller's SIGKILL
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: _STOP.set())
+    _write_stage(args)
 
 
 if __name__ == "__main__":
