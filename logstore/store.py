@@ -226,6 +226,8 @@ class LogStore:
         self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
         self._last_error: tuple[float, str] | None = None
         self._backlog_bytes = 0
+        self._ship_first: set[str] = set()  # channels sealed by seal(): their segments are uploaded before others
+        self._shipped = threading.Condition()  # notified after every upload round (wait_shipped)
         self.cold: ColdTier | None = None
         if config.cold_url:
             self.cold = ColdTier(config.cold_url, storage_options=config.cold_options or None)
@@ -665,7 +667,8 @@ class LogStore:
         n = 0
         with self._upload_lock:
             self._ship_gaps()
-            for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: m.id):
+            first = self._ship_first
+            for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: (m.channel not in first, m.id)):
                 name = self._ship(self.hot, m)
                 if name is None:
                     continue
@@ -673,6 +676,9 @@ class LogStore:
                 self._upload_stats["uploaded_segments"] += 1
                 self._upload_stats["uploaded_bytes"] += m.file_size
                 n += 1
+                if m.channel in first:
+                    with self._shipped:
+                        self._shipped.notify_all()
             self._backlog_bytes = self._compute_backlog()
             with self._lock:
                 self._cold_list = None
@@ -748,8 +754,32 @@ class LogStore:
         digests) off the node promptly without blocking the caller on the object store.
         """
         hot = self._writer_hot()
-        hot.seal_all(None if channels is None else {c.name for c in channels})
+        names = None if channels is None else {c.name for c in channels}
+        if names:
+            self._ship_first |= names
+        hot.seal_all(names)
         self._wake.set()
+
+    def wait_shipped(self, channels: Iterable[Channel], iteration: int, timeout: float) -> bool:
+        """Wait until every record of ``channels`` at or below ``iteration`` that this store's
+        writer has written is in the cold tier; True when it is, False after ``timeout`` seconds
+        (the cold tier is slow or down: the records stay in the hot tier and go up later) or
+        without a cold tier. Only sealed segments are uploaded: :meth:`seal` the channels first,
+        after the records are written. Never uploads on the caller's thread or raises for the
+        cold tier's errors."""
+        if self.cold is None or self._uploader is None:
+            return False
+        hot = self._writer_hot()
+        names = {c.name for c in channels}
+        deadline = time.monotonic() + timeout
+        with self._shipped:
+            while True:
+                if not any(m.channel in names and m.lo <= iteration and m.state in (OPEN, SEALED) for m in hot.segments()):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._shipped.wait(min(left, 0.05))  # notified per upload; the poll bounds a missed wake
 
     def flush(self) -> int:
         """Seal every open segment and upload everything to the cold tier now.

@@ -553,6 +553,30 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(tmp_path, single_rank_group):
+    """A first / last stage's commit waits for its logged inputs / targets to reach the cold tier.
+    With the object store down that wait ends at ``ship_wait`` once, as a "ship_timeout" fault
+    naming what is missing; later commits only check, so training goes on at its own pace."""
+    from logstore.testing import free_port
+
+    dead = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    client = SwiftlogClient(ClientConfig(run_id="dead", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9,
+                                         cold_url="s3://swiftlog-dead/logs", cold_options=dead, checkpoint_url=str(tmp_path / "ckpt"),
+                                         ship_wait=datetime.timedelta(seconds=0.3)))  # fmt: skip
+    mod = _Masked()
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    faults = []
+    for it in range(4):
+        g = torch.Generator().manual_seed(it)
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        faults += client.commit(it).logging_faults
+    ship = [f for f in faults if f.kind == "ship_timeout"]
+    assert len(ship) == 1 and ship[0].iteration == 0 and "input_0/target_0 not in the cold tier after 0.3 s" in ship[0].message, faults
+    assert 0.3 <= client.stats()["commit"]["ship_wait_s"] < 1.0  # one full wait, then checks (four waits would be 1.2 s)
+    client.close(flush=False)
+
+
 def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
     def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)

@@ -266,6 +266,36 @@ def test_object_store_down_keeps_records_hot_and_resumes(tmp_path: Path, cold_ba
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("cold_env", ["moto"], indirect=True)
+def test_wait_shipped_says_when_sealed_records_are_in_the_cold_tier(tmp_path: Path, cold_backend, cold_env) -> None:
+    """What a first / last stage's commit waits for: its records of an iteration in the cold tier.
+    Open segments are never shipped; a sealed channel goes up first; with the object store down
+    the wait ends at its timeout (False), and the records go up once it is back."""
+    inp = Channel.input(0)
+    s = _open(tmp_path / "node", cold_backend)
+    try:
+        _fill(s, range(2))
+        s.put_many([(RecordKey(inp, 1, mb), _t(1, mb)) for mb in range(2)])
+        assert s.wait_shipped([inp], 1, timeout=0.2) is False  # still in an open segment
+        s.seal([inp])
+        assert s.wait_shipped([inp], 1, timeout=30) is True
+        r = _open(tmp_path / "elsewhere", cold_backend, writer=None)  # another machine sees them
+        assert [k.iteration for k in r.keys(inp)] == [1, 1]
+        r.close()
+        cold_env.server.kill()
+        s.put_many([(RecordKey(inp, 2, mb), _t(2, mb)) for mb in range(2)])
+        s.seal([inp])
+        t0 = time.monotonic()
+        assert s.wait_shipped([inp], 2, timeout=0.5) is False
+        assert 0.4 < time.monotonic() - t0 < 5
+        assert s.wait_shipped([inp], 1, timeout=0) is True  # what went up before stays up
+    finally:
+        cold_env.server.restart()
+    assert s.wait_shipped([inp], 2, timeout=60) is True
+    s.close()
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize("cold_env", ["moto", "seaweedfs"], indirect=True)
 def test_gc_aborts_stale_multipart_upload(tmp_path: Path, cold_backend, cold_env) -> None:
     """An uploader that died mid-multipart leaves an in-progress upload: never visible as a

@@ -13,6 +13,7 @@ says: discard the iteration) and :class:`CheckpointError` when a checkpoint cann
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -92,6 +93,14 @@ class FlushReport:
         return self.drained and self.error is None and not self.logging_faults and self.faults_total == 0
 
 
+def _seal_then_set(store: LogStore, channels: list[Channel], done: threading.Event) -> None:
+    """Writer marker: seal ``channels`` (the uploader ships them first), then set ``done``."""
+    try:
+        store.seal(channels)
+    finally:
+        done.set()
+
+
 class SwiftlogClient:
     """Asynchronous SWIFT logging for one pipeline stage. See the package docstring for usage.
 
@@ -159,11 +168,14 @@ class SwiftlogClient:
         self._commit_wait_s = 0.0
         self._aborts = 0
         self._closed = False
-        self._ship = [c for c in (
+        # the inputs / targets this stage logs: a replay of this stage needs them, and only this stage has them
+        self._own_data = [c for c in (
             Channel.input(config.stage) if config.is_first else None,
             Channel.target(config.stage) if config.is_last else None,
-            Channel.meta(config.stage),
-        ) if c is not None]
+        ) if c is not None] if config.log_data else []
+        self._ship = [*self._own_data, Channel.meta(config.stage)]
+        self._ship_lagging = False  # a ship wait timed out: commits only check until the cold tier catches up
+        self._ship_wait_s = 0.0
 
     # ================================================================ building the pipeline
     def pipeline_stage(
@@ -349,13 +361,16 @@ class SwiftlogClient:
         if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
             self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
         meta = None
+        sealed: threading.Event | None = None
         if rec.enabled:
             meta = encode_meta(self._meta(iteration))
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
-                store, ship = self.store, list(self._ship)
-                self.writer.mark(lambda: store.seal(ship))
+                sealed = threading.Event()
+                self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._ship), sealed))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
+        if sealed is not None and self._own_data and self.config.ship_wait is not None:
+            self._wait_shipped(iteration, sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
@@ -372,6 +387,22 @@ class SwiftlogClient:
             self._commit_wait_s += decision.wait_s
         self._iteration = iteration + 1
         return CommitReport(iteration, decision, faults)
+
+    def _wait_shipped(self, iteration: int, sealed: threading.Event, timeout: float) -> None:
+        """Before this stage reports ``iteration`` done: wait until its inputs / targets of it are
+        in the cold tier (the writer writes and seals them, the uploader ships them first), so a
+        replacement can replay the iteration. Lagging (after a timeout): check only, no wait."""
+        t0 = time.perf_counter()
+        limit = 0.0 if self._ship_lagging else timeout
+        shipped = sealed.wait(limit) and self.store.wait_shipped(self._own_data, iteration, max(0.0, limit - (time.perf_counter() - t0)))
+        self._ship_wait_s += time.perf_counter() - t0
+        if shipped and self._ship_lagging:
+            self._ship_lagging = False
+            logger.info("stage %d: the cold tier caught up at iteration %d; commits wait for the data again", self.config.stage, iteration)
+        elif not shipped and not self._ship_lagging:
+            self._ship_lagging = True
+            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in self._own_data)} not in the cold tier after "
+                                   f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
 
     def abort(self, iteration: int, reason: str = "") -> str:
         """This stage saw a failure in ``iteration``: write "abort" unless decided; return the
@@ -478,7 +509,7 @@ class SwiftlogClient:
                 "skipped_send_bytes": rec.skipped_send_bytes,
                 "skipped_send_records": rec.skipped_send_records,
             },
-            "commit": {"commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s},
+            "commit": {"commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s, "ship_wait_s": self._ship_wait_s},
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
                 "gc_runs": self._maint.gc_runs,

@@ -80,6 +80,12 @@ class ClientConfig:
             the replay.
         ship_data: after every iteration, seal this stage's input/target/meta segments so the
             uploader ships them to the cold tier at once (default True; no-op without cold tier).
+        ship_wait: with ``ship_data`` and ``log_data`` on the first or last stage: how long
+            ``commit(t)`` waits, before reporting the stage done, until t's inputs / targets are in
+            the cold tier, so that a replacement of this stage can replay t when its machine (and
+            disk) dies right after the commit (default 10 s). None: never wait (such a failure
+            then needs a rollback). A wait that times out is a "ship_timeout" fault; after one,
+            commits only check (no wait) until the cold tier has caught up.
         enabled: start with logging on (default True). Seeding, META and the commit step happen
             either way; see ``SwiftlogClient.set_logging``.
 
@@ -121,6 +127,7 @@ class ClientConfig:
     logging_groups: Sequence[int] | None = None
     log_data: bool = True
     ship_data: bool = True
+    ship_wait: timedelta | None = timedelta(seconds=10)
     enabled: bool = True
     max_queue_bytes: int = 256 * MiB
     overflow: str = "wait"
@@ -177,6 +184,8 @@ class ClientConfig:
             raise ConfigError(f"max_backlog_bytes must be None or an int >= 0, got {self.max_backlog_bytes!r}")
         if self.durability not in ("process", "fsync"):
             raise ConfigError(f"durability must be 'process' or 'fsync', got {self.durability!r}")
+        if self.ship_wait is not None and (not isinstance(self.ship_wait, timedelta) or self.ship_wait < timedelta(0)):
+            raise ConfigError(f"ship_wait must be None or a non-negative timedelta, got {self.ship_wait!r}")
         if not isinstance(self.commit_timeout, timedelta) or self.commit_timeout <= timedelta(0):
             raise ConfigError(f"commit_timeout must be a positive timedelta, got {self.commit_timeout!r}")
         if self.commit_prefix is None:
