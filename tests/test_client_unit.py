@@ -577,6 +577,25 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
     client.close(flush=False)
 
 
+def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp_path, single_rank_group):
+    """The data wait of the commit overlaps the iteration: once the schedule step logged every
+    micro-batch's inputs and targets, they are sealed and shipped without waiting for the commit."""
+    client = SwiftlogClient(ClientConfig(run_id="early", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9,
+                                         cold_url=f"file://{tmp_path}/cold", checkpoint_url=str(tmp_path / "ckpt")))  # fmt: skip
+    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    g = torch.Generator().manual_seed(0)
+    client.step(0, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+    deadline, shipped = time.monotonic() + 30, []
+    while len(shipped) < 4 and time.monotonic() < deadline:  # no commit yet: what another machine sees
+        with LogStore.open(tmp_path / "elsewhere", "early", cold_url=f"file://{tmp_path}/cold") as other:
+            shipped = other.keys(Channel.input(0)) + other.keys(Channel.target(0))
+        time.sleep(0.05)
+    assert sorted(str(k) for k in shipped) == ["input_0/it0/mb0/p0", "input_0/it0/mb1/p0", "target_0/it0/mb0/p0", "target_0/it0/mb1/p0"]
+    assert client.commit(0).logging_faults == []
+    client.close()
+
+
 def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
     def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)

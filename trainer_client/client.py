@@ -175,6 +175,7 @@ class SwiftlogClient:
         ) if c is not None] if config.log_data else []
         self._ship = [*self._own_data, Channel.meta(config.stage)]
         self._ship_lagging = False  # a ship wait timed out: commits only check until the cold tier catches up
+        self._own_sealed: threading.Event | None = None  # set once this iteration's inputs / targets are written and sealed
         self._ship_wait_s = 0.0
 
     # ================================================================ building the pipeline
@@ -240,6 +241,9 @@ class SwiftlogClient:
             return loss_fn(output, target, **kw)
 
         self._schedule = cls(stage, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs)
+        if self._own_data:  # all of an iteration's inputs / targets queued: seal them at once
+            self.recorder.data_expected = n_microbatches * len(self._own_data)
+            self.recorder.on_data_complete = self._seal_own_data
         self._schedule_info = {
             "schedule": cls.__name__,
             "n_microbatches": n_microbatches,
@@ -267,6 +271,7 @@ class SwiftlogClient:
         self._iteration = iteration
         self._step_t0 = time.perf_counter()
         self._grad_clips = []
+        self._own_sealed = None
         self.recorder.begin(iteration)
 
     def step(self, iteration: int, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
@@ -370,7 +375,7 @@ class SwiftlogClient:
                 self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._ship), sealed))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
         if sealed is not None and self._own_data and self.config.ship_wait is not None:
-            self._wait_shipped(iteration, sealed, self.config.ship_wait.total_seconds())
+            self._wait_shipped(iteration, self._own_sealed or sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
@@ -387,6 +392,15 @@ class SwiftlogClient:
             self._commit_wait_s += decision.wait_s
         self._iteration = iteration + 1
         return CommitReport(iteration, decision, faults)
+
+    def _seal_own_data(self) -> None:
+        """The recorder queued the last input / target of the iteration: have the writer seal them
+        as soon as they are written (the uploader ships sealed data first), so that the commit's
+        wait for them (:meth:`_wait_shipped`) overlaps the rest of the iteration."""
+        if self.config.ship_data and self.store.cold is not None and self._own_sealed is None:
+            self._own_sealed = threading.Event()
+            self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._own_data), self._own_sealed))
+            self.writer.kick()
 
     def _wait_shipped(self, iteration: int, sealed: threading.Event, timeout: float) -> None:
         """Before this stage reports ``iteration`` done: wait until its inputs / targets of it are

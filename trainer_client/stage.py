@@ -33,7 +33,7 @@ failures as faults), consumes RNG, or changes what the stage computes or sends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +79,11 @@ class StageRecorder:
         self.skipped_send_bytes = 0
         self.skipped_send_records = 0
         self._warned_non_tensor = False
+        # inputs (first stage) / targets (last stage) logged per iteration, and what to call once all
+        # of an iteration's are queued (the client ships them off the node then, not at the commit)
+        self.data_expected: int | None = None
+        self.on_data_complete: Callable[[], None] | None = None
+        self._data_count = 0
 
     # ------------------------------------------------------------------ iteration state
     def begin(self, iteration: int) -> None:
@@ -90,6 +95,12 @@ class StageRecorder:
         self.input_kwargs = []
         self.autocast = None
         self.autocast_varies = False
+        self._data_count = 0
+
+    def _data_logged(self) -> None:
+        self._data_count += 1
+        if self._data_count == self.data_expected and self.on_data_complete is not None:
+            self.on_data_complete()
 
     def seed(self, micro_batch: int) -> int:
         """Seed the RNG for this stage's forward of ``micro_batch`` in the current iteration."""
@@ -108,8 +119,8 @@ class StageRecorder:
             if not self.enabled:
                 return
             if stage.is_first:
-                if self.log_data:
-                    self.log_inputs(self.iteration, micro_batch, args, kwargs)
+                if self.log_data and self.log_inputs(self.iteration, micro_batch, args, kwargs):
+                    self._data_logged()
             elif self._digest_from_prev:
                 bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
                 self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
@@ -179,7 +190,8 @@ class StageRecorder:
         try:
             if not self.enabled or not self.log_data or target is None or self._cur_fwd_mb is None:
                 return
-            self.log_target(self.iteration, self._cur_fwd_mb, target)
+            if self.log_target(self.iteration, self._cur_fwd_mb, target):
+                self._data_logged()
         except Exception as e:
             self._hook_fault("loss", e, self._cur_fwd_mb)
 

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--codec", default="auto")
     a("--segment-iters", type=int, default=2)
     a("--no-ship-data", action="store_true", help="inputs/targets/META reach the cold tier only with their segment (ClientConfig.ship_data)")
+    a("--no-ship-wait", action="store_true", help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (ClientConfig.ship_wait)")
     a("--no-commit", action="store_true")
     a("--commit-timeout", type=float, default=60.0)
     a("--pg-timeout", type=float, default=60.0)
@@ -187,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
         log_data=not args.data_source, enabled=not args.no_logging, max_queue_bytes=args.max_queue_bytes,
         overflow=args.overflow, max_backlog_bytes=args.max_backlog_bytes, encode_threads=args.encode_threads,
         codec=args.codec, commit_timeout=datetime.timedelta(seconds=args.commit_timeout), ship_data=not args.no_ship_data,
+        **({"ship_wait": None} if args.no_ship_wait else {}),
     )  # fmt: skip
 
 
