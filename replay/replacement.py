@@ -224,7 +224,8 @@ def recover_stage(
     is written to ``output`` (default: a temporary directory) and loaded back here. ``group``: the
     logging group of ``stage`` (only its boundaries were logged): the whole group is replayed
     from the newest checkpoint all its members have, and this stage's state is kept (each member's
-    replacement does the same; the scheduler must replace every member). ``sources``: where to
+    replacement does the same; the scheduler must replace every member). Adjacent failed stages
+    are replayed together the same way: each took with it the records of what it sent the other. ``sources``: where to
     read the records; None: the store roots the survivors reported (and their cold tier), which
     works when this process can reach them (one machine, a shared filesystem); on a cluster pass
     the survivors' node servers (``SourceSpec("http", url)``) and the cold tier. ``helpers``: how
@@ -269,6 +270,10 @@ def recover_stage(
                 f"no survivor of generation {g}: nothing to replay against"
             )
         t_survivors = time.monotonic()
+        # a failed neighbour took the records of what it sent this stage with it (and vice versa):
+        # replay the whole run of adjacent failed stages together, its inner sends regenerated
+        while members[0] - 1 in failed or members[-1] + 1 in failed:
+            members = [members[0] - 1, *members] if members[0] - 1 in failed else [*members, members[-1] + 1]
         if members != list(range(members[0], members[-1] + 1)) or any(
             k not in failed for k in members
         ):

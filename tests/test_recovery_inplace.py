@@ -104,6 +104,16 @@ def test_two_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) 
     assert_same_as(r, references["1f1b"])
 
 
+def test_two_adjacent_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+    """Stages 1 and 2 die together: each took with it the log of what it sent the other, so each
+    replacement replays both as one unit (the 1|2 sends regenerated, verified at 0|1 and 2|3) and
+    keeps its own stage."""
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")])
+    _check_recovered(r, [1, 2], 3)
+    assert r.timings[0]["digests_checked"] > 0
+    assert_same_as(r, references["1f1b"])
+
+
 def test_global_rollback(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], mode="rollback")
     assert any(e["what"] == "rollback" and e["checkpoint"] == 2 for e in r.timeline)
