@@ -375,7 +375,9 @@ class SwiftlogClient:
                 self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._ship), sealed))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
         if sealed is not None and self._own_data and self.config.ship_wait is not None:
-            self._wait_shipped(iteration, self._own_sealed or sealed, self.config.ship_wait.total_seconds())
+            # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
+            early = self._own_sealed if self.recorder.data_count == self.recorder.data_expected else None
+            self._wait_shipped(iteration, early or sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:

@@ -83,7 +83,7 @@ class StageRecorder:
         # of an iteration's are queued (the client ships them off the node then, not at the commit)
         self.data_expected: int | None = None
         self.on_data_complete: Callable[[], None] | None = None
-        self._data_count = 0
+        self.data_count = 0  # inputs / targets logged in the current iteration
 
     # ------------------------------------------------------------------ iteration state
     def begin(self, iteration: int) -> None:
@@ -95,11 +95,11 @@ class StageRecorder:
         self.input_kwargs = []
         self.autocast = None
         self.autocast_varies = False
-        self._data_count = 0
+        self.data_count = 0
 
     def _data_logged(self) -> None:
-        self._data_count += 1
-        if self._data_count == self.data_expected and self.on_data_complete is not None:
+        self.data_count += 1
+        if self.data_count == self.data_expected and self.on_data_complete is not None:
             self.on_data_complete()
 
     def seed(self, micro_batch: int) -> int:
