@@ -4,6 +4,7 @@ the explicit logging API, and a one-stage pipeline in this process."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 import time
@@ -553,28 +554,44 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(tmp_path, single_rank_group):
+@pytest.mark.s3
+def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(tmp_path, single_rank_group, moto_server, caplog):
     """A first / last stage's commit waits for its logged inputs / targets to reach the cold tier.
     With the object store down that wait ends at ``ship_wait`` once, as a "ship_timeout" fault
-    naming what is missing; later commits only check, so training goes on at its own pace."""
-    from logstore.testing import free_port
-
-    dead = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"}}
+    naming what is missing; later commits only check, so training goes on at its own pace; once
+    the store is back and the backlog is up, commits wait (and succeed) again."""
     client = SwiftlogClient(ClientConfig(run_id="dead", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9,
-                                         cold_url="s3://swiftlog-dead/logs", cold_options=dead, checkpoint_url=str(tmp_path / "ckpt"),
-                                         ship_wait=datetime.timedelta(seconds=0.3)))  # fmt: skip
-    mod = _Masked()
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+                                         cold_url=moto_server.url(f"dead-{os.getpid()}"), cold_options=moto_server.storage_options,
+                                         checkpoint_url=str(tmp_path / "ckpt"), ship_wait=datetime.timedelta(seconds=0.3)))  # fmt: skip
+    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
-    faults = []
-    for it in range(4):
+
+    def iteration(it: int) -> list[Any]:
         g = torch.Generator().manual_seed(it)
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
-        faults += client.commit(it).logging_faults
-    ship = [f for f in faults if f.kind == "ship_timeout"]
-    assert len(ship) == 1 and ship[0].iteration == 0 and "input_0/target_0 not in the cold tier after 0.3 s" in ship[0].message, faults
-    assert 0.3 <= client.stats()["commit"]["ship_wait_s"] < 1.0  # one full wait, then checks (four waits would be 1.2 s)
-    client.close(flush=False)
+        return client.commit(it).logging_faults
+
+    assert [f for f in iteration(0) if f.kind == "ship_timeout"] == []  # the store is up: the commit waited, and it was there
+    moto_server.kill()
+    try:
+        faults = [f for it in range(1, 5) for f in iteration(it)]
+        ship = [f for f in faults if f.kind == "ship_timeout"]
+        assert len(ship) == 1 and ship[0].iteration == 1 and "input_0/target_0 not in the cold tier after 0.3 s" in ship[0].message, faults
+        assert 0.3 <= client.stats()["commit"]["ship_wait_s"] < 1.0  # one full wait, then checks (four waits would be 1.2 s)
+    finally:
+        moto_server.restart()
+    deadline = time.monotonic() + 60
+    it = 5
+    while not client.store.wait_shipped([Channel.input(0), Channel.target(0)], it - 1, 0.0) and time.monotonic() < deadline:
+        assert [f for f in iteration(it) if f.kind == "ship_timeout"] == []  # lagging: no new fault, no wait
+        it += 1
+        time.sleep(0.2)
+    with caplog.at_level(logging.INFO, logger="trainer_client.client"):
+        assert [f for f in iteration(it) if f.kind == "ship_timeout"] == []  # caught up: waits, and ships in time
+    assert f"caught up by iteration {it}" in caplog.text
+    assert client.store.wait_shipped([Channel.input(0), Channel.target(0)], it, 0.0)
+    rep = client.close()  # everything went up; the one fault is still on the record
+    assert rep.drained and rep.error is None and rep.faults_total == 1
 
 
 def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp_path, single_rank_group):

@@ -409,16 +409,19 @@ class SwiftlogClient:
         in the cold tier (the writer writes and seals them, the uploader ships them first), so a
         replacement can replay the iteration. Lagging (after a timeout): check only, no wait."""
         t0 = time.perf_counter()
-        limit = 0.0 if self._ship_lagging else timeout
-        shipped = sealed.wait(limit) and self.store.wait_shipped(self._own_data, iteration, max(0.0, limit - (time.perf_counter() - t0)))
-        self._ship_wait_s += time.perf_counter() - t0
-        if shipped and self._ship_lagging:
-            self._ship_lagging = False
-            logger.info("stage %d: the cold tier caught up at iteration %d; commits wait for the data again", self.config.stage, iteration)
-        elif not shipped and not self._ship_lagging:
+        try:
+            if self._ship_lagging:  # caught up when every earlier iteration's data is there (no wait)
+                if not self.store.wait_shipped(self._own_data, iteration - 1, 0.0):
+                    return
+                self._ship_lagging = False
+                logger.info("stage %d: the cold tier caught up by iteration %d; commits wait for the data again", self.config.stage, iteration)
+            if sealed.wait(timeout) and self.store.wait_shipped(self._own_data, iteration, max(0.0, timeout - (time.perf_counter() - t0))):
+                return
             self._ship_lagging = True
             self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in self._own_data)} not in the cold tier after "
                                    f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
+        finally:
+            self._ship_wait_s += time.perf_counter() - t0
 
     def abort(self, iteration: int, reason: str = "") -> str:
         """This stage saw a failure in ``iteration``: write "abort" unless decided; return the
