@@ -61,6 +61,8 @@ def replay_command(
     check_records: Annotated[bool, typer.Option("--check-records", help="plan: read every needed record and check its checksums")] = False,
     plan_only: Annotated[bool, typer.Option("--plan-only", help="print the plan and stop")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print machine-readable JSON")] = False,
+    commit_store: Annotated[str | None, typer.Option("--commit-store", help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped")] = None,
+    commit_prefix: Annotated[str | None, typer.Option("--commit-prefix", help="key prefix in the commit store (default: swiftlog/RUN, as ClientConfig.commit_prefix)")] = None,
 ) -> None:
     """Rebuild failed stages from their checkpoints and the logs; write recovered checkpoints."""
     from logstore.errors import (
@@ -90,6 +92,8 @@ def replay_command(
         jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
                               output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
+        if commit_store:
+            jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
         results = []
         for job in jobs:
             last = [0.0]
@@ -125,6 +129,30 @@ def replay_command(
             for w in r.report.warnings:
                 typer.echo(f"  warning: {w}")
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+
+
+def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str) -> list[Any]:
+    """Each job with the META documents its stages have in the commit store at ``address`` as its
+    first source. Raises a CLI failure naming the address when it cannot be reached."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from replay.engine import SourceSpec
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise fail(f"--commit-store {address!r} is not HOST:PORT")
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
+    except Exception as e:  # DistNetworkError / RuntimeError / TimeoutError from the store client
+        raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE,
+                   hint="the job's TCPStore must still run; without it the logs' META is used") from None  # fmt: skip
+    out = []
+    for job, unit in zip(jobs, plan.units, strict=True):
+        metas = SourceSpec.from_commit_store(store, prefix, job.stages, range(unit.checkpoint_iteration, job.stop_iteration), where=f"the commit store {address}")
+        out.append(job if metas is None else job.replace(sources=[metas, *job.sources]))
+    return out
 
 
 def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], token: str | None, cold_url: str | None, opts: dict[str, Any],

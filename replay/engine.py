@@ -121,6 +121,17 @@ class SourceSpec:
         return cls(kind="store", location=text, cold_url=cold_url, options=dict(options or {}))
 
     @classmethod
+    def from_commit_store(cls, store: Any, prefix: str, stages: Sequence[int], iterations: range, *, where: str = "the commit store") -> SourceSpec | None:
+        """The META documents of ``stages`` over ``iterations`` that the commit step put into
+        ``store`` (a ``torch.distributed.Store``; keys under ``prefix``, by default
+        ``swiftlog/{run}``) as a "metas" source, or None when it holds none. Raises what the store
+        client raises when it cannot be reached."""
+        from trainer_client.commit import stored_metas
+
+        docs = {f"{k}/{it}": b.decode() for k in stages for it, b in stored_metas(store, prefix, k, iterations).items()}
+        return cls(kind="metas", location=where, docs=docs) if docs else None
+
+    @classmethod
     def from_store(cls, store: LogStore) -> SourceSpec:
         """The spec that reopens ``store`` (its root and cold tier)."""
         return cls(kind="store", location=str(store.root), cold_url=store.config.cold_url, options=dict(store.config.cold_options))

@@ -52,7 +52,6 @@ import torch.distributed as dist
 from replay.core import ReplayError, ReplayReport
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
-from trainer_client.commit import stored_metas
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
 
@@ -365,13 +364,11 @@ def _committed_metas(store: dist.Store, keys: RecoveryKeys, stages: Sequence[int
     """The META documents of ``stages`` over ``iterations`` that the commit step stored (see
     ``trainer_client.commit``), as a source; None when there are none (no commit store, a run
     without META). A store error is logged, never raised: the logs may still hold them."""
-    docs: dict[str, str] = {}
     try:
-        for k in stages:
-            docs.update({f"{k}/{it}": b.decode() for it, b in stored_metas(store, keys.commit_prefix, k, iterations).items()})
+        return SourceSpec.from_commit_store(store, keys.commit_prefix, stages, iterations)
     except Exception as e:
         logger.warning("reading the stored META documents of stages %s failed: %s", list(stages), e)
-    return SourceSpec(kind="metas", location="the commit store", docs=docs) if docs else None
+        return None
 
 
 def _s(v: Any) -> str:

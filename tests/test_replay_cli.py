@@ -63,3 +63,36 @@ def test_swiftlog_plan_uses_the_replay_planner(f1b_run):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["planner"] == "replay.plan:plan_recovery" and doc["plan"]["possible"] and doc["plan"]["units"][0]["stages"] == [2]
+
+
+def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_path):
+    """The failed stage's META never reached the cold tier (its node died first); the job's commit
+    store still holds it (the commit step put it there): ``--commit-store`` hands it to the replay,
+    which then uses the stage's own META instead of standing in a neighbour's."""
+    import datetime
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from logstore import Channel, RecordKey
+    from logstore.testing import free_port
+    from tests._replay_helpers import copy_run_files
+    from trainer_client.commit import meta_key
+
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+        p.unlink()
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    with f1b_run.spec().open(f1b_run.run_id) as st:
+        for it in range(CKPT, ITERS):
+            host.set(meta_key(f"swiftlog/{f1b_run.run_id}", 1, it), st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes())
+    args = ["replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1"]
+    alone = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
+    assert alone.exit_code == 0 and "using stage 0's" in alone.stdout, alone.output
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "b"), "--commit-store", f"127.0.0.1:{host.port}"])
+    assert r.exit_code == 0 and "verified" in r.stdout and "warning" not in r.stdout, r.output
+    assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "c"), "--commit-store", f"127.0.0.1:{free_port()}"])
+    assert r.exit_code == 4 and "cannot reach the commit store" in r.output
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "c"), "--commit-store", "nowhere"])
+    assert r.exit_code == 2 and "is not HOST:PORT" in r.output
