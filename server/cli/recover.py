@@ -8,18 +8,20 @@ plan over several nodes' roots at once, ``swiftlog replay --plan-only --root A -
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from server.cli._common import ColdOptionOpt, ColdUrlOpt, JsonOpt, RootOpt, RunOpt, console, handle_errors, make_node, print_json
+from server.cli._common import ColdOptionOpt, ColdUrlOpt, JsonOpt, RunOpt, console, fail, handle_errors, make_node, print_json
+from server.settings import ENV_ROOT
 from server.planner import DEFAULT_PLANNER
 
 __all__ = ["register"]
 
 
 def plan(
-    root: RootOpt,
+    root: Annotated[list[Path], typer.Option("--root", envvar=ENV_ROOT, help="the node's store root (one; for several: swiftlog replay --plan-only)", show_default=False)],
     run: RunOpt,
     failed: Annotated[list[int], typer.Option("--failed", "-f", min=0, max=0xFFFF, help="failed stage (repeat for several)")],
     planner: Annotated[str, typer.Option("--planner", envvar="SWIFTLOG_PLANNER", help="module:function of the planner")] = DEFAULT_PLANNER,
@@ -31,8 +33,11 @@ def plan(
     json_out: JsonOpt = False,
 ) -> None:
     """Plan the recovery of failed stages from the surviving stages' logs."""
+    if len(root) != 1:  # a plain option would keep the last of several silently
+        raise fail(f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",
+                   hint="to plan over several nodes' roots: swiftlog replay --plan-only --run RUN -s STAGE --root A --root B")  # fmt: skip
     with handle_errors():
-        node = make_node(root, cold_url, cold_option)
+        node = make_node(root[0], cold_url, cold_option)
         node.planner = planner
         p = node.plan(run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
     if json_out:
