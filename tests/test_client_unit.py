@@ -745,6 +745,8 @@ def test_a_buffer_snapshot_sees_changes_by_content_and_puts_them_back():
     snap.restore(m)
     assert torch.equal(m[1].running_mean, torch.zeros(4)) and torch.equal(m[1].running_var, torch.ones(4)) and int(m[1].num_batches_tracked) == 0
     assert not torch.signbit(m.zero).any()
+    assert m.grown is None and "grown" not in m.state_dict()  # appeared during the discarded iteration: gone again
+    assert snap.changed(named_buffers({"": m})) == []
 
 
 def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tmp_path, single_rank_group):

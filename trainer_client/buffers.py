@@ -47,8 +47,13 @@ class BufferSnapshot:
 
     def restore(self, module: torch.nn.Module) -> None:
         """Put the snapshot's values back into ``module``'s buffers (taken with ``named_buffers({"": module})``):
-        in place where shape and dtype still match, else as the buffer again."""
+        in place where shape and dtype still match, else as the buffer again. A buffer that appeared
+        since (a lazily filled one, or one registered meanwhile) becomes None again: absent from
+        ``named_buffers`` and the state dict, as before."""
         current = dict(module.named_buffers())
+        for name in current.keys() - self._copies.keys():
+            owner_name, _, leaf = name.rpartition(".")
+            module.get_submodule(owner_name)._buffers[leaf] = None
         with torch.no_grad():
             for name, c in self._copies.items():
                 b = current.get(name)
