@@ -12,7 +12,8 @@ so every record of one channel is contiguous and ordered by (iteration, micro-ba
 Kinds (``Kind``):
 - ACTIVATION  src -> dst = src + 1, what a stage sends forward (received by dst)
 - GRADIENT    src -> dst = src - 1, what a stage sends backward (received by dst)
-- INPUT       stage 0's inputs from the data loader (src = dst = 0)
+- INPUT       a stage's inputs from outside the pipeline (src = dst = stage): stage 0's batch, and
+              any stage's keyword tensor inputs of the step (e.g. an attention mask)
 - TARGET      the last stage's targets (src = dst = last stage)
 - META        per-iteration metadata of one stage (src = dst = stage, micro-batch 0)
 - DIGEST      small digests of what src sent to dst, kept to verify a replay of src

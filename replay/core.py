@@ -70,7 +70,7 @@ from logstore import Channel, RecordKey
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError
 from replay.reader import LogReader, RecordSource
 from trainer_client.checkpoint import Checkpoint
-from trainer_client.client import on_device
+from trainer_client.client import data_inputs, on_device
 from trainer_client.determinism import (
     SEED_SCHEME,
     autocast_as,
@@ -584,6 +584,26 @@ def _split(batch: Any, n: int) -> list[tuple[Any, ...]]:
     return [tuple(c) for c in chunks]
 
 
+def _stage_kwargs(reader: LogReader, plan: _Plan, stage: int, it: int, mb: int, dev: torch.device) -> dict[str, Any]:
+    """The keyword tensor inputs the step gave stage ``stage`` > 0 (logged under ``input_{stage}``,
+    named in its META's ``input_kwargs``), for micro-batch ``mb``; {} when it had none."""
+    names = plan.logged(stage, "input_kwargs")
+    if not names:
+        return {}
+    parts = on_device(tuple(reader.require_parts(Channel.input(stage), it, mb)), dev)
+    if len(parts) != len(names):
+        raise ReplayError(f"stage {stage} iteration {it} micro-batch {mb}: META names keyword inputs {names} but input_{stage} holds {len(parts)} tensor(s)")
+    return dict(zip(names, parts, strict=True))
+
+
+def _split_inputs(inputs: Any, n: int) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """A data source's stage-0 inputs (positional and keyword, ``trainer_client.client.data_inputs``)
+    split into micro-batches as the schedules split a step's arguments."""
+    args, kwargs = data_inputs(inputs)
+    chunks, kw_chunks = split_args_kwargs_into_chunks(args, kwargs or None, n)
+    return [tuple(c) for c in chunks], [dict(k) for k in kw_chunks]
+
+
 def _passes(plan: _Plan) -> list[tuple[str, int]]:
     """The order this replay runs its micro-batches' passes: ("F", mb), ("B", mb) and ("S", mb).
 
@@ -617,10 +637,11 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     is_last = ctx.last == num_stages - 1
     check = ctx.checks(it)
     src_inputs: list[tuple[Any, ...]] | None = None
+    src_kwargs: list[dict[str, Any]] | None = None
     src_targets: list[Any] | None = None
     if ctx.data_source is not None and (first == 0 or is_last):
         inputs, target = ctx.data_source(it)
-        src_inputs = _split(inputs, plan.n_mb)
+        src_inputs, src_kwargs = _split_inputs(inputs, plan.n_mb)
         src_targets = None if target is None else [c[0] for c in _split(target, plan.n_mb)]
     losses: list[float] = []  # the last stage's, in forward order
     loss_mbs: list[int] = []
@@ -628,10 +649,10 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     def forward(mb: int, shadow: bool = False) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
         """Micro-batch ``mb`` through the stages: per stage (input leaves, outputs or the loss).
         ``shadow``: only for the modules' buffers (no loss, no check of the sends, not counted)."""
-        kw: dict[str, Any] = {}  # stage 0's keyword inputs (the schedules pass kwargs to the first stage only)
+        kw: dict[str, Any] = {}  # stage 0's keyword inputs (the other stages': _stage_kwargs)
         if first == 0:
-            if src_inputs is not None:
-                x = on_device(src_inputs[mb], dev)
+            if src_inputs is not None and src_kwargs is not None:
+                x, kw = on_device(src_inputs[mb], dev), on_device(src_kwargs[mb], dev)
             else:
                 x = on_device(tuple(reader.require_parts(Channel.input(0), it, mb)), dev)
                 if plan.input_kwargs:
@@ -642,8 +663,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
+            kw_st = {**(plan.logged(st.stage, "input_consts") or {}), **(kw if st.stage == 0 else _stage_kwargs(reader, plan, st.stage, it, mb, dev))}
             with autocast_as(plan.logged(st.stage, "autocast")):  # the live forward's autocast regions
-                out = st.module(*x, **kw) if i == 0 else st.module(*x)
+                out = st.module(*x, **kw_st)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
                 if i + 1 < len(states):

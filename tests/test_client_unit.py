@@ -613,6 +613,38 @@ def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp
     client.close()
 
 
+def test_a_data_source_may_give_keyword_inputs(tmp_path, single_rank_group):
+    """A data source's batch may carry keyword inputs (a dict last): the step passes them to stage 0
+    by name, nothing is logged (log_data=False), and a replay given the same source passes them again."""
+
+    def source(it: int) -> tuple[Any, torch.Tensor]:
+        g = torch.Generator().manual_seed(it)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
+        return (x, {"mask": (torch.rand(4, 5, generator=g) > 0.5).float(), "scale": torch.rand(4, 1, generator=g) + 0.5}), y
+
+    client = SwiftlogClient(ClientConfig(run_id="src", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9, log_data=False),
+                            data_source=source)  # fmt: skip
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        client.step(it)
+        client.commit(it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "src")
+    assert logs.keys(Channel.input(0)) == []
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse,
+                       data_source=source)  # fmt: skip
+    assert rep.ok and _same_state(mod, fresh)
+
+
 def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
     def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,18 +44,34 @@ __all__ = ["SwiftlogClient", "CommitReport", "FlushReport", "DataSource", "SUPPO
 logger = logging.getLogger(__name__)
 
 #: A deterministic, iteration-addressable data source: ``source(iteration) -> (inputs, target)``
-#: with ``inputs`` a tensor or tuple of tensors (the whole batch of stage 0) and ``target`` the
-#: whole batch of targets of the last stage (or None). Same iteration, same tensors, every time.
+#: with ``inputs`` the whole batch of stage 0: a tensor, a tuple of tensors (positional inputs), a
+#: dict of tensors (keyword inputs), or a tuple whose last item is such a dict (both; see
+#: :func:`data_inputs`), and ``target`` the whole batch of targets of the last stage (or None).
+#: Same iteration, same tensors, every time.
 DataSource = Callable[[int], tuple[Any, Any]]
 
 
+def data_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A :data:`DataSource` batch's inputs as (positional, keyword): a dict is keyword inputs, a
+    tuple / list ending in a dict is positional inputs then keyword ones, anything else positional."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        if inputs and isinstance(inputs[-1], Mapping):
+            return tuple(inputs[:-1]), dict(inputs[-1])
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
 def on_device(x: Any, device: torch.device) -> Any:
-    """``x`` (a tensor, or a tuple/list of tensors and other values, e.g. a DataSource batch) with
-    its tensors on ``device``. Tensors already there are returned as they are (never copied)."""
+    """``x`` (a tensor, or a tuple/list/dict of tensors and other values, e.g. a DataSource batch)
+    with its tensors on ``device``. Tensors already there are returned as they are (never copied)."""
     if isinstance(x, torch.Tensor):
         return x if x.device == device else x.to(device)
     if isinstance(x, (tuple, list)):
         return type(x)(on_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: on_device(v, device) for k, v in x.items()}
     return x
 
 
@@ -173,7 +189,6 @@ class SwiftlogClient:
             Channel.input(config.stage) if config.is_first else None,
             Channel.target(config.stage) if config.is_last else None,
         ) if c is not None] if config.log_data else []
-        self._ship = [*self._own_data, Channel.meta(config.stage)]
         self._ship_lagging = False  # a ship wait timed out: commits only check until the cold tier catches up
         self._own_sealed: threading.Event | None = None  # set once this iteration's inputs / targets are written and sealed
         self._ship_wait_s = 0.0
@@ -241,9 +256,9 @@ class SwiftlogClient:
             return loss_fn(output, target, **kw)
 
         self._schedule = cls(stage, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs)
-        if self._own_data:  # all of an iteration's inputs / targets queued: seal them at once
-            self.recorder.data_expected = n_microbatches * len(self._own_data)
-            self.recorder.on_data_complete = self._seal_own_data
+        # all of an iteration's inputs / targets queued (its last forward / loss): seal them at once
+        self.recorder.n_microbatches = n_microbatches
+        self.recorder.on_data_complete = self._seal_own_data
         self._schedule_info = {
             "schedule": cls.__name__,
             "n_microbatches": n_microbatches,
@@ -287,9 +302,12 @@ class SwiftlogClient:
         c = self.config
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
             inputs, target = self.data_source(iteration)
-            args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            src_args, src_kwargs = data_inputs(inputs)
             assert self._stage is not None
-            args, target = on_device(args, self._stage.device), on_device(target, self._stage.device)  # where the stage computes
+            dev = self._stage.device  # where the stage computes
+            args, target = on_device(src_args, dev), on_device(target, dev)
+            if c.is_first:  # the source's keyword inputs are stage 0's; the caller's own go to every stage
+                kwargs = {**on_device(src_kwargs, dev), **kwargs}
         if not c.is_first:
             args = ()
         if not c.is_last:
@@ -372,11 +390,12 @@ class SwiftlogClient:
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
                 sealed = threading.Event()
-                self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._ship), sealed))
+                ship = [*self._own_channels(), Channel.meta(self.config.stage)]
+                self.writer.mark(functools.partial(_seal_then_set, self.store, ship, sealed))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
-        if sealed is not None and self._own_data and self.config.ship_wait is not None:
+        if sealed is not None and self._own_channels() and self.config.ship_wait is not None:
             # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
-            early = self._own_sealed if self.recorder.data_count == self.recorder.data_expected else None
+            early = self._own_sealed if rec.data_count == rec.data_sealed_at else None
             self._wait_shipped(iteration, early or sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
@@ -401,8 +420,15 @@ class SwiftlogClient:
         wait for them (:meth:`_wait_shipped`) overlaps the rest of the iteration."""
         if self.config.ship_data and self.store.cold is not None and self._own_sealed is None:
             self._own_sealed = threading.Event()
-            self.writer.mark(functools.partial(_seal_then_set, self.store, list(self._own_data), self._own_sealed))
+            self.writer.mark(functools.partial(_seal_then_set, self.store, self._own_channels(), self._own_sealed))
             self.writer.kick()
+
+    def _own_channels(self) -> list[Channel]:
+        """What this stage logged this iteration that no other stage has and a replay of it needs:
+        stage 0's inputs, the last stage's targets, another stage's keyword inputs of the step."""
+        if not self.config.is_first and self.recorder.input_kwargs:
+            return [*self._own_data, Channel.input(self.config.stage)]
+        return self._own_data
 
     def _wait_shipped(self, iteration: int, sealed: threading.Event, timeout: float) -> None:
         """Before this stage reports ``iteration`` done: wait until its inputs / targets of it are
@@ -411,14 +437,14 @@ class SwiftlogClient:
         t0 = time.perf_counter()
         try:
             if self._ship_lagging:  # caught up when every earlier iteration's data is there (no wait)
-                if not self.store.wait_shipped(self._own_data, iteration - 1, 0.0):
+                if not self.store.wait_shipped(self._own_channels(), iteration - 1, 0.0):
                     return
                 self._ship_lagging = False
                 logger.info("stage %d: the cold tier caught up by iteration %d; commits wait for the data again", self.config.stage, iteration)
-            if sealed.wait(timeout) and self.store.wait_shipped(self._own_data, iteration, max(0.0, timeout - (time.perf_counter() - t0))):
+            if sealed.wait(timeout) and self.store.wait_shipped(self._own_channels(), iteration, max(0.0, timeout - (time.perf_counter() - t0))):
                 return
             self._ship_lagging = True
-            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in self._own_data)} not in the cold tier after "
+            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in self._own_channels())} not in the cold tier after "
                                    f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
         finally:
             self._ship_wait_s += time.perf_counter() - t0
@@ -625,6 +651,7 @@ class SwiftlogClient:
             "seeds": [derive_seed(c.seed, c.stage, iteration, mb) for mb in range(n_mb)],
             "data": "logged" if c.log_data else "source",
             "input_kwargs": list(rec.input_kwargs),
+            "input_consts": dict(rec.input_consts),
             "grad_clip": list(self._grad_clips),
             "lrs": self._learning_rates(),
             "autocast": rec.autocast,

@@ -80,8 +80,9 @@ class ClientConfig:
             the replay.
         ship_data: after every iteration, seal this stage's input/target/meta segments so the
             uploader ships them to the cold tier at once (default True; no-op without cold tier).
-        ship_wait: with ``ship_data`` and ``log_data`` on the first or last stage: how long
-            ``commit(t)`` waits, before reporting the stage done, until t's inputs / targets are in
+        ship_wait: with ``ship_data`` on a stage that logs data only it has (the first stage's
+            inputs and the last stage's targets with ``log_data``, any stage's keyword inputs of
+            the step): how long ``commit(t)`` waits, before reporting the stage done, until t's are in
             the cold tier, so that a replacement of this stage can replay t when its machine (and
             disk) dies right after the commit (default 10 s). None: never wait (such a failure
             then needs a rollback). A wait that times out is a "ship_timeout" fault; after one,

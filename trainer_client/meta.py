@@ -6,8 +6,10 @@ and the environment fingerprint (thread count...) from it. Fields (version 1): `
 ``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``, ``schedule``,
 ``n_microbatches``, ``scale_grads``, ``grad_scale_factor``, ``order`` (``[["F"|"B", mb], ...]``
 as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch),
-``data`` ("logged" | "source"), ``input_kwargs`` (stage 0: names of the keyword inputs logged after
-the positional ones, in this order), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
+``data`` ("logged" | "source"), ``input_kwargs`` (names of the step's keyword tensor inputs this
+stage logged under ``input_{stage}``, in this order; on stage 0 after the positional ones),
+``input_consts`` (the step's keyword inputs that are JSON constants, by name; absent in older
+records), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
 order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
 module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
 group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer last

@@ -79,11 +79,15 @@ class StageRecorder:
         self.skipped_send_bytes = 0
         self.skipped_send_records = 0
         self._warned_non_tensor = False
-        # inputs (first stage) / targets (last stage) logged per iteration, and what to call once all
-        # of an iteration's are queued (the client ships them off the node then, not at the commit)
-        self.data_expected: int | None = None
+        self.input_consts: dict[str, Any] = {}  # the step's keyword inputs that are JSON constants (META "input_consts")
+        # inputs / targets logged per iteration (only this stage has them), and what to call once all of an
+        # iteration's are queued, after its last forward / loss (the client ships them then, not at the commit)
+        self.n_microbatches: int | None = None
         self.on_data_complete: Callable[[], None] | None = None
-        self.data_count = 0  # inputs / targets logged in the current iteration
+        self.data_count = 0  # records of inputs / targets logged in the current iteration
+        self.data_sealed_at: int | None = None  # data_count when on_data_complete was called
+        self._fwd_count = 0
+        self._loss_count = 0
 
     # ------------------------------------------------------------------ iteration state
     def begin(self, iteration: int) -> None:
@@ -95,11 +99,20 @@ class StageRecorder:
         self.input_kwargs = []
         self.autocast = None
         self.autocast_varies = False
+        self.input_consts = {}
         self.data_count = 0
+        self.data_sealed_at = None
+        self._fwd_count = 0
+        self._loss_count = 0
 
-    def _data_logged(self) -> None:
-        self.data_count += 1
-        if self.data_count == self.data_expected and self.on_data_complete is not None:
+    def _check_data_complete(self) -> None:
+        """After the iteration's last forward (and, on the last stage, its last loss): the data it
+        logged is all queued; call ``on_data_complete`` once."""
+        n = self.n_microbatches
+        if self.on_data_complete is None or n is None or self.data_sealed_at is not None or not self.data_count:
+            return
+        if self._fwd_count >= n and (not self.config.is_last or self._loss_count >= n):
+            self.data_sealed_at = self.data_count
             self.on_data_complete()
 
     def seed(self, micro_batch: int) -> int:
@@ -118,12 +131,20 @@ class StageRecorder:
             self._cur_fwd_mb = micro_batch
             if not self.enabled:
                 return
+            self._fwd_count += 1
+            if kwargs:
+                self.input_consts.update({k: v for k, v in kwargs.items() if _json_constant(v)})
             if stage.is_first:
                 if self.log_data and self.log_inputs(self.iteration, micro_batch, args, kwargs):
-                    self._data_logged()
-            elif self._digest_from_prev:
-                bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
-                self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
+                    self.data_count += 1
+            else:
+                if self._digest_from_prev:
+                    bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
+                    self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
+                # the step's keyword inputs reach every stage; only this stage has them: logged like stage 0's
+                if kwargs and self.log_inputs(self.iteration, micro_batch, (), kwargs):
+                    self.data_count += 1
+            self._check_data_complete()
         except Exception as e:
             self._hook_fault("forward", e, micro_batch)
 
@@ -188,23 +209,27 @@ class StageRecorder:
 
     def on_loss(self, target: Any) -> None:
         try:
-            if not self.enabled or not self.log_data or target is None or self._cur_fwd_mb is None:
+            if not self.enabled or self._cur_fwd_mb is None:
                 return
-            if self.log_target(self.iteration, self._cur_fwd_mb, target):
-                self._data_logged()
+            self._loss_count += 1
+            if self.log_data and target is not None and self.log_target(self.iteration, self._cur_fwd_mb, target):
+                self.data_count += 1
+            self._check_data_complete()
         except Exception as e:
             self._hook_fault("loss", e, self._cur_fwd_mb)
 
     # ------------------------------------------------------------------ explicit logging API
     def log_inputs(self, iteration: int, micro_batch: int, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
-        """Log stage-0 inputs of one micro-batch (tensors only, copied): the positional ones, then
-        the keyword ones in name order (their names go to META as ``input_kwargs``, so a replay
-        passes them by name again). Returns False if dropped."""
+        """Log this stage's inputs from outside the pipeline for one micro-batch (tensors only,
+        copied): stage 0's positional ones, then the keyword ones in name order (their names go to
+        META as ``input_kwargs``, so a replay passes them by name again; JSON constants among the
+        keyword inputs go to META as ``input_consts``). Returns False if dropped."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         names = sorted(k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor))
-        if (len(tensors) != len(args) or len(names) != len(kwargs or {})) and not self._warned_non_tensor:
+        n_consts = sum(1 for v in (kwargs or {}).values() if _json_constant(v))
+        if (len(tensors) != len(args) or len(names) + n_consts != len(kwargs or {})) and not self._warned_non_tensor:
             self._warned_non_tensor = True
-            logger.warning("stage %d: non-tensor inputs are not logged; a replay must get them elsewhere", self.stage)
+            logger.warning("stage %d: inputs that are neither tensors nor JSON constants are not logged; a replay must get them elsewhere", self.stage)
         if names:
             self.input_kwargs = names
             tensors += [kwargs[k] for k in names]  # type: ignore[index]
@@ -265,6 +290,11 @@ class StageRecorder:
     def _hook_fault(self, where: str, e: BaseException, micro_batch: int | None) -> None:
         logger.debug("stage %d: %s hook failed", self.stage, where, exc_info=e)
         self.writer.note_fault("hook", f"{where}: {type(e).__name__}: {e}", iteration=self.iteration, micro_batch=micro_batch)
+
+
+def _json_constant(v: Any) -> bool:
+    """A keyword input META can carry as it is (None, bool, int, float, str)."""
+    return v is None or isinstance(v, (bool, int, float, str))
 
 
 class LoggingPipelineStage(PipelineStage):
