@@ -4,8 +4,9 @@ The stage overrides four public methods and delegates the bookkeeping to a
 :class:`StageRecorder` (owned by :class:`~trainer_client.SwiftlogClient`):
 
 - ``forward_one_chunk(mb)``: records "F mb" in the iteration's order; on the first stage logs the
-  micro-batch inputs (copied: the user may reuse the batch); otherwise queues the received
-  activation buffers (``args_recv_info[mb]``, filled by the receive that the schedule waited on
+  micro-batch inputs (copied: the user may reuse the batch); on any other stage logs the step's
+  keyword tensor inputs, which torch hands to every stage (JSON constants go to META), and queues
+  the received activation buffers (``args_recv_info[mb]``, filled by the receive that the schedule waited on
   before calling it) by reference to be hashed in the background into DIGEST records of the
   sender; then seeds the RNG for (iteration, mb).
 - ``clear_runtime_states()`` (called by the schedule at the start of every step, before any
