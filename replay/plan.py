@@ -90,7 +90,8 @@ class FetchItem:
 
 @dataclass(slots=True)
 class ReplayUnit:
-    """The plan of one replay unit (a stage, or the logging group that holds failed stages).
+    """The plan of one replay unit (a stage, the logging group that holds failed stages, or adjacent
+    failed stages whose sends to each other are in no store).
 
     ``checkpoint_iteration``: where every stage of the unit restarts (``checkpoints``: their URIs);
     ``stop_iteration``: the first iteration not replayed; ``logged_through``: the first iteration
@@ -369,8 +370,16 @@ class _Planner:
         units: list[ReplayUnit] = []
         for g in groups:
             fs = [f for f in self.failed if f in g]
-            if fs:
-                units.append(ReplayUnit(stages=list(g), failed=fs, rolled_back=[k for k in g if k not in fs]))
+            if not fs:
+                continue
+            prev = units[-1] if units else None
+            b = g[0]  # a failed stage next to a failed stage whose sends to it are nowhere: one unit, those sends regenerated
+            if prev is not None and prev.stages[-1] == b - 1 and b - 1 in self.failed and b in self.failed \
+                    and not (Channel.activation(b - 1) in channels and Channel.gradient(b) in channels):  # fmt: skip
+                units[-1] = ReplayUnit(stages=[*prev.stages, *g], failed=[*prev.failed, *fs], rolled_back=[*prev.rolled_back, *(k for k in g if k not in fs)])
+                self.warnings.append(f"stages {b - 1} and {b} failed and their sends to each other are in no store: replayed together")
+                continue
+            units.append(ReplayUnit(stages=list(g), failed=fs, rolled_back=[k for k in g if k not in fs]))
         for u in units:
             self._analyse(u, ckpts, gaps, S)
         # the survivors stand at one iteration: every unit replays up to the same one

@@ -77,6 +77,32 @@ def test_two_failed_stages_with_a_logged_boundary_replay_separately(f1b_run):
     assert {f.channel for f in last.fetch if f.purpose == "input"} == {"act_2_3", "target_3"}
 
 
+def test_adjacent_failed_stages_whose_sends_to_each_other_are_gone_replay_together(f1b_run, tmp_path):
+    """Stages 1 and 2 died with their disks: what each sent the other (act_1_2, grad_2_1) never
+    reached the cold tier. Planned apart, neither could replay; planned as one unit, the sends
+    between them are regenerated and the replay verifies at the unit's edges, bit-exact."""
+    from replay import ReplayJob, SourceSpec, jobs_from_plan, replay
+    from replay.engine import checkpoint_of
+    from replay.plan import cold_only_store
+    from tests._replay_helpers import checkpoint_vs_live
+
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    for ch in ("act_1_2", "grad_2_1"):
+        shutil.rmtree(Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / ch)
+    with cold_only_store(cold, f1b_run.run_id) as st:
+        plan = plan_recovery(st, [1, 2])
+        apart = plan_recovery(st, [1], target_iteration=ITERS)
+    assert plan.possible and plan.target_iteration == ITERS and [u.stages for u in plan.units] == [[1, 2]]
+    assert any("replayed together" in w for w in plan.warnings)
+    assert not apart.possible and "grad_2_1" in apart.reasons[0]  # stage 2 did not fail: its sends to stage 1 are needed
+    (job,) = jobs_from_plan(plan, sources=[SourceSpec(kind="cold", location=cold)], output=str(tmp_path / "out"), **f1b_run.job_fields())
+    assert isinstance(job, ReplayJob)
+    res = replay(job)
+    assert res.verified
+    for k in (1, 2):
+        assert checkpoint_vs_live(checkpoint_of(res, k), f1b_run.results[k]) == [], k
+
+
 def test_a_failed_logging_group_replays_together_with_its_survivors(groups_run):
     with groups_run.store() as st:
         plan = plan_recovery(st, [1])
