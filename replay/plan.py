@@ -50,6 +50,7 @@ from typing import Any
 
 from logstore import Channel, LogStore, RecordKey
 from logstore.errors import SwiftlogError
+from logstore.keys import Kind
 from logstore.store import RecordInfo
 from replay.core import needed_channels
 from trainer_client.client import decode_meta
@@ -264,6 +265,12 @@ def plan_recovery(
     return _Planner(srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records).plan()
 
 
+def _optional(ch: Channel, mbs: dict[int, set[int]]) -> bool:
+    """A later stage's keyword inputs (``input_k``, k > 0) are needed only in iterations whose step
+    passed some: none logged in an iteration means none were given, not that they are lost."""
+    return ch.kind is Kind.INPUT and ch.src > 0 and not mbs
+
+
 class _Planner:
     def __init__(self, stores: list[LogStore], failed: list[int], num_stages: int | None, target: int | None,
                  bandwidth: float | None, workers: int, replay_s: float | None, check_records: bool) -> None:  # fmt: skip
@@ -467,9 +474,8 @@ class _Planner:
 
     def _analyse(self, u: ReplayUnit, ckpts: dict[int, dict[int, Any]], gaps: list[dict[str, Any]], S: int) -> None:
         """Choose the checkpoint and find how far the logs are complete (``logged_through``)."""
-        first, last = u.stages[0], u.stages[-1]
         u.needs_data_source = self._data_from_source(u, S)
-        chans = needed_channels(first, last, S, data_source=u.needs_data_source)
+        chans = self._unit_channels(u, S)
         have = [set(ckpts.get(k, {})) for k in u.stages]
         missing_ck = [k for k, h in zip(u.stages, have, strict=True) if not h]
         if missing_ck:
@@ -498,6 +504,14 @@ class _Planner:
         if c != common[0]:
             u.warnings.append(f"the newest common checkpoint ({common[0]}) cannot reach the target; using the one at {c}")
 
+    def _unit_channels(self, u: ReplayUnit, S: int) -> dict[str, list[Channel]]:
+        """:func:`needed_channels` of the unit, plus the step's keyword inputs its stages after stage 0
+        logged (``input_k``; see :func:`_optional`)."""
+        chans = needed_channels(u.stages[0], u.stages[-1], S, data_source=u.needs_data_source)
+        have = self._channel_set or set()
+        chans["inputs"] = [*chans["inputs"], *(Channel.input(k) for k in u.stages if k > 0 and Channel.input(k) in have)]
+        return chans
+
     def _logged_through(self, u: ReplayUnit, inputs: list[Channel], c: int, S: int) -> int:
         """First iteration >= c at which some input of the unit is not completely logged."""
         idx = {ch: self._index(ch, c) for ch in inputs}
@@ -511,7 +525,7 @@ class _Planner:
                 return it
             for ch in inputs:
                 mbs = idx[ch].get(it, {})
-                if any(mb not in mbs for mb in range(n)):
+                if not _optional(ch, mbs) and any(mb not in mbs for mb in range(n)):
                     return it
             it += 1
         return it
@@ -537,8 +551,8 @@ class _Planner:
             u.reasons.append(f"target iteration {target} is before the checkpoint at {c}")
             return
         u.iterations = target - c
-        first, last = u.stages[0], u.stages[-1]
-        chans = needed_channels(first, last, S, data_source=u.needs_data_source)
+        first = u.stages[0]
+        chans = self._unit_channels(u, S)
         gap_index = {(g["channel"], g["iteration"], g["micro_batch"]): g for g in gaps}
         # inputs: every micro-batch of every iteration in [c, target)
         n_mbs: dict[int, int | None] = {}
@@ -554,6 +568,8 @@ class _Planner:
                 continue
             for ch in chans["inputs"]:
                 mbs = self._index(ch, c).get(it, {})
+                if _optional(ch, mbs):
+                    continue
                 for mb in range(n):
                     if mb not in mbs:
                         key = f"{ch.name}/it{it}/mb{mb}/p0"

@@ -321,6 +321,10 @@ def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path)
     stores = [LogStore.open(tmp_path / f"n{k}", "kw", cold_url=f"file://{tmp_path}/cold") for k in (0, 1)]
     meta1 = decode_meta(stores[1].get(RecordKey(Channel.meta(1), 2, 0)))
     assert meta1["input_kwargs"] == ["mask"] and meta1["input_consts"] == {"temperature": 0.5}
+    from replay import plan_recovery
+
+    plan = plan_recovery(stores, [1], target_iteration=4)  # the planner fetches them too
+    assert plan.possible and ("input_1", "input") in {(f.channel, f.purpose) for f in plan.units[0].fetch}
     for k in (0, 1):
         final = torch.load(tmp_path / f"final{k}.pt", weights_only=False)
         mod = _Gated()

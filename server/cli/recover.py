@@ -14,8 +14,8 @@ from typing import Annotated
 import typer
 
 from server.cli._common import ColdOptionOpt, ColdUrlOpt, JsonOpt, RunOpt, console, fail, handle_errors, make_node, print_json
-from server.settings import ENV_ROOT
 from server.planner import DEFAULT_PLANNER
+from server.settings import ENV_ROOT
 
 __all__ = ["register"]
 
