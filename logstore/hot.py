@@ -591,6 +591,11 @@ class HotTier:
         return m
 
     # ------------------------------------------------------------------ reading
+    def open_segments(self) -> dict[str, int]:
+        """The owner's open segments: channel name -> first iteration. In memory, without the write
+        lock (a dict copy is atomic under the GIL), so it never waits on a write in progress."""
+        return {name: cur.lo for name, cur in self._active.copy().items()}
+
     def segments(self) -> list[SegmentMeta]:
         with self._read() as txn:
             return [SegmentMeta.loads(v) for _, v in txn.cursor(db=self._db_seg)]

@@ -227,7 +227,8 @@ class LogStore:
         self._last_error: tuple[float, str] | None = None
         self._backlog_bytes = 0
         self._ship_first: set[str] = set()  # channels sealed by seal(): their segments are uploaded before others
-        self._shipped = threading.Condition()  # notified after every upload round (wait_shipped)
+        self._shipped = threading.Condition()  # guards _unsealed_up; notified after every upload (wait_shipped)
+        self._unsealed_up: dict[int, tuple[str, int]] = {}  # sealed, not yet uploaded: segment id -> (channel, lo)
         self.cold: ColdTier | None = None
         if config.cold_url:
             self.cold = ColdTier(config.cold_url, storage_options=config.cold_options or None)
@@ -243,12 +244,13 @@ class LogStore:
                 durability=config.durability,
                 segment_iters=config.segment_iters,
                 segment_max_bytes=config.segment_max_bytes,
-                on_seal=lambda m: self._wake.set(),
+                on_seal=self._on_seal,
             )
             self._readers[config.writer] = self.hot
             self._backlog_bytes = self._compute_backlog()
             if self.cold is not None and config.upload:
                 self._reconcile_uploads()
+                self._unsealed_up = {m.id: (m.channel, m.lo) for m in self.hot.segments() if m.state == SEALED}
                 self._uploader = threading.Thread(target=self._upload_loop, name=f"swiftlog-upload-{self.run}", daemon=True)
                 self._uploader.start()
 
@@ -668,23 +670,38 @@ class LogStore:
         with self._upload_lock:
             self._ship_gaps()
             first = self._ship_first
-            for m in sorted((m for m in self.hot.segments() if m.state == SEALED), key=lambda m: (m.channel not in first, m.id)):
+            with self._shipped:
+                known = set(self._unsealed_up)  # before the listing: what it cannot show was collected or uploaded
+            segs = self.hot.segments()
+            sealed = {m.id for m in segs if m.state == SEALED}
+            self._forget_unshipped(known - sealed)
+            for m in sorted((m for m in segs if m.state == SEALED), key=lambda m: (m.channel not in first, m.id)):
                 name = self._ship(self.hot, m)
-                if name is None:
-                    continue
-                self.hot.set_state(m.id, UPLOADED, cold_name=name)
-                self._upload_stats["uploaded_segments"] += 1
-                self._upload_stats["uploaded_bytes"] += m.file_size
-                n += 1
-                if m.channel in first:
-                    with self._shipped:
-                        self._shipped.notify_all()
+                if name is not None:
+                    self.hot.set_state(m.id, UPLOADED, cold_name=name)
+                    self._upload_stats["uploaded_segments"] += 1
+                    self._upload_stats["uploaded_bytes"] += m.file_size
+                    n += 1
+                self._forget_unshipped([m.id])
             self._backlog_bytes = self._compute_backlog()
             with self._lock:
                 self._cold_list = None
                 self._cold_epoch += 1
             self._evict()
         return n
+
+    def _on_seal(self, m: SegmentMeta) -> None:
+        """The hot tier sealed ``m`` (explicitly or by rotation): it waits for upload; wake the uploader."""
+        with self._shipped:
+            self._unsealed_up[m.id] = (m.channel, m.lo)
+        self._wake.set()
+
+    def _forget_unshipped(self, ids: Iterable[int]) -> None:
+        """Segments uploaded, or gone (collected, uploaded by their writer): wake wait_shipped."""
+        with self._shipped:
+            for i in ids:
+                self._unsealed_up.pop(i, None)
+            self._shipped.notify_all()
 
     def _ship(self, hot: HotTier, m: SegmentMeta) -> str | None:
         """Upload sealed segment ``m`` of ``hot`` (any writer's) to the cold tier; its cold name, or
@@ -772,9 +789,10 @@ class LogStore:
         hot = self._writer_hot()
         names = {c.name for c in channels}
         deadline = time.monotonic() + timeout
-        with self._shipped:
+        with self._shipped:  # in memory only: the open segments and the sealed ones not uploaded yet
             while True:
-                if not any(m.channel in names and m.lo <= iteration and m.state in (OPEN, SEALED) for m in hot.segments()):
+                waiting = [*hot.open_segments().items(), *self._unsealed_up.values()]
+                if not any(ch in names and lo <= iteration for ch, lo in waiting):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:

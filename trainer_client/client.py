@@ -385,18 +385,18 @@ class SwiftlogClient:
             self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
         meta = None
         sealed: threading.Event | None = None
+        own = self._own_channels()
         if rec.enabled:
             meta = encode_meta(self._meta(iteration))
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
                 sealed = threading.Event()
-                ship = [*self._own_channels(), Channel.meta(self.config.stage)]
-                self.writer.mark(functools.partial(_seal_then_set, self.store, ship, sealed))
+                self.writer.mark(functools.partial(_seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed))
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
-        if sealed is not None and self._own_channels() and self.config.ship_wait is not None:
+        if sealed is not None and own and self.config.ship_wait is not None:
             # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
             early = self._own_sealed if rec.data_count == rec.data_sealed_at else None
-            self._wait_shipped(iteration, early or sealed, self.config.ship_wait.total_seconds())
+            self._wait_shipped(iteration, own, early or sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
@@ -430,21 +430,21 @@ class SwiftlogClient:
             return [*self._own_data, Channel.input(self.config.stage)]
         return self._own_data
 
-    def _wait_shipped(self, iteration: int, sealed: threading.Event, timeout: float) -> None:
-        """Before this stage reports ``iteration`` done: wait until its inputs / targets of it are
+    def _wait_shipped(self, iteration: int, own: list[Channel], sealed: threading.Event, timeout: float) -> None:
+        """Before this stage reports ``iteration`` done: wait until its data of it (``own``) is
         in the cold tier (the writer writes and seals them, the uploader ships them first), so a
         replacement can replay the iteration. Lagging (after a timeout): check only, no wait."""
         t0 = time.perf_counter()
         try:
             if self._ship_lagging:  # caught up when every earlier iteration's data is there (no wait)
-                if not self.store.wait_shipped(self._own_channels(), iteration - 1, 0.0):
+                if not self.store.wait_shipped(own, iteration - 1, 0.0):
                     return
                 self._ship_lagging = False
                 logger.info("stage %d: the cold tier caught up by iteration %d; commits wait for the data again", self.config.stage, iteration)
-            if sealed.wait(timeout) and self.store.wait_shipped(self._own_channels(), iteration, max(0.0, timeout - (time.perf_counter() - t0))):
+            if sealed.wait(timeout) and self.store.wait_shipped(own, iteration, max(0.0, timeout - (time.perf_counter() - t0))):
                 return
             self._ship_lagging = True
-            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in self._own_channels())} not in the cold tier after "
+            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in own)} not in the cold tier after "
                                    f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
         finally:
             self._ship_wait_s += time.perf_counter() - t0
