@@ -6,7 +6,9 @@ micro-batches of 4 x 64 tokens) logs everything and checkpoints at iteration ``-
 in the same process and side by side, ``--rounds`` rounds of
 
 - a sequential replay of stage ``--stage`` over the ``--iters`` logged iterations (prefetching),
-- a parallel replay with K = 2 workers, exact (ordered) gradient reduction,
+- a parallel replay with K = 2 workers, exact (ordered) gradient reduction, dynamic shares (the
+  workers claim the middle micro-batches of each iteration as they go: the default),
+- the same with fixed shares (split up front from the speeds measured in earlier iterations),
 - a parallel replay with K = 2 workers, approximate (all-reduce) reduction,
 
 interleaved so that machine noise hits all three alike. The machine is shared with other work:
@@ -33,7 +35,8 @@ Results (merged into ``bench/results/replay.json``):
   ``parallel_speedup_k2_best_of`` is the fastest sequential replay over the fastest parallel one,
   which favours the single-core variant on a shared machine (it needs one quiet core, the parallel
   one two at once); ``parallel_speedup_k2_median`` the median times' ratio.
-  ``parallel_speedup_k2_approximate`` the same as the headline for the approximate reduction.
+  ``parallel_speedup_k2_approximate`` the same as the headline for the approximate reduction,
+  ``parallel_speedup_k2_fixed_share`` for the exact one with fixed shares.
 - ``parallel_speedup_k2_cpu``: the same from CPU time (sequential replay's process CPU seconds over
   the busier worker's): what the wall-clock speedup would be with a core per worker. The machine is
   shared: before each measurement the benchmark waits (up to ``--max-wait-s``) until other
@@ -205,12 +208,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                       "seq": MODEL["seq"], "micro_batch_size": MODEL["micro_batch_size"], "n_microbatches": MODEL["n_microbatches"],
                       "dropout": MODEL["dropout"]}  # fmt: skip
         (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args, prefetch=2)
-        kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_approx": job.replace(workers=2, exact=False)}
+        kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share=False),
+                 "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in kinds}
         e2e: dict[str, list[float]] = {k: [] for k in kinds}
         cpu: dict[str, list[float]] = {k: [] for k in kinds}  # slowest worker's CPU seconds during the replay
         others: dict[str, list[float]] = {k: [] for k in kinds}  # cores kept busy by other processes meanwhile
         states: dict[str, Any] = {}
+        splits: dict[int, list[list[int]]] = {}  # round -> micro-batches per worker in each iteration (dynamic shares)
         verified: dict[str, bool] = {}
         # warm-up: start the worker fork server (imports torch once) outside the measurements
         first_only = plan.units[0].checkpoint_iteration + 1
@@ -229,6 +234,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ck = checkpoint_of(res, stage)
                 states[name] = ck
                 verified[name] = res.verified
+                if name == "k2_exact":
+                    splits[r] = [res.split[k] for k in sorted(res.split)]
                 print(f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
                       f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  verified={res.verified}", flush=True)  # fmt: skip
         # calibration: the same sequential replay, alone and then two at once in two processes
@@ -246,7 +253,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"]) and seq.lr_scheduler == live["lr_scheduler"]
     max_diff = max(float((ap.model[k] - seq.model[k]).abs().max()) for k in seq.model)
     # each round's ratio, then the median over rounds (see the module docstring); best-of and median-of-times alongside
-    per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_approx")}
+    per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_fixed", "k2_approx")}
     ceiling = statistics.median(2 * a / max(b) for a, b in pairs) if pairs else None
     best_t = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -262,6 +269,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_best_of": best_t["seq"] / best_t["k2_exact"],
         "parallel_speedup_k2_median": med["seq"] / med["k2_exact"],
         "parallel_speedup_k2_approximate": statistics.median(per_round["k2_approx"]),
+        "parallel_speedup_k2_fixed_share": statistics.median(per_round["k2_fixed"]),
+        "parallel_speedup_k2_fixed_share_per_round": per_round["k2_fixed"],
+        "k2_dynamic_share_splits_per_round": [splits[r] for r in sorted(splits)],
         "parallel_speedup_k2_end_to_end": paired(e2e),
         "parallel_speedup_k2_cpu": paired(cpu),
         "parallel_max_abs_diff": max_diff,
@@ -269,9 +279,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_ceiling": ceiling,
         "parallel_speedup_k2_of_ceiling": statistics.median(per_round["k2_exact"]) / ceiling if ceiling else None,
         "calibration_alone_vs_two_at_once_seconds": [[a, list(b)] for a, b in pairs],
-        "parallel_exact_bit_identical": _state_equal(ex.model, ex.optimizer, seq.model, seq.optimizer),
+        "parallel_exact_bit_identical": _state_equal(ex.model, ex.optimizer, seq.model, seq.optimizer)
+        and _state_equal(states["k2_fixed"].model, states["k2_fixed"].optimizer, seq.model, seq.optimizer),
         "bit_exact": bool(bit_exact),
-        "verified": verified["seq"] and verified["k2_exact"],
+        "verified": verified["seq"] and verified["k2_exact"] and verified["k2_fixed"],
         "approximate_verified": verified["k2_approx"],
         "live_seconds": live_s,
         "live_seconds_all_runs": [x[0] for x in lives],

@@ -39,6 +39,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("cuda", "d2h_pinned_gbps", "(side-stream copies, GB/s)", None, None),
     ("replay", "replay_vs_live", "<= 0.5", "le", 0.5),
     ("replay", "parallel_speedup_k2", ">= 1.6", "ge", 1.6),
+    ("replay", "parallel_speedup_k2_fixed_share", "(same rounds, shares fixed up front)", None, None),
     ("replay", "parallel_speedup_k2_best_of", "(fastest over fastest)", None, None),
     ("replay", "parallel_speedup_k2_median", "(median over median)", None, None),
     ("replay", "parallel_speedup_k2_cpu", "(CPU time: a core per worker)", None, None),

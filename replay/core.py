@@ -290,6 +290,13 @@ class ReplayHooks:
         ``select`` left out, for their effect on module buffers (BatchNorm's running statistics):
         every forward then runs in the live forward order, so the buffers evolve as in the live
         run; a left-out micro-batch's outputs are discarded (no check, no loss, no backward).
+    claim(iteration) -> one more micro-batch to replay here, or None: asked after the passes of
+        ``select``'s micro-batches, again after each one it gave (forward, then backward at once),
+        until it says None (a dynamic share, e.g. taken from a queue other workers draw from too).
+        Never asked in an iteration with shadow forwards; a micro-batch given twice is an error.
+    likely(iteration, backward_order) -> micro-batches ``claim`` will probably give: the prefetch
+        thread fetches their records ahead with ``select``'s (one it did not is fetched when
+        claimed; one fetched but never claimed is dropped when the iteration is over).
     """
 
     select: Callable[[int, Sequence[int]], Collection[int]] | None = None
@@ -298,6 +305,8 @@ class ReplayHooks:
     before_step: Callable[[int, int], None] | None = None
     verify: Callable[[int], bool] | None = None
     shadow_forwards: Callable[[int], bool] | None = None
+    claim: Callable[[int], int | None] | None = None
+    likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
 
 
 def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool = False, verify: bool = True, compare_logged: bool = False) -> dict[str, list[Channel]]:
@@ -430,6 +439,8 @@ def replay_stages(
                 _replay_iteration(ctx, it, plan, report)
             report.iterations_done += 1
             report.compute_seconds += time.perf_counter() - t_it
+            if pf is not None:
+                reader.discard(it)  # records fetched ahead for micro-batches another worker claimed
             if on_iteration is not None:
                 on_iteration(it, report)
     finally:
@@ -724,6 +735,12 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             forward(mb, shadow=True)
         else:
             backward(mb, forwarded.pop(mb))
+    if ctx.hooks.claim is not None and not plan.shadow:  # a dynamic share: one micro-batch at a time
+        while (mb := ctx.hooks.claim(it)) is not None:
+            if mb not in plan.bwd_order or mb in plan.mine:
+                raise ReplayError(f"iteration {it}: claimed micro-batch {mb} does not exist or was replayed here already")
+            plan.mine.append(mb)
+            backward(mb, forward(mb))
     t_reduce = time.perf_counter()
     if ctx.hooks.before_step is not None:
         ctx.hooks.before_step(it, plan.scale)
@@ -887,7 +904,10 @@ class _Prefetcher:
                 bwd.append(Channel.gradient(first))
         shadow = fwd[:1] if first > 0 or not src else []  # a shadow forward reads only the inputs
         keys: list[RecordKey] = []
-        for kind, mb in _passes(plan):
+        likely: list[int] = []
+        if ctx.hooks.likely is not None and not plan.shadow:
+            likely = [mb for mb in ctx.hooks.likely(it, plan.bwd_order) if mb in plan.bwd_order and mb not in plan.mine]
+        for kind, mb in _passes(plan) + [p for mb in likely for p in (("F", mb), ("B", mb))]:
             for c in fwd if kind == "F" else shadow if kind == "S" else bwd:
                 keys += ctx.reader.part_keys(c, it, mb)
         return keys

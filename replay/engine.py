@@ -199,6 +199,9 @@ class ReplayJob:
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
     reduces gradients in the live order (bit-identical to sequential; default True); False sums
     them in any order (faster on many workers, within the bound in ``replay.parallel``).
+    dynamic_share: parallel workers claim part of each iteration's micro-batches as they go, so a
+    worker slowed down in one iteration hands micro-batches to its partner in that iteration
+    (default True; False: every share is fixed before the iteration from the measured speeds).
     verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
     ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
     is missing. output / output_options: where to write the recovered checkpoints (None: not
@@ -222,6 +225,7 @@ class ReplayJob:
     data_source: str | None = None
     workers: int = 1
     exact: bool = True
+    dynamic_share: bool = True
     verify: bool = True
     compare_logged: bool = False
     prefetch: int = 2

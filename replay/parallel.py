@@ -27,6 +27,20 @@ and known before the prefetch thread asks. A worker on a busier core or a slower
 fewer micro-batches; the results do not depend on the split (the exact chain's order is the
 backward order whatever the sizes).
 
+Dynamic shares (``job.dynamic_share``, default): measured speeds only predict; a worker stalled in
+one iteration (a busy core, a page-in) would hold its partner up at that iteration's reduction.
+So the workers pair up, (0, 1), (2, 3), ..., and of a pair's planned positions the first worker
+is sure of a prefix, the second of a suffix, and the middle half is claimed one micro-batch at a
+time, from the front by the first and from the back by the second, with tickets from an atomic
+counter in the rendezvous store (:class:`_Claims`, about 0.25 ms a ticket on loopback): the pair's
+boundary lands where the two actually got to in this iteration. Each worker still ends with a
+contiguous run of positions, so the chain (and the result, every byte of it) is unchanged; worker
+0 claims one backward ahead so that it knows which backward is its last (the gradient hooks below).
+The prefetch thread fetches the sure micro-batches and the contested ones on this worker's side of
+the planned boundary; a contested one it did not fetch is fetched when claimed, one it fetched
+for nothing is dropped when the iteration ends. Iterations with shadow forwards (below) keep fixed
+shares. An odd last worker has no partner and a fixed share.
+
 Two reductions:
 
 **exact** (default): the sequential replay's ``.grad`` after an iteration is
@@ -157,6 +171,75 @@ def balanced_counts(n: int, per_mb: Sequence[float] | None, world: int) -> list[
     return counts
 
 
+def share_layout(n: int, counts: Sequence[int], rank: int, world: int) -> tuple[range, range, bool]:
+    """Worker ``rank``'s part of ``n`` positions (backward order) when they are shared dynamically.
+
+    Workers pair up, (0, 1), (2, 3), ...; a pair owns the consecutive positions its two ``counts``
+    add up to. Of those, the first worker is sure of a prefix and the second of a suffix; the
+    middle half (around where ``counts`` put the boundary) is *contested*: the first worker claims
+    it from the front, the second from the back, one position at a time, until it is all taken
+    (:class:`_Claims`), so the pair's boundary lands where their speeds put it in this very
+    iteration. An unpaired last worker (odd ``world``) keeps its ``counts`` share. Returns (sure
+    positions, contested positions, claims from the front); the contested ranges and the sure ones
+    partition ``range(n)`` over the workers.
+    """
+    lo = sum(counts[: rank - rank % 2])
+    if rank % 2 == 0 and rank == world - 1:  # unpaired
+        return range(lo, lo + counts[rank]), range(0), True
+    first, second = counts[rank - rank % 2], counts[rank - rank % 2 + 1]
+    b = lo + first
+    c = (first + second) // 2
+    c_front, c_back = min(first, c // 2), min(second, c - c // 2)
+    contested = range(b - c_front, b + c_back)
+    if rank % 2 == 0:
+        return range(lo, contested.start), contested, True
+    return range(contested.stop, b + second), contested, False
+
+
+class _Share:
+    """One worker's dynamic share of one iteration (:func:`share_layout`): what it has claimed."""
+
+    __slots__ = ("order", "sure", "contested", "front", "key", "won", "pending", "done", "last")
+
+    def __init__(self, order: Sequence[int], sure: range, contested: range, front: bool, key: str) -> None:
+        self.order, self.sure, self.contested, self.front, self.key = list(order), sure, contested, front, key
+        self.won = 0  # contested positions claimed so far
+        self.pending: int | None = None  # a position claimed ahead, not handed out yet
+        self.done = not contested  # a claim failed: the contested positions are all taken
+        self.last = order[sure[-1]] if sure else None  # the latest micro-batch this worker knows it replays
+
+    def layout(self) -> tuple[list[int], range, range, bool]:
+        return self.order, self.sure, self.contested, self.front
+
+
+class _Claims:
+    """Tickets for the contested micro-batches, from an atomic counter per (pair, iteration) in a
+    ``torch.distributed.Store`` every worker reaches (the rendezvous store): ticket ``t`` of an
+    iteration wins iff ``t <= len(contested)``, so the two workers of a pair take every contested
+    position exactly once between them, whichever asks first. A worker stops at its first losing
+    ticket; the first worker of the pair deletes the counter once the iteration's reduction is over
+    (every claim of the iteration precedes it)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.asked = 0
+
+    def take(self, sh: _Share) -> int | None:
+        """Claim the next contested position of ``sh`` (front or back); None: all are taken."""
+        if sh.done:
+            return None
+        self.asked += 1
+        if self.store.add(sh.key, 1) > len(sh.contested):
+            sh.done = True
+            return None
+        sh.won += 1
+        return sh.contested.start + sh.won - 1 if sh.front else sh.contested.stop - sh.won
+
+    def forget(self, sh: _Share) -> None:
+        if sh.front and sh.contested:
+            self.store.delete_key(sh.key)
+
+
 def _gamma(k: int, dtype: torch.dtype) -> float:
     u = torch.finfo(dtype).eps / 2
     return k * u / (1 - k * u)
@@ -216,8 +299,12 @@ class _GradReducer:
     #: weight of the newest iteration in the averaged time per micro-batch
     EMA = 0.5
 
-    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, start: int, dump_dir: str | None = None, lag: int = 1) -> None:
+    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, start: int, dump_dir: str | None = None, lag: int = 1,
+                 claims: _Claims | None = None) -> None:  # fmt: skip
         self.rank, self.world, self.exact = rank, world, exact
+        self.claims = claims if world > 1 else None  # None: every iteration's shares are fixed up front
+        self._shares: dict[int, _Share] = {}  # iteration -> this worker's dynamic share
+        self._finished = start - 1  # the last iteration whose gradients were reduced
         self.states = list(states)
         self.first_it = start
         # module buffers (running statistics) follow every micro-batch's forward: None = not known yet
@@ -226,7 +313,7 @@ class _GradReducer:
         self._buffers = BufferSnapshot()  # the buffers at the start of the current iteration
         self.lag = max(1, lag)  # iteration i's split uses the times measured up to i - lag
         self.per_mb: dict[int, list[float]] = {}  # iteration -> averaged seconds per micro-batch, per worker
-        self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (as replayed)
+        self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (planned; as replayed once it is over)
         self._t_ready = time.perf_counter()
         self.params = [p for st in states for p in st.module.parameters()]
         self.dtypes = sorted({p.dtype for p in self.params}, key=str)
@@ -248,12 +335,12 @@ class _GradReducer:
         self._armed = False
         if self.chained:
             self.flags = torch.zeros(len(self.params), dtype=torch.uint8)  # "present", as it travels with the buckets
-            self.info = torch.zeros(world + 1, dtype=torch.float64)  # every worker's time per micro-batch; "buffers changed" anywhere
+            self.info = torch.zeros(2 * world + 1, dtype=torch.float64)  # every worker's time per micro-batch and count; "buffers changed" anywhere
             if rank < world - 1:  # the total arrives in buffers of its own (this worker's sends may still read acc)
                 self.final = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
                 self.final_views = [self._view(self.final, i) for i in range(len(self.params))]
                 self.final_flags = torch.zeros(len(self.params), dtype=torch.uint8)
-                self.final_info = torch.zeros(world + 1, dtype=torch.float64)
+                self.final_info = torch.zeros(2 * world + 1, dtype=torch.float64)
             if rank == 0:  # (a frozen parameter has no hook; its bucket goes when the backward is over)
                 self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params) if p.requires_grad]
         self._reset()
@@ -278,7 +365,7 @@ class _GradReducer:
                 self.abs[dt].zero_()
         # exact mode: a slice is assigned by its first gradient; one that none wrote is never read
         self.present = [False] * len(self.params)
-        self.stash: list[list[torch.Tensor | None]] = []
+        self.stash: list[tuple[int, list[torch.Tensor | None]]] = []  # (position in backward order, gradients)
         self.n_mb = 0
         self._armed = False
         self._shipped = [False] * len(self.buckets)
@@ -374,19 +461,72 @@ class _GradReducer:
     def _buffers_changed(self) -> list[str]:
         return self._buffers.changed(self._named_buffers()) if self._watching_buffers() else []
 
+    def _dynamic(self, it: int) -> bool:
+        """Whether iteration ``it``'s micro-batches are shared by claims (not with shadow forwards:
+        those run in the live forward order, so every worker's share must be known up front)."""
+        return self.claims is not None and not self.shadow_forwards(it)
+
     def select(self, it: int, order: Sequence[int]) -> list[int]:
-        """This worker's contiguous share of ``order``: sized by :func:`balanced_counts` (called by the
-        compute thread and, ahead, by the prefetch thread: both get the same answer)."""
+        """This worker's contiguous share of ``order``, sized by :func:`balanced_counts`; with
+        dynamic shares only the part it is sure of (:func:`share_layout`; the rest comes from
+        :meth:`claim`). Called by the compute thread and, ahead, by the prefetch thread: both get
+        the same answer (the sizes come from times measured ``lag`` iterations before)."""
+        if it <= self._finished:  # a prefetch thread that fell behind: the iteration is over, its split recorded
+            return slice_of(order, self.rank, self.world, self.splits.get(it))
         counts = self.splits[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
-        mine = slice_of(order, self.rank, self.world, counts)
-        self._last_mb[it] = mine[-1] if mine else None
-        return mine
+        if not self._dynamic(it):
+            self._shares.pop(it, None)
+            mine = slice_of(order, self.rank, self.world, counts)
+            self._last_mb[it] = mine[-1] if mine else None
+            return mine
+        pair = self.rank // 2
+        sh = _Share(order, *share_layout(len(order), counts, self.rank, self.world), key=f"{pair}/{it}")
+        old = self._shares.setdefault(it, sh)
+        if old is not sh and old.layout() != sh.layout() and old.won == 0 and old.pending is None:
+            self._shares[it] = old = sh
+        return [order[i] for i in old.sure]
+
+    def likely(self, it: int, order: Sequence[int]) -> list[int]:
+        """The contested micro-batches this worker would get if the workers kept their measured
+        speeds (its side of the planned boundary): prefetched with the sure ones."""
+        sh = self._shares.get(it)
+        if sh is None:
+            return []
+        b = sum(self.splits.get(it, [])[: self.rank - self.rank % 2 + 1])  # the planned boundary of the pair
+        return [sh.order[i] for i in sh.contested if (i < b) == sh.front]
+
+    def claim(self, it: int) -> int | None:
+        """ReplayHooks.claim: the next contested micro-batch this worker won (claimed ahead by
+        :meth:`before_backward` on the front side), or None once they are all taken."""
+        sh = self._shares.get(it)
+        if sh is None or self.claims is None:
+            return None
+        if sh.pending is not None:
+            pos, sh.pending = sh.pending, None
+        else:
+            pos = self.claims.take(sh)
+            if pos is None:
+                return None
+        sh.last = sh.order[pos]
+        return sh.last
+
+    def _is_last(self, it: int, mb: int) -> bool:
+        """Whether ``mb`` is this worker's last micro-batch of iteration ``it``. With a dynamic share
+        on the front side the next position is claimed now, one backward ahead, so that worker 0
+        knows when to send its running sum from the gradient hooks."""
+        sh = self._shares.get(it)
+        if sh is None:
+            return mb == self._last_mb.get(it)
+        if mb == sh.last and sh.pending is None and sh.front and self.claims is not None:
+            sh.pending = self.claims.take(sh)
+        return mb == sh.last and sh.pending is None and sh.done
 
     def before_backward(self, it: int, mb: int) -> None:
+        last = self._is_last(it, mb)
         if not self.chained:
             return
         if self.rank == 0:  # the last backward of worker 0's slice finishes the running sum parameter by parameter
-            self._armed = mb == self._last_mb.get(it)
+            self._armed = last
         elif self._chain_in is None:  # the previous step has let go of acc: the running sum may arrive
             self._post_chain_receives()
 
@@ -404,7 +544,8 @@ class _GradReducer:
         self.n_mb += 1
         if self.exact:
             if self.rank > 0:  # kept apart until the running sum of the earlier slices arrives
-                self.stash.append(self._take())
+                sh = self._shares.get(it)
+                self.stash.append((sh.order.index(mb) if sh is not None else self.n_mb, self._take()))
             return  # worker 0: autograd accumulates in .grad, as sequentially
         grads = self._take()
         self._add(grads)
@@ -419,19 +560,24 @@ class _GradReducer:
         mine = (time.perf_counter() - self._t_ready) / self.n_mb if self.n_mb else 0.0
         changed = self._buffers_changed()
         if self.exact:
-            times = self._chain(mine, bool(changed))
+            times, counts, anywhere = self._chain(mine, bool(changed))
         elif self.world > 1:
-            times = self._all_reduce(mine, bool(changed))
+            times, counts, anywhere = self._all_reduce(mine, bool(changed))
             for i, p in enumerate(self.params):
                 p.grad = self.views[i] if self.present[i] else None
         else:
             self.global_n = self.n_mb
-            times = [mine, 0.0]  # one worker runs every forward: nothing to miss
+            times, counts, anywhere = [mine], [self.n_mb], False  # one worker runs every forward: nothing to miss
             for i, p in enumerate(self.params):
                 p.grad = self.views[i] if self.present[i] else None
-        self._settle_buffers(it, changed, times.pop() > 0)
+        self._settle_buffers(it, changed, anywhere)
         self._record(it, times)
+        self.splits[it] = counts
+        self._finished = it
         self._last_mb.pop(it, None)
+        sh = self._shares.pop(it, None)
+        if sh is not None and self.claims is not None:  # every worker's claims of the iteration came before the reduction
+            self.claims.forget(sh)
         if self.dump_dir is not None and self.rank == 0:
             self._dump(it, scale)
 
@@ -486,11 +632,12 @@ class _GradReducer:
         self._chain_in = {b: self._irecv(b, self.acc, self.flags, self.rank - 1, final=False) for b in range(len(self.buckets))}
         self._info_in = dist.irecv(self.info, src=self.rank - 1, tag=4 * len(self.buckets))
 
-    def _chain(self, mine: float, changed: bool) -> list[float]:
+    def _chain(self, mine: float, changed: bool) -> tuple[list[float], list[int], bool]:
         """Running sum in backward order: 0 -> 1 -> ... -> K-1, bucket by bucket; the last worker
-        sends each finished bucket to every other one. Every worker's time per micro-batch and
-        whether its buffers ``changed`` travel with it; returns the times and, last, 1.0 if any
-        worker's buffers changed. On return ``.grad`` holds the total and no send is in flight."""
+        sends each finished bucket to every other one. Every worker's time per micro-batch, its
+        micro-batch count and whether its buffers ``changed`` travel with it; returns the times,
+        the counts and whether any worker's buffers changed. On return ``.grad`` holds the total
+        and no send is in flight."""
         n, last = len(self.buckets), self.world - 1
         dsts = [self.rank + 1] if self.rank < last else range(last)  # on along the chain, or (last) the total back to everyone
         finals = []
@@ -502,18 +649,20 @@ class _GradReducer:
                 self._ship_first(b)
             self._take()
             self.info[0] = mine
-            self.info[self.world] = float(changed)
+            self.info[self.world] = self.n_mb
+            self.info[2 * self.world] = float(changed)
             self._sends.append(dist.isend(self.info, dst=1, tag=4 * n))
         else:
             if self._chain_in is None:  # no micro-batch here this iteration
                 self._post_chain_receives()
             assert self._chain_in is not None
+            self.stash.sort(key=lambda e: e[0])  # a back-side share is claimed from the back: add in backward order
             for b in self.send_order:
                 r = self.buckets[b]
                 for w in self._chain_in[b]:
                     w.wait()
                 self.present[r.start : r.stop] = [bool(x) for x in self.flags[r.start : r.stop].tolist()]
-                for grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
+                for _, grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
                     self._accumulate(r, grads)
                 self._set_flags(b)
                 for dst in dsts:
@@ -521,7 +670,8 @@ class _GradReducer:
             self.stash = []
             self._info_in.wait()
             self.info[self.rank] = mine
-            self.info[self.world] = max(float(self.info[self.world]), float(changed))
+            self.info[self.world + self.rank] = self.n_mb
+            self.info[2 * self.world] = max(float(self.info[2 * self.world]), float(changed))
             for dst in dsts:
                 self._sends.append(dist.isend(self.info, dst=dst, tag=4 * n + (self.rank == last)))
         for w in self._sends:  # the step divides the gradients in place; and acc is reused
@@ -535,20 +685,22 @@ class _GradReducer:
         views = self.views if self.rank == last else self.final_views
         for i, p in enumerate(self.params):
             p.grad = views[i] if self.present[i] else None
-        return (self.info if self.rank == last else self.final_info).tolist()
+        info = (self.info if self.rank == last else self.final_info).tolist()
+        return info[: self.world], [int(x) for x in info[self.world : 2 * self.world]], info[2 * self.world] > 0
 
-    def _all_reduce(self, mine: float, changed: bool) -> list[float]:
+    def _all_reduce(self, mine: float, changed: bool) -> tuple[list[float], list[int], bool]:
         """Sum the gradients, their absolute values (for the bound), the "present" flags, the
         micro-batch counts and the "buffers changed" flags over the workers; returns every
-        worker's time per micro-batch and, last, 1.0 if any worker's buffers changed."""
+        worker's time per micro-batch and micro-batch count, and whether any worker's buffers changed."""
         for dt in self.dtypes:
             dist.all_reduce(self.acc[dt])
-        n = len(self.params)
-        counts = torch.zeros(n + 2 + self.world, dtype=torch.int64)
+        n, w = len(self.params), self.world
+        counts = torch.zeros(n + 2 + 2 * w, dtype=torch.int64)
         counts[:n] = torch.tensor(self.present, dtype=torch.int64)
         counts[n] = self.n_mb
         counts[n + 1 + self.rank] = round(mine * 1e9)  # the others add zeros: a gather
-        counts[n + 1 + self.world] = int(changed)
+        counts[n + 1 + w + self.rank] = self.n_mb
+        counts[n + 1 + 2 * w] = int(changed)
         dist.all_reduce(counts)
         self.present = [bool(x) for x in counts[:n].tolist()]
         self.global_n = int(counts[n].item())
@@ -557,7 +709,8 @@ class _GradReducer:
             dist.all_reduce(self.abs[dt])
             if self.abs[dt].numel():
                 self.bound_max = max(self.bound_max, self._factor(dt) * float(self.abs[dt].max()))
-        return [x / 1e9 for x in counts[n + 1 : n + 1 + self.world].tolist()] + [float(counts[n + 1 + self.world] > 0)]
+        per = counts[n + 1 :].tolist()
+        return [x / 1e9 for x in per[:w]], per[w : 2 * w], per[2 * w] > 0
 
     def _factor(self, dt: torch.dtype) -> float:
         """``2 * gamma_{n-1}`` for this iteration's n micro-batches."""
@@ -636,9 +789,16 @@ def worker_main(
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
-        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1)
+        claims = None
+        if world > 1 and job.dynamic_share:  # counters in the rendezvous store, under a name every worker agrees on
+            nonce = [uuid.uuid4().hex if rank == 0 else None]
+            dist.broadcast_object_list(nonce, src=0)
+            claims = _Claims(dist.PrefixStore(f"swiftlog-claims/{nonce[0]}", store if store is not None else dist.distributed_c10d._get_default_store()))
+        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1, claims=claims)
         hooks = ReplayHooks(
             select=reducer.select,
+            claim=reducer.claim,
+            likely=reducer.likely,
             before_backward=reducer.before_backward,
             after_backward=reducer.after_backward,
             before_step=reducer.before_step,

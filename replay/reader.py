@@ -207,6 +207,17 @@ class LogReader:
                 self._pending.clear()
                 self._taken.clear()
 
+    def discard(self, iteration: int) -> int:
+        """Drop what was fetched ahead for iterations <= ``iteration`` and not used (e.g. the records
+        of micro-batches another parallel worker claimed); returns how many. A later :meth:`get`
+        of such a key fetches it again."""
+        with self._lock:
+            old = [k for k in self._pending if k.iteration <= iteration]
+            for k in old:
+                del self._pending[k]
+            self._taken = {k for k in self._taken if k.iteration > iteration}
+        return len(old)
+
     def has(self, key: RecordKey) -> bool:
         """Whether some source lists ``key`` (no read, no checksum)."""
         return key in self._parts_of(key.channel, key.iteration).get(key.micro_batch, [])

@@ -10,12 +10,14 @@ torch.multiprocessing and, once, launched with torchrun.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from logstore.testing import free_port
 from replay import (
@@ -29,7 +31,7 @@ from replay import (
 )
 from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import _GradReducer, adamw_update_bound, balanced_counts, slice_of
+from replay.parallel import _Claims, _GradReducer, _Share, adamw_update_bound, balanced_counts, share_layout, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -109,13 +111,54 @@ def _splits(n: int, k: int):
 def test_a_slow_worker_gets_fewer_micro_batches_and_the_replay_stays_bit_identical(f1b_run, tmp_path):
     stage = 2
     seq = replay(_job(f1b_run, [stage], tmp_path / "seq"))
-    # prefetch 1: iteration i's split follows the times measured up to i - 2
-    job = _job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage")
+    # prefetch 1: iteration i's split follows the times measured up to i - 2 (fixed shares: no claims)
+    job = _job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage", dynamic_share=False)
     par = replay(job)
     a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
     assert par.verified and par.report.micro_batches == seq.report.micro_batches
     assert par.split == {CKPT: [2, 2], CKPT + 1: [2, 2], CKPT + 2: [3, 1], CKPT + 3: [3, 1]}
+
+
+def test_share_layouts_partition_the_micro_batches_and_claims_split_the_contested_ones_once():
+    """Sure and contested positions tile range(n); whatever order a pair's claims come in, the front
+    worker ends with a prefix and the back worker with the rest of the pair's positions."""
+    store = dist.HashStore()
+    for n in range(0, 10):
+        for k in range(1, 5):
+            for counts in {tuple(balanced_counts(n, None, k)), tuple(balanced_counts(n, [1.0] + [2.5] * (k - 1), k))}:
+                lay = [share_layout(n, counts, r, k) for r in range(k)]
+                tiles = sorted(p for sure, cont, front in lay for p in [*sure, *(cont if front else ())])
+                assert tiles == list(range(n)), (n, k, counts, lay)
+                for r in range(0, k - 1, 2):  # a pair: claims interleaved at random
+                    (sa, ca, _), (sb, cb, _) = lay[r], lay[r + 1]
+                    assert ca == cb and sa.stop == ca.start and cb.stop == sb.start
+                    claims = _Claims(dist.PrefixStore(f"{n}-{k}-{counts}-{r}", store))
+                    shares = [_Share(range(n), sa, ca, True, "x"), _Share(range(n), sb, cb, False, "x")]
+                    got: list[list[int]] = [list(sa), list(sb)]
+                    rng = random.Random(n * 31 + k)
+                    while not all(sh.done for sh in shares):
+                        w = rng.randrange(2)
+                        pos = claims.take(shares[w])
+                        if pos is not None:
+                            got[w].append(pos)
+                    assert sorted(got[0]) == list(range(sa.start, sa.start + len(got[0])))  # a prefix, claimed in order
+                    assert sorted(got[0] + got[1]) == list(range(sa.start, sb.stop))
+                    claims.forget(shares[0])
+
+
+def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bit_identical(f1b_run, tmp_path):
+    """With claims, worker 0 takes over contested micro-batches in the very first iterations, before
+    any speed was measured (fixed shares start at [2, 2], see above); the result is still every byte
+    of the sequential replay's (the chain adds in backward order whoever replayed what)."""
+    stage = 2
+    seq = replay(_job(f1b_run, [stage], tmp_path / "seq"))
+    par = replay(_job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage"))
+    a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
+    assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
+    assert par.verified and par.report.micro_batches == seq.report.micro_batches
+    assert all(sum(c) == 4 for c in par.split.values())
+    assert par.split[CKPT][0] + par.split[CKPT + 1][0] > 4, par.split  # the slow worker 1 sleeps 30 ms per forward
 
 
 @pytest.mark.parametrize(("workers", "run_name", "stage"), [(2, "gpipe_s3_run", 1), (3, "f1b_run", 3)])
