@@ -222,13 +222,11 @@ class _Claims:
 
     def __init__(self, store: dist.Store) -> None:
         self.store = store
-        self.asked = 0
 
     def take(self, sh: _Share) -> int | None:
         """Claim the next contested position of ``sh`` (front or back); None: all are taken."""
         if sh.done:
             return None
-        self.asked += 1
         if self.store.add(sh.key, 1) > len(sh.contested):
             sh.done = True
             return None
@@ -313,7 +311,8 @@ class _GradReducer:
         self._buffers = BufferSnapshot()  # the buffers at the start of the current iteration
         self.lag = max(1, lag)  # iteration i's split uses the times measured up to i - lag
         self.per_mb: dict[int, list[float]] = {}  # iteration -> averaged seconds per micro-batch, per worker
-        self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker (planned; as replayed once it is over)
+        self.splits: dict[int, list[int]] = {}  # iteration -> micro-batches per worker, as replayed
+        self._planned: dict[int, list[int]] = {}  # iteration -> micro-batches per worker, as planned by balanced_counts
         self._t_ready = time.perf_counter()
         self.params = [p for st in states for p in st.module.parameters()]
         self.dtypes = sorted({p.dtype for p in self.params}, key=str)
@@ -471,9 +470,9 @@ class _GradReducer:
         dynamic shares only the part it is sure of (:func:`share_layout`; the rest comes from
         :meth:`claim`). Called by the compute thread and, ahead, by the prefetch thread: both get
         the same answer (the sizes come from times measured ``lag`` iterations before)."""
-        if it <= self._finished:  # a prefetch thread that fell behind: the iteration is over, its split recorded
+        if it <= self._finished:  # a prefetch thread that fell behind: the iteration is over
             return slice_of(order, self.rank, self.world, self.splits.get(it))
-        counts = self.splits[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
+        counts = self._planned[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
         if not self._dynamic(it):
             self._shares.pop(it, None)
             mine = slice_of(order, self.rank, self.world, counts)
@@ -492,7 +491,7 @@ class _GradReducer:
         sh = self._shares.get(it)
         if sh is None:
             return []
-        b = sum(self.splits.get(it, [])[: self.rank - self.rank % 2 + 1])  # the planned boundary of the pair
+        b = sum(self._planned.get(it, [])[: self.rank - self.rank % 2 + 1])  # the planned boundary of the pair
         return [sh.order[i] for i in sh.contested if (i < b) == sh.front]
 
     def claim(self, it: int) -> int | None:
@@ -573,6 +572,7 @@ class _GradReducer:
         self._settle_buffers(it, changed, anywhere)
         self._record(it, times)
         self.splits[it] = counts
+        self._planned.pop(it, None)
         self._finished = it
         self._last_mb.pop(it, None)
         sh = self._shares.pop(it, None)
