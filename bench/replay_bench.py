@@ -208,7 +208,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                       "seq": MODEL["seq"], "micro_batch_size": MODEL["micro_batch_size"], "n_microbatches": MODEL["n_microbatches"],
                       "dropout": MODEL["dropout"]}  # fmt: skip
         (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args, prefetch=2)
-        kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share=False),
+        kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share_min_s=None),
                  "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in kinds}
         e2e: dict[str, list[float]] = {k: [] for k in kinds}

@@ -49,7 +49,7 @@ def replay_command(
     output: Annotated[str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,
     exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order")] = True,
-    dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of each iteration's micro-batches as they go, or split them up front by measured speed")] = True,
+    dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
     target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
     model: Annotated[str, typer.Option("--model", help="stage factory module:function")] = "replay.examples:gpt_stage",
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
@@ -90,7 +90,7 @@ def replay_command(
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
         from replay.engine import jobs_from_plan, replay
 
-        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share=dynamic_share, model=model, model_args=parse_kv(model_arg, "--model-arg"),
+        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=0.02 if dynamic_share else None, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
                               output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
         if commit_store:

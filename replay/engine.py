@@ -199,9 +199,11 @@ class ReplayJob:
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
     reduces gradients in the live order (bit-identical to sequential; default True); False sums
     them in any order (faster on many workers, within the bound in ``replay.parallel``).
-    dynamic_share: parallel workers claim part of each iteration's micro-batches as they go, so a
-    worker slowed down in one iteration hands micro-batches to its partner in that iteration
-    (default True; False: every share is fixed before the iteration from the measured speeds).
+    dynamic_share_min_s: parallel workers claim part of an iteration's micro-batches as they go, so
+    a worker slowed down in that iteration hands micro-batches to its partner, when a micro-batch
+    took at least this many seconds (measured ``prefetch + 1`` iterations before; smaller ones do
+    not pay for the claims); 0: in every iteration; None: never (every share is fixed before the
+    iteration from the measured speeds).
     verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
     ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
     is missing. output / output_options: where to write the recovered checkpoints (None: not
@@ -225,7 +227,7 @@ class ReplayJob:
     data_source: str | None = None
     workers: int = 1
     exact: bool = True
-    dynamic_share: bool = True
+    dynamic_share_min_s: float | None = 0.02
     verify: bool = True
     compare_logged: bool = False
     prefetch: int = 2
@@ -250,6 +252,8 @@ class ReplayJob:
         missing = [k for k in self.stages if k not in self.checkpoints]
         if missing:
             raise ValueError(f"no checkpoint URI for stage(s) {missing}")
+        if self.dynamic_share_min_s is not None and not self.dynamic_share_min_s >= 0:
+            raise ValueError(f"dynamic_share_min_s must be None or >= 0, got {self.dynamic_share_min_s}")
         if not self.sources:
             raise ValueError("a replay needs at least one record source")
         if self.workers < 1:

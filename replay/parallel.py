@@ -27,7 +27,7 @@ and known before the prefetch thread asks. A worker on a busier core or a slower
 fewer micro-batches; the results do not depend on the split (the exact chain's order is the
 backward order whatever the sizes).
 
-Dynamic shares (``job.dynamic_share``, default): measured speeds only predict; a worker stalled in
+Dynamic shares (``job.dynamic_share_min_s``): measured speeds only predict; a worker stalled in
 one iteration (a busy core, a page-in) would hold its partner up at that iteration's reduction.
 So the workers pair up, (0, 1), (2, 3), ..., and of a pair's planned positions the first worker
 is sure of a prefix, the second of a suffix, and the middle half is claimed one micro-batch at a
@@ -38,8 +38,11 @@ contiguous run of positions, so the chain (and the result, every byte of it) is 
 0 claims one backward ahead so that it knows which backward is its last (the gradient hooks below).
 The prefetch thread fetches the sure micro-batches and the contested ones on this worker's side of
 the planned boundary; a contested one it did not fetch is fetched when claimed, one it fetched
-for nothing is dropped when the iteration ends. Iterations with shadow forwards (below) keep fixed
-shares. An odd last worker has no partner and a fixed share.
+for nothing is dropped when the iteration ends. A claim costs a store round trip and perhaps a
+fetch on the compute thread, so iterations whose micro-batches were measured (``lag`` iterations
+before, the slowest worker's) to take less than ``dynamic_share_min_s`` (default 20 ms) keep fixed
+shares, as do the first ``lag`` iterations (nothing measured yet) unless it is 0, and iterations
+with shadow forwards (below). An odd last worker has no partner and a fixed share.
 
 Two reductions:
 
@@ -298,9 +301,10 @@ class _GradReducer:
     EMA = 0.5
 
     def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, start: int, dump_dir: str | None = None, lag: int = 1,
-                 claims: _Claims | None = None) -> None:  # fmt: skip
+                 claims: _Claims | None = None, claim_min_s: float = 0.0) -> None:  # fmt: skip
         self.rank, self.world, self.exact = rank, world, exact
         self.claims = claims if world > 1 else None  # None: every iteration's shares are fixed up front
+        self.claim_min_s = claim_min_s  # claims only when a micro-batch took this long (seconds)
         self._shares: dict[int, _Share] = {}  # iteration -> this worker's dynamic share
         self._finished = start - 1  # the last iteration whose gradients were reduced
         self.states = list(states)
@@ -461,9 +465,16 @@ class _GradReducer:
         return self._buffers.changed(self._named_buffers()) if self._watching_buffers() else []
 
     def _dynamic(self, it: int) -> bool:
-        """Whether iteration ``it``'s micro-batches are shared by claims (not with shadow forwards:
-        those run in the live forward order, so every worker's share must be known up front)."""
-        return self.claims is not None and not self.shadow_forwards(it)
+        """Whether iteration ``it``'s micro-batches are shared by claims: when the slowest worker's
+        micro-batch took at least ``claim_min_s`` (measured ``lag`` iterations before, the same
+        numbers on every worker), and not with shadow forwards (those run in the live forward
+        order, so every worker's share must be known up front)."""
+        if self.claims is None or self.shadow_forwards(it):
+            return False
+        if self.claim_min_s <= 0:
+            return True
+        per = self.per_mb.get(it - self.lag)
+        return per is not None and max(per) >= self.claim_min_s
 
     def select(self, it: int, order: Sequence[int]) -> list[int]:
         """This worker's contiguous share of ``order``, sized by :func:`balanced_counts`; with
@@ -790,11 +801,12 @@ def worker_main(
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
         claims = None
-        if world > 1 and job.dynamic_share:  # counters in the rendezvous store, under a name every worker agrees on
+        if world > 1 and job.dynamic_share_min_s is not None:  # counters in the rendezvous store, under a name every worker agrees on
             nonce = [uuid.uuid4().hex if rank == 0 else None]
             dist.broadcast_object_list(nonce, src=0)
             claims = _Claims(dist.PrefixStore(f"swiftlog-claims/{nonce[0]}", store if store is not None else dist.distributed_c10d._get_default_store()))
-        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1, claims=claims)
+        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1, claims=claims,
+                               claim_min_s=job.dynamic_share_min_s or 0.0)  # fmt: skip
         hooks = ReplayHooks(
             select=reducer.select,
             claim=reducer.claim,

@@ -112,7 +112,7 @@ def test_a_slow_worker_gets_fewer_micro_batches_and_the_replay_stays_bit_identic
     stage = 2
     seq = replay(_job(f1b_run, [stage], tmp_path / "seq"))
     # prefetch 1: iteration i's split follows the times measured up to i - 2 (fixed shares: no claims)
-    job = _job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage", dynamic_share=False)
+    job = _job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage", dynamic_share_min_s=None)
     par = replay(job)
     a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
@@ -147,13 +147,34 @@ def test_share_layouts_partition_the_micro_batches_and_claims_split_the_conteste
                     claims.forget(shares[0])
 
 
+def test_dynamic_shares_only_where_a_micro_batch_is_worth_a_claim():
+    """Claims cost a store round trip: iterations share dynamically only when the slowest worker's
+    micro-batch took at least claim_min_s, measured lag iterations before (the same numbers on
+    every worker), so nothing is claimed before anything was measured."""
+    m = torch.nn.Linear(2, 2)
+    red = _GradReducer([StageState(0, m, torch.optim.SGD(m.parameters(), lr=0.1))], 0, 2, exact=True, start=5, lag=2,
+                       claims=_Claims(dist.HashStore()), claim_min_s=0.02)  # fmt: skip
+    try:
+        assert not red._dynamic(5) and not red._dynamic(6)
+        red.per_mb[5] = [0.01, 0.01]
+        assert not red._dynamic(7)
+        red.per_mb[6] = [0.03, 0.03]
+        assert red._dynamic(8)
+        assert red.select(8, list(range(8))) == [0, 1] and red.likely(8, list(range(8))) == [2, 3]  # sure, then its side of the boundary
+        assert red.select(7, list(range(8))) == [0, 1, 2, 3]  # fixed
+        red.claim_min_s = 0.0
+        assert red._dynamic(5)
+    finally:
+        red.close()
+
+
 def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bit_identical(f1b_run, tmp_path):
     """With claims, worker 0 takes over contested micro-batches in the very first iterations, before
     any speed was measured (fixed shares start at [2, 2], see above); the result is still every byte
     of the sequential replay's (the chain adds in backward order whoever replayed what)."""
     stage = 2
     seq = replay(_job(f1b_run, [stage], tmp_path / "seq"))
-    par = replay(_job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage"))
+    par = replay(_job(f1b_run, [stage], tmp_path / "par", workers=2, prefetch=1, model="tests._replay_helpers:slow_second_worker_gpt_stage", dynamic_share_min_s=0))
     a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
     assert par.verified and par.report.micro_batches == seq.report.micro_batches
