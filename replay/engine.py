@@ -202,8 +202,8 @@ class ReplayJob:
     dynamic_share_min_s: parallel workers claim part of an iteration's micro-batches as they go, so
     a worker slowed down in that iteration hands micro-batches to its partner, when a micro-batch
     took at least this many seconds (measured ``prefetch + 1`` iterations before; smaller ones do
-    not pay for the claims); 0: in every iteration; None: never (every share is fixed before the
-    iteration from the measured speeds).
+    not pay for the claims) or nothing was measured yet (the first iterations); 0: in every
+    iteration; None: never (every share is fixed before the iteration from the measured speeds).
     verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
     ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
     is missing. output / output_options: where to write the recovered checkpoints (None: not

@@ -41,8 +41,8 @@ the planned boundary; a contested one it did not fetch is fetched when claimed, 
 for nothing is dropped when the iteration ends. A claim costs a store round trip and perhaps a
 fetch on the compute thread, so iterations whose micro-batches were measured (``lag`` iterations
 before, the slowest worker's) to take less than ``dynamic_share_min_s`` (default 20 ms) keep fixed
-shares, as do the first ``lag`` iterations (nothing measured yet) unless it is 0, and iterations
-with shadow forwards (below). An odd last worker has no partner and a fixed share.
+shares (the first ``lag`` iterations, with nothing measured yet, share dynamically: freshly
+started workers differ most there), as do iterations with shadow forwards (below). An odd last worker has no partner and a fixed share.
 
 Two reductions:
 
@@ -467,14 +467,13 @@ class _GradReducer:
     def _dynamic(self, it: int) -> bool:
         """Whether iteration ``it``'s micro-batches are shared by claims: when the slowest worker's
         micro-batch took at least ``claim_min_s`` (measured ``lag`` iterations before, the same
-        numbers on every worker), and not with shadow forwards (those run in the live forward
+        numbers on every worker) or nothing was measured yet (the first iterations, where freshly
+        started workers differ most), and not with shadow forwards (those run in the live forward
         order, so every worker's share must be known up front)."""
         if self.claims is None or self.shadow_forwards(it):
             return False
-        if self.claim_min_s <= 0:
-            return True
         per = self.per_mb.get(it - self.lag)
-        return per is not None and max(per) >= self.claim_min_s
+        return per is None or max(per) >= self.claim_min_s
 
     def select(self, it: int, order: Sequence[int]) -> list[int]:
         """This worker's contiguous share of ``order``, sized by :func:`balanced_counts`; with
