@@ -343,6 +343,23 @@ def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool
     return {"inputs": inputs, "meta": [Channel.meta(k) for k in range(first, last + 1)], "verify": ver}
 
 
+def locate_logs(reader: LogReader, stages: Sequence[int], num_stages: int, iteration: int, *, data_source: bool = False, verify: bool = True,
+                compare_logged: bool = False) -> None:  # fmt: skip
+    """Read the META documents of ``stages`` at ``iteration`` and list the channels a replay of them
+    reads there (:func:`needed_channels`; the reader caches both and lists a window of iterations at
+    once), so that a replay started next finds its first records without opening and listing the
+    sources first: set-up work, e.g. while parallel workers wait for each other. Never raises: what
+    is missing or unreachable is left for the replay to meet and report."""
+    need = needed_channels(stages[0], stages[-1], num_stages, data_source=data_source, verify=verify, compare_logged=compare_logged)
+    try:
+        for k in stages:
+            reader.meta(k, iteration)
+        for c in need["inputs"] + need["verify"]:
+            reader.part_keys(c, iteration, 0)
+    except Exception as e:  # noqa: BLE001 - the replay meets it again and reports it
+        logger.debug("locating the logs of stages %s at iteration %d: %s", list(stages), iteration, e)
+
+
 # ====================================================================== the replay
 def replay_stage(state: StageState, logs: LogReader | RecordSource | Sequence[RecordSource], **kwargs: Any) -> ReplayReport:
     """Replay a single stage; see :func:`replay_stages` for the arguments."""

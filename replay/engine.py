@@ -46,6 +46,7 @@ from replay.core import (
     ReplayError,
     ReplayReport,
     StageState,
+    locate_logs,
     replay_stages,
 )
 from trainer_client.checkpoint import (
@@ -610,6 +611,7 @@ def replay(
         seed = states[0].checkpoint.seed if states[0].checkpoint is not None else 0
         loss, data = _loss_and_data(job, seed, loss_fn, data_source)
         start = states[0].checkpoint.iteration if states[0].checkpoint is not None else 0
+        locate_logs(reader, job.stages, job.num_stages, start, data_source=data is not None, verify=job.verify, compare_logged=job.compare_logged)
         t_setup = time.perf_counter() - t0
         logger.info("replay run=%s stages=%s iterations [%d, %d) from %s", job.run, job.stages, start, job.stop_iteration,
                     ", ".join(s.describe() for s in job.sources))  # fmt: skip

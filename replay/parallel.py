@@ -114,6 +114,7 @@ from logstore import RecordKey
 from logstore.errors import CorruptRecordError, SwiftlogError
 from replay.core import (
     LogReader,
+    locate_logs,
     ReplayError,
     ReplayHooks,
     ReplayInputMissingError,
@@ -791,14 +792,16 @@ def worker_main(
         if world > 1 and dev.type != "cpu":  # the same on every worker: each raises before the rendezvous
             raise ReplayError(f"parallel replay exchanges gradients over gloo, which runs on CPU; the stage factory put stages {job.stages} on {dev}",
                               hint=f"replay with one worker on {dev}, or build the stages on CPU for workers > 1")  # fmt: skip
-        if store is not None:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
         ck = states[0].checkpoint
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
+        # while the others may still be building: open the sources, read META, list the first iteration's records
+        locate_logs(reader, job.stages, job.num_stages, start, data_source=data is not None, verify=job.verify, compare_logged=job.compare_logged)
+        if store is not None:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
         claims = None
         if world > 1 and job.dynamic_share_min_s is not None:  # counters in the rendezvous store, under a name every worker agrees on
             nonce = [uuid.uuid4().hex if rank == 0 else None]

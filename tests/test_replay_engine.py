@@ -31,7 +31,7 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import LogReader, ReplayInputMissingError, StageState, _passes, _Plan
+from replay.core import LogReader, ReplayInputMissingError, StageState, _passes, _Plan, locate_logs
 from replay.engine import build_states, checkpoint_of
 from replay.examples import gpt_stage
 from server.testing import ServerProcess
@@ -126,6 +126,33 @@ def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, t
     assert seen[-1].micro_batches == (ITERS - CKPT) * f1b_run.gpt.n_microbatches
     assert b.report.records_fetched == a.report.records_fetched > 0  # every record read once, ahead or not
     assert b.to_dict()["report"]["verified"] is True
+
+
+class _ListingCounter:
+    """A record source that counts its listings (``keys`` calls)."""
+
+    def __init__(self, inner):
+        self.inner, self.listings = inner, 0
+
+    def keys(self, *a, **kw):
+        self.listings += 1
+        return self.inner.keys(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_locate_logs_lists_ahead_of_the_replay_and_never_raises(f1b_run, tmp_path):
+    with f1b_run.store() as st:
+        src = _ListingCounter(st)
+        reader = LogReader([src])
+        locate_logs(reader, [1], NUM_STAGES, CKPT)
+        listed = src.listings
+        assert listed > 0 and reader.meta(1, CKPT) is not None
+        assert reader.part_keys(Channel.activation(0), CKPT, 0) and reader.part_keys(Channel.gradient(2), CKPT, 1)
+        assert src.listings == listed  # the replay's first iteration finds them listed already
+    with LogStore.open(tmp_path / "empty", "other-run") as empty:
+        locate_logs(LogReader([empty]), [1], NUM_STAGES, CKPT)  # nothing there: left for the replay to report
 
 
 def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
