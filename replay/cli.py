@@ -88,9 +88,9 @@ def replay_command(
         if plan_only or not plan.possible:
             _print_plan(plan, json_out)
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
-        from replay.engine import jobs_from_plan, replay
+        from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
 
-        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=0.02 if dynamic_share else None, model=model, model_args=parse_kv(model_arg, "--model-arg"),
+        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=DYNAMIC_SHARE_MIN_S if dynamic_share else None, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
                               output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
         if commit_store:

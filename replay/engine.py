@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "replay.examples:gpt_stage"
 DEFAULT_LOSS = "trainer_client.examples.gpt:loss_fn"
+#: ReplayJob.dynamic_share_min_s's default: below 20 ms a micro-batch is not worth a claim
+DYNAMIC_SHARE_MIN_S = 0.02
 
 #: ``factory(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler | None)``
 StageFactory = Callable[..., tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
@@ -228,7 +230,7 @@ class ReplayJob:
     data_source: str | None = None
     workers: int = 1
     exact: bool = True
-    dynamic_share_min_s: float | None = 0.02
+    dynamic_share_min_s: float | None = DYNAMIC_SHARE_MIN_S
     verify: bool = True
     compare_logged: bool = False
     prefetch: int = 2

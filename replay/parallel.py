@@ -201,7 +201,8 @@ def share_layout(n: int, counts: Sequence[int], rank: int, world: int) -> tuple[
 
 
 class _Share:
-    """One worker's dynamic share of one iteration (:func:`share_layout`): what it has claimed."""
+    """One worker's share of one iteration: the positions it is sure of, the contested ones
+    (:func:`share_layout`; none in a fixed share) and what it has claimed of them."""
 
     __slots__ = ("order", "sure", "contested", "front", "key", "won", "pending", "done", "last")
 
@@ -306,7 +307,7 @@ class _GradReducer:
         self.rank, self.world, self.exact = rank, world, exact
         self.claims = claims if world > 1 else None  # None: every iteration's shares are fixed up front
         self.claim_min_s = claim_min_s  # claims only when a micro-batch took this long (seconds)
-        self._shares: dict[int, _Share] = {}  # iteration -> this worker's dynamic share
+        self._shares: dict[int, _Share] = {}  # iteration -> this worker's share (a fixed one has nothing contested)
         self._finished = start - 1  # the last iteration whose gradients were reduced
         self.states = list(states)
         self.first_it = start
@@ -334,7 +335,6 @@ class _GradReducer:
         self.bound_max = 0.0
         self.global_n = 0
         self.chained = exact and world > 1
-        self._last_mb: dict[int, int | None] = {}  # iteration -> this worker's last micro-batch (backward order)
         self._hooks: list[Any] = []
         self._armed = False
         if self.chained:
@@ -484,13 +484,12 @@ class _GradReducer:
         if it <= self._finished:  # a prefetch thread that fell behind: the iteration is over
             return slice_of(order, self.rank, self.world, self.splits.get(it))
         counts = self._planned[it] = balanced_counts(len(order), self.per_mb.get(it - self.lag), self.world)
-        if not self._dynamic(it):
-            self._shares.pop(it, None)
-            mine = slice_of(order, self.rank, self.world, counts)
-            self._last_mb[it] = mine[-1] if mine else None
-            return mine
-        pair = self.rank // 2
-        sh = _Share(order, *share_layout(len(order), counts, self.rank, self.world), key=f"{pair}/{it}")
+        if self._dynamic(it):
+            sure, contested, front = share_layout(len(order), counts, self.rank, self.world)
+        else:  # a fixed share: nothing contested
+            lo = sum(counts[: self.rank])
+            sure, contested, front = range(lo, lo + counts[self.rank]), range(0), True
+        sh = _Share(order, sure, contested, front, key=f"{self.rank // 2}/{it}")
         old = self._shares.setdefault(it, sh)
         if old is not sh and old.layout() != sh.layout() and old.won == 0 and old.pending is None:
             self._shares[it] = old = sh
@@ -524,9 +523,7 @@ class _GradReducer:
         """Whether ``mb`` is this worker's last micro-batch of iteration ``it``. With a dynamic share
         on the front side the next position is claimed now, one backward ahead, so that worker 0
         knows when to send its running sum from the gradient hooks."""
-        sh = self._shares.get(it)
-        if sh is None:
-            return mb == self._last_mb.get(it)
+        sh = self._shares[it]
         if mb == sh.last and sh.pending is None and sh.front and self.claims is not None:
             sh.pending = self.claims.take(sh)
         return mb == sh.last and sh.pending is None and sh.done
@@ -554,8 +551,7 @@ class _GradReducer:
         self.n_mb += 1
         if self.exact:
             if self.rank > 0:  # kept apart until the running sum of the earlier slices arrives
-                sh = self._shares.get(it)
-                self.stash.append((sh.order.index(mb) if sh is not None else self.n_mb, self._take()))
+                self.stash.append((self._shares[it].order.index(mb), self._take()))
             return  # worker 0: autograd accumulates in .grad, as sequentially
         grads = self._take()
         self._add(grads)
@@ -585,7 +581,6 @@ class _GradReducer:
         self.splits[it] = counts
         self._planned.pop(it, None)
         self._finished = it
-        self._last_mb.pop(it, None)
         sh = self._shares.pop(it, None)
         if sh is not None and self.claims is not None:  # every worker's claims of the iteration came before the reduction
             self.claims.forget(sh)
