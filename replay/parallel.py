@@ -35,7 +35,8 @@ time, from the front by the first and from the back by the second, with tickets 
 counter in the rendezvous store (:class:`_Claims`, about 0.25 ms a ticket on loopback): the pair's
 boundary lands where the two actually got to in this iteration. Each worker still ends with a
 contiguous run of positions, so the chain (and the result, every byte of it) is unchanged; worker
-0 claims one backward ahead so that it knows which backward is its last (the gradient hooks below).
+0 claims one backward ahead so that it knows which backward is its last (the gradient hooks below),
+and so does its partner (claiming later would hand every near tie to worker 0).
 The prefetch thread fetches the sure micro-batches and the contested ones on this worker's side of
 the planned boundary; a contested one it did not fetch is fetched when claimed, one it fetched
 for nothing is dropped when the iteration ends. A claim costs a store round trip and perhaps a
@@ -521,10 +522,11 @@ class _GradReducer:
 
     def _is_last(self, it: int, mb: int) -> bool:
         """Whether ``mb`` is this worker's last micro-batch of iteration ``it``. With a dynamic share
-        on the front side the next position is claimed now, one backward ahead, so that worker 0
-        knows when to send its running sum from the gradient hooks."""
+        the next position is claimed now, one backward ahead: worker 0 must know when to send its
+        running sum from the gradient hooks, and its partner claims as early so that neither gets
+        an edge (of two equally fast workers, the one whose backward starts first ends first)."""
         sh = self._shares[it]
-        if mb == sh.last and sh.pending is None and sh.front and self.claims is not None:
+        if mb == sh.last and sh.pending is None and self.claims is not None:
             sh.pending = self.claims.take(sh)
         return mb == sh.last and sh.pending is None and sh.done
 
