@@ -9,9 +9,11 @@ in the same process and side by side, ``--rounds`` rounds of
 - a parallel replay with K = 2 workers, exact (ordered) gradient reduction, dynamic shares (the
   workers claim the middle micro-batches of each iteration as they go: the default),
 - the same with fixed shares (split up front from the speeds measured in earlier iterations),
+- the same (dynamic shares) with the chain's running sums sent over gloo instead of formed in
+  shared memory (``shared_memory=False``),
 - a parallel replay with K = 2 workers, approximate (all-reduce) reduction,
 
-interleaved so that machine noise hits all three alike. The machine is shared with other work:
+interleaved so that machine noise hits all of them alike. The machine is shared with other work:
 each measurement waits for a quiet moment (see below). Before the rounds, one short sequential and
 one short parallel replay warm both paths up (first-use costs of the process and the worker fork
 server stay out of the rounds). The live pipeline runs
@@ -36,7 +38,9 @@ Results (merged into ``bench/results/replay.json``):
   which favours the single-core variant on a shared machine (it needs one quiet core, the parallel
   one two at once); ``parallel_speedup_k2_median`` the median times' ratio.
   ``parallel_speedup_k2_approximate`` the same as the headline for the approximate reduction,
-  ``parallel_speedup_k2_fixed_share`` for the exact one with fixed shares.
+  ``parallel_speedup_k2_fixed_share`` for the exact one with fixed shares,
+  ``parallel_speedup_k2_gloo_chain`` for the exact one whose running sums travel over gloo
+  (``k2_chain``: how the headline's travelled).
 - ``parallel_speedup_k2_cpu``: the same from CPU time (sequential replay's process CPU seconds over
   the busier worker's): what the wall-clock speedup would be with a core per worker. The machine is
   shared: before each measurement the benchmark waits (up to ``--max-wait-s``) until other
@@ -209,7 +213,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                       "dropout": MODEL["dropout"]}  # fmt: skip
         (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args, prefetch=2)
         kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share_min_s=None),
-                 "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
+                 "k2_gloo": job.replace(workers=2, exact=True, shared_memory=False), "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
+        chains: dict[str, str | None] = {}  # how each exact kind's running sums travelled
         times: dict[str, list[float]] = {k: [] for k in kinds}
         e2e: dict[str, list[float]] = {k: [] for k in kinds}
         cpu: dict[str, list[float]] = {k: [] for k in kinds}  # slowest worker's CPU seconds during the replay
@@ -234,6 +239,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ck = checkpoint_of(res, stage)
                 states[name] = ck
                 verified[name] = res.verified
+                chains[name] = res.chain
                 if name == "k2_exact":
                     splits[r] = [res.split[k] for k in sorted(res.split)]
                 print(f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
@@ -253,7 +259,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"]) and seq.lr_scheduler == live["lr_scheduler"]
     max_diff = max(float((ap.model[k] - seq.model[k]).abs().max()) for k in seq.model)
     # each round's ratio, then the median over rounds (see the module docstring); best-of and median-of-times alongside
-    per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_fixed", "k2_approx")}
+    per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")}
     ceiling = statistics.median(2 * a / max(b) for a, b in pairs) if pairs else None
     best_t = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -271,6 +277,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_approximate": statistics.median(per_round["k2_approx"]),
         "parallel_speedup_k2_fixed_share": statistics.median(per_round["k2_fixed"]),
         "parallel_speedup_k2_fixed_share_per_round": per_round["k2_fixed"],
+        "parallel_speedup_k2_gloo_chain": statistics.median(per_round["k2_gloo"]),
+        "parallel_speedup_k2_gloo_chain_per_round": per_round["k2_gloo"],
+        "k2_chain": chains["k2_exact"],
         "k2_dynamic_share_splits_per_round": [splits[r] for r in sorted(splits)],
         "parallel_speedup_k2_end_to_end": paired(e2e),
         "parallel_speedup_k2_cpu": paired(cpu),
@@ -280,9 +289,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_of_ceiling": statistics.median(per_round["k2_exact"]) / ceiling if ceiling else None,
         "calibration_alone_vs_two_at_once_seconds": [[a, list(b)] for a, b in pairs],
         "parallel_exact_bit_identical": _state_equal(ex.model, ex.optimizer, seq.model, seq.optimizer)
-        and _state_equal(states["k2_fixed"].model, states["k2_fixed"].optimizer, seq.model, seq.optimizer),
+        and _state_equal(states["k2_fixed"].model, states["k2_fixed"].optimizer, seq.model, seq.optimizer)
+        and _state_equal(states["k2_gloo"].model, states["k2_gloo"].optimizer, seq.model, seq.optimizer),
         "bit_exact": bool(bit_exact),
-        "verified": verified["seq"] and verified["k2_exact"] and verified["k2_fixed"],
+        "verified": verified["seq"] and verified["k2_exact"] and verified["k2_fixed"] and verified["k2_gloo"],
         "approximate_verified": verified["k2_approx"],
         "live_seconds": live_s,
         "live_seconds_all_runs": [x[0] for x in lives],

@@ -40,6 +40,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "replay_vs_live", "<= 0.5", "le", 0.5),
     ("replay", "parallel_speedup_k2", ">= 1.6", "ge", 1.6),
     ("replay", "parallel_speedup_k2_fixed_share", "(same rounds, shares fixed up front)", None, None),
+    ("replay", "parallel_speedup_k2_gloo_chain", "(same rounds, running sums over gloo, not shared memory)", None, None),
     ("replay", "parallel_speedup_k2_best_of", "(fastest over fastest)", None, None),
     ("replay", "parallel_speedup_k2_median", "(median over median)", None, None),
     ("replay", "parallel_speedup_k2_cpu", "(CPU time: a core per worker)", None, None),

@@ -207,6 +207,9 @@ class ReplayJob:
     took at least this many seconds (measured ``prefetch + 1`` iterations before; smaller ones do
     not pay for the claims) or nothing was measured yet (the first iterations); 0: in every
     iteration; None: never (every share is fixed before the iteration from the measured speeds).
+    shared_memory: exact parallel replay whose workers share a host forms the gradient chain's
+    running sums in one shared-memory file (only small "ready" flags go over gloo); False, or
+    workers that cannot all map the file: the sums themselves go over gloo.
     verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
     ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
     is missing. output / output_options: where to write the recovered checkpoints (None: not
@@ -231,6 +234,7 @@ class ReplayJob:
     workers: int = 1
     exact: bool = True
     dynamic_share_min_s: float | None = DYNAMIC_SHARE_MIN_S
+    shared_memory: bool = True
     verify: bool = True
     compare_logged: bool = False
     prefetch: int = 2
@@ -527,7 +531,8 @@ class ReplayResult:
     ``cpu_seconds``: CPU time of each worker's process during the replay proper (all its threads);
     on a machine shared with other work, ``replay_seconds`` over these shows the contention.
     ``split``: parallel replay only: iteration -> micro-batches each worker replayed (the slices
-    follow the workers' measured speeds, see ``replay.parallel``).
+    follow the workers' measured speeds, see ``replay.parallel``). ``chain``: exact parallel replay
+    only: how the gradient chain's running sums travelled (``"shared memory"`` or ``"gloo"``).
     """
 
     job: ReplayJob
@@ -541,6 +546,7 @@ class ReplayResult:
     cpu_seconds: list[float] = field(default_factory=list)
     build_seconds: float = 0.0
     split: dict[int, list[int]] | None = None
+    chain: str | None = None
 
     @property
     def verified(self) -> bool:
@@ -567,6 +573,7 @@ class ReplayResult:
             "grad_error_bound": self.grad_error_bound,
             "cpu_seconds": list(self.cpu_seconds),
             "split": None if self.split is None else {str(k): v for k, v in self.split.items()},
+            "chain": self.chain,
             "report": self.report.to_dict(),
         }
 

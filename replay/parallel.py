@@ -280,6 +280,88 @@ def _buckets(params: Sequence[torch.Tensor], limit: int = 1 << 20) -> list[range
     return buckets
 
 
+SHM_DIR = "/dev/shm"
+
+
+class _SharedChain:
+    """Same-host transport for the exact chain's running sums: two flat buffers per dtype (one per
+    iteration parity) in one shared-memory file that every worker maps. Worker 0 writes its
+    gradients there, each next worker adds its stash in place, and only the buckets' small
+    "present" flags travel over gloo, as the signal that a bucket is ready: no socket copies of
+    the gradients. Two buffers because a worker may still copy iteration ``i``'s total out while
+    worker 0 already writes iteration ``i + 1``'s; iteration ``i + 2``'s writes wait for every
+    worker's part in ``i + 1``'s chain, which comes after its copy.
+
+    Never: used unless every worker mapped the same file (a random token written by worker 0 is
+    read back by each; workers on other hosts, or in another IPC namespace, fail that and every
+    worker keeps gloo), or leaves the file behind (it is unlinked once mapped, or on failure).
+    """
+
+    ALIGN = 64
+
+    def __init__(self, flat: torch.Tensor, sizes: dict[torch.dtype, int]) -> None:
+        self.bufs: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
+        off = self.ALIGN
+        for parity in (0, 1):
+            for dt, n in sizes.items():
+                nbytes = n * torch.empty((), dtype=dt).element_size()
+                self.bufs[parity][dt] = flat[off : off + nbytes].view(dt)
+                off += -(-nbytes // self.ALIGN) * self.ALIGN
+
+    @staticmethod
+    def nbytes(sizes: dict[torch.dtype, int]) -> int:
+        per = sum(-(-n * torch.empty((), dtype=dt).element_size() // _SharedChain.ALIGN) * _SharedChain.ALIGN for dt, n in sizes.items())
+        return _SharedChain.ALIGN + 2 * per
+
+    @classmethod
+    def open(cls, sizes: dict[torch.dtype, int], rank: int, wanted: bool = True) -> _SharedChain | None:
+        """Collective (every worker calls it after the process group is up, with worker 0's
+        ``wanted`` deciding): the shared buffers, or None (gloo carries the gradients) when not
+        ``wanted``, when worker 0 cannot make the file (no ``/dev/shm``, no room: the space is
+        reserved up front, so a full tmpfs fails here and not later as SIGBUS) or when any
+        worker cannot map it."""
+        size = cls.nbytes(sizes)
+        token = uuid.uuid4().bytes
+        path: str | None = None
+        if rank == 0 and wanted and hasattr(os, "posix_fallocate"):
+            fd = -1
+            try:
+                fd, path = tempfile.mkstemp(prefix="swiftlog-chain-", dir=SHM_DIR)
+                os.posix_fallocate(fd, 0, size)
+                os.pwrite(fd, token, 0)
+            except OSError as e:
+                logger.info("parallel replay: no shared-memory chain (%s); gradients go over gloo", e)
+                if path is not None:
+                    os.unlink(path)
+                path = None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        where = [path, token]
+        dist.broadcast_object_list(where, src=0)
+        path, token = where
+        flat: torch.Tensor | None = None
+        try:
+            if path is not None and os.path.exists(path):  # (from_file would create a missing one)
+                try:
+                    flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                    if bytes(flat[: len(token)].tolist()) != token:
+                        flat = None
+                except (OSError, RuntimeError):
+                    flat = None
+            ok = torch.tensor([flat is not None], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every worker has mapped it (or failed) after this
+        finally:
+            if rank == 0 and path is not None:
+                os.unlink(path)
+        if not ok.item():
+            if path is not None:
+                logger.info("parallel replay: not every worker could map the shared-memory chain; gradients go over gloo")
+            return None
+        assert flat is not None
+        return cls(flat, sizes)
+
+
 class _GradReducer:
     """Collects each worker's micro-batch gradients and reduces them over the workers.
 
@@ -336,6 +418,8 @@ class _GradReducer:
         self.bound_max = 0.0
         self.global_n = 0
         self.chained = exact and world > 1
+        self.shared: _SharedChain | None = None  # the chain's running sums in shared memory (use_shared), else sent over gloo
+        self._par = 1  # iteration parity: which of the shared buffers this iteration uses (flipped by _reset)
         self._hooks: list[Any] = []
         self._armed = False
         if self.chained:
@@ -349,6 +433,20 @@ class _GradReducer:
             if rank == 0:  # (a frozen parameter has no hook; its bucket goes when the backward is over)
                 self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params) if p.requires_grad]
         self._reset()
+
+    def use_shared(self, shared: _SharedChain | None) -> None:
+        """Carry the exact chain's running sums in ``shared`` (every worker's, from
+        :meth:`_SharedChain.open`) instead of sending them over gloo; None: gloo."""
+        if shared is None or not self.chained:
+            return
+        self.shared = shared
+        self._shared_views = [[self._view(shared.bufs[parity], i) for i in range(len(self.params))] for parity in (0, 1)]
+        if self.rank < self.world - 1:  # only the last worker keeps a private copy of the sums (its step divides them in place)
+            self.acc, self.views = {}, []
+
+    def _chain_views(self) -> list[torch.Tensor]:
+        """Where the running sum of this iteration is formed: the shared buffer of its parity, or acc."""
+        return self._shared_views[self._par] if self.shared is not None else self.views
 
     def close(self) -> None:
         """Remove the gradient hooks (the modules go on without them)."""
@@ -369,6 +467,7 @@ class _GradReducer:
                 self.acc[dt].zero_()
                 self.abs[dt].zero_()
         # exact mode: a slice is assigned by its first gradient; one that none wrote is never read
+        self._par ^= 1
         self.present = [False] * len(self.params)
         self.stash: list[tuple[int, list[torch.Tensor | None]]] = []  # (position in backward order, gradients)
         self.n_mb = 0
@@ -376,7 +475,7 @@ class _GradReducer:
         self._shipped = [False] * len(self.buckets)
         self._pending = [sum(self.params[i].requires_grad for i in r) or -1 for r in self.buckets]  # hooks to go (-1: none)
         self._sends: list[Any] = []
-        self._chain_in: dict[int, tuple[Any, Any]] | None = None  # bucket -> (data, flags) receives from rank - 1
+        self._chain_in: dict[int, list[Any]] | None = None  # bucket -> receives (data, flags) from rank - 1
         self._info_in: Any = None
 
     def _view(self, flats: dict[torch.dtype, torch.Tensor], i: int) -> torch.Tensor:
@@ -390,10 +489,11 @@ class _GradReducer:
         _, off_last, n_last = self.where[r.stop - 1]
         return flats[dt][off : off_last + n_last]
 
-    def _accumulate(self, idx: Sequence[int], grads: Sequence[torch.Tensor | None]) -> None:
-        """``acc[i] += grads[i]`` for ``i`` in ``idx``, in AccumulateGrad's arithmetic: a parameter's
-        first gradient is assigned, the next ones added (one ``_foreach_add_`` call: on CPU the same
-        per-tensor ``add_``, without a Python round per parameter)."""
+    def _accumulate(self, idx: Sequence[int], grads: Sequence[torch.Tensor | None], views: Sequence[torch.Tensor] | None = None) -> None:
+        """``views[i] += grads[i]`` for ``i`` in ``idx`` (default views: acc's), in AccumulateGrad's
+        arithmetic: a parameter's first gradient is assigned, the next ones added (one
+        ``_foreach_add_`` call: on CPU the same per-tensor ``add_``, without a Python round per parameter)."""
+        views = self.views if views is None else views
         add_to: list[torch.Tensor] = []
         add: list[torch.Tensor] = []
         for i in idx:
@@ -401,10 +501,10 @@ class _GradReducer:
             if g is None:
                 continue
             if self.present[i]:
-                add_to.append(self.views[i])
+                add_to.append(views[i])
                 add.append(g)
             else:
-                self.views[i].copy_(g)
+                views[i].copy_(g)
                 self.present[i] = True
         if add_to:
             torch._foreach_add_(add_to, add)
@@ -607,16 +707,20 @@ class _GradReducer:
         return (2 * n + b, 3 * n + b) if final else (b, n + b)
 
     def _isend(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, dst: int, final: bool) -> None:
+        """Send bucket ``b``'s data (from ``data``; not with a shared chain: it is in shared
+        memory already) and flags (the signal that the bucket is ready)."""
         r = self.buckets[b]
         t_data, t_flags = self._tags(b, final)
-        self._sends.append(dist.isend(self._flat(data, b), dst=dst, tag=t_data))
+        if self.shared is None:
+            self._sends.append(dist.isend(self._flat(data, b), dst=dst, tag=t_data))
         self._sends.append(dist.isend(flags[r.start : r.stop], dst=dst, tag=t_flags))
 
-    def _irecv(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, src: int, final: bool) -> tuple[Any, Any]:
+    def _irecv(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, src: int, final: bool) -> list[Any]:
         """Receive bucket ``b``'s data and flags into ``data`` / ``flags`` (the counterpart of :meth:`_isend`)."""
         r = self.buckets[b]
         t_data, t_flags = self._tags(b, final)
-        return dist.irecv(self._flat(data, b), src=src, tag=t_data), dist.irecv(flags[r.start : r.stop], src=src, tag=t_flags)
+        works = [] if self.shared is not None else [dist.irecv(self._flat(data, b), src=src, tag=t_data)]
+        return [*works, dist.irecv(flags[r.start : r.stop], src=src, tag=t_flags)]
 
     def _set_flags(self, b: int) -> None:
         r = self.buckets[b]
@@ -627,10 +731,11 @@ class _GradReducer:
         if self._shipped[b]:
             return
         self._shipped[b] = True
+        views = self._chain_views()
         for i in self.buckets[b]:
             g = self.params[i].grad
             if g is not None:
-                self.views[i].copy_(g)
+                views[i].copy_(g)
                 self.present[i] = True
         self._set_flags(b)
         self._isend(b, self.acc, self.flags, 1, final=False)
@@ -648,10 +753,11 @@ class _GradReducer:
         and no send is in flight."""
         n, last = len(self.buckets), self.world - 1
         dsts = [self.rank + 1] if self.rank < last else range(last)  # on along the chain, or (last) the total back to everyone
-        finals = []
+        finals: dict[int, list[Any]] = {}
         if self.rank < last:  # the total comes back from the last worker
-            finals = [w for b in range(n) for w in self._irecv(b, self.final, self.final_flags, last, final=True)]
+            finals = {b: self._irecv(b, self.final, self.final_flags, last, final=True) for b in range(n)}
             final_info = dist.irecv(self.final_info, src=last, tag=4 * n + 1)
+        sums = self._chain_views()
         if self.rank == 0:
             for b in self.send_order:  # those its gradient hooks have not sent (no gradient in the last micro-batch)
                 self._ship_first(b)
@@ -671,7 +777,9 @@ class _GradReducer:
                     w.wait()
                 self.present[r.start : r.stop] = [bool(x) for x in self.flags[r.start : r.stop].tolist()]
                 for _, grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
-                    self._accumulate(r, grads)
+                    self._accumulate(r, grads, sums)
+                if self.shared is not None and self.rank == last:  # the step divides in place: a copy of its own
+                    self._flat(self.acc, b).copy_(self._flat(self.shared.bufs[self._par], b))
                 self._set_flags(b)
                 for dst in dsts:
                     self._isend(b, self.acc, self.flags, dst, final=self.rank == last)
@@ -686,8 +794,11 @@ class _GradReducer:
             w.wait()
         self._sends = []
         if self.rank < last:
-            for w in finals:
-                w.wait()
+            for b in self.send_order:
+                for w in finals[b]:
+                    w.wait()
+                if self.shared is not None:
+                    self._flat(self.final, b).copy_(self._flat(self.shared.bufs[self._par], b))
             final_info.wait()
             self.present = [bool(x) for x in self.final_flags.tolist()]
         views = self.views if self.rank == last else self.final_views
@@ -806,6 +917,8 @@ def worker_main(
             claims = _Claims(dist.PrefixStore(f"swiftlog-claims/{nonce[0]}", store if store is not None else dist.distributed_c10d._get_default_store()))
         reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.prefetch + 1, claims=claims,
                                claim_min_s=job.dynamic_share_min_s or 0.0)  # fmt: skip
+        if reducer.chained:  # the same on every worker: a collective
+            reducer.use_shared(_SharedChain.open(reducer.sizes, rank, job.shared_memory))
         hooks = ReplayHooks(
             select=reducer.select,
             claim=reducer.claim,
@@ -870,6 +983,7 @@ def worker_main(
                 "grad_error_bound": bound,
                 "workers": world,
                 "split": sorted(reducer.splits.items()),  # [iteration, micro-batches per worker]
+                "chain": None if not reducer.chained else "shared memory" if reducer.shared is not None else "gloo",
             }
             if result_path is not None:
                 tmp = f"{result_path}.partial-{os.getpid()}"
@@ -1011,7 +1125,7 @@ def run_parallel(
             doc = json.load(f)
     report = ReplayReport.from_dict(doc["report"])
     res = ReplayResult(job, report, {int(k): v for k, v in doc["outputs"].items()}, None, time.perf_counter() - t0,
-                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]))  # fmt: skip
+                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
     _log_outcome(res)
     return res
 

@@ -412,7 +412,7 @@ def _replay_with_helpers(
                       timeout=timeout, prepared=prepared)
     assert doc is not None  # rank 0 always returns the result
     return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
-                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]))  # fmt: skip
+                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
 
 
 def serve_replay_helper(

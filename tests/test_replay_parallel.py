@@ -10,6 +10,7 @@ torch.multiprocessing and, once, launched with torchrun.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from replay import (
 )
 from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import _Claims, _GradReducer, _Share, adamw_update_bound, balanced_counts, share_layout, slice_of
+from replay.parallel import SHM_DIR, _Claims, _GradReducer, _Share, adamw_update_bound, balanced_counts, share_layout, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -182,12 +183,15 @@ def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bi
     assert par.split[CKPT][0] + par.split[CKPT + 1][0] > 4, par.split  # the slow worker 1 sleeps 30 ms per forward
 
 
-@pytest.mark.parametrize(("workers", "run_name", "stage"), [(2, "gpipe_s3_run", 1), (3, "f1b_run", 3)])
-def test_exact_parallel_replay_is_bit_identical_to_sequential(workers, run_name, stage, request, tmp_path):
+@pytest.mark.parametrize(("workers", "run_name", "stage", "shm"), [(2, "gpipe_s3_run", 1, True), (3, "f1b_run", 3, True), (2, "f1b_run", 2, False)])
+def test_exact_parallel_replay_is_bit_identical_to_sequential(workers, run_name, stage, shm, request, tmp_path):
     run = request.getfixturevalue(run_name)
     seq = replay(_job(run, [stage], tmp_path / "seq"))
     seen = []
-    par = replay(_job(run, [stage], tmp_path / "par", workers=workers), on_progress=seen.append)
+    par = replay(_job(run, [stage], tmp_path / "par", workers=workers, shared_memory=shm), on_progress=seen.append)
+    # the running sums travel through /dev/shm when asked for and possible, else over gloo
+    assert par.chain == ("shared memory" if shm and os.access(SHM_DIR, os.W_OK) else "gloo")
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")] if os.path.isdir(SHM_DIR) else True
     a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []  # every byte, -0.0 included
     assert checkpoint_vs_live(b, run.results[stage]) == []
