@@ -315,3 +315,48 @@ def test_torchrun_launches_the_same_workers(f1b_run, tmp_path):
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["workers"] == 2 and res["report"]["verified"] and res["report"]["micro_batches"] == (ITERS - CKPT) * f1b_run.gpt.n_microbatches
     assert checkpoint_vs_live(load_checkpoint(res["outputs"]["2"]), f1b_run.results[2]) == []
+
+
+def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str) -> None:
+    """Spawned worker: open the shared chain with a partner; rank 1 may be made not to see the file
+    (as a worker on another host or in another IPC namespace would not)."""
+    import os as _os
+
+    from replay import parallel as par
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        if hide_file_on_rank1 and rank == 1:
+            real = _os.path.exists
+            _os.path.exists = lambda p: False if str(p).startswith(par.SHM_DIR + "/swiftlog-chain-") else real(p)  # type: ignore[assignment]
+        sizes = {torch.float32: 1000, torch.bfloat16: 17}
+        sc = par._SharedChain.open(sizes, rank)
+        got = {"mapped": sc is not None}
+        if sc is not None:  # one worker's writes are the other's reads, in both parity buffers
+            if rank == 0:
+                sc.bufs[0][torch.float32].fill_(3.5)
+                sc.bufs[1][torch.bfloat16].fill_(-2.0)
+            dist.barrier()
+            got["seen"] = [float(sc.bufs[0][torch.float32].sum()), float(sc.bufs[1][torch.bfloat16].sum())]
+            got["shapes"] = [sc.bufs[p][dt].numel() for p in (0, 1) for dt in sizes]
+        dist.barrier()
+        Path(out, f"{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_the_shared_chain_is_mapped_by_every_worker_or_by_none(hide, tmp_path):
+    """Both workers see the same memory through the file; when one cannot map it, neither uses it
+    (the sums then go over gloo), and the file is gone from /dev/shm either way."""
+    if not os.access(SHM_DIR, os.W_OK):
+        pytest.skip(f"no writable {SHM_DIR} on this machine")
+    before = {f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")}
+    torch.multiprocessing.start_processes(_open_shared_chain, args=(free_port(), hide, str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    if hide:
+        assert got == [{"mapped": False}, {"mapped": False}]
+    else:
+        assert all(g["mapped"] and g["seen"] == [3500.0, -34.0] and g["shapes"] == [1000, 17, 1000, 17] for g in got), got
+    assert {f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")} == before
