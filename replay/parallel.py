@@ -1024,9 +1024,9 @@ def _use_live_threads(reader: LogReader, stage: int, iteration: int) -> None:
     """``torch.set_num_threads`` to the live run's value (META ``env.num_threads`` of ``stage`` at
     ``iteration``), for the whole worker process. The replay runs each iteration with that count
     anyway; without this, work between and around iterations (buffer snapshots, the prefetch
-    thread's tensors) ran with one thread per core, and the OpenMP threads it started spun on
-    the cores the other workers compute on (about 0.1 s of CPU per worker in a 1.3 s replay of
-    the bench stage). Missing or unreadable META: left as is (the replay reports it)."""
+    thread's tensors) ran with one thread per core, and OpenMP's threads spin for a while after
+    each parallel region, on cores the other workers compute on. Missing or unreadable META:
+    left as is (the replay reports it)."""
     try:
         doc = reader.meta(stage, iteration) or {}
         live = doc.get("env", {}).get("num_threads")
