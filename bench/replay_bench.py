@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, default=1, help="the stage that is lost and replayed")
     p.add_argument("--ckpt", type=int, default=1, help="checkpoint iteration (the first iteration is a warm-up)")
     p.add_argument("--iters", type=int, default=8, help="iterations lost after the checkpoint (N)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved measurement rounds (the headline is their median ratio)")
     p.add_argument("--live-runs", type=int, default=2, help="live pipeline runs (the fastest is replayed and compared)")
     p.add_argument("--pair-rounds", type=int, default=3, help="calibration rounds: one sequential replay alone, then two at once")
     p.add_argument("--quiet-cores", type=float, default=0.3, help="before each measurement wait until others use at most this many cores")
