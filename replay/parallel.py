@@ -349,11 +349,12 @@ class _SharedChain:
             finally:
                 if fd >= 0:
                     os.close(fd)
-        where = [path, token]
-        dist.broadcast_object_list(where, src=0)
-        path, token = where
+        mine = path
         flat: torch.Tensor | None = None
         try:
+            where = [path, token]
+            dist.broadcast_object_list(where, src=0)
+            path, token = where
             if path is not None and os.path.exists(path):  # (from_file would create a missing one)
                 try:
                     flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -364,8 +365,8 @@ class _SharedChain:
             ok = torch.tensor([flat is not None], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every worker has mapped it (or failed) after this
         finally:
-            if rank == 0 and path is not None:
-                os.unlink(path)
+            if mine is not None:
+                os.unlink(mine)
         if not ok.item():
             if path is not None:
                 logger.info("parallel replay: not every worker could map the shared-memory chain; gradients go over gloo")
