@@ -50,6 +50,7 @@ def replay_command(
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,
     exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order")] = True,
     dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
+    shared_memory: Annotated[bool, typer.Option("--shared-memory/--no-shared-memory", help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)")] = True,
     target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
     model: Annotated[str, typer.Option("--model", help="stage factory module:function")] = "replay.examples:gpt_stage",
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
@@ -90,7 +91,7 @@ def replay_command(
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
         from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
 
-        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=DYNAMIC_SHARE_MIN_S if dynamic_share else None, model=model, model_args=parse_kv(model_arg, "--model-arg"),
+        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=DYNAMIC_SHARE_MIN_S if dynamic_share else None, shared_memory=shared_memory, model=model, model_args=parse_kv(model_arg, "--model-arg"),
                               loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
                               output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
         if commit_store:

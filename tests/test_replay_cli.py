@@ -34,10 +34,11 @@ def test_plan_only_then_replay_writes_a_verified_checkpoint(f1b_run, tmp_path):
 
 
 def test_parallel_replay_from_the_cli_json(f1b_run, tmp_path):
-    r = runner.invoke(app, _args(f1b_run, "-s", "2", "-o", str(tmp_path), "-w", "2", "--json"))
+    r = runner.invoke(app, _args(f1b_run, "-s", "2", "-o", str(tmp_path), "-w", "2", "--json", "--no-shared-memory"))
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["verified"] and doc["results"][0]["workers"] == 2 and doc["results"][0]["exact"]
+    assert doc["results"][0]["chain"] == "gloo"  # as asked (the default forms the sums in shared memory)
 
 
 def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path):
