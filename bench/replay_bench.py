@@ -211,7 +211,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         model_args = {"vocab": MODEL["vocab"], "hidden": MODEL["hidden"], "heads": MODEL["heads"], "layers_per_stage": MODEL["layers"],
                       "seq": MODEL["seq"], "micro_batch_size": MODEL["micro_batch_size"], "n_microbatches": MODEL["n_microbatches"],
                       "dropout": MODEL["dropout"]}  # fmt: skip
-        (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args, prefetch=2)
+        (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args)  # prefetch: the default
         kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share_min_s=None),
                  "k2_gloo": job.replace(workers=2, exact=True, shared_memory=False), "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
         chains: dict[str, str | None] = {}  # how each exact kind's running sums travelled

@@ -56,7 +56,7 @@ def replay_command(
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
     loss: Annotated[str, typer.Option("--loss", help="loss function module:attr")] = "trainer_client.examples.gpt:loss_fn",
     data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function, for runs that did not log inputs/targets")] = None,
-    prefetch: Annotated[int, typer.Option("--prefetch", min=0, help="iterations fetched ahead")] = 2,
+    prefetch: Annotated[int | None, typer.Option("--prefetch", min=0, help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)", show_default=False)] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,
     device: Annotated[str | None, typer.Option("--device", help="replay on this torch device, e.g. cuda (default: where --model builds the stage; one worker only)")] = None,
     bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch rate for the estimate (MB/s)")] = None,

@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "replay.examples:gpt_stage"
 DEFAULT_LOSS = "trainer_client.examples.gpt:loss_fn"
+#: iterations a replay fetches ahead by default (ReplayJob.prefetch None)
+DEFAULT_PREFETCH = 2
 #: ReplayJob.dynamic_share_min_s's default: below 20 ms a micro-batch is not worth a claim
 DYNAMIC_SHARE_MIN_S = 0.02
 
@@ -211,7 +213,9 @@ class ReplayJob:
     running sums in one shared-memory file (only small "ready" flags go over gloo); False, or
     workers that cannot all map the file: the sums themselves go over gloo.
     verify / compare_logged: see ``replay.core.replay_stages``. prefetch: iterations fetched
-    ahead by a background thread (default 2). n_microbatches / scale_grads: overrides when META
+    ahead by a background thread; None (default): ``DEFAULT_PREFETCH`` (2), except parallel
+    workers that leave no core of the host spare and read only local sources, which fetch each
+    record when they need it (``replay.parallel.worker_prefetch``). n_microbatches / scale_grads: overrides when META
     is missing. output / output_options: where to write the recovered checkpoints (None: not
     written). threads: torch intra-op threads for workers (default: the live value from META).
     progress_every_s: INFO log period. dump_gradients: directory where parallel replay writes
@@ -237,7 +241,7 @@ class ReplayJob:
     shared_memory: bool = True
     verify: bool = True
     compare_logged: bool = False
-    prefetch: int = 2
+    prefetch: int | None = None
     n_microbatches: int | None = None
     scale_grads: bool | None = None
     output: str | None = None
@@ -265,7 +269,7 @@ class ReplayJob:
             raise ValueError("a replay needs at least one record source")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.prefetch < 0:
+        if self.prefetch is not None and self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if self.stop_iteration < 0:
             raise ValueError(f"stop_iteration must be >= 0, got {self.stop_iteration}")
@@ -289,6 +293,11 @@ class ReplayJob:
 
     def replace(self, **changes: Any) -> ReplayJob:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def fetch_ahead(self) -> int:
+        """``prefetch``, or its default when None."""
+        return DEFAULT_PREFETCH if self.prefetch is None else self.prefetch
 
 
 def jobs_from_plan(plan: Any, *, sources: Sequence[SourceSpec | LogStore] | None = None, **fields: Any) -> list[ReplayJob]:
@@ -629,7 +638,7 @@ def replay(
             report = replay_stages(
                 states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
                 n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
-                prefetch=job.prefetch, on_iteration=_Progress(job, start, on_progress),
+                prefetch=job.fetch_ahead, on_iteration=_Progress(job, start, on_progress),
             )  # fmt: skip
         cpu = time.process_time() - cpu0
         outputs = write_outputs(job, states, report)

@@ -188,7 +188,8 @@ def test_exact_parallel_replay_is_bit_identical_to_sequential(workers, run_name,
     run = request.getfixturevalue(run_name)
     seq = replay(_job(run, [stage], tmp_path / "seq"))
     seen = []
-    par = replay(_job(run, [stage], tmp_path / "par", workers=workers, shared_memory=shm), on_progress=seen.append)
+    # the gloo case also fetches ahead in a thread whatever the host's cores (the default may not here)
+    par = replay(_job(run, [stage], tmp_path / "par", workers=workers, shared_memory=shm, prefetch=None if shm else 2), on_progress=seen.append)
     # the running sums travel through /dev/shm when asked for and possible, else over gloo
     assert par.chain == ("shared memory" if shm and os.access(SHM_DIR, os.W_OK) else "gloo")
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")] if os.path.isdir(SHM_DIR) else True
@@ -360,3 +361,19 @@ def test_the_shared_chain_is_mapped_by_every_worker_or_by_none(hide, tmp_path):
     else:
         assert all(g["mapped"] and g["seen"] == [3500.0, -34.0] and g["shapes"] == [1000, 17, 1000, 17] for g in got), got
     assert {f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")} == before
+
+
+def test_workers_fetch_ahead_only_with_a_spare_core_or_a_remote_source(f1b_run, tmp_path):
+    """No prefetch thread when the workers fill every core and read only this host's files (it would
+    only compete for the GIL); with a core to spare, or a source behind a network, it stays."""
+    from replay.engine import SourceSpec
+    from replay.parallel import worker_prefetch
+
+    local = _job(f1b_run, [1], tmp_path, sources=[SourceSpec(kind="store", location="/n0", cold_url="file:///c"), SourceSpec(kind="cold", location="file:///c")])
+    assert local.prefetch is None and local.fetch_ahead == 2  # the default decides per host
+    assert worker_prefetch(local, 2, cores=2) == 0 and worker_prefetch(local, 3, cores=2) == 0
+    assert worker_prefetch(local, 2, cores=16) == 2
+    assert worker_prefetch(local.replace(prefetch=3), 2, cores=2) == 3 and worker_prefetch(local.replace(prefetch=0), 2, cores=16) == 0  # as asked
+    for remote in (SourceSpec(kind="http", location="http://127.0.0.1:1"), SourceSpec(kind="cold", location="s3://b/p"),
+                   SourceSpec(kind="store", location="/n1", cold_url="s3://b/p")):
+        assert worker_prefetch(local.replace(sources=[*local.sources, remote]), 2, cores=2) == 2
