@@ -206,7 +206,7 @@ class ReplayJob:
     them in any order (faster on many workers, within the bound in ``replay.parallel``).
     dynamic_share_min_s: parallel workers claim part of an iteration's micro-batches as they go, so
     a worker slowed down in that iteration hands micro-batches to its partner, when a micro-batch
-    took at least this many seconds (measured ``prefetch + 1`` iterations before; smaller ones do
+    took at least this many seconds (measured ``fetch_ahead + 1`` iterations before; smaller ones do
     not pay for the claims) or nothing was measured yet (the first iterations); 0: in every
     iteration; None: never (every share is fixed before the iteration from the measured speeds).
     shared_memory: exact parallel replay whose workers share a host forms the gradient chain's

@@ -314,43 +314,50 @@ class _SharedChain:
     ALIGN = 64
 
     def __init__(self, flat: torch.Tensor, sizes: dict[torch.dtype, int]) -> None:
-        self.bufs: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]
-        off = self.ALIGN
-        for parity in (0, 1):
-            for dt, n in sizes.items():
-                nbytes = n * torch.empty((), dtype=dt).element_size()
-                self.bufs[parity][dt] = flat[off : off + nbytes].view(dt)
-                off += -(-nbytes // self.ALIGN) * self.ALIGN
-
-    @staticmethod
-    def nbytes(sizes: dict[torch.dtype, int]) -> int:
-        per = sum(-(-n * torch.empty((), dtype=dt).element_size() // _SharedChain.ALIGN) * _SharedChain.ALIGN for dt, n in sizes.items())
-        return _SharedChain.ALIGN + 2 * per
+        offsets, _ = self._layout(sizes)
+        self.bufs = [{dt: flat[off : off + sizes[dt] * dt.itemsize].view(dt) for dt, off in offs.items()} for offs in offsets]
 
     @classmethod
-    def open(cls, sizes: dict[torch.dtype, int], rank: int, wanted: bool = True) -> _SharedChain | None:
+    def _layout(cls, sizes: dict[torch.dtype, int]) -> tuple[list[dict[torch.dtype, int]], int]:
+        """Byte offset of each parity's buffer of each dtype (after the token), and the file's size."""
+        offsets: list[dict[torch.dtype, int]] = [{}, {}]
+        off = cls.ALIGN
+        for parity in (0, 1):
+            for dt, n in sizes.items():
+                offsets[parity][dt] = off
+                off += -(-n * dt.itemsize // cls.ALIGN) * cls.ALIGN
+        return offsets, off
+
+    @staticmethod
+    def create(directory: str, size: int, token: bytes) -> str | None:
+        """A new file of ``size`` bytes in ``directory`` (space reserved, so a full tmpfs fails here
+        and not later as SIGBUS) starting with ``token``; its path, or None when that is not possible."""
+        if not hasattr(os, "posix_fallocate"):
+            return None
+        fd, path = -1, None
+        try:
+            fd, path = tempfile.mkstemp(prefix="swiftlog-chain-", dir=directory)
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, token, 0)
+            return path
+        except OSError as e:
+            logger.info("parallel replay: no shared-memory chain (%s); gradients go over gloo", e)
+            if path is not None:
+                os.unlink(path)
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @classmethod
+    def open(cls, sizes: dict[torch.dtype, int], rank: int, wanted: bool = True, directory: str = SHM_DIR) -> _SharedChain | None:
         """Collective (every worker calls it after the process group is up, with worker 0's
-        ``wanted`` deciding): the shared buffers, or None (gloo carries the gradients) when not
-        ``wanted``, when worker 0 cannot make the file (no ``/dev/shm``, no room: the space is
-        reserved up front, so a full tmpfs fails here and not later as SIGBUS) or when any
-        worker cannot map it."""
-        size = cls.nbytes(sizes)
+        ``wanted`` and ``directory`` deciding): the shared buffers, or None (gloo carries the
+        gradients) when not ``wanted``, when worker 0 cannot make the file (:meth:`create`: no
+        ``/dev/shm``, no room) or when any worker cannot map it."""
+        _, size = cls._layout(sizes)
         token = uuid.uuid4().bytes
-        path: str | None = None
-        if rank == 0 and wanted and hasattr(os, "posix_fallocate"):
-            fd = -1
-            try:
-                fd, path = tempfile.mkstemp(prefix="swiftlog-chain-", dir=SHM_DIR)
-                os.posix_fallocate(fd, 0, size)
-                os.pwrite(fd, token, 0)
-            except OSError as e:
-                logger.info("parallel replay: no shared-memory chain (%s); gradients go over gloo", e)
-                if path is not None:
-                    os.unlink(path)
-                path = None
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+        path = cls.create(directory, size, token) if rank == 0 and wanted else None
         mine = path
         flat: torch.Tensor | None = None
         try:
@@ -458,6 +465,11 @@ class _GradReducer:
         self._shared_views = [[self._view(shared.bufs[parity], i) for i in range(len(self.params))] for parity in (0, 1)]
         if self.rank < self.world - 1:  # only the last worker keeps a private copy of the sums (its step divides them in place)
             self.acc, self.views = {}, []
+
+    def _copy_total(self, dst: dict[torch.dtype, torch.Tensor], b: int) -> None:
+        """Bucket ``b`` of this iteration's shared total into ``dst``, a buffer of this worker's own."""
+        assert self.shared is not None
+        self._flat(dst, b).copy_(self._flat(self.shared.bufs[self._par], b))
 
     def _chain_views(self) -> list[torch.Tensor]:
         """Where the running sum of this iteration is formed: the shared buffer of its parity, or acc."""
@@ -794,7 +806,7 @@ class _GradReducer:
                 for _, grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
                     self._accumulate(r, grads, sums)
                 if self.shared is not None and self.rank == last:  # the step divides in place: a copy of its own
-                    self._flat(self.acc, b).copy_(self._flat(self.shared.bufs[self._par], b))
+                    self._copy_total(self.acc, b)
                 self._set_flags(b)
                 for dst in dsts:
                     self._isend(b, self.acc, self.flags, dst, final=self.rank == last)
@@ -813,7 +825,7 @@ class _GradReducer:
                 for w in finals[b]:
                     w.wait()
                 if self.shared is not None:
-                    self._flat(self.final, b).copy_(self._flat(self.shared.bufs[self._par], b))
+                    self._copy_total(self.final, b)
             final_info.wait()
             self.present = [bool(x) for x in self.final_flags.tolist()]
         views = self.views if self.rank == last else self.final_views

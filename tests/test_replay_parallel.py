@@ -32,7 +32,7 @@ from replay import (
 )
 from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import SHM_DIR, _Claims, _GradReducer, _Share, adamw_update_bound, balanced_counts, share_layout, slice_of
+from replay.parallel import SHM_DIR, _Claims, _GradReducer, _Share, _SharedChain, adamw_update_bound, balanced_counts, share_layout, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -184,21 +184,11 @@ def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bi
 
 
 def _shm_usable() -> bool:
-    """Whether this host can hold a shared chain: a file in /dev/shm with space reserved."""
-    import tempfile
-
-    try:
-        fd, path = tempfile.mkstemp(prefix="swiftlog-probe-", dir=SHM_DIR)
-    except OSError:
-        return False
-    try:
-        os.posix_fallocate(fd, 0, 1 << 16)
-        return True
-    except (OSError, AttributeError):
-        return False
-    finally:
-        os.close(fd)
+    """Whether this host's /dev/shm can hold a shared chain (worker 0's own test of it)."""
+    path = _SharedChain.create(SHM_DIR, 1 << 16, b"probe")
+    if path is not None:
         os.unlink(path)
+    return path is not None
 
 
 @pytest.mark.parametrize(("workers", "run_name", "stage", "shm"), [(2, "gpipe_s3_run", 1, True), (3, "f1b_run", 3, True), (2, "f1b_run", 2, False)])
@@ -336,7 +326,7 @@ def test_torchrun_launches_the_same_workers(f1b_run, tmp_path):
     assert checkpoint_vs_live(load_checkpoint(res["outputs"]["2"]), f1b_run.results[2]) == []
 
 
-def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str) -> None:
+def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str, directory: str) -> None:
     """Spawned worker: open the shared chain with a partner; rank 1 may be made not to see the file
     (as a worker on another host or in another IPC namespace would not)."""
     import os as _os
@@ -348,9 +338,9 @@ def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str)
     try:
         if hide_file_on_rank1 and rank == 1:
             real = _os.path.exists
-            _os.path.exists = lambda p: False if str(p).startswith(par.SHM_DIR + "/swiftlog-chain-") else real(p)  # type: ignore[assignment]
+            _os.path.exists = lambda p: False if str(p).startswith(_os.path.join(directory, "swiftlog-chain-")) else real(p)  # type: ignore[assignment]
         sizes = {torch.float32: 1000, torch.bfloat16: 17}
-        sc = par._SharedChain.open(sizes, rank)
+        sc = par._SharedChain.open(sizes, rank, directory=directory)
         got = {"mapped": sc is not None}
         if sc is not None:  # one worker's writes are the other's reads, in both parity buffers
             if rank == 0:
@@ -368,17 +358,17 @@ def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str)
 @pytest.mark.parametrize("hide", [False, True])
 def test_the_shared_chain_is_mapped_by_every_worker_or_by_none(hide, tmp_path):
     """Both workers see the same memory through the file; when one cannot map it, neither uses it
-    (the sums then go over gloo), and the file is gone from /dev/shm either way."""
-    if not _shm_usable():
-        pytest.skip(f"no usable {SHM_DIR} on this machine (the workers fall back to gloo)")
-    before = {f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")}
-    torch.multiprocessing.start_processes(_open_shared_chain, args=(free_port(), hide, str(tmp_path)), nprocs=2, start_method="spawn")
+    (the sums then go over gloo), and the file is gone either way. The file lives in a directory
+    of the test's own (the mechanism is the same as in /dev/shm, which a host may lack)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    torch.multiprocessing.start_processes(_open_shared_chain, args=(free_port(), hide, str(tmp_path), str(shm)), nprocs=2, start_method="spawn")
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     if hide:
         assert got == [{"mapped": False}, {"mapped": False}]
     else:
         assert all(g["mapped"] and g["seen"] == [3500.0, -34.0] and g["shapes"] == [1000, 17, 1000, 17] for g in got), got
-    assert {f for f in os.listdir(SHM_DIR) if f.startswith("swiftlog-chain-")} == before
+    assert list(shm.iterdir()) == []
 
 
 def test_workers_fetch_ahead_only_with_a_spare_core_or_a_remote_source(f1b_run, tmp_path):
