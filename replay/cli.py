@@ -54,7 +54,7 @@ def replay_command(
     target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
     model: Annotated[str, typer.Option("--model", help="stage factory module:function")] = "replay.examples:gpt_stage",
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
-    loss: Annotated[str, typer.Option("--loss", help="loss function module:attr")] = "trainer_client.examples.gpt:loss_fn",
+    loss: Annotated[str | None, typer.Option("--loss", help="loss function module:attr (default: the live schedule's, as META names it)")] = None,
     data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function, for runs that did not log inputs/targets")] = None,
     prefetch: Annotated[int | None, typer.Option("--prefetch", min=0, help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)", show_default=False)] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,

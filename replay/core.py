@@ -56,6 +56,7 @@ record); consumes RNG outside the seeded forwards (the prefetch thread only deco
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -93,6 +94,7 @@ __all__ = [
     "replay_stage",
     "needed_channels",
     "replay_device",
+    "load_object",
 ]
 
 logger = logging.getLogger(__name__)
@@ -396,7 +398,8 @@ def replay_stages(
         stop_iteration: first iteration not replayed (e.g. the survivors' current iteration).
         start_iteration: default: the stages' checkpoint iteration (they must agree).
         run_seed: default: the checkpoint's seed.
-        loss_fn: the live loss function (required when the last stage is replayed).
+        loss_fn: the live loss function, used when the last stage is replayed (default: the one
+            its META names, :func:`logged_loss`).
         data_source: deterministic ``iteration -> (inputs, target)``; used for stage-0 inputs and
             last-stage targets instead of the logged ones (required if they were not logged).
         n_microbatches / scale_grads: default: from each iteration's META record (required when
@@ -423,8 +426,6 @@ def replay_stages(
     if idx != list(range(idx[0], idx[0] + len(idx))) or idx[-1] >= num_stages:
         raise ReplayError(f"stages must be consecutive, ascending and < num_stages={num_stages}, got {idx}")
     last = idx[-1]
-    if last == num_stages - 1 and loss_fn is None:
-        raise ReplayError(f"replaying the last stage ({last}) needs loss_fn")
     ckpts = [s.checkpoint for s in states if s.checkpoint is not None]
     if start_iteration is None:
         its = {c.iteration for c in ckpts}
@@ -438,6 +439,8 @@ def replay_stages(
         run_seed = seeds.pop()
     if stop_iteration < start_iteration:
         raise ReplayError(f"stop_iteration {stop_iteration} < start_iteration {start_iteration}")
+    if last == num_stages - 1 and loss_fn is None:
+        loss_fn = logged_loss(reader, last, start_iteration)
     report = ReplayReport(idx, start_iteration, stop_iteration)
     fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
     ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks,
@@ -808,6 +811,48 @@ def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.de
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise ReplayError(f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} parameters ({e})") from e
     torch.nn.utils.clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))
+
+
+def load_object(spec: str) -> Any:
+    """The attribute named by ``"package.module:attr"``; ValueError if it cannot be found."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"{spec!r} is not 'module:attribute'")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {mod_name!r} (from {spec!r}): {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., torch.Tensor]:
+    """The loss function the live schedule of ``stage`` (the last one) used, imported by the name
+    its META of ``iteration`` records (without that META, the one the stage before it names: every
+    stage's schedule gets a loss function, and the verified sends show a wrong one). Raises ReplayError saying what to pass instead when META
+    names none (the live ``loss_fn`` was a lambda, a callable instance, a function of a script run
+    by path; or the record predates the field) or the name does not import here."""
+    doc = reader.meta(stage, iteration)
+    if doc is None and stage > 0:  # its own META is gone (an offline replay): every stage's schedule got a loss_fn, normally the same one
+        doc = reader.meta(stage - 1, iteration)
+        if doc is not None and doc.get("loss"):
+            logger.warning("stage %d's META of iteration %d is missing: replaying with stage %d's loss function %s", stage, iteration, stage - 1, doc["loss"])
+    name = doc.get("loss") if doc is not None else None
+    if not name:
+        what = f"the live schedule's loss_fn ({doc['loss_repr']}) has no importable name" if doc is not None and doc.get("loss_repr") else \
+            f"stage {stage}'s META of iteration {iteration} does not name the live loss function"  # fmt: skip
+        raise ReplayError(f"replaying the last stage ({stage}) needs its loss function: {what}",
+                          hint="pass it: swiftlog replay --loss module:attr, ReplayJob(loss=...) or loss_fn=... "
+                               "(or give the schedule a module-level function, which META names)")  # fmt: skip
+    try:
+        return load_object(str(name))
+    except ValueError as e:
+        raise ReplayError(f"replaying the last stage ({stage}): the live loss function {name!r} (named by META) does not import here: {e}",
+                          hint="make its module importable (PYTHONPATH) or pass the function: --loss module:attr") from e  # fmt: skip
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from replay.core import (
     ReplayError,
     ReplayReport,
     StageState,
+    load_object,
     locate_logs,
     replay_stages,
 )
@@ -71,13 +72,11 @@ __all__ = [
     "write_outputs",
     "checkpoint_of",
     "DEFAULT_MODEL",
-    "DEFAULT_LOSS",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "replay.examples:gpt_stage"
-DEFAULT_LOSS = "trainer_client.examples.gpt:loss_fn"
 #: iterations a replay fetches ahead by default (ReplayJob.prefetch None)
 DEFAULT_PREFETCH = 2
 #: ReplayJob.dynamic_share_min_s's default: below 20 ms a micro-batch is not worth a claim
@@ -198,8 +197,8 @@ class ReplayJob:
     stop_iteration: first iteration not replayed. checkpoints: stage -> checkpoint URI (all at
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
-    :data:`StageFactory`). loss: ``"module:attr"`` of the loss function (needed when the last
-    stage is replayed). data_source: ``"module:function"`` called as ``fn(seed, **model_args)``
+    :data:`StageFactory`). loss: ``"module:attr"`` of the loss function for a replay of the
+    last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source: ``"module:function"`` called as ``fn(seed, **model_args)``
     for runs that did not log stage-0 inputs / targets; None = logged.
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
     reduces gradients in the live order (bit-identical to sequential; default True); False sums
@@ -233,7 +232,7 @@ class ReplayJob:
     checkpoint_options: dict[str, Any] = field(default_factory=dict)
     model: str = DEFAULT_MODEL
     model_args: dict[str, Any] = field(default_factory=dict)
-    loss: str | None = DEFAULT_LOSS
+    loss: str | None = None
     data_source: str | None = None
     workers: int = 1
     exact: bool = True
@@ -325,23 +324,6 @@ def jobs_from_plan(plan: Any, *, sources: Sequence[SourceSpec | LogStore] | None
 
 
 # ====================================================================== building the stages
-def load_object(spec: str) -> Any:
-    """The attribute named by ``"package.module:attr"``; ValueError if it cannot be found."""
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(f"{spec!r} is not 'module:attribute'")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {mod_name!r} (from {spec!r}): {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
-    return obj
-
-
 def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: PreparedStates | None = None) -> list[StageState]:
     """Load every stage's checkpoint into fresh objects from the factory (no aliasing).
 

@@ -204,6 +204,8 @@ def recover_stage(
     model: str = "replay.examples:gpt_stage",
     model_args: dict[str, Any] | None = None,
     data_source: str | None = None,
+    loss: str | None = None,
+    loss_fn: Callable[..., Any] | None = None,
     n_microbatches: int | None = None,
     threads: int | None = 1,
     workers: int = 1,
@@ -231,7 +233,9 @@ def recover_stage(
     many helper processes the scheduler started for this replacement (:func:`serve_replay_helper`,
     ranks 1..helpers); they are always told the outcome (the job, or a cancellation when the
     replay is not needed or impossible), so none waits in vain. When the helpers fail (one dies,
-    the rendezvous times out) the replacement replays alone instead.
+    the rendezvous times out) the replacement replays alone instead. ``loss`` (``"module:attr"``)
+    or ``loss_fn`` (picklable when ``workers`` > 1 without helpers): the loss function for a
+    replay of the last stage; default: the one the live schedule used, as its META names it.
     """
     keys = RecoveryKeys(run_id, commit_prefix)
     members = sorted(set(group or [stage]) | {stage})
@@ -293,8 +297,8 @@ def recover_stage(
         t_ck = time.monotonic()
         job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
                         sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
-                        data_source=data_source, workers=workers, n_microbatches=n_microbatches, scale_grads=True if n_microbatches else None,
-                        threads=threads)  # fmt: skip
+                        data_source=data_source, loss=loss, workers=workers, n_microbatches=n_microbatches,
+                        scale_grads=True if n_microbatches else None, threads=threads)  # fmt: skip
         if ck_it == resume:  # nothing to replay: the checkpoint is the state
             mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
             return RecoveredStage(mine.module, mine.optimizer, mine.lr_scheduler, resume, ck_it, ck_uri, True, 0, 0, 0,
@@ -308,13 +312,14 @@ def recover_stage(
             res = None
             if helpers > 0:
                 try:
-                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout, prepared)
+                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout, prepared,
+                                               loss_fn)  # fmt: skip
                 except (ReplayError, CheckpointError):
                     raise
                 except Exception as e:  # a helper died or never came: the replacement can still replay alone
                     logger.warning("stage %d: replay with %d helper(s) failed (%s: %s); replaying alone", stage, helpers, type(e).__name__, e)
             if res is None:
-                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, sources=opened, prepared=prepared)
+                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(
                 f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"
@@ -399,6 +404,7 @@ def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
 def _replay_with_helpers(
     store: dist.Store, keys: RecoveryKeys, generation: int, stage: int, job: ReplayJob, helpers: int,
     sources: Sequence[Any], factory: Callable[..., Any] | None, timeout: datetime.timedelta, prepared: PreparedStates | None = None,
+    loss_fn: Callable[..., Any] | None = None,
 ) -> ReplayResult:  # fmt: skip
     """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
     from replay.parallel import worker_main
@@ -408,7 +414,7 @@ def _replay_with_helpers(
     prefix = keys.replay_rendezvous(generation, stage)
     store.set(keys.replay_job(generation, stage), json.dumps({"job": job.to_dict(), "world": world, "prefix": prefix}))
     t0 = time.perf_counter()
-    doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, keep_states=True,
+    doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, loss_fn=loss_fn, keep_states=True,
                       timeout=timeout, prepared=prepared)
     assert doc is not None  # rank 0 always returns the result
     return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
@@ -423,6 +429,7 @@ def serve_replay_helper(
     rank: int,
     *,
     factory: Callable[..., Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
     timeout: datetime.timedelta = datetime.timedelta(seconds=120),
     commit_prefix: str | None = None,
     prepared: PreparedStates | None = None,
@@ -435,6 +442,7 @@ def serve_replay_helper(
     cancelled (no replay needed, impossible, or fewer helpers wanted). Raises
     RecoveryTimeoutError when no job comes, and what the replay raises. ``prepared``: the stage
     objects built ahead while the job is awaited (:func:`prepare_states`; used when they match).
+    ``factory`` / ``loss_fn``: in-process objects instead of the job's names (as the replacement's).
     """
     from replay.parallel import worker_main
 
@@ -449,7 +457,7 @@ def serve_replay_helper(
         logger.info("replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}"))
         return False
     worker_main(rank, int(doc["world"]), ReplayJob.from_dict(doc["job"]), store=dist.PrefixStore(doc["prefix"], store), factory=factory,
-                timeout=timeout, prepared=prepared)
+                loss_fn=loss_fn, timeout=timeout, prepared=prepared)
     return True
 
 

@@ -40,6 +40,7 @@ from trainer_client import (
 from trainer_client.commit import stored_metas
 from trainer_client.config import group_starts
 from trainer_client.digest import digest_from_record, digest_record
+from trainer_client.meta import importable_name
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 
@@ -525,16 +526,18 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
                      step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None], *,
-                     schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
+                     schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
+                     replay_loss: Callable[..., torch.Tensor] | None = _mse) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
     """Train ``_Masked`` as a one-stage pipeline for 4 iterations (checkpoint at 1; ``step(client, module,
     optimizer, it, generator)`` runs the schedule step and whatever goes before the commit), then replay it from the
-    checkpoint on a fresh module. Returns (live module, live optimizer, logs, replayed module, its
+    checkpoint on a fresh module. ``loss_fn``: the schedule's; ``replay_loss``: the replay's (None:
+    the one META names). Returns (live module, live optimizer, logs, replayed module, its
     optimizer, replay report)."""
     client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
     mod = _Masked()
     opt = make_opt(mod)
     stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
-    client.schedule(stage, schedule, n_microbatches=2, loss_fn=_mse)
+    client.schedule(stage, schedule, n_microbatches=2, loss_fn=loss_fn)
     for it in range(4):
         if it == 1:
             uri = client.checkpoint(1, mod, opt)
@@ -546,7 +549,7 @@ def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.M
     logs = LogStore.open(tmp_path / "store", run_id)
     fresh = _Masked()
     fopt = make_opt(fresh)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=replay_loss)
     return mod, opt, logs, fresh, fopt, rep
 
 
@@ -797,3 +800,39 @@ def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tm
         _single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
     meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
     assert meta["lrs"] == [0.05]
+
+
+def _plain_step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+
+
+class _Huber(torch.nn.Module):
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.huber_loss(out, target)
+
+
+def test_importable_name_names_only_what_another_process_can_import():
+    """META names the schedule's loss function only when the name imports back to the same object."""
+    assert importable_name(_mse) == f"{_mse.__module__}:_mse"
+    assert importable_name(torch.nn.functional.mse_loss) == "torch.nn.functional:mse_loss"
+    assert importable_name(_Huber.forward) == f"{_Huber.__module__}:_Huber.forward"
+    for unnamed in (lambda o, t: _mse(o, t), _Huber(), __import__("functools").partial(_mse), _Huber().forward, print.__self__):
+        assert importable_name(unnamed) is None, unnamed
+
+
+def test_a_replay_of_the_last_stage_imports_the_loss_function_meta_names(tmp_path, single_rank_group):
+    """No loss function given: the replay uses the live schedule's, by the name META recorded."""
+    mod, _, logs, fresh, _, rep = _single_rank_run(tmp_path, "named", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, replay_loss=None)
+    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    assert meta["loss"] == f"{_mse.__module__}:_mse"
+    assert rep.ok and _same_state(mod, fresh)  # (one stage: no sends to verify; the state is the check)
+
+
+def test_a_loss_function_meta_cannot_name_must_be_passed_to_the_replay(tmp_path, single_rank_group):
+    """A callable instance has no importable name: META says what it was, and the replay asks for it
+    instead of replaying with some other loss."""
+    with pytest.raises(ReplayError, match=r"replaying the last stage \(0\) needs its loss function: the live schedule's loss_fn \(_Huber\(\)\) has no importable name") as e:
+        _single_rank_run(tmp_path, "unnamed", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, loss_fn=_Huber(), replay_loss=None)
+    assert "--loss module:attr" in (e.value.hint or "")
+    meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "unnamed").get(RecordKey(Channel.meta(0), 2, 0)))
+    assert meta["loss"] is None and meta["loss_repr"] == "_Huber()"

@@ -35,7 +35,7 @@ from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
-from trainer_client.meta import META_VERSION, decode_meta, encode_meta
+from trainer_client.meta import META_VERSION, decode_meta, encode_meta, importable_name
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter, Fault
 
@@ -233,7 +233,9 @@ class SwiftlogClient:
         """Build a GPipe or 1F1B schedule over ``stage`` whose loss function also logs targets.
 
         ``loss_fn`` must be given on every stage (torch runs no backward on a rank whose schedule
-        has no loss_fn). Raises UnsupportedScheduleError for any other schedule: their split
+        has no loss_fn). META names it when it can be imported by name (a module-level function),
+        so a replay of the last stage uses it without being told; any other callable (a lambda,
+        an ``nn.CrossEntropyLoss()`` instance) must be named to the replay (``--loss module:attr``). Raises UnsupportedScheduleError for any other schedule: their split
         backward (F/I/W) or multi-stage execution is not captured exactly.
         """
         if not isinstance(stage, LoggingPipelineStage) or stage.recorder is not self.recorder:
@@ -264,6 +266,8 @@ class SwiftlogClient:
             "n_microbatches": n_microbatches,
             "scale_grads": scale_grads,
             "grad_scale_factor": n_microbatches if scale_grads else 1,
+            "loss": importable_name(loss_fn),  # a replay of the last stage imports it (unless given another)
+            "loss_repr": repr(loss_fn)[:200],
         }
         return self._schedule
 

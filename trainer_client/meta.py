@@ -17,17 +17,20 @@ given to ``checkpoint``; null before any), ``autocast`` (the
 ``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
 "cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
 iteration: not replayable), ``logging_groups``,
-``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``.
+``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``, ``loss`` (the schedule's
+``loss_fn`` as ``"module:qualname"`` when another process can import it by that name, else null;
+absent in older records) and ``loss_repr`` (what it was, for the error that asks for it).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["META_VERSION", "encode_meta", "decode_meta"]
+__all__ = ["META_VERSION", "encode_meta", "decode_meta", "importable_name"]
 
 META_VERSION = 1
 
@@ -41,3 +44,25 @@ def encode_meta(doc: dict[str, Any]) -> torch.Tensor:
 def decode_meta(t: torch.Tensor) -> dict[str, Any]:
     """Inverse of :func:`encode_meta`."""
     return json.loads(bytes(t.numpy().tobytes()).decode())
+
+
+def importable_name(obj: Any) -> str | None:
+    """``"module:qualname"`` under which another process can import ``obj`` again, or None when it
+    has no such name: a lambda, a closure, a ``functools.partial``, a callable instance (e.g. an
+    ``nn.CrossEntropyLoss()``), or a function of a script run by path (``python train.py``; one run as
+    ``python -m package.module`` is named by its module). Never imports anything: the name is checked
+    against the modules already loaded, so it resolves to ``obj`` itself."""
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(mod, str) or not isinstance(qual, str) or "<" in qual:
+        return None
+    module = sys.modules.get(mod)
+    name = mod
+    if mod in ("__main__", "__mp_main__"):
+        spec = getattr(module, "__spec__", None)
+        name = getattr(spec, "name", None) or ""
+        if not name or name in ("__main__", "__mp_main__"):
+            return None
+    found: Any = module
+    for part in qual.split("."):
+        found = getattr(found, part, None)
+    return f"{name}:{qual}" if found is obj else None
