@@ -29,7 +29,6 @@ store; writes an output when the replay raised.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import threading
 import time
