@@ -44,11 +44,13 @@ __all__ = [
 
 
 class SwiftlogError(Exception):
-    """Base class. ``retryable`` says whether repeating the same call may succeed."""
+    """Base class. ``retryable`` says whether repeating the same call may succeed; ``message`` is
+    the text without the hint (``str(e)`` has both)."""
 
     retryable: bool = False
 
     def __init__(self, message: str, *, hint: str | None = None, **context: Any) -> None:
+        self.message = message
         self.hint = hint
         self.context = context
         full = message if hint is None else f"{message} (hint: {hint})"

@@ -55,6 +55,7 @@ from trainer_client.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from trainer_client.errors import CheckpointError
 
 __all__ = [
     "SourceSpec",
@@ -348,7 +349,12 @@ def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mappin
         module, optimizer, sched = fac(k, num_stages, ck, **model_args)
         if device is not None:
             module.to(device)  # in place: the optimizer keeps the same parameter objects (its state is still empty)
-        states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
+        try:
+            states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
+        except CheckpointError as e:
+            by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
+            raise ReplayError(f"stage {k}: {e.message}", hint=f"{by} must build the stage the training built: pass yours "
+                                                      "(swiftlog replay --model module:function, with --model-arg KEY=VALUE for its arguments)") from None  # fmt: skip
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:
         raise ReplayError(f"checkpoints of stages {list(stages)} are at different iterations {sorted(its)}; a group restarts from one")

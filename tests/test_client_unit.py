@@ -413,6 +413,13 @@ def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     assert "could not write checkpoint" in str(ei.value) and ei.value.__cause__ is not None
     with pytest.raises(CheckpointError):
         load_checkpoint(str(tmp_path / "missing.pt"))
+    # loaded into objects it does not fit: an error naming the checkpoint and what does not fit
+    with pytest.raises(CheckpointError, match=r"(?s)checkpoint file://\S+s0.pt of stage 0 \(iteration 1\) does not fit the model Linear: .*size mismatch for weight"):
+        ck.apply(torch.nn.Linear(5, 3))
+    two_groups = torch.nn.Linear(4, 3)
+    with pytest.raises(CheckpointError, match=r"its optimizer state does not fit the optimizer AdamW: .*parameter group") as ei:
+        ck.apply(two_groups, torch.optim.AdamW([{"params": [two_groups.weight]}, {"params": [two_groups.bias]}], lr=0.1))
+    assert "same parameter groups" in (ei.value.hint or "")
 
 
 # ------------------------------------------------------------------------------ explicit logging API

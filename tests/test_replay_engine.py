@@ -31,7 +31,7 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import LogReader, ReplayInputMissingError, StageState, _passes, _Plan, locate_logs
+from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState, _passes, _Plan, locate_logs
 from replay.engine import build_states, checkpoint_of
 from replay.examples import gpt_stage
 from server.testing import ServerProcess
@@ -261,6 +261,30 @@ def test_checkpoints_must_agree(f1b_run, tmp_path):
     states = [StageState.from_checkpoint(load_checkpoint(job.checkpoints[k]), *gpt_stage(k, NUM_STAGES, load_checkpoint(job.checkpoints[k]), **f1b_run.gpt.to_dict())) for k in (1, 2)]
     rep = replay_stages(states, f1b_run.store(), num_stages=NUM_STAGES, stop_iteration=CKPT)  # nothing to do is fine
     assert rep.iterations_done == 0 and rep.micro_batches == 0 and not rep.verified
+
+
+def _other_model(stage: int, num_stages: int, checkpoint: object, **kw: object) -> tuple[torch.nn.Module, torch.optim.Optimizer, None]:
+    m = torch.nn.Linear(3, 3)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), None
+
+
+def test_a_stage_factory_that_builds_another_model_is_told_what_to_pass(f1b_run, tmp_path):
+    """A user who forgets --model gets the example GPT's factory: the checkpoint does not fit it,
+    and the error says which keys and what to pass, instead of a traceback from load_state_dict."""
+    with pytest.raises(ReplayError, match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing key\(s\)") as e:
+        replay(_job(f1b_run, 1, tmp_path), factory=_other_model)
+    assert "--model module:function" in (e.value.hint or "")
+
+
+def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbours(f1b_run, tmp_path):
+    """The replay of the last stage uses the loss function META names; without the stage's own META
+    (an offline replay after its node died), the one the stage before it names, and says so."""
+    _, cold = copy_run_files(f1b_run, tmp_path)
+    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / f"meta_{NUM_STAGES - 1}").glob("*"):
+        p.unlink()
+    res = replay(_job(f1b_run, NUM_STAGES - 1, tmp_path, sources=[SourceSpec(kind="cold", location=cold)]))
+    assert res.job.loss is None and res.verified
+    assert checkpoint_vs_live(checkpoint_of(res, NUM_STAGES - 1), f1b_run.results[NUM_STAGES - 1]) == []
 
 
 def test_a_job_names_the_device_it_replays_on(f1b_run, tmp_path):

@@ -74,16 +74,27 @@ class Checkpoint:
 
         The model copies values into its parameters; the optimizer and scheduler get copies (every
         tensor cloned), so applying the same Checkpoint twice gives two independent states. Raises
-        CheckpointError if the checkpoint lacks a state the caller asks to load.
+        CheckpointError if the checkpoint lacks a state the caller asks to load, or when a state does
+        not fit the object it is loaded into (another model's parameters, another optimizer's
+        parameter groups), naming which.
         """
-        model.load_state_dict(self.model)
+        what = f"checkpoint {self.uri} of stage {self.stage} (iteration {self.iteration})"
+        try:
+            model.load_state_dict(self.model)
+        except RuntimeError as e:  # missing / unexpected keys, shape mismatches
+            raise CheckpointError(f"{what} does not fit the model {type(model).__name__}: {str(e).strip()}",
+                                  hint="load it into the module the checkpoint was saved from") from None  # fmt: skip
         if optimizer is not None:
             if self.optimizer is None:
-                raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no optimizer state")
-            optimizer.load_state_dict(_copy_state(self.optimizer))
+                raise CheckpointError(f"{what} has no optimizer state")
+            try:
+                optimizer.load_state_dict(_copy_state(self.optimizer))
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{what}: its optimizer state does not fit the optimizer {type(optimizer).__name__}: {e}",
+                                      hint="build the optimizer as the training did (the same parameter groups, in the same order)") from None  # fmt: skip
         if lr_scheduler is not None:
             if self.lr_scheduler is None:
-                raise CheckpointError(f"checkpoint {self.uri} of stage {self.stage} has no lr scheduler state")
+                raise CheckpointError(f"{what} has no lr scheduler state")
             lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
 
 
