@@ -441,7 +441,8 @@ class _Planner:
                     return n
         stages = {c.src for c in channels} | {c.dst for c in channels} | set(ckpts)
         if not stages:
-            raise ValueError(f"run {self.run!r}: no checkpoint and no record in any store; pass num_stages")
+            raise ValueError(f"run {self.run!r}: no checkpoint and no record in any of the given stores "
+                             "(is the run id right, and are these the nodes' store roots or the run's cold tier?)")  # fmt: skip
         n = max(stages) + 1
         self.warnings.append(f"num_stages={n} inferred from the channels (pass num_stages if the last stages logged nothing)")
         return n
