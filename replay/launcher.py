@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 EXIT_FALLBACK = 3
+#: the training script the launcher runs by default (the example GPT pipeline)
+DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +108,10 @@ class RecoveryRun:
         return "\n".join(lines)
 
 
-def _entry(argv: list[str], log_path: str) -> None:
-    """Body of a stage process: output to ``log_path``, then the resilient training script."""
+def _entry(argv: list[str], log_path: str, script: str = DEFAULT_SCRIPT) -> None:
+    """Body of a stage process: output to ``log_path``, then the resilient training script (the
+    module ``script``'s ``main(argv)``)."""
+    import importlib
     import traceback
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -116,10 +120,8 @@ def _entry(argv: list[str], log_path: str) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    from trainer_client.examples import train_resilient
-
     try:
-        rc = train_resilient.main(argv)
+        rc = importlib.import_module(script).main(argv)
     except SystemExit as e:
         rc = int(e.code or 0)
     except BaseException:  # noqa: BLE001 - report anything, exit non-zero
@@ -164,6 +166,7 @@ def run_with_failures(
     max_restarts: int = 4,
     grace_s: float = 3.0,
     groups: Sequence[int] | None = None,
+    script: str = DEFAULT_SCRIPT,
 ) -> RecoveryRun:
     """Run the pipeline (``args``: train_pipeline arguments without --stage/--num-stages/--store-port/
     --out/--store-root/--run-id/--checkpoint-url/--kill-at) with ``kills`` injected; see the module docstring.
@@ -177,6 +180,9 @@ def run_with_failures(
     as a survivor or die too (stages that die together are replaced together). ``replay_workers``:
     K > 1 starts K - 1 replay helpers (``--replay-helper-rank``) together with each replacement;
     the replacement is rank 0 of the parallel replay (:func:`replay.replacement.recover_stage`).
+    ``script``: the module whose ``main(argv)`` each process runs; it takes the arguments above
+    (``args`` are passed on as given) and writes ``{out}/stage{k}.pt`` when done, e.g.
+    ``trainer_client.examples.minimal_resilient``, the template for a script of your own.
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
@@ -203,7 +209,7 @@ def run_with_failures(
         argv = ["--resilient", "--stage", str(k), "--num-stages", str(num_stages), "--store-port", str(host.port), "--out", out_dir,
                 "--run-id", run_id, "--store-root", root, "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
         logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
-        p = ctx.Process(target=_entry, args=(argv, logs[name]), name=name)
+        p = ctx.Process(target=_entry, args=(argv, logs[name], script), name=name)
         with _launch.main_module_hidden():
             p.start()
         procs[name] = _launch._ForkProc(p)
@@ -487,10 +493,9 @@ def _timings(
             if t_kill is not None and replace_t is not None and start_t is not None:
                 d["scheduler_s"] = start_t - t_kill  # death noticed, replacement launched
                 d["settle_s"] = replace_t - t_kill  # every other stage reported or died: failed list written
-                d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
-                d["replacement_setup_s"] = (
-                    ready[0]["t_recover"] - ready[0]["t_main"]
-                )  # store connection, log client
+                if "t_main" in ready[0] and "t_recover" in ready[0]:  # (stamps a script may leave out)
+                    d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
+                    d["replacement_setup_s"] = ready[0]["t_recover"] - ready[0]["t_main"]  # store connection, log client
             if rejoined:
                 d["rejoin_s"] = max(rejoined) - max(r["t"] for r in ready)
         if t_kill is not None and rejoined:

@@ -249,3 +249,34 @@ def test_parallel_helpers_released_when_nothing_to_replay(
     helper = r.outputs["stage1-g1-helper1"]
     assert r.returncodes["stage1-g1-helper1"] == 0 and '"took_part": false' in helper, helper
     assert_same_as(r, references["1f1b"])
+
+
+@pytest.mark.parametrize(("stage", "iteration", "cold"), [(1, 5, True), (2, 6, True), (0, 6, False)])
+def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, cold: bool) -> None:
+    """``trainer_client/examples/minimal_resilient.py``, the template for a script of one's own
+    (its own MLP, SGD with momentum, StepLR, loss; nothing of the example GPT), run by the launcher:
+    the killed stage (a middle one; the last one, whose loss function the replay takes from META)
+    is replayed and rejoins, and every stage ends as in a failure-free run, bit for bit. Without a
+    cold tier the first stage's logged inputs die with it: the replacement reports the fallback
+    (exit code 3) and the launcher restarts every stage from the checkpoint, to the same end."""
+    from replay.launcher import run_with_failures, states_equal
+
+    def go(base: Path, kills: list[KillSpec]) -> RecoveryRun:
+        base.mkdir()
+        args = ["--iters", "7", "--ckpt-at", "0,4"] + (["--cold-url", f"file://{base / 'cold'}"] if cold else [])
+        r = run_with_failures(args, run_id="mine", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}", kills=kills, num_stages=3,
+                              timeout_s=120, script="trainer_client.examples.minimal_resilient")  # fmt: skip
+        assert r.ok, r.describe()
+        return r
+
+    ref = go(tmp_path / "ref", [])
+    r = go(tmp_path / "kill", [KillSpec(stage, iteration, 0, "forward")])
+    assert {k: states_equal(r.results[k], ref.results[k]) for k in range(3)} == {0: [], 1: [], 2: []}
+    if not cold:
+        assert r.fallback is not None and "no record of input_0 at iteration 4" in r.fallback
+        assert [e["what"] for e in r.timeline].count("rollback") == 1
+        return
+    assert r.fallback is None and [t["failed_stages"] for t in r.timings] == [[stage]]
+    t = r.timings[0]
+    assert (t["verified"], t["checkpoint_iteration"], t["resume"]) == (True, 4, iteration)
+    assert r.results[stage]["recovered"]["resume"] == iteration

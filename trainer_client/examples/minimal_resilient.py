@@ -1,0 +1,192 @@
+"""The smallest complete training script with in-place recovery: a template for your own.
+
+Everything model-specific is in the five functions under "yours" (a 4-layer MLP classifier cut into
+``--num-stages`` stages, SGD with momentum, a step schedule); replace them and keep the rest. The
+rest is the whole contract of a stage process with swiftlog's in-place recovery, through the public
+API only:
+
+- a stage: :class:`~trainer_client.SwiftlogClient` + :class:`~trainer_client.ResilientLoop` (a
+  peer's death: keep the state, wait for the replacement, re-form the process group, go on);
+- a replacement (``--replacement --generation G``): :func:`replay.replacement.recover_stage`
+  rebuilds the lost stage from its newest checkpoint and the survivors' logs (the stage factory
+  below builds the objects it loads the checkpoint into; the loss function is the one the live
+  schedule used, which META names), then :func:`~replay.replacement.report_ready` and the loop
+  joins the next generation; when a replay is impossible, :func:`~replay.replacement.report_fallback`
+  and exit code 3 (the scheduler then restarts every stage from a common checkpoint:
+  ``--resume-from C``);
+- a replay helper (``--replay-helper-rank R``): :func:`replay.replacement.serve_replay_helper`.
+
+Who starts which process, with which arguments, is the scheduler's part:
+``replay.launcher.run_with_failures(args, script="trainer_client.examples.minimal_resilient", ...)``
+on one machine (it also injects ``--kill-at IT,MB,PHASE``; this script honours the phases
+"forward" and "optimizer" of iteration IT), a cluster's job controller in production
+(``docs/recovery.md``). Arguments: ``--stage --num-stages --run-id --store-host --store-port
+--store-root --checkpoint-url --out`` (set by the scheduler), ``--iters N --ckpt-at I,J --cold-url URL``.
+The script writes ``{out}/stage{k}.pt`` with its final state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer_client import ClientConfig, RecoveryConfig, ResilientLoop, SwiftlogClient, load_checkpoint
+from trainer_client.checkpoint import checkpoint_uri
+from trainer_client.survivor import RecoveryKeys
+
+__all__ = ["build_parser", "factory", "loss", "main"]
+
+EXIT_FALLBACK = 3
+SEED = 7
+WIDTH, CLASSES, BATCH, N_MICROBATCHES = 32, 5, 16, 4
+
+
+# ================================================================================ yours
+def build_stage(stage: int, num_stages: int) -> nn.Module:
+    """Stage ``stage``'s module (deterministic: a replay builds it again before loading the checkpoint)."""
+    torch.manual_seed(100 + stage)
+    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(0.1)]
+    if stage == num_stages - 1:
+        layers.append(nn.Linear(WIDTH, CLASSES))
+    return nn.Sequential(*layers)
+
+
+def factory(stage: int, num_stages: int, checkpoint: Any = None, **_: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The stage factory of the training and of a replay: (module, optimizer, lr scheduler), fresh."""
+    module = build_stage(stage, num_stages)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    return module, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def example_io(stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's input and output of the stage, as the pipeline sends them."""
+    mb = BATCH // N_MICROBATCHES
+    out = torch.zeros(mb, CLASSES if stage == num_stages - 1 else WIDTH, requires_grad=True)
+    return torch.zeros(mb, WIDTH, requires_grad=stage > 0), out
+
+
+def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The iteration's inputs and targets (every stage makes the same call; only the first and last use them)."""
+    g = torch.Generator().manual_seed(1000 + iteration)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A module-level function: META names it, so a replay of the last stage finds it."""
+    return nn.functional.cross_entropy(output, target)
+
+
+# ================================================================================ the contract
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--stage", type=int, required=True)
+    a("--num-stages", type=int, required=True)
+    a("--run-id", required=True)
+    a("--store-host", default="127.0.0.1")
+    a("--store-port", type=int, required=True)
+    a("--store-root", required=True, help="this node's log store root")
+    a("--checkpoint-url", required=True, help="durable storage for checkpoints (a shared directory, s3://...)")
+    a("--cold-url", default=None, help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own data is lost with it")
+    a("--out", required=True, help="where stage{k}.pt (the final state) goes")
+    a("--iters", type=int, default=8)
+    a("--ckpt-at", default="0", help="iterations to checkpoint at, comma-separated")
+    a("--generation", type=int, default=0)
+    a("--replacement", action="store_true")
+    a("--replay-helpers", type=int, default=0)
+    a("--replay-helper-rank", type=int, default=0)
+    a("--resume-from", type=int, default=None)
+    a("--kill-at", default="", help="fault injection: IT,MB,PHASE (phase forward or optimizer)")
+    a("--resilient", action="store_true", help="(implied)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from replay.replacement import ReplacementFallback, recover_stage, report_fallback, report_ready, serve_replay_helper
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(1)
+    k, S = args.stage, args.num_stages
+    store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    config = ClientConfig(run_id=args.run_id, stage=k, num_stages=S, seed=SEED, store_root=args.store_root, cold_url=args.cold_url,
+                          checkpoint_url=args.checkpoint_url)  # fmt: skip
+    if args.replay_helper_rank:
+        serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)
+        return 0
+    t_main = time.time()
+    generation, start, recovered = args.generation, 0, None
+    if args.replacement:
+        t_recover = time.time()
+        try:
+            rec = recover_stage(store, run_id=args.run_id, stage=k, num_stages=S, generation=args.generation,
+                                checkpoint_url=config.resolved_checkpoint_url(), sources=None, factory=factory, helpers=args.replay_helpers)  # fmt: skip
+        except ReplacementFallback as e:
+            report_fallback(store, args.run_id, args.generation, str(e))
+            return EXIT_FALLBACK
+        model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
+        recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
+        report_ready(store, args.run_id, args.generation, k, recovered)
+        start, generation = rec.resume, args.generation + 1
+    else:
+        model, optimizer, lr_scheduler = factory(k, S)
+        if args.resume_from is not None:  # a global rollback
+            load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)).apply(model, optimizer, lr_scheduler)
+            start = args.resume_from
+    client = SwiftlogClient(config, commit_store=store)
+    inp, out = example_io(k, S)
+
+    def rebuild() -> None:  # after every (re)join: a stage and schedule over the new process group
+        stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
+        client.schedule(stage, "1f1b", n_microbatches=N_MICROBATCHES, loss_fn=loss)
+
+    kill_it, _, kill_phase = (args.kill_at.split(",") + ["", "", ""])[:3] if args.kill_at else ("-1", "", "")
+
+    def die_if(it: int, phase: str) -> None:
+        if it == int(kill_it) and phase == kill_phase:
+            store.set(RecoveryKeys(args.run_id).kill_time(k), repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt_at = {int(x) for x in args.ckpt_at.split(",") if x}
+
+    def before(it: int) -> None:
+        if it in ckpt_at:
+            client.checkpoint(it, model, optimizer, lr_scheduler)
+
+    def forward_backward(it: int) -> None:
+        die_if(it, "forward")
+        x, y = batch(it)
+        client.step(it, x, target=y)
+
+    def apply(it: int) -> None:
+        die_if(it, "optimizer")
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    loop = ResilientLoop(client, store, RecoveryConfig(run_id=args.run_id, stage=k, num_stages=S, generation=generation,
+                                                      store_host=args.store_host, store_port=args.store_port),
+                         rebuild=rebuild, optimizer=optimizer)  # fmt: skip
+    loop.join()
+    if args.replacement:
+        store.set(RecoveryKeys(args.run_id).rejoined(args.generation, k), repr(time.time()))
+    loop.run(start, args.iters, forward_backward=forward_backward, apply=apply, before=before, joined=True)
+    report = client.close()
+    dist.destroy_process_group()
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"stage": k, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+                "events": [e.to_dict() for e in loop.events], "recovered": recovered, "close_ok": report.ok},
+               os.path.join(args.out, f"stage{k}.pt"))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
