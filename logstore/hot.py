@@ -146,7 +146,7 @@ class _Open:
 class _Batch:
     """Frames written by one append() call and not yet committed to the index."""
 
-    entries: list[tuple[bytes, int, int, int, int, int, int]] = field(default_factory=list)
+    entries: list[tuple[bytes, int, int, int, int, int, RecordKey]] = field(default_factory=list)  # (key bytes, segment, offset, length, checksum, raw length, key)
     pending_end: dict[int, int] = field(default_factory=dict)
     segs: dict[int, _Open] = field(default_factory=dict)
 
@@ -458,7 +458,7 @@ class HotTier:
                     if n != len(hdr) + len(blob):
                         raise OSError(28, "short write (disk full?)")
                     batch.pending_end[seg.id] = pos + n
-                    batch.entries.append((kb, seg.id, pos + FRAME_HEADER_SIZE, len(blob), cs, raw_len, key.iteration))
+                    batch.entries.append((kb, seg.id, pos + FRAME_HEADER_SIZE, len(blob), cs, raw_len, key))
                 self._commit_batch(batch)
             except BaseException as e:
                 # what is not committed is not acknowledged: cut the files back
@@ -481,8 +481,8 @@ class HotTier:
         self._write(lambda txn: self._commit_entries(txn, batch.entries, batch.pending_end))
         for seg_id, end in batch.pending_end.items():
             batch.segs[seg_id].end = end
-        for kb, seg_id, off, ln, cs, _, _ in batch.entries:
-            batch.segs[seg_id].index.append(IndexEntry(RecordKey.decode(kb), off, ln, cs))
+        for _, seg_id, off, ln, cs, _, key in batch.entries:  # (the key object itself: decoding its bytes again cost a third of the commit)
+            batch.segs[seg_id].index.append(IndexEntry(key, off, ln, cs))
         batch.entries = []
         batch.pending_end = {}
 
@@ -497,7 +497,8 @@ class HotTier:
                 metas[seg_id] = m
             return metas[seg_id]
 
-        for kb, seg_id, off, ln, cs, raw_len, it in entries:
+        for kb, seg_id, off, ln, cs, raw_len, key in entries:
+            it = key.iteration
             old = txn.get(kb, db=self._db_rec)
             if old is not None:
                 o_seg, _, o_len, _, o_raw = _REC.unpack(old)
