@@ -295,6 +295,32 @@ def _buckets(params: Sequence[torch.Tensor], limit: int = 1 << 20) -> list[range
 
 
 SHM_DIR = "/dev/shm"
+CHAIN_PREFIX = "swiftlog-chain-"
+
+
+def _remove_stale_chains(directory: str, older_than_s: float = PG_TIMEOUT.total_seconds()) -> list[str]:
+    """Unlink shared-chain files in ``directory`` older than ``older_than_s`` (default: the
+    rendezvous timeout); returns their names. Worker 0 unlinks its file as soon as every worker
+    has mapped it, which happens within that timeout or never; a file older than it was left by a
+    worker 0 killed in between (its memory is tmpfs RAM until unlinked). Never touches a younger
+    file or anything not named like a chain."""
+    gone = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(CHAIN_PREFIX)]
+    except OSError:
+        return gone
+    now = time.time()
+    for n in names:
+        path = os.path.join(directory, n)
+        try:
+            if now - os.stat(path).st_mtime > older_than_s:
+                os.unlink(path)
+                gone.append(n)
+        except OSError:  # gone already, or not ours to remove
+            continue
+    if gone:
+        logger.info("parallel replay: removed %d stale shared-chain file(s) from %s: %s", len(gone), directory, ", ".join(gone[:3]))
+    return gone
 
 
 class _SharedChain:
@@ -308,7 +334,9 @@ class _SharedChain:
 
     Never: used unless every worker mapped the same file (a random token written by worker 0 is
     read back by each; workers on other hosts, or in another IPC namespace, fail that and every
-    worker keeps gloo), or leaves the file behind (it is unlinked once mapped, or on failure).
+    worker keeps gloo), or leaves the file behind (it is unlinked once mapped, or on failure; one
+    that a worker 0 killed in between left is removed by the next :meth:`create` once it is older
+    than the rendezvous timeout, :func:`_remove_stale_chains`).
     """
 
     ALIGN = 64
@@ -334,9 +362,10 @@ class _SharedChain:
         and not later as SIGBUS) starting with ``token``; its path, or None when that is not possible."""
         if not hasattr(os, "posix_fallocate"):
             return None
+        _remove_stale_chains(directory)
         fd, path = -1, None
         try:
-            fd, path = tempfile.mkstemp(prefix="swiftlog-chain-", dir=directory)
+            fd, path = tempfile.mkstemp(prefix=CHAIN_PREFIX, dir=directory)
             os.posix_fallocate(fd, 0, size)
             os.pwrite(fd, token, 0)
             return path

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from replay import (
 )
 from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
 from replay.engine import build_states, checkpoint_of
-from replay.parallel import SHM_DIR, _Claims, _GradReducer, _Share, _SharedChain, adamw_update_bound, balanced_counts, share_layout, slice_of
+from replay.parallel import SHM_DIR, _Claims, _GradReducer, _remove_stale_chains, _Share, _SharedChain, adamw_update_bound, balanced_counts, share_layout, slice_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -369,6 +370,23 @@ def test_the_shared_chain_is_mapped_by_every_worker_or_by_none(hide, tmp_path):
     else:
         assert all(g["mapped"] and g["seen"] == [3500.0, -34.0] and g["shapes"] == [1000, 17, 1000, 17] for g in got), got
     assert list(shm.iterdir()) == []
+
+
+def test_a_chain_file_a_killed_worker_left_is_removed_once_older_than_the_rendezvous_timeout(tmp_path):
+    """Worker 0 unlinks its file once every worker mapped it; SIGKILLed in between, it leaves the
+    file (tmpfs memory) behind. The next creation in that directory removes chain files older than
+    the rendezvous timeout, and nothing else."""
+    stale, young, other = tmp_path / "swiftlog-chain-abc", tmp_path / "swiftlog-chain-def", tmp_path / "unrelated"
+    for p in (stale, young, other):
+        p.write_bytes(b"x")
+    hour_ago = time.time() - 3600
+    for p in (stale, other):
+        os.utime(p, (hour_ago, hour_ago))
+    path = _SharedChain.create(str(tmp_path), 1 << 12, b"token")
+    assert path is not None and sorted(os.listdir(tmp_path)) == sorted([young.name, other.name, os.path.basename(path)])
+    os.unlink(path)
+    assert _remove_stale_chains(str(tmp_path), older_than_s=0.0) == [young.name] and sorted(os.listdir(tmp_path)) == [other.name]
+    assert _remove_stale_chains(str(tmp_path / "missing")) == []
 
 
 def test_workers_fetch_ahead_only_with_a_spare_core_or_a_remote_source(f1b_run, tmp_path):
