@@ -125,7 +125,7 @@ def replay_command(
         for r in results:
             state = "verified" if r.verified else ("DIVERGED at " + json.dumps(r.first_mismatch) if r.first_mismatch else "NOT verified")
             typer.echo(f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
-                       f"in {r.seconds:.1f} s: {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
+                       f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
             for w in r.report.warnings:
