@@ -833,9 +833,10 @@ def load_object(spec: str) -> Any:
 def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., torch.Tensor]:
     """The loss function the live schedule of ``stage`` (the last one) used, imported by the name
     its META of ``iteration`` records (without that META, the one the stage before it names: every
-    stage's schedule gets a loss function, and the verified sends show a wrong one). Raises ReplayError saying what to pass instead when META
-    names none (the live ``loss_fn`` was a lambda, a callable instance, a function of a script run
-    by path; or the record predates the field) or the name does not import here."""
+    stage's schedule gets a loss function, and the verified sends show a wrong one). Raises
+    ReplayError saying what to pass instead when META names none (the live ``loss_fn`` was a
+    lambda, a callable instance, a function of a script run by path; or the record predates the
+    field) or the name does not import here. Never guesses another loss function."""
     doc = reader.meta(stage, iteration)
     if doc is None and stage > 0:  # its own META is gone (an offline replay): every stage's schedule got a loss_fn, normally the same one
         doc = reader.meta(stage - 1, iteration)

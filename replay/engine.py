@@ -198,8 +198,9 @@ class ReplayJob:
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
     :data:`StageFactory`). loss: ``"module:attr"`` of the loss function for a replay of the
-    last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source: ``"module:function"`` called as ``fn(seed, **model_args)``
-    for runs that did not log stage-0 inputs / targets; None = logged.
+    last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source:
+    ``"module:function"`` called as ``fn(seed, **model_args)`` for runs that did not log stage-0
+    inputs / targets; None = logged.
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
     reduces gradients in the live order (bit-identical to sequential; default True); False sums
     them in any order (faster on many workers, within the bound in ``replay.parallel``).

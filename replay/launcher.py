@@ -168,8 +168,9 @@ def run_with_failures(
     groups: Sequence[int] | None = None,
     script: str = DEFAULT_SCRIPT,
 ) -> RecoveryRun:
-    """Run the pipeline (``args``: train_pipeline arguments without --stage/--num-stages/--store-port/
-    --out/--store-root/--run-id/--checkpoint-url/--kill-at) with ``kills`` injected; see the module docstring.
+    """Run the pipeline (``args``: the training script's arguments without --stage/--num-stages/
+    --store-port/--out/--store-root/--run-id/--checkpoint-url/--kill-at, which the launcher sets)
+    with ``kills`` injected; see the module docstring.
 
     Stage k's node store root is ``{base_dir}/nodes/stage{k}-g{generation}``; results go to
     ``{base_dir}/out``. Returns when every current stage exited 0, or on a failure that cannot
