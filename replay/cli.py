@@ -48,7 +48,8 @@ def replay_command(
     cold_option: Annotated[list[str] | None, typer.Option("--cold-option", help="cold tier storage option KEY=VALUE (repeatable; also used for s3 checkpoints)")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,
-    exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order")] = True,
+    exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, within a stated bound; "
+                                                                            "on one host the exact one is also the faster: its sums go through shared memory)")] = True,
     dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
     shared_memory: Annotated[bool, typer.Option("--shared-memory/--no-shared-memory", help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)")] = True,
     target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
