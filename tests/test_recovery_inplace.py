@@ -251,12 +251,13 @@ def test_parallel_helpers_released_when_nothing_to_replay(
     assert_same_as(r, references["1f1b"])
 
 
-@pytest.mark.parametrize(("stage", "iteration", "cold"), [(1, 5, True), (2, 6, True), (0, 6, False)])
-def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, cold: bool) -> None:
+@pytest.mark.parametrize(("stage", "iteration", "cold", "workers"), [(1, 5, True, 1), (2, 6, True, 2), (0, 6, False, 1)])
+def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, cold: bool, workers: int) -> None:
     """``trainer_client/examples/minimal_resilient.py``, the template for a script of one's own
     (its own MLP, SGD with momentum, StepLR, loss; nothing of the example GPT), run by the launcher:
     the killed stage (a middle one; the last one, whose loss function the replay takes from META)
-    is replayed and rejoins, and every stage ends as in a failure-free run, bit for bit. Without a
+    is replayed (the last one with a replay helper beside the replacement) and rejoins, and every
+    stage ends as in a failure-free run, bit for bit. Without a
     cold tier the first stage's logged inputs die with it: the replacement reports the fallback
     (exit code 3) and the launcher restarts every stage from the checkpoint, to the same end."""
     from replay.launcher import run_with_failures, states_equal
@@ -265,7 +266,7 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path:
         base.mkdir()
         args = ["--iters", "7", "--ckpt-at", "0,4"] + (["--cold-url", f"file://{base / 'cold'}"] if cold else [])
         r = run_with_failures(args, run_id="mine", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}", kills=kills, num_stages=3,
-                              timeout_s=120, script="trainer_client.examples.minimal_resilient")  # fmt: skip
+                              timeout_s=120, replay_workers=workers, script="trainer_client.examples.minimal_resilient")  # fmt: skip
         assert r.ok, r.describe()
         return r
 
@@ -278,5 +279,5 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path:
         return
     assert r.fallback is None and [t["failed_stages"] for t in r.timings] == [[stage]]
     t = r.timings[0]
-    assert (t["verified"], t["checkpoint_iteration"], t["resume"]) == (True, 4, iteration)
+    assert (t["verified"], t["checkpoint_iteration"], t["resume"], t["replay_workers"]) == (True, 4, iteration, workers)
     assert r.results[stage]["recovered"]["resume"] == iteration
