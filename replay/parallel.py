@@ -155,7 +155,7 @@ from replay.engine import (
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.digest import tensor_digest
 
-__all__ = ["run_parallel", "worker_main", "worker_prefetch", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
+__all__ = ["run_parallel", "worker_main", "worker_prefetch", "result_of", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -1224,11 +1224,16 @@ def run_parallel(
         _drain(queue, on_progress)
         with open(result_path) as f:
             doc = json.load(f)
-    report = ReplayReport.from_dict(doc["report"])
-    res = ReplayResult(job, report, {int(k): v for k, v in doc["outputs"].items()}, None, time.perf_counter() - t0,
-                       doc["replay_seconds"], doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
+    res = result_of(job, doc, time.perf_counter() - t0, outputs={int(k): v for k, v in doc["outputs"].items()})
     _log_outcome(res)
     return res
+
+
+def result_of(job: ReplayJob, doc: dict[str, Any], seconds: float, *, outputs: dict[int, str] | None = None, states: Any = None) -> ReplayResult:
+    """The :class:`ReplayResult` of ``job`` from rank 0's result document (:func:`worker_main`),
+    ``seconds`` end to end as the caller measured them."""
+    return ReplayResult(job, ReplayReport.from_dict(doc["report"]), outputs or {}, states, seconds, doc["replay_seconds"], doc["setup_seconds"],
+                        doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
 
 
 def _drain(queue: Any, on_progress: Callable[[ReplayProgress], None] | None) -> None:

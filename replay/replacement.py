@@ -49,7 +49,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError, ReplayReport
+from replay.core import ReplayError
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
@@ -407,7 +407,7 @@ def _replay_with_helpers(
     loss_fn: Callable[..., Any] | None = None,
 ) -> ReplayResult:  # fmt: skip
     """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
-    from replay.parallel import worker_main
+    from replay.parallel import result_of, worker_main
 
     world = helpers + 1
     job = job.replace(workers=world)
@@ -417,8 +417,7 @@ def _replay_with_helpers(
     doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, loss_fn=loss_fn, keep_states=True,
                       timeout=timeout, prepared=prepared)
     assert doc is not None  # rank 0 always returns the result
-    return ReplayResult(job, ReplayReport.from_dict(doc["report"]), {}, doc["states"], time.perf_counter() - t0, doc["replay_seconds"],
-                        doc["setup_seconds"], doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
+    return result_of(job, doc, time.perf_counter() - t0, states=doc["states"])
 
 
 def serve_replay_helper(

@@ -148,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
         client.schedule(stage, "1f1b", n_microbatches=N_MICROBATCHES, loss_fn=loss)
 
-    kill_it, _, kill_phase = (args.kill_at.split(",") + ["", "", ""])[:3] if args.kill_at else ("-1", "", "")
+    kill = None
+    if args.kill_at:  # IT,MB,PHASE (the micro-batch is not used here)
+        it_s, _, phase_s = args.kill_at.split(",")
+        kill = (int(it_s), phase_s)
 
     def die_if(it: int, phase: str) -> None:
-        if it == int(kill_it) and phase == kill_phase:
+        if kill == (it, phase):
             store.set(RecoveryKeys(args.run_id).kill_time(k), repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
