@@ -39,8 +39,9 @@ contiguous run of positions, so the chain (and the result, every byte of it) is 
 and so does its partner (claiming later would hand every near tie to worker 0).
 The prefetch thread (by default only where it has a spare core or a network source to hide,
 :func:`worker_prefetch`; otherwise the compute thread fetches each record when it needs it) fetches
-the sure micro-batches and the contested ones on this worker's side of the planned boundary; a contested one it did not fetch is fetched when claimed, one it fetched
-for nothing is dropped when the iteration ends. A claim costs a store round trip and perhaps a
+the sure micro-batches and the contested ones on this worker's side of the planned boundary; a
+contested one it did not fetch is fetched when claimed, one it fetched for nothing is dropped
+when the iteration ends. A claim costs a store round trip and perhaps a
 fetch on the compute thread, so iterations whose micro-batches were measured (``lag`` iterations
 before, the slowest worker's) to take less than ``dynamic_share_min_s`` (default 20 ms) keep fixed
 shares (the first ``lag`` iterations, with nothing measured yet, share dynamically: freshly
@@ -1078,8 +1079,8 @@ def worker_prefetch(job: ReplayJob, world: int, cores: int | None = None) -> int
     """How many iterations a parallel worker fetches ahead: ``job.prefetch`` when set; by default
     (None) ``DEFAULT_PREFETCH``, except 0 (each record fetched by the compute thread when it needs
     it) when the ``world`` workers leave no core of this host's ``cores`` (default: those this
-    process may run on) spare and every source is local. A prefetch thread pays when it hides I/O latency or has a core of its own; with
-    neither it only competes with the compute thread for the GIL, and a thread preempted while
+    process may run on) spare and every source is local. A prefetch thread pays when it hides I/O
+    latency or has a core of its own; with neither it only competes with the compute thread for the GIL, and a thread preempted while
     holding it stalls the next forward: a 2-worker replay of the bench stage on 2 cores waited
     2-5 ms for its first record of each iteration and ran that forward 5-10 ms slower (paired
     A/B, 12 rounds twice: 0.96x the replay time without the thread)."""
