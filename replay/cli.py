@@ -22,6 +22,7 @@ the pipeline re-formed); prints a token.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ import typer
 from server.cli._common import fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
-__all__ = ["app", "register", "replay_command"]
+__all__ = ["app", "register", "replay_command", "print_plan"]
 
 
 app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
@@ -53,10 +54,10 @@ def replay_command(
     dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
     shared_memory: Annotated[bool, typer.Option("--shared-memory/--no-shared-memory", help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)")] = True,
     target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
-    model: Annotated[str, typer.Option("--model", help="stage factory module:function")] = "replay.examples:gpt_stage",
+    model: Annotated[str, typer.Option("--model", help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)")] = "replay.examples:gpt_stage",
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
-    loss: Annotated[str | None, typer.Option("--loss", help="loss function module:attr (default: the live schedule's, as META names it)")] = None,
-    data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function, for runs that did not log inputs/targets")] = None,
+    loss: Annotated[str | None, typer.Option("--loss", help="loss function module:attr or path/to/file.py:attr (default: the live schedule's, as META names it)")] = None,
+    data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function or path/to/file.py:function, for runs that did not log inputs/targets")] = None,
     prefetch: Annotated[int | None, typer.Option("--prefetch", min=0, help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)", show_default=False)] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,
     device: Annotated[str | None, typer.Option("--device", help="replay on this torch device, e.g. cuda (default: where --model builds the stage; one worker only)")] = None,
@@ -85,10 +86,15 @@ def replay_command(
         if not r.is_dir():
             raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
     opts = parse_cold_options(cold_option)
+    from replay.core import absolute_spec
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
+        sys.path.insert(0, os.getcwd())
+    model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
     try:
         plan, specs = _plan(run, stage, root or [], server or [], token, cold_url, opts, target_iteration, bandwidth_mbps, workers, check_records)
         if plan_only or not plan.possible:
-            _print_plan(plan, json_out)
+            print_plan(plan, json_out)
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
         from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
 
@@ -129,6 +135,8 @@ def replay_command(
                        f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
+            if r.first_mismatch and output:
+                typer.echo(f"  nothing written to {output}: the replayed state is wrong (check --model / --model-arg / --loss against the training run)")
             for w in r.report.warnings:
                 typer.echo(f"  warning: {w}")
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
@@ -194,7 +202,8 @@ def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], to
     return RecoveryPlan.from_dict(r.json()["plan"]), specs
 
 
-def _print_plan(plan: Any, json_out: bool) -> None:
+def print_plan(plan: Any, json_out: bool) -> None:
+    """Print a :class:`replay.plan.RecoveryPlan` as text (or JSON): what each unit replays and fetches, or why it cannot."""
     if json_out:
         print(json.dumps(plan.to_dict(), indent=2), flush=True)
         return

@@ -56,8 +56,12 @@ record); consumes RNG outside the seeded forwards (the prefetch thread only deco
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -95,6 +99,8 @@ __all__ = [
     "needed_channels",
     "replay_device",
     "load_object",
+    "absolute_spec",
+    "is_script_spec",
 ]
 
 logger = logging.getLogger(__name__)
@@ -814,20 +820,67 @@ def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.de
 
 
 def load_object(spec: str) -> Any:
-    """The attribute named by ``"package.module:attr"``; ValueError if it cannot be found."""
-    mod_name, sep, attr = spec.partition(":")
+    """The attribute named by ``"package.module:attr"`` (imported) or ``"path/to/file.py:attr"``
+    (the file loaded as a module of another name than ``__main__``, so its ``if __name__ ==
+    "__main__"`` block does not run, with its directory put first on ``sys.path`` as when it runs
+    as a script; loaded once per process). ``attr`` may be dotted. Raises ValueError naming what
+    was not found; an error raised while loading a file is re-raised as ValueError naming the file."""
+    mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"{spec!r} is not 'module:attribute'")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {mod_name!r} (from {spec!r}): {e}") from e
+        raise ValueError(f"{spec!r} is not 'module:attribute' or 'path/to/file.py:attribute'")
+    if is_script_spec(spec):
+        obj: Any = _load_script(mod_name, spec)
+    else:
+        try:
+            obj = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ValueError(f"cannot import {mod_name!r} (from {spec!r}): {e}") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise ValueError(f"{mod_name!r} has no attribute {attr!r}") from None
     return obj
+
+
+def is_script_spec(spec: str) -> bool:
+    """Whether ``spec`` names a file (``"dir/train.py:attr"``) rather than a module."""
+    path = spec.rpartition(":")[0]
+    return path.endswith(".py") or os.sep in path or "/" in path
+
+
+def absolute_spec(spec: str | None) -> str | None:
+    """``spec`` with a relative file path made absolute (for processes started elsewhere); module
+    names and None unchanged."""
+    if spec is None or not is_script_spec(spec):
+        return spec
+    path, _, attr = spec.rpartition(":")
+    return f"{os.path.abspath(path)}:{attr}"
+
+
+def _load_script(path: str, spec: str) -> Any:
+    path = os.path.abspath(path)
+    name = "swiftlog_script_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file {path!r} (from {spec!r})")
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ValueError(f"cannot load {path!r} as Python (from {spec!r})")
+    module = importlib.util.module_from_spec(loader_spec)
+    directory = os.path.dirname(path)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"loading {path!r} (from {spec!r}) raised {type(e).__name__}: {e}") from e
+    return module
 
 
 def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., torch.Tensor]:
@@ -846,9 +899,13 @@ def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., 
     if not name:
         what = f"the live schedule's loss_fn ({doc['loss_repr']}) has no importable name" if doc is not None and doc.get("loss_repr") else \
             f"stage {stage}'s META of iteration {iteration} does not name the live loss function"  # fmt: skip
+        script = doc.get("loss_script") if doc is not None else None
+        if script:
+            what = f"the live schedule's loss_fn is {script}, in a script whose top level runs more than definitions (not loaded unasked)"
         raise ReplayError(f"replaying the last stage ({stage}) needs its loss function: {what}",
-                          hint="pass it: swiftlog replay --loss module:attr, ReplayJob(loss=...) or loss_fn=... "
-                               "(or give the schedule a module-level function, which META names)")  # fmt: skip
+                          hint=(f"if loading that script runs no training, pass it: --loss {script}" if script else
+                                "pass it: swiftlog replay --loss module:attr (or path/to/file.py:attr), ReplayJob(loss=...) or loss_fn=... "
+                                "(or give the schedule a module-level function, which META names)"))  # fmt: skip
     try:
         return load_object(str(name))
     except ValueError as e:

@@ -8,7 +8,8 @@ runs in this process, in spawned worker processes or under torchrun:
   without aliasing);
 - where the records are (:class:`SourceSpec`: a node's store root, a node server's URL, or the
   cold tier), tried in order;
-- how to rebuild the stage objects (``model``: ``"module:function"`` called as
+- how to rebuild the stage objects (``model``: ``"module:function"`` or ``"path/to/file.py:function"``
+  (:func:`replay.core.load_object`) called as
   ``factory(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler)``),
   the loss function and, if the run used one, the deterministic data source;
 - how: ``workers`` (1: sequential in this process; K > 1: :mod:`replay.parallel`), ``exact``,
@@ -197,7 +198,8 @@ class ReplayJob:
     stop_iteration: first iteration not replayed. checkpoints: stage -> checkpoint URI (all at
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
-    :data:`StageFactory`). loss: ``"module:attr"`` of the loss function for a replay of the
+    :data:`StageFactory`; ``"module:function"`` or ``"/path/file.py:function"``, see
+    :func:`replay.core.load_object`). loss: ``"module:attr"`` of the loss function for a replay of the
     last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source:
     ``"module:function"`` called as ``fn(seed, **model_args)`` for runs that did not log stage-0
     inputs / targets; None = logged.
@@ -355,7 +357,7 @@ def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mappin
         except CheckpointError as e:
             by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
             raise ReplayError(f"stage {k}: {e.message}", hint=f"{by} must build the stage the training built: pass yours "
-                                                      "(swiftlog replay --model module:function, with --model-arg KEY=VALUE for its arguments)") from None  # fmt: skip
+                                                      "(swiftlog replay --model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its arguments)") from None  # fmt: skip
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:
         raise ReplayError(f"checkpoints of stages {list(stages)} are at different iterations {sorted(its)}; a group restarts from one")
@@ -437,9 +439,15 @@ def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayRe
     """Write each stage's recovered state as a trainer_client checkpoint at ``job.stop_iteration``.
 
     Returns stage -> URI ({} when ``job.output`` is None). The checkpoint's ``extra["recovered"]``
-    records where it came from and whether the replay was verified.
+    records where it came from and whether the replay was verified (False also when digests were
+    missing or verification was off). Never writes the state of a replay that diverged (a
+    regenerated send differed from the log: the state is wrong), so it cannot be loaded as, or
+    overwrite, a recovered checkpoint: returns {} (the states stay in the result).
     """
     if not job.output:
+        return {}
+    if report.first_mismatch is not None:
+        logger.error("replay run=%s stages=%s diverged at %s: no checkpoint written to %s", job.run, job.stages, report.first_mismatch["key"], job.output)
         return {}
     out = {}
     for st in states:

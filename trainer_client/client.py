@@ -35,7 +35,7 @@ from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
-from trainer_client.meta import META_VERSION, decode_meta, encode_meta, importable_name
+from trainer_client.meta import META_VERSION, decode_meta, encode_meta, importable_name, script_name
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter, Fault
 
@@ -233,9 +233,10 @@ class SwiftlogClient:
         """Build a GPipe or 1F1B schedule over ``stage`` whose loss function also logs targets.
 
         ``loss_fn`` must be given on every stage (torch runs no backward on a rank whose schedule
-        has no loss_fn). META names it when it can be imported by name (a module-level function),
-        so a replay of the last stage uses it without being told; any other callable (a lambda,
-        an ``nn.CrossEntropyLoss()`` instance) must be named to the replay (``--loss module:attr``). Raises UnsupportedScheduleError for any other schedule: their split
+        has no loss_fn). META names it when it can be imported by name (a module-level function;
+        in a script run by path, one whose top level only defines things), so a replay of the last
+        stage uses it without being told; any other callable (a lambda, an ``nn.CrossEntropyLoss()``
+        instance) must be named to the replay (``--loss module:attr`` or ``--loss path/to/file.py:attr``). Raises UnsupportedScheduleError for any other schedule: their split
         backward (F/I/W) or multi-stage execution is not captured exactly.
         """
         if not isinstance(stage, LoggingPipelineStage) or stage.recorder is not self.recorder:
@@ -261,13 +262,15 @@ class SwiftlogClient:
         # all of an iteration's inputs / targets queued (its last forward / loss): seal them at once
         self.recorder.n_microbatches = n_microbatches
         self.recorder.on_data_complete = self._seal_own_data
+        loss_name = importable_name(loss_fn)
         self._schedule_info = {
             "schedule": cls.__name__,
             "n_microbatches": n_microbatches,
             "scale_grads": scale_grads,
             "grad_scale_factor": n_microbatches if scale_grads else 1,
-            "loss": importable_name(loss_fn),  # a replay of the last stage imports it (unless given another)
+            "loss": loss_name,  # a replay of the last stage imports it (unless given another)
             "loss_repr": repr(loss_fn)[:200],
+            "loss_script": None if loss_name else script_name(loss_fn),  # not loaded by itself: the error names it
         }
         return self._schedule
 

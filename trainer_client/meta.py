@@ -18,19 +18,24 @@ given to ``checkpoint``; null before any), ``autocast`` (the
 "cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
 iteration: not replayable), ``logging_groups``,
 ``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``, ``loss`` (the schedule's
-``loss_fn`` as ``"module:qualname"`` when another process can import it by that name, else null;
-absent in older records) and ``loss_repr`` (what it was, for the error that asks for it).
+``loss_fn`` as ``"module:qualname"``, or ``"/path/script.py:qualname"`` for a script run by path,
+when another process can import it by that name, else null; absent in older records),
+``loss_repr`` (what it was, for the error that asks for it) and ``loss_script`` (the
+``"/path/script.py:qualname"`` of a function of a script whose top level does more than define
+things, which a replay does not load by itself: the error names it; else null).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import sys
 from typing import Any
 
 import torch
 
-__all__ = ["META_VERSION", "encode_meta", "decode_meta", "importable_name"]
+__all__ = ["META_VERSION", "encode_meta", "decode_meta", "importable_name", "script_name", "script_defines_only"]
 
 META_VERSION = 1
 
@@ -49,20 +54,88 @@ def decode_meta(t: torch.Tensor) -> dict[str, Any]:
 def importable_name(obj: Any) -> str | None:
     """``"module:qualname"`` under which another process can import ``obj`` again, or None when it
     has no such name: a lambda, a closure, a ``functools.partial``, a callable instance (e.g. an
-    ``nn.CrossEntropyLoss()``), or a function of a script run by path (``python train.py``; one run as
-    ``python -m package.module`` is named by its module). Never imports anything: the name is checked
-    against the modules already loaded, so it resolves to ``obj`` itself."""
+    ``nn.CrossEntropyLoss()``). A function of a script run by path (``python train.py``, its
+    spawned children, torchrun) is named ``"/abs/path/train.py:qualname"`` (``replay.core.load_object``
+    loads the file under another module name, so its ``if __name__ == "__main__"`` block does not
+    run) when importing the script is known to be harmless: it is a multiprocessing child's main
+    module (spawn imported it already), or its top level only defines things (:func:`script_defines_only`).
+    One run as ``python -m package.module`` is named by its module. Never imports anything: the
+    name is checked against the modules already loaded, so it resolves to ``obj`` itself."""
+    found = _resolve(obj)
+    if found is None:
+        return None
+    mod, name, qual = found
+    if name:
+        return f"{name}:{qual}"
+    path = _script_path(mod)
+    if path is None or not (mod.__name__ == "__mp_main__" or script_defines_only(path)):
+        return None
+    return f"{path}:{qual}"
+
+
+def script_name(obj: Any) -> str | None:
+    """``"/abs/path/script.py:qualname"`` for a function of a script run by path, whether or not
+    importing that script is harmless (for the error that asks to pass it); None for anything else."""
+    found = _resolve(obj)
+    if found is None or found[1]:
+        return None
+    path = _script_path(found[0])
+    return None if path is None else f"{path}:{found[2]}"
+
+
+def script_defines_only(path: str) -> bool:
+    """Whether the top level of the Python file at ``path`` only imports, defines and assigns, and
+    guards the rest with ``if __name__ == "__main__"``: loading it under another name runs no
+    training. False for anything else (a call at top level, a loop, a file that does not parse)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return all(_harmless(node) for node in tree.body)
+
+
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.Pass)
+
+
+def _harmless(node: ast.stmt) -> bool:
+    if isinstance(node, _DEFINITIONS):
+        return True
+    if isinstance(node, ast.Expr):  # a docstring
+        return isinstance(node.value, ast.Constant)
+    if isinstance(node, ast.If):
+        t = node.test
+        names = [ast.unparse(x) for x in ([t.left, *t.comparators] if isinstance(t, ast.Compare) else [])]
+        if sorted(names) == ["'__main__'", "__name__"]:
+            return all(_harmless(n) for n in node.orelse)  # the guarded body does not run
+    if isinstance(node, ast.Try):  # try: import x / except ImportError: x = None
+        return all(_harmless(n) for n in [*node.body, *node.orelse, *node.finalbody, *(s for h in node.handlers for s in h.body)])
+    return False
+
+
+def _resolve(obj: Any) -> tuple[Any, str, str] | None:
+    """(its module, the module's importable name or "" for a script run by path, qualname) when
+    ``obj`` is found again under its module and qualname; else None."""
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not isinstance(mod, str) or not isinstance(qual, str) or "<" in qual:
         return None
     module = sys.modules.get(mod)
+    if module is None:
+        return None
     name = mod
     if mod in ("__main__", "__mp_main__"):
         spec = getattr(module, "__spec__", None)
         name = getattr(spec, "name", None) or ""
-        if not name or name in ("__main__", "__mp_main__"):
-            return None
+        if name in ("__main__", "__mp_main__"):
+            name = ""
     found: Any = module
     for part in qual.split("."):
         found = getattr(found, part, None)
-    return f"{name}:{qual}" if found is obj else None
+    return (module, name, qual) if found is obj else None
+
+
+def _script_path(module: Any) -> str | None:
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py") or not os.path.isfile(path):
+        return None
+    return os.path.abspath(path)
