@@ -480,7 +480,7 @@ class _Planner:
         have = [set(ckpts.get(k, {})) for k in u.stages]
         missing_ck = [k for k, h in zip(u.stages, have, strict=True) if not h]
         if missing_ck:
-            u.reasons.append(f"no registered checkpoint of stage(s) {missing_ck}")
+            u.reasons.append(f"no registered checkpoint of stage(s) {missing_ck} in the given stores{self._where_checkpoints_are()}")
             return
         common = sorted(set.intersection(*have), reverse=True)
         if self.target is not None:
@@ -726,14 +726,22 @@ class _Planner:
         u.estimate = {"fetch_seconds": fetch_s, "replay_seconds": replay_s, "seconds_per_iteration": per_it,
                       "total_seconds": total, "workers": self.workers, "basis": basis}  # fmt: skip
 
+    def _where_checkpoints_are(self) -> str:
+        """Where else a stage's checkpoint registration is, when the given stores have no cold tier."""
+        if any(s.cold is not None for s in self.stores):
+            return ""
+        return " (a stage registers its checkpoints on its own node and in the run's cold tier: pass the cold tier, --cold-url, or that node's store root)"
+
     def _fallback(self, ckpts: dict[int, dict[int, Any]], S: int, target: int | None) -> dict[str, Any]:
         sets = [set(ckpts.get(k, {})) for k in range(S)]
         common = set.intersection(*sets) if sets else set()
         if target is not None:
             common = {c for c in common if c <= target}
         if not common:
-            return {"kind": "global_rollback", "iteration": None, "checkpoints": {},
-                    "lost_iterations": target, "note": "no iteration at which every stage has a checkpoint: restart the run from scratch"}  # fmt: skip
+            unknown = [k for k in range(S) if not sets[k]]
+            note = (f"the given stores register no checkpoint of stage(s) {unknown}{self._where_checkpoints_are()}; if none was ever made, restart the run from scratch"
+                    if unknown else "no iteration at which every stage has a checkpoint: restart the run from scratch")  # fmt: skip
+            return {"kind": "global_rollback", "iteration": None, "checkpoints": {}, "lost_iterations": target, "note": note}
         c = max(common)
         return {
             "kind": "global_rollback",

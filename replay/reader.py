@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from logstore import Channel, RecordKey
+from logstore.keys import Kind
 from logstore.errors import (
     CorruptRecordError,
     RecordNotFoundError,
@@ -235,8 +236,10 @@ class LogReader:
         keys = self._parts_of(channel, iteration).get(micro_batch)
         if not keys:
             key = RecordKey(channel, iteration, micro_batch)
-            raise ReplayInputMissingError(f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}", key=key,
-                                          hint="the sender's logs are incomplete: replay from an older checkpoint or recover the group")  # fmt: skip
+            own = channel.kind in (Kind.INPUT, Kind.TARGET)  # logged by the stage itself: its node and the cold tier had them
+            hint = ("a stage's own inputs / targets outlive its node only in the run's cold tier: give it (--cold-url)"
+                    if own else "the sender's logs are incomplete: replay from an older checkpoint or recover the group")  # fmt: skip
+            raise ReplayInputMissingError(f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}", key=key, hint=hint)
         return [self.get(k) for k in keys]
 
     def meta(self, stage: int, iteration: int) -> dict[str, Any] | None:

@@ -64,6 +64,8 @@ def test_swiftlog_plan_uses_the_replay_planner(f1b_run):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["planner"] == "replay.plan:plan_recovery" and doc["plan"]["possible"] and doc["plan"]["units"][0]["stages"] == [2]
+    text = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "-f", "2"])
+    assert text.exit_code == 0 and "stages [2]: replay [2, 6)" in text.stdout and "{" not in text.stdout, text.output  # text, as replay --plan-only
 
 
 def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_path):
@@ -97,3 +99,32 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
     assert r.exit_code == 4 and "cannot reach the commit store" in r.output
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "c"), "--commit-store", "nowhere"])
     assert r.exit_code == 2 and "is not HOST:PORT" in r.output
+
+
+def test_without_the_cold_tier_the_failed_stages_checkpoint_is_unknown_and_the_plan_says_where_it_is(f1b_run, tmp_path):
+    """The failed node's store is gone and the cold tier not given: the survivors' stores register
+    only their own checkpoints. The plan is impossible and says where the failed stage's checkpoint
+    is registered (not "restart the run from scratch": other stages' checkpoints are there)."""
+    import shutil
+
+    from tests._replay_helpers import copy_run_files
+
+    root, cold = copy_run_files(f1b_run, tmp_path)
+    shutil.rmtree(f"{root}/{f1b_run.run_id}/stage1")  # the failed node's hot tier
+    r = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--root", root, "-s", "1", "--plan-only"])
+    assert r.exit_code == 1, r.output
+    assert "no registered checkpoint of stage(s) [1] in the given stores" in r.stdout and "--cold-url" in r.stdout
+    assert "the given stores register no checkpoint of stage(s) [1]" in r.stdout and "if none was ever made" in r.stdout
+    r = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--root", root, "--cold-url", cold, "-s", "1", "--plan-only"])
+    assert r.exit_code == 0 and "replay [2, 6)" in r.stdout, r.output
+
+
+def test_a_diverged_replay_writes_nothing(f1b_run, tmp_path):
+    """A wrong factory argument (dropout) makes the regenerated sends differ: exit 1, the first
+    diverging send named, and no checkpoint written (a wrong state must not be loadable as a
+    recovered one, nor overwrite one)."""
+    out = tmp_path / "out"
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(out), "--model-arg", "dropout=0.3"))
+    assert r.exit_code == 1, r.output
+    assert "DIVERGED at" in r.stdout and '"channel": "act_1_2"' in r.stdout and f"nothing written to {out}" in r.stdout
+    assert not out.exists()

@@ -43,8 +43,16 @@ def plan(
     if json_out:
         print_json(p)
         return
-    console.print(f"recovery plan for run {p.run}, failed stages {p.failed_stages} ({p.planner}):")
-    console.print_json(json.dumps(p.plan))
+    from replay.cli import print_plan
+    from replay.plan import RecoveryPlan
+
+    try:
+        doc = RecoveryPlan.from_dict(p.plan)
+    except (KeyError, TypeError, AttributeError):  # another planner's document: shown as it is
+        console.print(f"recovery plan for run {p.run}, failed stages {p.failed_stages} ({p.planner}):")
+        console.print_json(json.dumps(p.plan))
+        return
+    print_plan(doc, False)
 
 
 def register(app: typer.Typer) -> None:
