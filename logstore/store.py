@@ -369,7 +369,13 @@ class LogStore:
             blob = self._cold_get(key)
             if blob is not None:
                 return blob
-        raise RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
+        raise self._not_found(key)
+
+    def _not_found(self, key: RecordKey) -> RecordNotFoundError:
+        if self.cold is None:
+            return RecordNotFoundError(f"record {key} of run {self.run!r} not found in the hot tiers (no cold tier given)", key=key,
+                                       hint="it may be in the run's cold tier: pass its URL (--cold-url)")  # fmt: skip
+        return RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
 
     def open_blob(self, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream:
         """The encoded record under ``key`` as a :class:`~logstore.segment.BlobStream`: chunks
@@ -974,6 +980,10 @@ class LogStore:
                 hot_tot["stored_bytes"] += m.live_bytes
                 hot_tot["raw_bytes"] += m.raw_bytes
                 add(m.channel, "hot", m.lo, m.hi, m.live, m.live_bytes, m.raw_bytes)
+        for name, tiers in chans.items():  # a segment's lo predates GC's deletions in it: the first live record is the range's start
+            firsts = [k.iteration for hot in self._hot_tiers() for k, _ in hot.keys(Channel.parse(name), limit=1)]
+            if firsts:
+                tiers["hot"]["lo"] = min(firsts)
         cold_tot: dict[str, Any] | None = None
         if self.cold is not None:
             cold_tot = {"segments": 0, "records": 0, "stored_bytes": 0, "raw_bytes": 0, "object_bytes": 0, "error": None}

@@ -132,6 +132,21 @@ def test_checkpoint_gc_deletes_exactly_the_garbage(tmp_path: Path, cold_backend)
     s.close()
 
 
+def test_stats_show_the_range_left_after_gc_inside_a_segment(tmp_path: Path) -> None:
+    """GC deletes the garbage records of a segment that keeps live ones: the hot range reported
+    (``swiftlog stat``) starts at the first record left, not at the segment's first."""
+    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", segment_iters=100)
+    _fill(s, range(10))
+    s.register_checkpoint(2, 6)
+    assert s.gc().hot_records == 12
+    hot = s.stats()["channels"][ACT.name]["hot"]
+    assert (hot["lo"], hot["hi"], hot["records"]) == (6, 9, 8)
+    with pytest.raises(RecordNotFoundError, match=r"act_1_2/it11/mb0/p0 of run 'run1' not found in the hot tiers \(no cold tier given\)") as e:
+        s.get(RecordKey(ACT, 11, 0))  # (a store opened without its cold tier says so)
+    assert "--cold-url" in (e.value.hint or "")
+    s.close()
+
+
 def test_a_segment_garbage_collected_during_its_upload_is_no_cold_tier_fault(tmp_path: Path, caplog) -> None:
     s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=2, upload=False)
     _fill(s, range(4))
