@@ -8,7 +8,9 @@ script's ``--kill-at``, notices the death (process exit), marks the generation f
 - ``mode="swift"``: names the failed stage in the store and starts its replacement
   (``--replacement --generation G --sources <surviving nodes' roots>``) on a fresh "node"; the
   survivors keep their state and the pipeline re-forms as generation G + 1. If the replacement
-  reports that the replay is impossible (exit code 3, fallback key), it falls back to a rollback.
+  reports that the replay is impossible (exit code 3, fallback key), it falls back to a rollback;
+  so does a death while a recovery is under way (before every replacement reported ready: a
+  survivor or a replacement lost mid-recovery).
 - ``mode="rollback"``: kills every stage and restarts all of them from the newest checkpoint they
   all have (``--resume-from C``) as generation G + 1, on fresh store roots: what a job without
   SWIFT does.
@@ -57,7 +59,12 @@ DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 
 @dataclass(frozen=True, slots=True)
 class KillSpec:
-    """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``."""
+    """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``.
+
+    Phases of the example script (``train_resilient.KILL_PHASES``): forward, backward, commit,
+    optimizer, checkpoint, upload (in the uploader thread), recovering (right after reporting as a
+    survivor of the first failure; ``iteration`` unused). The template ``minimal_resilient``
+    injects forward and optimizer only (and refuses the others)."""
 
     stage: int
     iteration: int
@@ -236,8 +243,11 @@ def run_with_failures(
         for r in range(1, replay_workers):
             start(j, g, ["--generation", str(g), "--replay-helper-rank", str(r)], name=f"stage{j}-g{g + 1}-helper{r}", helper=True)
 
+    recovering: int | None = None  # the generation whose in-place recovery is under way (its wake key not yet set)
+
     def rollback(reason: str) -> None:
-        nonlocal gen
+        nonlocal gen, recovering
+        recovering = None
         for n in current.values():
             if procs[n].poll() is None:
                 procs[n].kill()
@@ -300,8 +310,10 @@ def run_with_failures(
                         }
                     )
                     break
-                if mode == "rollback":
-                    rollback(f"stage {k} died (rc={rc})")
+                if recovering is not None and store.check([keys.wake(recovering)]):
+                    recovering = None
+                if mode == "rollback" or recovering is not None:  # a death while a recovery is under way: restart from the checkpoint
+                    rollback(f"stage {k} died (rc={rc})" + (f" during the recovery of generation {recovering}" if recovering is not None else ""))
                 else:
                     store.set(
                         keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})"
@@ -336,6 +348,7 @@ def run_with_failures(
                     for j in failed:
                         if j not in lost:  # died while the others reported
                             start_replacement(j, gen)
+                    recovering = gen
                     gen += 1
                 continue
             # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
@@ -530,19 +543,22 @@ def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | Non
 
 
 def states_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Names of model / optimizer-state tensors that differ bitwise between two stage results."""
-    bad = [
-        f"param {n}"
-        for n in a["model"]
-        if not torch.equal(a["model"][n], b["model"][n])
-    ]
+    """What differs between two stage results (``RecoveryRun.results[k]``): model tensors (bitwise;
+    names present in one only), optimizer state (tensors bitwise, other values by equality) and
+    param groups (learning rates, betas...), lr scheduler. [] when they are the same."""
+    bad = sorted(f"param {n} in one only" for n in a["model"].keys() ^ b["model"].keys())
+    bad += [f"param {n}" for n in a["model"] if n in b["model"] and not torch.equal(a["model"][n], b["model"][n])]
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     if sa.keys() != sb.keys():
         bad.append("optimizer state keys")
-    for p in sa:
+    for p in sa.keys() & sb.keys():
         for key, v in sa[p].items():
-            if isinstance(v, torch.Tensor) and not torch.equal(v, sb[p][key]):
+            w = sb[p].get(key)
+            same = torch.equal(v, w) if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) else v == w
+            if not same:
                 bad.append(f"optimizer {p}.{key}")
+    if a["optimizer"].get("param_groups") != b["optimizer"].get("param_groups"):
+        bad.append("optimizer param_groups")
     if a.get("lr_scheduler") != b.get("lr_scheduler"):
         bad.append("lr_scheduler")
     return bad

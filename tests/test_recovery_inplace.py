@@ -251,15 +251,19 @@ def test_parallel_helpers_released_when_nothing_to_replay(
     assert_same_as(r, references["1f1b"])
 
 
-@pytest.mark.parametrize(("stage", "iteration", "cold", "workers"), [(1, 5, True, 1), (2, 6, True, 2), (0, 6, False, 1)])
-def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, cold: bool, workers: int) -> None:
+@pytest.mark.parametrize(("stage", "iteration", "phase", "cold", "workers"),
+                         [(1, 5, "forward", True, 1), (2, 6, "forward", True, 2), (0, 6, "forward", False, 1), (1, 6, "optimizer", True, 1)])  # fmt: skip
+def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, phase: str, cold: bool, workers: int) -> None:
     """``trainer_client/examples/minimal_resilient.py``, the template for a script of one's own
     (its own MLP, SGD with momentum, StepLR, loss; nothing of the example GPT), run by the launcher:
     the killed stage (a middle one; the last one, whose loss function the replay takes from META)
     is replayed (the last one with a replay helper beside the replacement) and rejoins, and every
     stage ends as in a failure-free run, bit for bit. Without a
     cold tier the first stage's logged inputs die with it: the replacement reports the fallback
-    (exit code 3) and the launcher restarts every stage from the checkpoint, to the same end."""
+    (exit code 3) and the launcher restarts every stage from the checkpoint, to the same end. A
+    stage lost in the optimizer step of the last iteration (committed: the others applied it and
+    finished) is replaced too: the others wait at the end-of-run barrier, report ``resume = 7``
+    and finish once it is replayed to the end."""
     from replay.launcher import run_with_failures, states_equal
 
     def go(base: Path, kills: list[KillSpec]) -> RecoveryRun:
@@ -271,13 +275,25 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path:
         return r
 
     ref = go(tmp_path / "ref", [])
-    r = go(tmp_path / "kill", [KillSpec(stage, iteration, 0, "forward")])
+    r = go(tmp_path / "kill", [KillSpec(stage, iteration, 0, phase)])
     assert {k: states_equal(r.results[k], ref.results[k]) for k in range(3)} == {0: [], 1: [], 2: []}
+    resume = iteration + (phase == "optimizer")  # a kill after the commit: the iteration was applied
     if not cold:
         assert r.fallback is not None and "no record of input_0 at iteration 4" in r.fallback
         assert [e["what"] for e in r.timeline].count("rollback") == 1
         return
     assert r.fallback is None and [t["failed_stages"] for t in r.timings] == [[stage]]
     t = r.timings[0]
-    assert (t["verified"], t["checkpoint_iteration"], t["resume"], t["replay_workers"]) == (True, 4, iteration, workers)
-    assert r.results[stage]["recovered"]["resume"] == iteration
+    assert (t["verified"], t["checkpoint_iteration"], t["resume"], t["replay_workers"]) == (True, 4, resume, workers)
+    assert r.results[stage]["recovered"]["resume"] == resume
+
+
+def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+    """Stage 1 dies in iteration 3; stage 3 reports as a survivor and dies too, while the
+    replacement replays. In-place recovery cannot finish (the new group would miss stage 3): the
+    scheduler restarts every stage from the checkpoint at 2, and the run ends as a failure-free one."""
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 0, 0, "recovering")])
+    rollbacks = [e for e in r.timeline if e["what"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == 2 and "during the recovery of generation 0" in rollbacks[0]["reason"], r.timeline
+    assert r.fallback is None
+    assert_same_as(r, references["1f1b"])

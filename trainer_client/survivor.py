@@ -119,6 +119,10 @@ class RecoveryKeys:
     def heartbeat(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/hb/{stage}"
 
+    def finished(self, g: int, stage: int) -> str:
+        """Set by ``stage`` when it applied the run's last iteration in generation ``g`` (the end-of-run barrier)."""
+        return f"{self.base}/gen{g}/finished/{stage}"
+
     def ready_count(self, g: int) -> str:
         """Counter of the replacements of generation ``g`` that reported ready."""
         return f"{self.base}/gen{g}/ready_count"
@@ -456,8 +460,10 @@ class ResilientLoop:
         Per iteration: ``before(it)`` (e.g. checkpoints), ``forward_backward(it)`` (the schedule
         step, e.g. ``client.step``), ``client.commit(it)``, ``apply(it)`` (optimizer and scheduler
         step, zero grads). ``joined``: the process group of the current generation is already up
-        and ``rebuild`` was called (otherwise :meth:`join` runs first). Returns ``stop``.
-        Raises what ``forward_backward``/``apply`` raise when it is not a pipeline failure, and
+        and ``rebuild`` was called (otherwise :meth:`join` runs first). After the last iteration
+        every stage waits for the others to finish it (a stage lost in its last optimizer step is
+        replaced and replayed to ``stop`` like any other: the survivors report ``resume = stop``,
+        rejoin, and finish with it). Returns ``stop``. Raises what ``forward_backward``/``apply`` raise when it is not a pipeline failure, and
         RecoveryFailedError when recovery is impossible.
         """
         # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
@@ -475,36 +481,66 @@ class ResilientLoop:
                 self.join()
             it = start
             failures = 0
-            while it < stop:
-                failure = None
-                try:
-                    if before is not None:
-                        before(it)
-                    self._save_buffers()
-                    forward_backward(it)
-                    self.client.commit(it)
-                except Exception as e:
-                    if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
-                        raise
-                    # keep only the text: the traceback's frames hold the schedule's pending work and
-                    # with it the process group, whose connections must close now (see _recover)
-                    failure = (
-                        f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
-                    )
-                if failure is not None:
-                    failures += 1
-                    it = self._recover(it, failure)
-                    continue
-                apply(it)
-                self.iteration_end.append((it, time.time(), self.generation))
-                it += 1
-            return it
+            while True:
+                while it < stop:
+                    failure = None
+                    try:
+                        if before is not None:
+                            before(it)
+                        self._save_buffers()
+                        forward_backward(it)
+                        self.client.commit(it)
+                    except Exception as e:
+                        if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
+                            raise
+                        # keep only the text: the traceback's frames hold the schedule's pending work and
+                        # with it the process group, whose connections must close now (see _recover)
+                        failure = (
+                            f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
+                        )
+                    if failure is not None:
+                        failures += 1
+                        it = self._recover(it, failure)
+                        continue
+                    apply(it)
+                    self.iteration_end.append((it, time.time(), self.generation))
+                    it += 1
+                failure = self._finish()
+                if failure is None:
+                    return it
+                if failures >= self.cfg.max_failures:
+                    raise RecoveryFailedError(f"stage {self.cfg.stage}: {failure} (after {failures} recoveries)")
+                failures += 1
+                it = self._recover(it, failure, discard=False)
         finally:
             if self._hb is not None:
                 self._hb.close()
                 self._hb = None
 
-    def _recover(self, it: int, msg: str) -> int:
+    def _finish(self) -> str | None:
+        """The end-of-run barrier: report this stage finished and wait until every stage did, so
+        that a stage lost after the last commit (in its optimizer step) is still replaced and
+        replayed to the end while the others keep their state. Returns None when every stage
+        finished, else what failed (the generation was marked failed: by the scheduler, the
+        heartbeat monitor or a stage). Raises RecoveryTimeoutError after ``rejoin_timeout``."""
+        cfg, g = self.cfg, self.generation
+        done = [self.keys.finished(g, k) for k in range(cfg.num_stages)]
+        self.store.set(done[cfg.stage], repr(time.time()))
+        try:
+            wait_for_keys(self.store, done, timeout=cfg.rejoin_timeout, abort_keys=[self.keys.failed(g)],
+                          what=f"stage {cfg.stage}: waiting for every stage to finish the run (generation {g})")  # fmt: skip
+        except RecoveryTimeoutError:
+            raise
+        except RecoveryFailedError as e:
+            if all(self.store.check([k]) for k in done):  # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+                return None
+            return f"a stage failed after the last iteration: {e}"
+        return None
+
+    def _recover(self, it: int, msg: str, *, discard: bool = True) -> int:
+        """Steps 2-4 of the protocol for a failure in iteration ``it`` (``discard``: an unfinished
+        iteration's gradients and buffer updates are thrown away; False at the end-of-run barrier,
+        where every iteration was applied)."""
         cfg, keys, g = self.cfg, self.keys, self.generation
         t_detect = time.time()
         logger.warning(
@@ -540,11 +576,10 @@ class ResilientLoop:
             raise RecoveryFailedError(
                 f"stage {cfg.stage}: iteration {it} was committed but this stage did not apply it"
             )
-        self.optimizer.zero_grad(
-            set_to_none=True
-        )  # 3. discard the unfinished iteration: its gradients and its buffer updates
-        if self._buffers_of is not None:
-            self._buffers.restore(self._buffers_of)
+        if discard:  # 3. discard the unfinished iteration: its gradients and its buffer updates
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._buffers_of is not None:
+                self._buffers.restore(self._buffers_of)
         drained = self.client.writer.drain(cfg.rejoin_timeout.total_seconds())
         t_c = time.monotonic()
         if not drained:

@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     kill = None
     if args.kill_at:  # IT,MB,PHASE (the micro-batch is not used here)
         it_s, _, phase_s = args.kill_at.split(",")
+        if phase_s not in ("forward", "optimizer"):  # a phase this script does not inject must not pass as a failure-free run
+            raise SystemExit(f"--kill-at {args.kill_at}: this script injects the phases forward and optimizer, not {phase_s!r}")
         kill = (int(it_s), phase_s)
 
     def die_if(it: int, phase: str) -> None:

@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -58,7 +59,7 @@ __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
 
 logger = logging.getLogger(__name__)
 
-KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload")
+KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
 EXIT_FALLBACK = 3
 
 
@@ -228,6 +229,16 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             return put_segment(*a, **kw)
 
         cold.put_segment = put_segment_then_die
+
+    if kill is not None and kill[2] == "recovering":  # a failure during recovery: die right after reporting as a survivor
+
+        def die_once_reported() -> None:
+            watch = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+            while not watch.check([keys.survivor(generation, k)]):
+                time.sleep(0.002)
+            _kill(watch, keys, k)
+
+        threading.Thread(target=die_once_reported, name="kill-when-recovering", daemon=True).start()
 
     def rebuild() -> None:
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
