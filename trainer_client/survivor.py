@@ -119,9 +119,10 @@ class RecoveryKeys:
     def heartbeat(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/hb/{stage}"
 
-    def finished(self, g: int, stage: int) -> str:
-        """Set by ``stage`` when it applied the run's last iteration in generation ``g`` (the end-of-run barrier)."""
-        return f"{self.base}/gen{g}/finished/{stage}"
+    def finished(self, g: int, stop: int, stage: int) -> str:
+        """Set by ``stage`` when it applied iteration ``stop - 1``, the last one of a ``run``, in
+        generation ``g`` (the end-of-run barrier)."""
+        return f"{self.base}/gen{g}/finished/{stop}/{stage}"
 
     def ready_count(self, g: int) -> str:
         """Counter of the replacements of generation ``g`` that reported ready."""
@@ -505,7 +506,7 @@ class ResilientLoop:
                     apply(it)
                     self.iteration_end.append((it, time.time(), self.generation))
                     it += 1
-                failure = self._finish()
+                failure = self._finish(stop)
                 if failure is None:
                     return it
                 if failures >= self.cfg.max_failures:
@@ -517,14 +518,14 @@ class ResilientLoop:
                 self._hb.close()
                 self._hb = None
 
-    def _finish(self) -> str | None:
+    def _finish(self, stop: int) -> str | None:
         """The end-of-run barrier: report this stage finished and wait until every stage did, so
         that a stage lost after the last commit (in its optimizer step) is still replaced and
         replayed to the end while the others keep their state. Returns None when every stage
         finished, else what failed (the generation was marked failed: by the scheduler, the
         heartbeat monitor or a stage). Raises RecoveryTimeoutError after ``rejoin_timeout``."""
         cfg, g = self.cfg, self.generation
-        done = [self.keys.finished(g, k) for k in range(cfg.num_stages)]
+        done = [self.keys.finished(g, stop, k) for k in range(cfg.num_stages)]
         self.store.set(done[cfg.stage], repr(time.time()))
         try:
             wait_for_keys(self.store, done, timeout=cfg.rejoin_timeout, abort_keys=[self.keys.failed(g)],
