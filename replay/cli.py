@@ -158,7 +158,7 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
     except Exception as e:  # DistNetworkError / RuntimeError / TimeoutError from the store client
         raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE,
-                   hint="the job's TCPStore must still run; without it the logs' META is used") from None  # fmt: skip
+                   hint="the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay with the META the logs hold") from None  # fmt: skip
     out = []
     for job, unit in zip(jobs, plan.units, strict=True):
         metas = SourceSpec.from_commit_store(store, prefix, job.stages, range(unit.checkpoint_iteration, job.stop_iteration), where=f"the commit store {address}")

@@ -202,6 +202,7 @@ class RecordDetail(RecordEntry):
     raw_checksum: str = Field(description="xxh3-64 of the raw tensor bytes, from the record header (hex)")
     stats: TensorStats | None = None
     stats_skipped: str | None = Field(None, description="why stats is None")
+    meta: dict[str, Any] | None = Field(None, description="a META record's document (the stage's schedule, order, seeds, loss function... of the iteration)")
 
 
 # ---------------------------------------------------------------------------------- checkpoints, gc, flush

@@ -19,6 +19,7 @@ through ``gc(confirm=True)``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -516,8 +517,17 @@ class Node:
         info = self._locate(st, k)
         entry = _entry(info) if info is not None else _entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
         entry["raw_bytes"] = header.raw_len
-        stats, skipped = None, None
-        if not with_stats:
+        stats, skipped, document = None, None, None
+        if k.channel.kind == Kind.META:  # a JSON document stored as bytes: show the document
+            try:  # (trainer_client.meta.decode_meta, without importing the client here)
+                document = json.loads(codec.decode_tensor(blob, key=k).numpy().tobytes().decode())
+                if not isinstance(document, dict):
+                    raise ValueError(f"a JSON {type(document).__name__}, not an object")
+            except (ValueError, UnicodeDecodeError) as e:
+                skipped = f"META record is not a JSON document: {e}"
+            else:
+                skipped = "a META document (see meta)"
+        elif not with_stats:
             skipped = "not requested"
         elif header.raw_len > self.max_tensor_stats_bytes:
             skipped = f"record has {header.raw_len} raw bytes, above max_tensor_stats_bytes={self.max_tensor_stats_bytes}"
@@ -535,6 +545,7 @@ class Node:
             raw_checksum=_hex(header.checksum),
             stats=stats,
             stats_skipped=skipped,
+            meta=document,
         )
 
     # ------------------------------------------------------------------ checkpoints, GC, flush, verify

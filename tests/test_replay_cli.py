@@ -128,3 +128,16 @@ def test_a_diverged_replay_writes_nothing(f1b_run, tmp_path):
     assert r.exit_code == 1, r.output
     assert "DIVERGED at" in r.stdout and '"channel": "act_1_2"' in r.stdout and f"nothing written to {out}" in r.stdout
     assert not out.exists()
+
+
+def test_show_prints_a_meta_records_document(f1b_run):
+    """``swiftlog show`` of a META record shows its JSON document (which loss, order, seeds...), not byte statistics."""
+    from logstore import Channel, RecordKey
+
+    key = str(RecordKey(Channel.meta(3), 3, 0))
+    r = runner.invoke(app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["meta"]["stage"] == 3 and d["meta"]["iteration"] == 3 and d["meta"]["loss"] == "trainer_client.examples.gpt:loss_fn" and d["stats"] is None
+    text = runner.invoke(app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url])
+    assert text.exit_code == 0 and '"schedule": "Schedule1F1B"' in text.stdout and "min / max" not in text.stdout, text.output

@@ -250,6 +250,24 @@ def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
     assert res.outputs == {} and not (tmp_path / "bad-out").exists()  # a wrong state is never written as a recovered checkpoint
 
 
+def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
+    """A factory with another signature, or one that returns something else than (module,
+    optimizer, scheduler), is a ReplayError naming the factory and the expected form."""
+    job = _job(f1b_run, 1, tmp_path)
+
+    def two_args(stage, num_stages, **kw):
+        raise AssertionError("never called with two arguments")
+
+    def two_things(stage, num_stages, checkpoint, **kw):
+        return gpt_stage(stage, num_stages, checkpoint, **kw)[:2]
+
+    with pytest.raises(ReplayError, match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional arguments") as e:
+        build_states(job, factory=two_args)
+    assert "fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)" in e.value.hint
+    with pytest.raises(ReplayError, match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, optimizer, lr_scheduler or None\)"):
+        build_states(job, factory=two_things)
+
+
 def test_checkpoints_must_agree(f1b_run, tmp_path):
     job = _job(f1b_run, [1, 2], tmp_path)
     with pytest.raises(ValueError, match="no checkpoint URI"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import tempfile
 from pathlib import Path
@@ -200,11 +202,13 @@ def _print_detail(d: RecordDetail) -> None:
         fmt = lambda x: "-" if x is None else f"{x:.6g}"  # noqa: E731
         rows += [("min / max", f"{fmt(s.min)} / {fmt(s.max)}"), ("mean", fmt(s.mean)), ("norm", fmt(s.norm)),
                  ("nan / inf", f"{s.nan_count} / {s.inf_count}")]  # fmt: skip
-    else:
+    elif d.meta is None:
         rows.append(("stats", d.stats_skipped or "-"))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    if d.meta is not None:
+        console.print_json(json.dumps(d.meta))
 
 
 def export(
