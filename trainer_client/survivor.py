@@ -464,8 +464,8 @@ class ResilientLoop:
         and ``rebuild`` was called (otherwise :meth:`join` runs first). After the last iteration
         every stage waits for the others to finish it (a stage lost in its last optimizer step is
         replaced and replayed to ``stop`` like any other: the survivors report ``resume = stop``,
-        rejoin, and finish with it). Returns ``stop``. Raises what ``forward_backward``/``apply`` raise when it is not a pipeline failure, and
-        RecoveryFailedError when recovery is impossible.
+        rejoin, and finish with it). Returns ``stop``. Raises what ``forward_backward``/``apply``
+        raise when it is not a pipeline failure, and RecoveryFailedError when recovery is impossible.
         """
         # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
         # collection that _recover runs to close the failed group's sockets (0.4 s -> milliseconds)
