@@ -74,6 +74,35 @@ def test_disk_full_on_tmpfs_then_gc_frees_space(small_disk: Path, tmp_path: Path
     s.close()
 
 
+def test_writing_on_after_the_disk_is_full_never_kills_the_writer(small_disk: Path) -> None:
+    """A writer keeps logging (and recording gaps) after its disk filled up, as the client's writer
+    thread does: every put is a StoreFullError, the process lives. (The LMDB index mapped for
+    writing died of SIGBUS here: a page of a sparse file that the full disk cannot back.)"""
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from logstore import LogStore, Channel, RecordKey
+        from logstore.errors import StoreFullError
+        s = LogStore.open({str(small_disk / 'node')!r}, "run1", writer="stage0", segment_iters=1)
+        full = 0
+        for it in range(400):
+            try:
+                s.put_many([(RecordKey(Channel.activation(0), it, mb), torch.randn(64, 1024)) for mb in range(2)])
+            except StoreFullError as e:
+                full += 1
+                try:
+                    s.record_gap(Channel.activation(0), it, 0, str(e))
+                except StoreFullError:
+                    pass
+        print("FULL", full)
+        s.close()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert int(out.stdout.split()[1]) > 300  # the disk was full for most of it
+
+
 def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
@@ -100,3 +129,60 @@ def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
     n = int(out.stdout.split()[1])
     assert 20 < n < 40
     assert f"INTACT {n}" in out.stdout
+
+
+@pytest.mark.s3
+def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Path) -> None:
+    """An object store that accepts connections and never answers (SIGSTOPped): ``close(flush=True,
+    timeout=2)`` returns after its time plus at most one S3 call in flight, every record stays in
+    the hot tier, and the uploader thread that outlives the close ends without an uncaught error."""
+    import threading
+    import time
+
+    from logstore.errors import ColdTierUnavailableError
+
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda a: errors.append(a.exc_value)  # type: ignore[assignment]
+    opts = {**moto_server.storage_options, "config_kwargs": {"read_timeout": 1.0, "connect_timeout": 1.0}}
+    s = LogStore.open(tmp_path / "node", "hang", writer="stage0", cold_url=moto_server.url(f"hang-{uuid.uuid4().hex[:6]}"),
+                      cold_options=opts, segment_iters=1)  # fmt: skip
+    try:
+        s.put(RecordKey(ACT, 0, 0), _t(0, 0))
+        s.flush()  # the store works
+        moto_server.pause()
+        for it in range(1, 8):
+            s.put(RecordKey(ACT, it, 0), _t(it, 0))
+        t0 = time.monotonic()
+        with pytest.raises(ColdTierUnavailableError):
+            s.flush(timeout=2.0)
+        s.close(flush=True, timeout=2.0)
+        took = time.monotonic() - t0
+        uploader = [t for t in threading.enumerate() if t.name == "swiftlog-upload-hang"]
+        for t in uploader:
+            t.join(timeout=30)
+        assert took < 25, took  # two waits of 2 s, each overrun by at most one call's retries (1 s reads)
+    finally:
+        moto_server.resume()
+        threading.excepthook = previous
+    assert errors == [] and not any(t.is_alive() for t in uploader), errors
+    r = LogStore.open(tmp_path / "node", "hang")
+    assert all(torch.equal(r.get(RecordKey(ACT, it, 0)), _t(it, 0)) for it in range(8))
+    r.close()
+
+
+def test_a_read_only_store_root_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """A store root on a read-only mount: a ConfigError naming the root and why (not a bare OSError)."""
+    from logstore.errors import ConfigError
+
+    mnt = tmp_path / "ro"
+    ok, why = _can_mount_tmpfs(mnt)
+    if not ok:
+        pytest.skip(why)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], check=True)
+    try:
+        with pytest.raises(ConfigError, match=r"store root .*ro/node.*: cannot write under .*: Read-only file system") as e:
+            LogStore.open(mnt / "node", "run1", writer="stage0")
+        assert "writable directory" in (e.value.hint or "")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
