@@ -264,6 +264,8 @@ class ColdTier:
         self._closed = False
         scheme, sep, rest = url.partition("://")
         if not sep:
+            if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url):  # "s3:/bucket", "file:/dir": a URL with a typo, not a directory named "s3:"
+                raise ConfigError(f"cold tier url {url!r} is not a URL (scheme without '://') nor a plain path", hint="write s3://bucket/prefix or file:///abs/dir")
             scheme, rest = "file", os.path.abspath(url)
         scheme = scheme.lower()
         if scheme == "file":

@@ -42,6 +42,7 @@ import torch
 from logstore import codec
 from logstore.cold import ColdTier
 from logstore.errors import (
+    ColdTierUnavailableError,
     ConfigError,
     CorruptRecordError,
     RecordNotFoundError,
@@ -237,15 +238,19 @@ class LogStore:
         self._stop = threading.Event()
         self._uploader: threading.Thread | None = None
         if config.writer is not None:
-            self._run_dir.mkdir(parents=True, exist_ok=True)
-            self.hot = HotTier(
-                self._run_dir / config.writer,
-                owner=True,
-                durability=config.durability,
-                segment_iters=config.segment_iters,
-                segment_max_bytes=config.segment_max_bytes,
-                on_seal=self._on_seal,
-            )
+            try:
+                self._run_dir.mkdir(parents=True, exist_ok=True)
+                self.hot = HotTier(
+                    self._run_dir / config.writer,
+                    owner=True,
+                    durability=config.durability,
+                    segment_iters=config.segment_iters,
+                    segment_max_bytes=config.segment_max_bytes,
+                    on_seal=self._on_seal,
+                )
+            except OSError as e:  # a read-only or missing mount, no permission
+                raise ConfigError(f"store root {str(config.root)!r}: cannot write under {str(self._run_dir)!r}: {e.strerror or e}",
+                                  hint="the store root must be a writable directory on a local disk") from e  # fmt: skip
             self._readers[config.writer] = self.hot
             self._backlog_bytes = self._compute_backlog()
             if self.cold is not None and config.upload:
@@ -669,11 +674,16 @@ class LogStore:
             if m.state == SEALED and self._cold_name(m) in committed:
                 self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))
 
-    def _upload_pending(self) -> int:
-        """Upload every sealed segment now (caller's thread). Raises the first cold-tier error."""
+    def _upload_pending(self, deadline: float | None = None) -> int:
+        """Upload every sealed segment now (caller's thread). Raises the first cold-tier error, and
+        ColdTierUnavailableError when ``deadline`` (``time.monotonic()``) passes first: between
+        segments, or waiting for the uploader thread's upload in progress."""
         assert self.hot is not None and self.cold is not None
         n = 0
-        with self._upload_lock:
+        if not self._upload_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise ColdTierUnavailableError(f"run {self.run}: the uploader is still busy with a slow upload (object store slow or down?)",
+                                           hint="the records stay in the hot tier; the uploader goes on in the background")  # fmt: skip
+        try:
             self._ship_gaps()
             first = self._ship_first
             with self._shipped:
@@ -681,7 +691,12 @@ class LogStore:
             segs = self.hot.segments()
             sealed = {m.id for m in segs if m.state == SEALED}
             self._forget_unshipped(known - sealed)
-            for m in sorted((m for m in segs if m.state == SEALED), key=lambda m: (m.channel not in first, m.id)):
+            todo = sorted((m for m in segs if m.state == SEALED), key=lambda m: (m.channel not in first, m.id))
+            left = 0
+            for i, m in enumerate(todo):
+                if deadline is not None and time.monotonic() > deadline:
+                    left = len(todo) - i
+                    break
                 name = self._ship(self.hot, m)
                 if name is not None:
                     self.hot.set_state(m.id, UPLOADED, cold_name=name)
@@ -694,6 +709,11 @@ class LogStore:
                 self._cold_list = None
                 self._cold_epoch += 1
             self._evict()
+        finally:
+            self._upload_lock.release()
+        if left:
+            raise ColdTierUnavailableError(f"run {self.run}: {left} sealed segment(s) not uploaded in the time given (object store slow?)",
+                                           hint="they stay in the hot tier; the uploader goes on in the background")  # fmt: skip
         return n
 
     def _on_seal(self, m: SegmentMeta) -> None:
@@ -753,12 +773,19 @@ class LogStore:
                 self._upload_pending()
                 backoff = 0.1
             except SwiftlogError as e:
+                if self._stop.is_set():  # closing: the tiers may be closed under an upload that outlived close's wait
+                    break
                 self._note_error(e)
-                self._backlog_bytes = self._compute_backlog()
+                try:
+                    self._backlog_bytes = self._compute_backlog()
+                except SwiftlogError:
+                    pass
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 self._wake.set()
             except Exception as e:  # a bad item must not kill the uploader
+                if self._stop.is_set():
+                    break
                 logger.exception("uploader: unexpected error")
                 self._note_error(e)
                 self._stop.wait(backoff)
@@ -805,18 +832,20 @@ class LogStore:
                     return False
                 self._shipped.wait(min(left, 0.05))  # notified per upload; the poll bounds a missed wake
 
-    def flush(self) -> int:
+    def flush(self, timeout: float | None = None) -> int:
         """Seal every open segment and upload everything to the cold tier now.
 
         Returns the number of segments uploaded. Raises ColdTierUnavailableError (records stay
-        safe in the hot tier) when the object store cannot take them.
+        safe in the hot tier) when the object store cannot take them, or when ``timeout``
+        seconds pass first (checked between segments: one upload in flight may overrun it by up
+        to the cold tier's ``timeout_s``).
         """
         hot = self._writer_hot()
         hot.seal_all()
         if self.cold is None:
             return 0
         try:
-            return self._upload_pending()
+            return self._upload_pending(None if timeout is None else time.monotonic() + timeout)
         except SwiftlogError as e:
             self._note_error(e)
             raise
@@ -1055,11 +1084,13 @@ class LogStore:
         return rep
 
     # ================================================================== lifecycle
-    def close(self, *, flush: bool = False) -> None:
+    def close(self, *, flush: bool = False, timeout: float = 30.0) -> None:
         """Seal open segments, stop the uploader and release the tiers.
 
         ``flush=True`` also uploads everything first (errors are logged, not raised: the data
-        stays in the hot tier). Never deletes anything.
+        stays in the hot tier). Waits at most ``timeout`` seconds for the uploader's upload in
+        progress (a slow object store): then the tiers close under it, and it ends quietly.
+        Never deletes anything.
         """
         if self._closed:
             return
@@ -1067,7 +1098,7 @@ class LogStore:
             if self.hot is not None:
                 try:
                     if flush:
-                        self.flush()
+                        self.flush(timeout)
                     else:
                         self.hot.seal_all()
                 except SwiftlogError as e:
@@ -1076,7 +1107,7 @@ class LogStore:
             self._stop.set()
             self._wake.set()
             if self._uploader is not None:
-                self._uploader.join(timeout=30)
+                self._uploader.join(timeout=timeout)
             with self._lock:
                 for hot in self._readers.values():
                     hot.close()

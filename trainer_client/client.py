@@ -592,26 +592,35 @@ class SwiftlogClient:
     def close(self, *, flush: bool = True, timeout: float | None = 60.0) -> FlushReport:
         """Write what is queued, finish checkpoint registration and GC (a final GC if a checkpoint
         was registered), upload everything when ``flush`` and a cold tier exist, and close the
-        store. Idempotent; never raises a logging fault."""
+        store. ``timeout`` bounds the whole close (None: wait for everything); a cold tier that is
+        slow or down leaves the rest in the hot tier, reported as a "flush" fault (one upload in
+        flight may overrun it by the cold tier's ``timeout_s``). Idempotent; never raises a
+        logging fault."""
         if self._closed:
             return FlushReport(True, 0, None, [], self.writer.stats().faults)
-        drained = self.writer.drain(timeout)
-        self._maint.wait_idle(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        drained = self.writer.drain(left())
+        self._maint.wait_idle(left())
         if self._maint.registered and self.config.gc_after_checkpoint:
             self._maint.submit(("gc",))
-            self._maint.wait_idle(timeout)
+            self._maint.wait_idle(left())
         uploaded, error = 0, None
         if flush and self.store.cold is not None:
             try:
-                uploaded = self.store.flush()
+                uploaded = self.store.flush(left())
             except SwiftlogError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.writer.note_fault("flush", error)
-        self.writer.close(timeout)
-        self._maint.close(timeout)
+        self.writer.close(left())
+        self._maint.close(left())
         faults = self.writer.take_faults()
         try:
-            self.store.close()
+            rest = left()
+            self.store.close(timeout=30.0 if rest is None else max(rest, 1.0))
         except SwiftlogError as e:
             error = error or f"{type(e).__name__}: {e}"
         self._closed = True
