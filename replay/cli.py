@@ -222,6 +222,8 @@ def print_plan(plan: Any, json_out: bool) -> None:
             typer.echo(f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})")
         for w in u.warnings:
             typer.echo(f"    warning: {w}")
+    for w in plan.warnings:
+        typer.echo(f"  warning: {w}")
     if not plan.possible:
         fb = plan.fallback
         typer.echo(f"fallback: {fb.get('note')}")

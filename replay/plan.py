@@ -395,6 +395,11 @@ class _Planner:
         else:
             horizons = [u.logged_through for u in units if u.logged_through is not None]
             target = min(horizons) if horizons else None
+            committed = max((max(self._index(Channel.meta(k), 0), default=-1) for k in range(S)), default=-1)
+            if target is not None and committed >= target:  # the default target hides what the survivors did after it
+                self.warnings.append(f"the default target is the last iteration the replay's inputs are complete for ({target}), but stages "
+                                     f"committed up to iteration {committed}: if the survivors stand past {target}, this plan does not bring "
+                                     f"the failed stage(s) there (pass --target-iteration to see what is missing)")  # fmt: skip
         for u in units:
             self._finish(u, target, gaps, S)
         possible = all(u.possible for u in units)
@@ -555,13 +560,16 @@ class _Planner:
         first = u.stages[0]
         chans = self._unit_channels(u, S)
         gap_index = {(g["channel"], g["iteration"], g["micro_batch"]): g for g in gaps}
-        # inputs: every micro-batch of every iteration in [c, target)
+        stop = target  # the iterations examined: never past the first one not fully logged (a target far beyond the logs costs nothing)
+        if u.logged_through is not None and target > u.logged_through + 1:
+            stop = u.logged_through + 1
+        # inputs: every micro-batch of every iteration in [c, stop)
         n_mbs: dict[int, int | None] = {}
-        for it in range(c, target):
+        for it in range(c, stop):
             n_mbs[it] = self._n_mb(u, it, S)
         known = [n for n in n_mbs.values() if n]
         u.n_microbatches = max(set(known), key=known.count) if known else None
-        for it in range(c, target):
+        for it in range(c, stop):
             n = n_mbs[it]
             if n is None:
                 u.missing.append(f"{Channel.meta(first).name}/it{it}/mb0/p0")
@@ -584,9 +592,11 @@ class _Planner:
             g = u.gaps[0] if u.gaps else None
             why = f"; a gap was recorded for {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}" if g else ""
             u.reasons.append(f"inputs missing for [{c}, {target}): first missing record {first_key}{why}")
+        if stop < target:
+            u.reasons.append(f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is {stop - 1} completely)")
         # META: the unit's own, else another stage's stands in (ascending schedules only)
         meta_chans: set[Channel] = set()
-        for it in range(c, target):
+        for it in range(c, stop):
             own = [k for k in u.stages if it in self._index(Channel.meta(k), 0)]
             meta_chans.update(Channel.meta(k) for k in own)
             found = None if own else self._any_meta(it, u.stages, S)
@@ -607,7 +617,7 @@ class _Planner:
                     u.warnings.append(f"gap on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']} ({g['reason']}): that send cannot be verified")
         # verification: a digest of every boundary send (part 0 at least) of every micro-batch
         u.verifiable = bool(chans["verify"]) and all(
-            all(mb in self._index(ch, c).get(it, {}) for mb in range(n_mbs[it] or 0)) for ch in chans["verify"] for it in range(c, target)
+            all(mb in self._index(ch, c).get(it, {}) for mb in range(n_mbs[it] or 0)) for ch in chans["verify"] for it in range(c, stop)
         )
         if not chans["verify"]:
             u.warnings.append("the unit sends nothing across a logged boundary: there is nothing to verify the replay against")
@@ -616,9 +626,9 @@ class _Planner:
         # where to fetch from
         failed_writers = {f"stage{k}" for k in self.failed}
         self._fetch_items(u, [(ch, "input") for ch in chans["inputs"]] + [(ch, "meta") for ch in sorted(meta_chans)]
-                          + [(ch, "verify") for ch in chans["verify"]], c, target, failed_writers)  # fmt: skip
+                          + [(ch, "verify") for ch in chans["verify"]], c, stop, failed_writers)  # fmt: skip
         if self.check_records and not u.reasons:
-            self._check_records(u, [ch for ch in chans["inputs"]], c, target)
+            self._check_records(u, [ch for ch in chans["inputs"]], c, stop)
         u.possible = not u.reasons
         self._estimate(u, S)
 
@@ -705,13 +715,9 @@ class _Planner:
             per_it = self.replay_s * len(u.stages)
             basis = f"replay_seconds_per_iteration={self.replay_s} x {len(u.stages)} stage(s)"
         else:
-            steps = []
             lo = u.checkpoint_iteration or 0
-            for it in range(lo, (u.stop_iteration or lo)):
-                for k in range(S):
-                    m = self._metas.get((k, it))
-                    if m and isinstance(m.get("step_s"), (int, float)):
-                        steps.append(float(m["step_s"]))
+            hi = u.stop_iteration or lo
+            steps = [float(m["step_s"]) for (_, it), m in sorted(self._metas.items()) if lo <= it < hi and m and isinstance(m.get("step_s"), (int, float))]
             n = u.n_microbatches
             if steps and n:
                 step = statistics.median(steps)

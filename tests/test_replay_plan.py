@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,7 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         default = plan_recovery(st, [2])
         full = plan_recovery(st, [2], target_iteration=ITERS)
     assert default.possible and default.target_iteration == 4 and default.units[0].logged_through == 4
+    assert any("stages committed up to iteration 5: if the survivors stand past 4" in w for w in default.warnings), default.warnings
     assert not full.possible and full.units[0].missing[0] == "act_1_2/it4/mb0/p0"
     assert "first missing record act_1_2/it4/mb0/p0" in full.reasons[0]
     # a target before every checkpoint: nothing to restart from but the beginning
@@ -158,6 +160,14 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         early = plan_recovery(st, [2], target_iteration=1)
     assert not early.possible and "at or below the target 1" in early.reasons[0]
     assert early.fallback["iteration"] is None and "from scratch" in early.fallback["note"]
+    # a target far beyond the logs (up to the API's limit): one reason, found at once, not a walk over every iteration
+    t0 = time.monotonic()
+    with f1b_run.store() as st:
+        far = plan_recovery(st, [2], target_iteration=2**53 - 1)
+    assert time.monotonic() - t0 < 10 and not far.possible and far.units[0].iterations == 2**53 - 1 - 2
+    reasons = far.units[0].reasons
+    assert len(reasons) == 3 and reasons[0] == f"iteration {ITERS}: no stage has a META record (no stage committed it)", reasons
+    assert reasons[-1] == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"
     shutil.rmtree(root)
 
 

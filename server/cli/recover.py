@@ -1,8 +1,9 @@
 """``swiftlog plan``: the recovery plan for failed stages, from the pluggable planner
 (``replay.plan:plan_recovery`` by default), over one node's store root and the cold tier.
 
-A planner that cannot be imported is reported with exit 4 (unavailable), like the API's 501. To
-plan over several nodes' roots at once, ``swiftlog replay --plan-only --root A --root B``.
+Exit 0 with a possible plan, 1 with an impossible one (its reasons and fallback printed), 4 when
+the planner cannot be imported (like the API's 501). To plan over several nodes' roots at once,
+``swiftlog replay --plan-only --root A --root B``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated
 import typer
 
 from server.cli._common import ColdOptionOpt, ColdUrlOpt, JsonOpt, RunOpt, console, fail, handle_errors, make_node, print_json
+from server.errors import EXIT_PROBLEMS
 from server.planner import DEFAULT_PLANNER
 from server.settings import ENV_ROOT
 
@@ -40,19 +42,20 @@ def plan(
         node = make_node(root[0], cold_url, cold_option)
         node.planner = planner
         p = node.plan(run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
+    impossible = isinstance(p.plan, dict) and p.plan.get("possible") is False  # exit 1, as swiftlog replay --plan-only
     if json_out:
         print_json(p)
-        return
-    from replay.cli import print_plan
-    from replay.plan import RecoveryPlan
+    else:
+        from replay.cli import print_plan
+        from replay.plan import RecoveryPlan
 
-    try:
-        doc = RecoveryPlan.from_dict(p.plan)
-    except (KeyError, TypeError, AttributeError):  # another planner's document: shown as it is
-        console.print(f"recovery plan for run {p.run}, failed stages {p.failed_stages} ({p.planner}):")
-        console.print_json(json.dumps(p.plan))
-        return
-    print_plan(doc, False)
+        try:
+            print_plan(RecoveryPlan.from_dict(p.plan), False)
+        except (KeyError, TypeError, AttributeError):  # another planner's document: shown as it is
+            console.print(f"recovery plan for run {p.run}, failed stages {p.failed_stages} ({p.planner}):")
+            console.print_json(json.dumps(p.plan))
+    if impossible:
+        raise typer.Exit(EXIT_PROBLEMS)
 
 
 def register(app: typer.Typer) -> None:
