@@ -12,7 +12,7 @@ Endpoints (all JSON unless said otherwise; ``/openapi.json`` has the full schema
     POST /v1/runs/{run}/checkpoints              register a durable checkpoint          (token)
     POST /v1/runs/{run}/gc                       GC: dry run unless {"confirm": true}   (token)
     POST /v1/runs/{run}/flush                    upload the writers' sealed segments    (token)
-    GET  /v1/runs/{run}/recovery-plan?failed=k   pluggable planner; 501 until replay/ lands
+    GET  /v1/runs/{run}/recovery-plan?failed=k   pluggable planner; 501 if it cannot be loaded
     GET  /metrics                                Prometheus
 
 Every error is ``{"error": {"code", "message", "hint", "key", "retryable"}}`` with a 4xx status for

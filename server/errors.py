@@ -70,7 +70,7 @@ class NoColdTierError(SwiftlogError):
 
 
 class NotAvailableError(SwiftlogError):
-    """The feature's package is not installed yet (e.g. recovery planning before replay/ lands)."""
+    """A pluggable part cannot be loaded (e.g. the recovery planner named by --planner)."""
 
 
 class AuthError(SwiftlogError):

@@ -27,7 +27,8 @@ async def _send_problem(send: Send, problem: Problem) -> None:
 
 
 class BodyLimitMiddleware:
-    """Refuse request bodies above ``max_bytes`` with a JSON 413.
+    """Refuse request bodies above ``max_bytes`` with a JSON 413, and bodies that are not JSON
+    with a 415 (every body of this API is a JSON document; curl's ``-d`` sends a form unless told).
 
     A declared Content-Length above the bound is refused before the app runs; a chunked body is
     counted as it is read and the read fails with 413 once it crosses the bound.
@@ -45,6 +46,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        has_body, content_type = False, b""
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if not value.isdigit():
@@ -53,6 +55,17 @@ class BodyLimitMiddleware:
                 if int(value) > self.max_bytes:
                     await _send_problem(send, self._problem())
                     return
+                has_body = has_body or int(value) > 0
+            elif name == b"transfer-encoding":
+                has_body = True
+            elif name == b"content-type":
+                content_type = value
+        mime = content_type.split(b";")[0].strip().lower()
+        if has_body and scope.get("method") in ("POST", "PUT", "PATCH") and not (mime == b"application/json" or mime.endswith(b"+json")):
+            got = content_type.decode("latin-1")[:100] or "none"
+            await _send_problem(send, Problem(415, "unsupported_media_type", 2, f"the request body must be JSON, sent as Content-Type: application/json (got {got!r})",
+                                              "e.g. curl -H 'Content-Type: application/json' -d '{\"confirm\": true}' ..."))  # fmt: skip
+            return
         seen = 0
         limit = self.max_bytes
 

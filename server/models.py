@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 __all__ = [
     "ErrorDetail",
@@ -220,7 +220,7 @@ class CheckpointList(_Model):
 
 
 class GcRequest(_Model):
-    confirm: bool = Field(False, description="false (default): dry run, report only; true: delete")
+    confirm: StrictBool = Field(False, description="false (default): dry run, report only; true: delete")
 
 
 class GcResult(_Model):

@@ -514,7 +514,10 @@ class Node:
         """Metadata of one record and, unless it is too large or not numeric, its tensor statistics."""
         st = self.store(run)
         k, blob, header = self.blob(run, key)
-        info = self._locate(st, k)
+        try:
+            info = self._locate(st, k)
+        except ColdTierUnavailableError:  # the bytes came from the hot tier; its listing of both tiers needs the cold one
+            info = None
         entry = _entry(info) if info is not None else _entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
         entry["raw_bytes"] = header.raw_len
         stats, skipped, document = None, None, None

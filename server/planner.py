@@ -22,7 +22,7 @@ from server.errors import NotAvailableError
 __all__ = ["DEFAULT_PLANNER", "load_planner", "to_jsonable"]
 
 DEFAULT_PLANNER = "replay.plan:plan_recovery"
-NOT_AVAILABLE = "recovery planning is not available until replay/ lands"
+NOT_AVAILABLE = "the recovery planner cannot be loaded"
 
 
 def load_planner(spec: str = DEFAULT_PLANNER) -> Callable[..., Any]:
@@ -35,7 +35,7 @@ def load_planner(spec: str = DEFAULT_PLANNER) -> Callable[..., Any]:
         if missing and (mod_name == missing or mod_name.startswith(missing + ".")):
             raise NotAvailableError(
                 f"{NOT_AVAILABLE} (module {mod_name!r} is not installed)",
-                hint="use the surviving stages' logs by hand meanwhile; `swiftlog ls --run RUN` lists them",
+                hint="check --planner / SWIFTLOG_PLANNER (module:function; the default is replay.plan:plan_recovery, installed with swiftlog)",
             ) from None
         raise
     fn = getattr(mod, fn_name, None)

@@ -168,7 +168,7 @@ ERRORS = [
     (("plan", "--run", "run-a", "--failed", "1", "--root", "/a", "--root", "/b"), 2, "reads one node's store root, got 2"),
     # the planner is pluggable; a missing one says so and exits 4 (unavailable)
     (("plan", "--run", "run-a", "--failed", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"), 4,
-     "recovery planning is not available until replay/ lands"),
+     "the recovery planner cannot be loaded"),
 ]
 
 

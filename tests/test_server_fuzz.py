@@ -1,8 +1,8 @@
 """The admin API fuzzed from its own OpenAPI schema (schemathesis) against a real server.
 
 Every operation gets a bounded number of generated requests, valid and invalid (negative mode),
-with the server's token; schemathesis checks that no response is a 5xx (501, "not installed",
-is the documented answer of the recovery planner until replay/ lands), that every status, content
+with the server's token; schemathesis checks that no response is a 5xx (501, a planner that
+cannot be loaded, is documented), that every status, content
 type and body matches the schema, and that auth is enforced. Path parameters are steered to the
 real run and real record keys most of the time, so requests reach the store instead of stopping
 at 404. The server runs over a private copy of the store: the fuzzer registers checkpoints and

@@ -96,7 +96,7 @@ def test_no_token_means_read_only_unless_insecure_loopback_dev_mode(store_copy: 
         # the planner is pluggable; while its module is missing the answer is a clear 501
         r = httpx.get(srv.url + "/v1/runs/run-a/recovery-plan", params={"failed": 2})
         assert r.status_code == 501 and r.json()["error"]["code"] == "not_available"
-        assert "recovery planning is not available until replay/ lands" in r.json()["error"]["message"]
+        assert "the recovery planner cannot be loaded" in r.json()["error"]["message"]
     with ServerProcess(store_copy.root, args=["--allow-insecure-loopback-writes"]) as srv:
         assert httpx.get(srv.url + "/v1/health").json()["auth"] == "insecure-loopback"
         r = httpx.post(srv.url + "/v1/runs/run-a/gc", json={})
@@ -162,6 +162,13 @@ def test_request_bodies_are_bounded(api_server: ServerProcess) -> None:
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
     r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", json={"stage": -1, "iteration": 2**70}, headers=AUTH)
     assert r.status_code == 422 and "stage" in r.json()["error"]["message"]
+    # a body that is not JSON (curl -d without a content type sends a form) is a 415 that says what to send
+    r = httpx.post(api_server.url + "/v1/runs/run-a/gc", content=b'{"confirm": true}', headers={**AUTH, "content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type" and "application/json" in r.json()["error"]["message"]
+    # a destructive flag must be a JSON true, not something that looks like one
+    for body in ({"confirm": "yes"}, {"confirm": 1}, {"confirm": "true"}):
+        r = httpx.post(api_server.url + "/v1/runs/run-a/gc", json=body, headers=AUTH)
+        assert r.status_code == 422 and "confirm" in r.json()["error"]["message"], (body, r.text)
 
 
 # ------------------------------------------------------------------------------------------ mutations

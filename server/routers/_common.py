@@ -38,7 +38,7 @@ _DESCRIPTIONS = {
     409: "corrupt record (checksum mismatch), or no cold tier configured",
     413: "request body too large",
     422: "request does not match the schema",
-    501: "feature not installed (recovery planning before replay/ lands)",
+    501: "the recovery planner cannot be loaded (see --planner)",
     502: "the object store refused the operation",
     503: "the object store is unreachable (retryable)",
     507: "the hot tier is full",

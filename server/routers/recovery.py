@@ -1,4 +1,4 @@
-"""GET /v1/runs/{run}/recovery-plan: the pluggable recovery planner (501 until replay/ lands)."""
+"""GET /v1/runs/{run}/recovery-plan: the pluggable recovery planner (501 when it cannot be loaded)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def build(settings: Settings) -> APIRouter:
         failed: list[Annotated[int, Field(ge=0, le=0xFFFF)]] = Query(
             ..., min_length=1, max_length=64, description="failed stage (repeat for several)"
         ),
-        target_iteration: int | None = Query(None, ge=0, le=2**62, description="the iteration the survivors stand at (default: the newest logged)"),
-        bandwidth_mbps: float | None = Query(None, gt=0, le=1e7, description="fetch bandwidth for the time estimate, MB/s"),
+        target_iteration: int | None = Query(None, ge=0, le=2**53 - 1, description="the iteration the survivors stand at (default: the newest logged)"),
+        bandwidth_mbps: float | None = Query(None, ge=0.001, le=1e7, description="fetch bandwidth for the time estimate, MB/s"),
         workers: int | None = Query(None, ge=1, le=1024, description="parallel replay workers for the time estimate"),
         node: Node = Depends(get_node),
     ) -> RecoveryPlan:
