@@ -482,10 +482,12 @@ class _Planner:
         """Choose the checkpoint and find how far the logs are complete (``logged_through``)."""
         u.needs_data_source = self._data_from_source(u, S)
         chans = self._unit_channels(u, S)
-        have = [set(ckpts.get(k, {})) for k in u.stages]
+        have = [{it for it, info in ckpts.get(k, {}).items() if info.uri} for k in u.stages]  # a registration without a URI (the API allows it) cannot be loaded
         missing_ck = [k for k, h in zip(u.stages, have, strict=True) if not h]
         if missing_ck:
-            u.reasons.append(f"no registered checkpoint of stage(s) {missing_ck} in the given stores{self._where_checkpoints_are()}")
+            no_uri = [k for k in missing_ck if ckpts.get(k)]
+            u.reasons.append(f"no registered checkpoint of stage(s) {missing_ck} in the given stores{self._where_checkpoints_are()}" if not no_uri else
+                             f"the checkpoints of stage(s) {no_uri} were registered without a URI: nothing to load them from")  # fmt: skip
             return
         common = sorted(set.intersection(*have), reverse=True)
         if self.target is not None:

@@ -193,3 +193,20 @@ def test_bad_arguments_are_refused(f1b_run):
     assert plan.possible and plan.units[0].stages == [0]
     with pytest.raises(ValueError, match="at least one LogStore"):
         plan_recovery([], [1])
+
+
+def test_a_checkpoint_registered_without_a_uri_is_not_planned_from(f1b_run, tmp_path):
+    """A registration without a URI (the admin API allows one) cannot be loaded: the plan keeps to
+    the newest checkpoint it can load, and says so when there is none."""
+    root, cold = copy_run_files(f1b_run, tmp_path)
+    from logstore import LogStore
+
+    with LogStore.open(root, f1b_run.run_id, writer="admin", cold_url=cold) as st:
+        st.register_checkpoint(2, 4)  # no uri
+        plan = plan_recovery(st, [2])
+        assert plan.possible and plan.units[0].checkpoint_iteration == CKPT and plan.units[0].checkpoints[2]
+    shutil.rmtree(root)
+    with LogStore.open(tmp_path / "bare", "bare", writer="admin") as st:
+        st.register_checkpoint(1, 0)  # the only one of stage 1, without a URI
+        bare = plan_recovery(st, [1], num_stages=2)
+    assert not bare.possible and "the checkpoints of stage(s) [1] were registered without a URI: nothing to load them from" in bare.reasons[0], bare.reasons
