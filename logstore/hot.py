@@ -26,7 +26,8 @@ Durability modes (``durability``):
 The environment is opened without ``writemap``: a commit writes its pages with write() calls, so
 a full disk is an error the writer reports (StoreFullError; logging degrades, training goes on),
 never a SIGBUS from a page of a sparse mapped file the disk cannot back (what ``writemap`` did).
-Paired store-bench runs showed no ingest difference between the two. LMDB's copy-on-write tree
+It costs little: a commit of 8 index entries takes 13.5 us instead of 9.3 us (0.7 % of the store
+bench's hot-ingest round). LMDB's copy-on-write tree
 keeps a killed writer's uncommitted pages unreachable either way.
 
 Crash consistency: frames are written before the index entry that points to them commits, so
