@@ -190,6 +190,8 @@ class SwiftlogClient:
             Channel.target(config.stage) if config.is_last else None,
         ) if c is not None] if config.log_data else []
         self._ship_lagging = False  # a ship wait timed out: commits only check until the cold tier catches up
+        self._ship_lag_since = 0  # the iteration whose ship wait timed out
+        self._ship_lag_noted = 0.0  # time.monotonic() of the last "ship_lag" fault
         self._own_sealed: threading.Event | None = None  # set once this iteration's inputs / targets are written and sealed
         self._ship_wait_s = 0.0
 
@@ -445,12 +447,17 @@ class SwiftlogClient:
         try:
             if self._ship_lagging:  # caught up when every earlier iteration's data is there (no wait)
                 if not self.store.wait_shipped(own, iteration - 1, 0.0):
+                    now = time.monotonic()
+                    if now - self._ship_lag_noted >= self.config.ship_lag_report.total_seconds():  # still behind: say so again, now and then
+                        self._ship_lag_noted = now
+                        self.writer.note_fault("ship_lag", f"iteration {iteration}: this stage's {'/'.join(c.name for c in own)} are still not all in the cold tier "
+                                               f"since iteration {self._ship_lag_since}: a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
                     return
                 self._ship_lagging = False
                 logger.info("stage %d: the cold tier caught up by iteration %d; commits wait for the data again", self.config.stage, iteration)
             if sealed.wait(timeout) and self.store.wait_shipped(own, iteration, max(0.0, timeout - (time.perf_counter() - t0))):
                 return
-            self._ship_lagging = True
+            self._ship_lagging, self._ship_lag_since, self._ship_lag_noted = True, iteration, time.monotonic()
             self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in own)} not in the cold tier after "
                                    f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
         finally:

@@ -86,7 +86,8 @@ class ClientConfig:
             the cold tier, so that a replacement of this stage can replay t when its machine (and
             disk) dies right after the commit (default 10 s). None: never wait (such a failure
             then needs a rollback). A wait that times out is a "ship_timeout" fault; after one,
-            commits only check (no wait) until the cold tier has caught up.
+            commits only check (no wait) until the cold tier has caught up, and report a
+            "ship_lag" fault every ``ship_lag_report`` while it has not (default 60 s).
         enabled: start with logging on (default True). Seeding, META and the commit step happen
             either way; see ``SwiftlogClient.set_logging``.
 
@@ -129,6 +130,7 @@ class ClientConfig:
     log_data: bool = True
     ship_data: bool = True
     ship_wait: timedelta | None = timedelta(seconds=10)
+    ship_lag_report: timedelta = timedelta(seconds=60)
     enabled: bool = True
     max_queue_bytes: int = 256 * MiB
     overflow: str = "wait"
@@ -187,6 +189,8 @@ class ClientConfig:
             raise ConfigError(f"durability must be 'process' or 'fsync', got {self.durability!r}")
         if self.ship_wait is not None and (not isinstance(self.ship_wait, timedelta) or self.ship_wait < timedelta(0)):
             raise ConfigError(f"ship_wait must be None or a non-negative timedelta, got {self.ship_wait!r}")
+        if not isinstance(self.ship_lag_report, timedelta) or self.ship_lag_report < timedelta(0):
+            raise ConfigError(f"ship_lag_report must be a non-negative timedelta, got {self.ship_lag_report!r}")
         if not isinstance(self.commit_timeout, timedelta) or self.commit_timeout <= timedelta(0):
             raise ConfigError(f"commit_timeout must be a positive timedelta, got {self.commit_timeout!r}")
         if self.commit_prefix is None:
