@@ -364,17 +364,35 @@ class LogStore:
         return codec.decode_tensor(self.get_blob(key), key=key)
 
     def get_blob(self, key: RecordKey) -> bytes:
-        """The encoded record under ``key`` (verified against its stored checksum)."""
+        """The encoded record under ``key`` (verified against its stored checksum). A corrupt copy
+        is never returned: the next copy is tried (another hot tier, then the cold tier, which
+        holds the same bytes once the segment was uploaded), with a warning naming the corrupt
+        one; CorruptRecordError when no intact copy is left."""
         self._refuse_collected(key)
+        corrupt: CorruptRecordError | None = None
         for hot, loc in self._hot_locations(key):
-            blob = self._read_loc(hot, loc, key)
+            try:
+                blob = self._read_loc(hot, loc, key)
+            except CorruptRecordError as e:
+                corrupt = corrupt or e
+                continue
             if blob is not None:
-                return blob
+                return self._intact(blob, corrupt)
         if self.cold is not None:
-            blob = self._cold_get(key)
+            try:
+                blob = self._cold_get(key)
+            except SwiftlogError as e:  # corrupt there too, or unreachable: the hot copy's corruption is the fact to report
+                raise (corrupt or e) from e
             if blob is not None:
-                return blob
+                return self._intact(blob, corrupt)
+        if corrupt is not None:
+            raise corrupt
         raise self._not_found(key)
+
+    def _intact(self, blob: bytes, corrupt: CorruptRecordError | None) -> bytes:
+        if corrupt is not None:
+            logger.warning("%s; read an intact copy instead (swiftlog verify lists the corrupt one)", corrupt)
+        return blob
 
     def _not_found(self, key: RecordKey) -> RecordNotFoundError:
         if self.cold is None:

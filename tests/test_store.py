@@ -229,6 +229,29 @@ def test_corrupt_bit_in_cold_record_detected(tmp_path: Path, cold_backend, cold_
     s.close()
 
 
+def test_a_corrupt_hot_copy_is_read_from_its_intact_cold_copy(tmp_path: Path, cold_backend, caplog) -> None:
+    """The hot copy of an uploaded record is corrupt, the cold one intact: a read returns the intact
+    bytes (verified) and warns; without the cold tier it is a CorruptRecordError; verify still lists it."""
+    s = _open(tmp_path / "node", cold_backend)
+    _fill(s, range(2))
+    s.flush()
+    key = RecordKey(GRAD, 1, 1)
+    loc = s.hot.lookup(key)
+    path = s.hot.seg_path(loc.segment.id)
+    data = bytearray(path.read_bytes())
+    data[loc.offset + loc.length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="logstore"):
+        assert torch.equal(s.get(key), _t(1, 1, torch.bfloat16))
+    assert "corrupt record grad_2_1/it1/mb1" in caplog.text and "intact copy" in caplog.text
+    assert not s.verify().ok
+    s.close()
+    hot_only = LogStore.open(tmp_path / "node", "run1")
+    with pytest.raises(CorruptRecordError, match=r"grad_2_1/it1/mb1"):
+        hot_only.get(key)
+    hot_only.close()
+
+
 def test_corrupt_bit_in_hot_record_detected(tmp_path: Path, cold_backend) -> None:
     s = _open(tmp_path / "node", cold_backend, upload=False)
     _fill(s, range(2))
