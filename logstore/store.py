@@ -1017,7 +1017,8 @@ class LogStore:
             c["raw_bytes"] += raw
             c["lo"], c["hi"] = min(c["lo"], lo), max(c["hi"], hi)
 
-        for hot in self._hot_tiers():
+        hots = self._hot_tiers()
+        for hot in hots:
             hot_tot["disk_bytes"] += hot.disk_bytes()
             for m in hot.segments():
                 hot_tot["segments"][m.state] = hot_tot["segments"].get(m.state, 0) + 1
@@ -1028,7 +1029,7 @@ class LogStore:
                 hot_tot["raw_bytes"] += m.raw_bytes
                 add(m.channel, "hot", m.lo, m.hi, m.live, m.live_bytes, m.raw_bytes)
         for name, tiers in chans.items():  # a segment's lo predates GC's deletions in it: the first live record is the range's start
-            firsts = [k.iteration for hot in self._hot_tiers() for k, _ in hot.keys(Channel.parse(name), limit=1)]
+            firsts = [k.iteration for hot in hots for k, _ in hot.keys(Channel.parse(name), limit=1)]
             if firsts:
                 tiers["hot"]["lo"] = min(firsts)
         cold_tot: dict[str, Any] | None = None

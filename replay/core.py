@@ -846,7 +846,7 @@ def load_object(spec: str) -> Any:
 def is_script_spec(spec: str) -> bool:
     """Whether ``spec`` names a file (``"dir/train.py:attr"``) rather than a module."""
     path = spec.rpartition(":")[0]
-    return path.endswith(".py") or os.sep in path or "/" in path
+    return path.endswith(".py") or "/" in path
 
 
 def absolute_spec(spec: str | None) -> str | None:

@@ -341,6 +341,9 @@ def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: 
     return _build(job.run, job.num_stages, job.stages, job.checkpoints, job.checkpoint_options, job.model, job.model_args, factory, job.device)
 
 
+_FACTORY_FORM = "a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)"
+
+
 def _shape_of(obj: Any) -> str:
     if isinstance(obj, tuple | list):
         return f"a {type(obj).__name__} of {len(obj)} ({', '.join(type(x).__name__ for x in obj)})"
@@ -350,20 +353,18 @@ def _shape_of(obj: Any) -> str:
 def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str], checkpoint_options: Mapping[str, Any],
            model: str, model_args: Mapping[str, Any], factory: StageFactory | None, device: str | None = None) -> list[StageState]:  # fmt: skip
     fac: StageFactory = factory or load_object(model)
+    by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
     states = []
     for k in stages:
         ck = load_checkpoint(checkpoints[k], storage_options=dict(checkpoint_options) or None)
         if ck.run_id != run or ck.stage != k:
             raise ReplayError(f"checkpoint {checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {run!r} stage {k}")
-        by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
         try:
             built = fac(k, num_stages, ck, **model_args)
         except TypeError as e:  # a signature that does not fit (or a TypeError inside it: its text says which)
-            raise ReplayError(f"stage {k}: calling {by} failed: {type(e).__name__}: {e}",
-                              hint="a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)") from e  # fmt: skip
+            raise ReplayError(f"stage {k}: calling {by} failed: {type(e).__name__}: {e}", hint=_FACTORY_FORM) from e
         if not isinstance(built, tuple | list) or len(built) != 3 or not isinstance(built[0], torch.nn.Module) or not isinstance(built[1], torch.optim.Optimizer):
-            raise ReplayError(f"stage {k}: {by} returned {_shape_of(built)}, not (module, optimizer, lr_scheduler or None)",
-                              hint="a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)")  # fmt: skip
+            raise ReplayError(f"stage {k}: {by} returned {_shape_of(built)}, not (module, optimizer, lr_scheduler or None)", hint=_FACTORY_FORM)
         module, optimizer, sched = built
         if device is not None:
             module.to(device)  # in place: the optimizer keeps the same parameter objects (its state is still empty)

@@ -719,7 +719,7 @@ class _Planner:
         else:
             lo = u.checkpoint_iteration or 0
             hi = u.stop_iteration or lo
-            steps = [float(m["step_s"]) for (_, it), m in sorted(self._metas.items()) if lo <= it < hi and m and isinstance(m.get("step_s"), (int, float))]
+            steps = [float(m["step_s"]) for (_, it), m in self._metas.items() if lo <= it < hi and m and isinstance(m.get("step_s"), (int, float))]
             n = u.n_microbatches
             if steps and n:
                 step = statistics.median(steps)

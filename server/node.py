@@ -19,7 +19,6 @@ through ``gc(confirm=True)``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -522,8 +521,10 @@ class Node:
         entry["raw_bytes"] = header.raw_len
         stats, skipped, document = None, None, None
         if k.channel.kind == Kind.META:  # a JSON document stored as bytes: show the document
-            try:  # (trainer_client.meta.decode_meta, without importing the client here)
-                document = json.loads(codec.decode_tensor(blob, key=k).numpy().tobytes().decode())
+            from trainer_client.meta import decode_meta  # (only for META records)
+
+            try:
+                document = decode_meta(codec.decode_tensor(blob, key=k))
                 if not isinstance(document, dict):
                     raise ValueError(f"a JSON {type(document).__name__}, not an object")
             except (ValueError, UnicodeDecodeError) as e:

@@ -171,6 +171,17 @@ def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Pat
     r.close()
 
 
+def test_a_store_root_that_cannot_hold_directories_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """A store root that is a file (runs anywhere; the read-only mount below needs mount rights):
+    a ConfigError naming the root and why, not a bare OSError."""
+    from logstore.errors import ConfigError
+
+    (tmp_path / "node").write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"store root .*node.*: cannot write under .*: Not a directory") as e:
+        LogStore.open(tmp_path / "node", "run1", writer="stage0")
+    assert "writable directory" in (e.value.hint or "")
+
+
 def test_a_read_only_store_root_is_a_config_error_naming_it(tmp_path: Path) -> None:
     """A store root on a read-only mount: a ConfigError naming the root and why (not a bare OSError)."""
     from logstore.errors import ConfigError

@@ -238,7 +238,8 @@ class SwiftlogClient:
         has no loss_fn). META names it when it can be imported by name (a module-level function;
         in a script run by path, one whose top level only defines things), so a replay of the last
         stage uses it without being told; any other callable (a lambda, an ``nn.CrossEntropyLoss()``
-        instance) must be named to the replay (``--loss module:attr`` or ``--loss path/to/file.py:attr``). Raises UnsupportedScheduleError for any other schedule: their split
+        instance) must be named to the replay (``--loss module:attr`` or ``--loss path/to/file.py:attr``).
+        Raises UnsupportedScheduleError for any other schedule: their split
         backward (F/I/W) or multi-stage execution is not captured exactly.
         """
         if not isinstance(stage, LoggingPipelineStage) or stage.recorder is not self.recorder:

@@ -188,19 +188,18 @@ class S3Server(abc.ABC):
     def pause(self) -> None:
         """SIGSTOP the server's process group: connections are accepted by the kernel and never
         answered (an object store that hangs rather than refuses). Undo with :meth:`resume`."""
-        if os.getpid() != self._owner_pid:
-            return
-        with self._lock:
-            for proc in self._procs:
-                _signal_group(proc.pid, signal.SIGSTOP)
+        self._signal_all(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT after :meth:`pause`."""
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int) -> None:
         if os.getpid() != self._owner_pid:
             return
         with self._lock:
             for proc in self._procs:
-                _signal_group(proc.pid, signal.SIGCONT)
+                _signal_group(proc.pid, sig)
 
     def restart(self) -> S3Server:
         """Kill the server if it runs, then start it again on the same port(s)."""
