@@ -477,6 +477,7 @@ class LogStore:
         micro_batch: int | None = None,
         after: RecordKey | None = None,
         limit: int = 1000,
+        hot_only: bool = False,
     ) -> list[RecordInfo]:
         """One page of records in key order: at most ``limit``, strictly after ``after``.
 
@@ -484,7 +485,9 @@ class LogStore:
         ``[it_lo, it_hi)``, ``micro_batch``. Both tiers, deduplicated (a record still in a local
         segment file is reported as hot); records below their watermark are left out. Reads only
         indexes, and only about one page of each: pass the last key of a page as ``after`` for
-        the next one (an empty page means the end).
+        the next one (an empty page means the end). Raises ColdTierUnavailableError when the cold
+        tier cannot be listed; ``hot_only`` lists the hot tiers' indexes alone (records evicted
+        to the cold tier still appear, as cold, but records only the cold tier knows do not).
         """
         if not isinstance(limit, int) or limit < 1:
             raise ConfigError(f"limit must be an int >= 1, got {limit!r}")
@@ -492,23 +495,23 @@ class LogStore:
         wm = self.watermarks(max_age=2.0)
         after_b = after.encode() if after is not None else None
         out: list[RecordInfo] = []
-        for ch in [channel] if channel is not None else self._record_channels():
+        for ch in [channel] if channel is not None else self._record_channels(hot_only):
             if (kind_set is not None and ch.kind not in kind_set) or (after is not None and ch < after.channel):
                 continue
             lo = max(it_lo, wm.get(ch.owner, 0))
             if it_hi is not None and lo >= it_hi:
                 continue
-            out.extend(self._channel_page(ch, lo, it_hi, micro_batch, after_b, limit - len(out)))
+            out.extend(self._channel_page(ch, lo, it_hi, micro_batch, after_b, limit - len(out), hot_only))
             if len(out) >= limit:
                 break
         return out
 
-    def _record_channels(self) -> list[Channel]:
+    def _record_channels(self, hot_only: bool = False) -> list[Channel]:
         """Channels with records in some tier (cheaper than channels(): no scan of segment metadata)."""
         found: set[Channel] = set()
         for hot in self._hot_tiers():
             found.update(hot.record_channels())
-        if self.cold is not None:
+        if self.cold is not None and not hot_only:
             found.update(Channel.parse(n) for n in self._cold_index())
         return sorted(found)
 
@@ -523,7 +526,9 @@ class LogStore:
         meta = hot.segment(int(m["seg"]))
         return meta is not None and meta.cold_name == seg.name
 
-    def _channel_page(self, ch: Channel, lo: int, hi: int | None, mb: int | None, after: bytes | None, need: int) -> list[RecordInfo]:
+    def _channel_page(
+        self, ch: Channel, lo: int, hi: int | None, mb: int | None, after: bytes | None, need: int, hot_only: bool = False
+    ) -> list[RecordInfo]:
         """The first ``need`` records of one channel after ``after``: each source's first page, merged."""
         found: dict[bytes, RecordInfo] = {}
         batch_size = need if mb is None else max(need, 256)
@@ -546,7 +551,7 @@ class LogStore:
                 if len(batch) < batch_size:
                     break
                 cursor = batch[-1][0].encode()
-        if self.cold is not None:
+        if self.cold is not None and not hot_only:
             hots = {h.writer: h for h in self._hot_tiers()}
             # segments wholly before the cursor cannot hold a key of this page
             after_it = RecordKey.decode(after).iteration if after is not None and after[:5] == RecordKey(ch, 0).encode()[:5] else None

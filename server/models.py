@@ -183,6 +183,9 @@ class RecordPage(_Model):
     run: str
     records: list[RecordEntry]
     next_cursor: str | None = Field(None, description="pass as cursor= for the next page; None at the end")
+    cold_error: str | None = Field(
+        None, description="set when the cold tier could not be listed: the page then holds the hot tier's records only"
+    )
 
 
 class TensorStats(_Model):

@@ -463,13 +463,19 @@ class Node:
         if it_hi is not None and it_hi < it_lo:
             raise BadRequestError(f"it_hi {it_hi} is below it_lo {it_lo}", hint="the iteration range is it_lo <= iteration < it_hi")
         after = decode_cursor(cursor) if cursor else None
-        infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1)
+        cold_error: str | None = None
+        try:
+            infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1)
+        except ColdTierUnavailableError as e:  # an operator still sees what this node holds, and is told what is missing
+            cold_error = f"{e.message}: only the hot tier is listed (records only the cold tier holds are missing)"
+            infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1, hot_only=True)
         more = len(infos) > limit
         infos = infos[:limit]
         return RecordPage(
             run=run,
             records=[RecordEntry.model_construct(**_entry(i)) for i in infos],  # built from trusted index data
             next_cursor=encode_cursor(infos[-1].key) if more and infos else None,
+            cold_error=cold_error,
         )
 
     def _locate(self, st: LogStore, key: RecordKey) -> RecordInfo | None:

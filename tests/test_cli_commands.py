@@ -69,6 +69,25 @@ def test_ls_runs_and_records(written_store: StoreFixture) -> None:
     assert "act_0_1/it0/mb0/p0" in table and "act_0_1/it1/mb0/p0" in table and "more: --cursor" in table
 
 
+def test_ls_lists_the_hot_tier_with_a_warning_while_the_cold_tier_is_unreachable(written_store: StoreFixture) -> None:
+    """An operator lists what the node holds when the object store is down (was exit 4): the hot
+    records, a warning on stderr saying the cold tier's are missing, and ``cold_error`` in JSON."""
+    from logstore.testing import free_port
+
+    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    pj, pt = swiftlog_all(
+        ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--all", "--limit", "500", "--json", dead),
+        ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "-c", "act_0_1", dead),
+    )
+    page = json.loads(_ok(pj).stdout)
+    # every record here was written on this node: its index knows even those evicted to the cold tier
+    assert [r["key"] for r in page["records"]] == [str(k) for k in written_store.keys()]
+    assert {r["tier"] for r in page["records"]} == {"hot", "cold"}
+    assert "only the hot tier is listed" in page["cold_error"] and "127.0.0.1" in page["cold_error"]
+    assert "cold tier:" in pj.stderr and "only the hot tier is listed" in pt.stderr
+    assert "act_0_1/it0/mb0/p0" in _ok(pt).stdout
+
+
 def test_stat_and_show(written_store: StoreFixture) -> None:
     root, cold = written_store.root, written_store.cold_url
     key = RecordKey(Channel.gradient(2), 4, 1)

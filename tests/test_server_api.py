@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -291,3 +292,19 @@ def test_node_server_lists_gaps_for_a_remote_planner(tmp_path) -> None:
         assert [(g["channel"], g["iteration"], g["micro_batch"], g["reason"]) for g in gaps] == [("act_1_2", 0, 1, "queue full (overflow=gap)")]
         with HttpRecordSource(srv.url, "no-such-run") as src:
             assert src.gaps() == []
+
+
+def test_record_pages_list_the_hot_tier_while_the_object_store_is_unreachable(written_store: StoreFixture) -> None:
+    """A node's records stay listable with its object store down: 200, the hot tier's page, and
+    ``cold_error`` naming the endpoint (the summary says the same in ``cold.error``)."""
+    from logstore.testing import free_port
+
+    env = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    with ServerProcess(written_store.root, cold_url="s3://gone/x", env=env) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.get("/v1/runs/run-a/records", params={"channel": "act_0_1", "limit": 5})
+        assert r.status_code == 200, r.text
+        page = r.json()
+        assert [e["key"] for e in page["records"]] == [str(k) for k in written_store.keys() if k.channel.name == "act_0_1"][:5]
+        assert "only the hot tier is listed" in page["cold_error"] and "127.0.0.1" in page["cold_error"]
+        fine = c.get("/v1/runs/run-a/records", params={"channel": "act_0_1", "limit": 5, "cursor": page["next_cursor"]})
+        assert fine.status_code == 200 and fine.json()["records"]

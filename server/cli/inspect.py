@@ -85,15 +85,19 @@ def ls(
             console.print(t)
             return
         records: list[RecordEntry] = []
+        cold_error: str | None = None
         while True:
             page = node.records(run, channel=channel, kind=kind, it_lo=it_lo, it_hi=it_hi, micro_batch=micro_batch,
                                 limit=limit, cursor=cursor)  # fmt: skip
             records += page.records
+            cold_error = cold_error or page.cold_error
             cursor = page.next_cursor
             if not all_pages or cursor is None:
                 break
+        if cold_error:
+            err_console.print(f"[yellow]cold tier:[/] {cold_error}")
         if json_out:
-            print_json(RecordPage(run=run, records=records, next_cursor=cursor))
+            print_json(RecordPage(run=run, records=records, next_cursor=cursor, cold_error=cold_error))
             return
         console.print(_records_table(run, records))
         if cursor is not None:
