@@ -714,12 +714,15 @@ class LogStore:
             segs = self.hot.segments()
             sealed = {m.id for m in segs if m.state == SEALED}
             self._forget_unshipped(known - sealed)
-            todo = sorted((m for m in segs if m.state == SEALED), key=lambda m: (m.channel not in first, m.id))
+            order = lambda m: (m.channel not in first, m.id)  # noqa: E731
+            todo = sorted((m for m in segs if m.state == SEALED), key=order)
+            queued = {m.id for m in todo}
             left = 0
-            for i, m in enumerate(todo):
+            while todo:
                 if deadline is not None and time.monotonic() > deadline:
-                    left = len(todo) - i
+                    left = len(todo)
                     break
+                m = todo.pop(0)
                 name = self._ship(self.hot, m)
                 if name is not None:
                     self.hot.set_state(m.id, UPLOADED, cold_name=name)
@@ -727,6 +730,10 @@ class LogStore:
                     self._upload_stats["uploaded_bytes"] += m.file_size
                     n += 1
                 self._forget_unshipped([m.id])
+                urgent = self._sealed_first_since(queued, first)
+                if urgent:  # inputs/targets/META sealed during this pass go before its bulk (a backlog can be long)
+                    queued.update(u.id for u in urgent)
+                    todo = sorted([*todo, *urgent], key=order)
             self._backlog_bytes = self._compute_backlog()
             with self._lock:
                 self._cold_list = None
@@ -738,6 +745,15 @@ class LogStore:
             raise ColdTierUnavailableError(f"run {self.run}: {left} sealed segment(s) not uploaded in the time given (object store slow?)",
                                            hint="they stay in the hot tier; the uploader goes on in the background")  # fmt: skip
         return n
+
+    def _sealed_first_since(self, queued: set[int], first: set[str]) -> list[SegmentMeta]:
+        """Segments of the ship-first channels sealed since ``queued`` was listed (in-memory check;
+        the index is read only when there is one)."""
+        assert self.hot is not None
+        with self._shipped:
+            ids = [i for i, (ch, _lo) in self._unsealed_up.items() if i not in queued and ch in first]
+        metas = (self.hot.segment(i) for i in ids)
+        return [m for m in metas if m is not None and m.state == SEALED]
 
     def _on_seal(self, m: SegmentMeta) -> None:
         """The hot tier sealed ``m`` (explicitly or by rotation): it waits for upload; wake the uploader."""

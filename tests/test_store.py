@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -173,6 +174,38 @@ def test_a_segment_garbage_collected_during_its_upload_is_no_cold_tier_fault(tmp
     with pytest.raises(ColdTierUnavailableError):
         s.flush()
     assert s.stats()["upload"]["errors"] == 1
+    s.cold.put_segment = real
+    s.close()
+
+
+def test_inputs_sealed_during_a_long_upload_pass_go_before_the_rest_of_its_backlog(tmp_path: Path) -> None:
+    """After an outage the uploader's pass over the bulk backlog can take minutes: a first stage's
+    inputs sealed meanwhile (what its commit waits for) are shipped next, not after the whole pass
+    (they used to wait for it, so a stage that stopped waiting never caught up)."""
+    inp = Channel.input(0)
+    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=1)
+    real = s.cold.put_segment
+    shipped: list[str] = []
+    two_done = threading.Event()
+
+    def slow(name, source, **kw):
+        time.sleep(0.05)
+        out = real(name, source, **kw)
+        shipped.append(name)
+        if len(shipped) == 2:
+            two_done.set()
+        return out
+
+    s.cold.put_segment = slow
+    _fill(s, range(12))
+    s.seal()  # a backlog of 24 sealed segments, going up one by one
+    assert two_done.wait(30)
+    s.put_many([(RecordKey(inp, 12, mb), _t(12, mb)) for mb in range(2)])
+    s.seal([inp])
+    assert s.wait_shipped([inp], 12, timeout=30)
+    s.flush()
+    at = next(i for i, n in enumerate(shipped) if "input_0" in n)
+    assert at <= 4 and len(shipped) == 25, (at, shipped)  # after the upload in flight, not after the other 20
     s.cold.put_segment = real
     s.close()
 
