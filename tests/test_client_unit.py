@@ -614,6 +614,36 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
     assert rep.drained and rep.error is None and rep.faults_total == len(seen) == 1 + len([f for f in seen if f.kind == "ship_lag"]), seen
 
 
+@pytest.mark.s3
+def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_back(tmp_path, moto_server):
+    """Registration retries a few times at once, then every ``retry_s`` in the background (it used
+    to give up after four attempts: the checkpoint was never registered, its logs never garbage)."""
+    client = SwiftlogClient(ClientConfig(run_id="reg", stage=0, num_stages=2, store_root=str(tmp_path / "store"), seed=9,
+                                         cold_url=moto_server.url(f"reg-{os.getpid()}"), cold_options=moto_server.storage_options,
+                                         checkpoint_url=str(tmp_path / "ckpt")))  # fmt: skip
+    client._maint.retry_s = 0.5
+    model = torch.nn.Linear(4, 4)
+    moto_server.kill()
+    try:
+        client.checkpoint(3, model)
+        deadline = time.monotonic() + 30
+        while not client.stats()["checkpoints"]["unregistered"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.stats()["checkpoints"]["unregistered"] == [[0, 3, client.stats()["checkpoints"]["unregistered"][0][2]]]
+        time.sleep(1.5)  # a few quiet retries against the dead store
+        faults = [f for f in client.writer.take_faults() if f.kind == "checkpoint_register"]
+        assert len(faults) == 4 and "attempt 4" in faults[-1].message, faults
+    finally:
+        moto_server.restart()
+    deadline = time.monotonic() + 30
+    while client.stats()["checkpoints"]["unregistered"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ck = client.stats()["checkpoints"]
+    assert ck["unregistered"] == [] and [r[:2] for r in ck["registered"]] == [[0, 3]]
+    assert [(c.stage, c.iteration) for c in client.store.checkpoints()] == [(0, 3)] and client.store.watermarks() == {0: 3}
+    client.close()
+
+
 def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp_path, single_rank_group):
     """The data wait of the commit overlaps the iteration: once the schedule step logged every
     micro-batch's inputs and targets, they are sealed and shipped without waiting for the commit."""

@@ -572,6 +572,7 @@ class SwiftlogClient:
             "commit": {"commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s, "ship_wait_s": self._ship_wait_s},
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
+                "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
                 "gc_runs": self._maint.gc_runs,
                 "gc_deleted_records": self._maint.gc_deleted_records,
                 "last_gc": self._maint.last_gc,

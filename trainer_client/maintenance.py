@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from logstore import LogStore
-from logstore.errors import SwiftlogError
+from logstore.errors import ColdTierError, SwiftlogError
 from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["CheckpointMaintenance"]
@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointMaintenance:
-    """Background thread: register checkpoints (retrying while the cold tier is down) and run GC
-    once the writer has written every record older than the checkpoint.
+    """Background thread: register checkpoints (retrying while the cold tier is down: a few
+    attempts at once, then every ``retry_s`` seconds, before each later registration and at
+    close, until it is up again) and run GC once the writer has written every record older than
+    the checkpoint.
 
     Tasks (``submit``): ``("register", stage, iteration, uri, meta, drained_event, run_gc)`` and
     ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
@@ -48,6 +50,9 @@ class CheckpointMaintenance:
         self.last_gc: dict[str, Any] | None = None
         self._pending = 0
         self._lock = threading.Lock()
+        # registrations the cold tier refused (down): retried every ``retry_s`` and at close, newest first
+        self.unregistered: list[tuple[int, int, str, dict[str, Any], bool]] = []
+        self.retry_s = 10.0
         self._thread = threading.Thread(target=self._run, name=f"{name}-maint", daemon=True)
         self._thread.start()
 
@@ -66,17 +71,25 @@ class CheckpointMaintenance:
 
     def _run(self) -> None:
         while True:
-            task = self._q.get()
+            try:
+                task = self._q.get(timeout=self.retry_s if self.unregistered else None)
+            except queue.Empty:
+                self._retry_unregistered()
+                continue
             if task is None:
+                self._retry_unregistered()
                 return
             try:
                 if task[0] == "register":
                     _, stage, iteration, uri, meta, drained, gc = task
-                    self._register(stage, iteration, uri, meta)
-                    if gc:
+                    self._retry_unregistered()
+                    if not self._register(stage, iteration, uri, meta):
+                        self._keep_unregistered((stage, iteration, uri, meta, gc))
+                    elif gc:
                         drained.wait()
                         self._gc()
                 elif task[0] == "gc":
+                    self._retry_unregistered()
                     self._gc()
             except Exception as e:  # survive anything; report through the writer's faults
                 logger.exception("swiftlog maintenance task failed")
@@ -87,19 +100,48 @@ class CheckpointMaintenance:
                     if self._pending == 0:
                         self._idle.set()
 
-    def _register(self, stage: int, iteration: int, uri: str, meta: dict[str, Any]) -> None:
+    def _register(self, stage: int, iteration: int, uri: str, meta: dict[str, Any], attempts: int = 4) -> bool:
+        """Register, retrying a retryable error ``attempts`` times; False when it stays refused
+        for a retryable reason (the caller keeps it for later), True otherwise (done, or a
+        permanent error, reported)."""
         delay = 0.2
-        for attempt in range(4):
+        for attempt in range(attempts):
             try:
                 self._store.register_checkpoint(stage, iteration, uri=uri, meta=meta)
                 self.registered.append((stage, iteration, uri))
-                return
+                return True
             except SwiftlogError as e:
-                self._writer.note_fault("checkpoint_register", f"attempt {attempt + 1}: {type(e).__name__}: {e}", iteration=iteration)
-                if not getattr(e, "retryable", False):
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                # the object store's refusals too (a bucket missing while it restarts): kept and retried
+                retryable = getattr(e, "retryable", False) or isinstance(e, ColdTierError)
+                if attempts > 1 or not retryable:  # a later retry of a refused one is not reported again
+                    self._writer.note_fault("checkpoint_register", f"attempt {attempt + 1}: {type(e).__name__}: {e}", iteration=iteration)
+                if not retryable:
+                    return True
+                if attempt + 1 < attempts:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        return False
+
+    def _keep_unregistered(self, item: tuple[int, int, str, dict[str, Any], bool]) -> None:
+        self.unregistered.append(item)
+        del self.unregistered[:-8]  # the newest few: a newer checkpoint makes an older one's registration moot for GC
+        logger.warning("checkpoint of stage %d at iteration %d not registered (cold tier down?): retried every %g s", item[0], item[1], self.retry_s)
+
+    def _retry_unregistered(self) -> None:
+        """One attempt for each checkpoint the cold tier refused, oldest first; GC after the
+        newest one that gets through (if its registration asked for one)."""
+        gc = False
+        left = []
+        for item in self.unregistered:
+            stage, iteration, uri, meta, want_gc = item
+            if self._register(stage, iteration, uri, meta, attempts=1):
+                logger.info("checkpoint of stage %d at iteration %d registered late", stage, iteration)
+                gc = gc or want_gc
+            else:
+                left.append(item)
+        self.unregistered = left
+        if gc:
+            self._gc()
 
     def _gc(self) -> None:
         try:
