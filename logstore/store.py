@@ -341,13 +341,14 @@ class LogStore:
             self.cold.put_doc(f"{self.run}/gaps/{name[len('gap/'):]}.json", doc)
             self._gaps_shipped.add(name)
 
-    def gaps(self) -> list[dict[str, Any]]:
-        """Every recorded gap, from all hot tiers of this node and the cold tier."""
+    def gaps(self, *, hot_only: bool = False) -> list[dict[str, Any]]:
+        """Every recorded gap, from all hot tiers of this node and (unless ``hot_only``) the cold
+        tier; a cold tier that cannot be listed is noted (``stats()``), and its gaps are missing."""
         seen: dict[tuple, dict] = {}
         for hot in self._hot_tiers():
             for d in hot.docs("gap/").values():
                 seen[(d["channel"], d["iteration"], d["micro_batch"])] = d
-        if self.cold is not None:
+        if self.cold is not None and not hot_only:
             try:
                 for name in self.cold.list_docs(f"{self.run}/gaps/"):
                     d = self.cold.get_doc(name)
@@ -955,13 +956,15 @@ class LogStore:
                 self._wm_cache[stage] = iteration
         return info
 
-    def checkpoints(self) -> list[CheckpointInfo]:
-        """Every registered checkpoint (cold tier and local), sorted by (stage, iteration)."""
+    def checkpoints(self, *, hot_only: bool = False) -> list[CheckpointInfo]:
+        """Every registered checkpoint (cold tier and local), sorted by (stage, iteration). Raises
+        ColdTierUnavailableError when the cold tier cannot be listed; ``hot_only``: those
+        registered through this node's hot tiers only (what it knows without the object store)."""
         found: dict[tuple[int, int], CheckpointInfo] = {}
         for hot in self._hot_tiers():
             for d in hot.docs("ckpt/").values():
                 found[(d["stage"], d["iteration"])] = CheckpointInfo(**d)
-        if self.cold is not None:
+        if self.cold is not None and not hot_only:
             for name in self.cold.list_docs(f"{self.run}/checkpoints/"):
                 d = self.cold.get_doc(name)
                 if d:

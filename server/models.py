@@ -162,6 +162,10 @@ class RunSummary(_Model):
     checkpoints: list[Checkpoint]
     watermarks: list[Watermark]
     gaps: list[Gap]
+    incomplete: list[Literal["cold", "checkpoints", "watermarks", "gaps"]] = Field(
+        default_factory=list,
+        description="parts the cold tier could not be read for (see cold.error): what this node's hot tier knows only",
+    )
 
 
 # ---------------------------------------------------------------------------------- records

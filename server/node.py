@@ -373,15 +373,17 @@ class Node:
         st = self.store(run)
         stats = st.stats()
         cold_error: str | None = None
+        incomplete: list[str] = ["cold"] if stats["cold"] is not None and stats["cold"].get("error") else []
+        wm: dict[int, int] = {}
         try:
             cps = st.checkpoints()
-            wm: dict[int, int] = {}
-            for c in cps:
-                wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
-        except ColdTierUnavailableError as e:
-            cold_error = f"checkpoints: {e}"
-            cps, wm = [], st.watermarks(max_age=math.inf)
-        gaps = st.gaps()
+        except ColdTierUnavailableError as e:  # what this node registered itself, and the watermarks it last saw
+            cold_error = f"checkpoints: {e.message}"
+            cps, wm = st.checkpoints(hot_only=True), st.watermarks(max_age=math.inf)
+            incomplete += ["checkpoints", "watermarks", "gaps"]
+        for c in cps:
+            wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
+        gaps = st.gaps(hot_only=cold_error is not None)
         channels: list[ChannelSummary] = []
         stages: set[int] = set(wm)
         hot_lo: list[int] = []
@@ -434,6 +436,7 @@ class Node:
             checkpoints=[_checkpoint(c) for c in cps],
             watermarks=[Watermark(stage=s, iteration=i) for s, i in sorted(wm.items())],
             gaps=[Gap(**{k: g[k] for k in ("channel", "iteration", "micro_batch", "reason", "at")}) for g in gaps],
+            incomplete=sorted(set(incomplete)),
         )
 
     # ------------------------------------------------------------------ records

@@ -79,13 +79,36 @@ def test_ls_lists_the_hot_tier_with_a_warning_while_the_cold_tier_is_unreachable
         ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--all", "--limit", "500", "--json", dead),
         ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "-c", "act_0_1", dead),
     )
-    page = json.loads(_ok(pj).stdout)
+    assert pj.returncode == pt.returncode == 4 and "Traceback" not in pj.stderr + pt.stderr  # printed, but not the whole run
+    page = json.loads(pj.stdout)
     # every record here was written on this node: its index knows even those evicted to the cold tier
     assert [r["key"] for r in page["records"]] == [str(k) for k in written_store.keys()]
     assert {r["tier"] for r in page["records"]} == {"hot", "cold"}
     assert "only the hot tier is listed" in page["cold_error"] and "127.0.0.1" in page["cold_error"]
     assert "cold tier:" in pj.stderr and "only the hot tier is listed" in pt.stderr
-    assert "act_0_1/it0/mb0/p0" in _ok(pt).stdout
+    assert "act_0_1/it0/mb0/p0" in pt.stdout
+
+
+def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_copy: StoreFixture) -> None:
+    """Checkpoints are registered in the cold tier: without it, stat printed "checkpoints: none
+    registered", "gaps: none" and no watermarks, and exited 0. Now it shows what this node
+    registered, names what is incomplete, and exits 4."""
+    from logstore.testing import free_port
+
+    with LogStore.open(store_copy.root, store_copy.run, writer="stage1", cold_url=store_copy.cold_url) as s:
+        s.register_checkpoint(2, 4, uri="file:///ckpt/stage2/4.pt")
+    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    pj, pt = swiftlog_all(
+        ("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", "s3://gone/x", "--json", dead),
+        ("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", "s3://gone/x", dead),
+    )
+    assert pj.returncode == pt.returncode == 4 and "Traceback" not in pj.stderr + pt.stderr, (pj.stderr, pt.stderr)
+    doc = json.loads(pj.stdout)
+    assert doc["incomplete"] == ["checkpoints", "cold", "gaps", "watermarks"] and "127.0.0.1" in doc["cold"]["error"]
+    assert [(c["stage"], c["iteration"]) for c in doc["checkpoints"]] == [(2, 4)] and doc["watermarks"] == [{"stage": 2, "iteration": 4}]
+    assert "incomplete: checkpoints, cold, gaps" in pt.stdout and "stage 2 @ 4" in pt.stdout
+    ok = _ok(swiftlog("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", store_copy.cold_url, "--json"))
+    assert json.loads(ok.stdout)["incomplete"] == []
 
 
 def test_stat_and_show(written_store: StoreFixture) -> None:

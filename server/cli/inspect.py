@@ -28,7 +28,7 @@ from server.cli._common import (
     make_node,
     print_json,
 )
-from server.errors import EXIT_USAGE
+from server.errors import EXIT_UNAVAILABLE, EXIT_USAGE
 from server.models import RecordDetail, RecordEntry, RecordPage, RunSummary
 
 __all__ = ["register"]
@@ -64,7 +64,9 @@ def ls(
     cold_option: ColdOptionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """List the runs of the store root, or (with --run) the records of a run."""
+    """List the runs of the store root, or (with --run) the records of a run.
+
+    With the cold tier unreachable, lists what the hot tier holds, says so, and exits 4."""
     if kind is not None and kind not in _KINDS:
         raise fail(f"unknown kind {kind!r}", hint="use one of " + ", ".join(_KINDS))
     with handle_errors():
@@ -98,10 +100,12 @@ def ls(
             err_console.print(f"[yellow]cold tier:[/] {cold_error}")
         if json_out:
             print_json(RecordPage(run=run, records=records, next_cursor=cursor, cold_error=cold_error))
-            return
-        console.print(_records_table(run, records))
-        if cursor is not None:
-            console.print(f"more: --cursor {cursor}  (or --all)")
+        else:
+            console.print(_records_table(run, records))
+            if cursor is not None:
+                console.print(f"more: --cursor {cursor}  (or --all)")
+    if cold_error:  # the hot tier's records are printed; exit 4 says the listing is not the whole run
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 def stat(
@@ -111,13 +115,18 @@ def stat(
     cold_option: ColdOptionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Summary of a run: stages, channels and iteration ranges per tier, bytes, checkpoints, gaps."""
+    """Summary of a run: stages, channels and iteration ranges per tier, bytes, checkpoints, gaps.
+
+    With the cold tier unreachable, prints what this node's hot tier knows, names what is
+    incomplete, and exits 4."""
     with handle_errors():
         s = make_node(root, cold_url, cold_option).summary(run, fresh=True)
     if json_out:
         print_json(s)
-        return
-    _print_summary(s)
+    else:
+        _print_summary(s)
+    if s.incomplete:  # printed what the hot tier knows; a script must not take it for the whole picture
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 def _print_summary(s: RunSummary) -> None:
@@ -157,6 +166,8 @@ def _print_summary(s: RunSummary) -> None:
             cp.add_row(str(c.stage), str(c.iteration), c.uri or "-")
         console.print(cp)
         console.print("watermarks: " + ", ".join(f"stage {w.stage} @ {w.iteration}" for w in s.watermarks))
+    elif "checkpoints" in s.incomplete:
+        console.print("checkpoints: unknown (the cold tier, where they are registered, cannot be read)")
     else:
         console.print("checkpoints: none registered")
     if s.gaps:
@@ -166,8 +177,12 @@ def _print_summary(s: RunSummary) -> None:
         for x in s.gaps:
             g.add_row(x.channel, str(x.iteration), str(x.micro_batch), x.reason)
         console.print(g)
+    elif "gaps" in s.incomplete:
+        console.print("gaps: unknown (the cold tier cannot be read)")
     else:
         console.print("gaps: none")
+    if s.incomplete:
+        console.print(f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them (cold tier unreachable)")
 
 
 def show(
