@@ -200,7 +200,15 @@ def list_runs(root: str | os.PathLike[str]) -> list[str]:
     p = Path(root)
     if not p.is_dir():
         return []
-    return sorted(d.name for d in p.iterdir() if d.is_dir() and any((w / "index").is_dir() for w in d.iterdir() if w.is_dir()))
+    return sorted(d.name for d in p.iterdir() if d.is_dir() and writers_under(d))
+
+
+def writers_under(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Writers with a hot tier (an index) under a run's directory; [] when it cannot be read."""
+    try:
+        return sorted(w.name for w in Path(run_dir).iterdir() if (w / "index").is_dir())
+    except OSError:
+        return []
 
 
 class LogStore:
@@ -440,13 +448,15 @@ class LogStore:
                 raise CorruptRecordError(f"corrupt record {key} in cold object {loc.segment.cold_name}", key=key)
         return blob
 
-    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
+    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *, hot_only: bool = False) -> list[RecordKey]:
         """Every key (both tiers, deduplicated, key order) of ``channel`` in ``[it_lo, it_hi)``,
-        or of all channels; keys below their watermark are left out."""
+        or of all channels; keys below their watermark are left out. Raises
+        ColdTierUnavailableError when the cold tier cannot be listed; ``hot_only``: the hot
+        tiers' indexes alone (they also know their records evicted to the cold tier)."""
         found: set[RecordKey] = set()
         for hot in self._hot_tiers():
             found.update(k for k, _ in hot.keys(channel, it_lo, it_hi))
-        if self.cold is not None:
+        if self.cold is not None and not hot_only:
             for seg in self._cold_segments(channel, it_lo, it_hi):
                 for e in self._footer(seg.name).values():  # keys decoded once, when the footer was read
                     k = e.key
@@ -578,6 +588,10 @@ class LogStore:
         return [found[kb] for kb in sorted(found)[:need]]
 
     # ---------------------------------------------------------------- hot tiers of the node
+    def writers(self) -> list[str]:
+        """Names of the writers with a hot tier of this run under this root (sorted; [] for none)."""
+        return writers_under(self._run_dir)
+
     def _hot_tiers(self) -> list[HotTier]:
         """Own hot tier plus every other writer's under root/run (opened read-only, cached)."""
         with self._lock:
@@ -981,9 +995,11 @@ class LogStore:
             for c in self.checkpoints():
                 wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
         except SwiftlogError as e:
-            if max_age:  # a read path: fall back to what we knew
+            if max_age:  # a read path: fall back to what we knew, and ask again only after max_age
                 self._note_error(e)
-                return dict(self._wm_cache)
+                with self._lock:
+                    self._wm_at = time.monotonic()
+                    return dict(self._wm_cache)
             raise
         with self._lock:
             for s, it in self._wm_cache.items():

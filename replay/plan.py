@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import SwiftlogError
+from logstore.errors import ColdTierUnavailableError, SwiftlogError
 from logstore.keys import Kind
 from logstore.store import RecordInfo
 from replay.core import needed_channels
@@ -262,7 +262,11 @@ def plan_recovery(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if bandwidth_mbps is not None and bandwidth_mbps <= 0:
         raise ValueError(f"bandwidth_mbps must be > 0, got {bandwidth_mbps}")
-    return _Planner(srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records).plan()
+    planner = _Planner(srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records)
+    try:
+        return planner.plan()
+    finally:
+        planner.close()
 
 
 def _optional(ch: Channel, mbs: dict[int, set[int]]) -> bool:
@@ -287,12 +291,30 @@ class _Planner:
         self._keys: dict[Channel, dict[int, dict[int, set[int]]]] = {}  # channel -> it -> mb -> parts
         self._keys_lo: dict[Channel, int] = {}
         self._views: list[tuple[int, LogStore]] | None = None
+        self._hot_views: list[LogStore] = []
         self._channel_set: set[Channel] | None = None
         self._metas: dict[tuple[int, int], dict[str, Any] | None] = {}
 
     def close(self) -> None:
-        for _, v in self._views or []:
+        for v in [*(v for _, v in self._views or []), *self._hot_views]:
             v.close()
+
+    def _hot_only_where_the_cold_tier_is_down(self) -> None:
+        """A node root whose cold tier cannot be listed is planned from its hot tiers alone (a
+        view of the same root without the cold tier), with a warning: a recovery during an
+        object-store outage uses what the survivors' disks hold. A cold-only source stays as it
+        is (its error is the plan's)."""
+        for i, s in enumerate(self.stores):
+            if s.cold is None or not s.writers():
+                continue
+            try:
+                s.checkpoints()  # lists the cold tier's registrations
+            except ColdTierUnavailableError as e:
+                view = LogStore.open(s.root, s.run)
+                self._hot_views.append(view)
+                self.stores[i] = view
+                self.warnings.append(f"the cold tier of {self._describe(s)} is unreachable ({e.message}): planned from that root's hot tiers only "
+                                     "(the checkpoints registered on this node; records only the cold tier holds are not considered)")  # fmt: skip
 
     # ------------------------------------------------------------------ gathering
     def _checkpoints(self) -> dict[int, dict[int, Any]]:
@@ -365,6 +387,7 @@ class _Planner:
 
     # ------------------------------------------------------------------ the plan
     def plan(self) -> RecoveryPlan:
+        self._hot_only_where_the_cold_tier_is_down()
         ckpts = self._checkpoints()
         channels = self._channels()
         self._channel_set = channels

@@ -26,9 +26,10 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from logstore import Channel, RecordKey
+from logstore import Channel, LogStore, RecordKey
 from logstore.keys import Kind
 from logstore.errors import (
+    ColdTierUnavailableError,
     CorruptRecordError,
     RecordNotFoundError,
     StoreError,
@@ -117,6 +118,7 @@ class LogReader:
         self._pending: dict[RecordKey, Future[torch.Tensor]] = {}
         self._taken: set[RecordKey] = set()  # fetched by get() while a prefetch thread runs
         self._prefetchers = 0
+        self._hot_only: set[int] = set()  # ids of stores read from their hot tiers only (cold tier unreachable)
         self.fetched_records = 0
         self.fetched_seconds = 0.0
         self.prefetch_hits = 0
@@ -277,12 +279,28 @@ class LogReader:
         prefetch thread start on the same iteration)."""
         return self._shared(self._listing, self._listing_pending, (channel, iteration), lambda: self._list(channel, iteration))
 
+    def _keys_of(self, s: RecordSource, channel: Channel, lo: int, hi: int) -> list[RecordKey]:
+        """``s.keys``; a node's store whose cold tier is unreachable is listed from its hot tiers
+        (what that node's disk holds, with a warning once per source, and from then on: each
+        listing of a dead cold tier costs its retries)."""
+        if id(s) in self._hot_only:
+            return s.keys(channel, lo, hi, hot_only=True)  # type: ignore[call-arg]
+        try:
+            return s.keys(channel, lo, hi)
+        except ColdTierUnavailableError as e:
+            if not isinstance(s, LogStore) or not s.writers():
+                raise
+            if id(s) not in self._hot_only:
+                self._hot_only.add(id(s))
+                logger.warning("the cold tier of store root %s is unreachable (%s): reading what its hot tiers hold", s.root, e.message)
+            return s.keys(channel, lo, hi, hot_only=True)
+
     def _list(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
         """List every source for the window starting at ``iteration`` and cache it (see :meth:`_parts_of`)."""
         found: dict[RecordKey, int] = {}  # key -> the first source listing it
         for i, s in enumerate(self.stores):
             try:
-                for key in s.keys(channel, iteration, iteration + LIST_WINDOW):
+                for key in self._keys_of(s, channel, iteration, iteration + LIST_WINDOW):
                     found.setdefault(key, i)
             except StoreError as e:
                 logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)

@@ -218,6 +218,11 @@ class CheckpointRequest(_Model):
     iteration: int = Field(ge=0, le=MAX_API_ITERATION)
     uri: str | None = Field(None, max_length=4096, description="where the checkpoint is readable from a replacement")
     meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded)")
+    force: StrictBool = Field(
+        False,
+        description="register even a stage beyond the run's logged stages, an iteration beyond its logs, or a local uri "
+        "that does not exist on this node (each refused with 400 otherwise: it would make logs garbage for nothing)",
+    )
 
 
 class CheckpointList(_Model):

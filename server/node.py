@@ -37,7 +37,7 @@ from logstore import codec
 from logstore.errors import CodecError, ColdTierUnavailableError, SwiftlogError
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
-from logstore.store import LogStore, RecordInfo, StoreConfig, list_runs
+from logstore.store import LogStore, RecordInfo, StoreConfig, list_runs, writers_under
 from server.errors import BadRequestError, NoColdTierError, RunNotFoundError
 from server.models import (
     ChannelSummary,
@@ -307,11 +307,7 @@ class Node:
         return list_runs(self.root)
 
     def _writers(self, run: str) -> list[str]:
-        d = self.root / run
-        try:
-            return sorted(w.name for w in d.iterdir() if (w / "index").is_dir())
-        except OSError:
-            return []
+        return writers_under(self.root / run)
 
     def runs(self) -> RunList:
         return RunList(runs=[RunBrief(run=r, writers=self._writers(r)) for r in self.run_names()])
@@ -575,13 +571,34 @@ class Node:
         )
 
     def register_checkpoint(self, run: str, req: CheckpointRequest) -> Checkpoint:
-        """Record a durable checkpoint (the caller vouches that it is readable by a replacement)."""
+        """Record a durable checkpoint (the caller vouches that it is readable by a replacement).
+
+        Unless ``req.force``, refuses (BadRequestError) what is surely a mistake, since it would
+        make logs garbage: a stage beyond every stage the run's channels name, an iteration beyond
+        one past the last iteration logged in any tier, a local ``uri`` that does not exist here."""
         st = self.store(run)
+        if not req.force:
+            self._check_registration(run, req)
         try:
             c = st.register_checkpoint(req.stage, req.iteration, uri=req.uri, meta=req.meta)
         finally:
             self._summaries.invalidate(run)
         return _checkpoint(c)
+
+    def _check_registration(self, run: str, req: CheckpointRequest) -> None:
+        s = self.summary(run, fresh=True)  # the newest iteration may be seconds old
+        named = {st for c in s.channels for st in (c.src, c.dst)}
+        if named and req.stage > max(named):
+            raise BadRequestError(f"stage {req.stage} is beyond the stages of run {run!r} (its channels name stages {min(named)}..{max(named)})",
+                                  hint='check the stage; pass "force": true to register it anyway')  # fmt: skip
+        last = max((t.last_iteration for c in s.channels for t in (c.hot, c.cold) if t is not None and t.last_iteration is not None), default=None)
+        if last is not None and req.iteration > last + 1:
+            raise BadRequestError(f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
+                                  f"record stage {req.stage} received garbage", hint='check the iteration; pass "force": true to register it anyway')  # fmt: skip
+        local = req.uri[len("file://"):] if req.uri and req.uri.startswith("file://") else (req.uri if req.uri and "://" not in req.uri else None)
+        if local is not None and not os.path.exists(local):
+            raise BadRequestError(f"checkpoint uri {req.uri!r} does not exist on this node",
+                                  hint='register a checkpoint once it is durable; pass "force": true if it is readable elsewhere')  # fmt: skip
 
     def gc(self, run: str, *, confirm: bool = False) -> GcResult:
         """Garbage below the watermarks: reported (dry run) unless ``confirm``, then deleted."""

@@ -141,3 +141,24 @@ def test_show_prints_a_meta_records_document(f1b_run):
     assert d["meta"]["stage"] == 3 and d["meta"]["iteration"] == 3 and d["meta"]["loss"] == "trainer_client.examples.gpt:loss_fn" and d["stats"] is None
     text = runner.invoke(app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url])
     assert text.exit_code == 0 and '"schedule": "Schedule1F1B"' in text.stdout and "min / max" not in text.stdout, text.output
+
+
+def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tmp_path):
+    """With --cold-url given and the object store down, plan and replay used to exit 4 although
+    the node's disk held everything: they now use the hot tiers, say so, and are exact."""
+    from logstore.testing import free_port
+
+    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    args = ["replay", "--run", f1b_run.run_id, "--root", f1b_run.root, "--cold-url", "s3://gone/x", "-s", "1"]
+    r = runner.invoke(app, [*args, "--plan-only", "--json"], env=dead)
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["possible"] and plan["units"][0]["checkpoint_iteration"] == CKPT
+    assert any("is unreachable" in w and "planned from that root's hot tiers only" in w for w in plan["warnings"]), plan["warnings"]
+    r = runner.invoke(app, [*args, "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"], env=dead)
+    assert r.exit_code == 0, r.output
+    assert "verified (32/32 sends checked)" in r.stdout
+    uri = r.stdout.split("stage 1: ")[1].split()[0]
+    assert checkpoint_vs_live(load_checkpoint(uri), f1b_run.results[1]) == []
+    p = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", "s3://gone/x", "-f", "2"], env=dead)
+    assert p.exit_code == 0 and "stages [2]: replay [2, 6)" in p.stdout and "hot tiers only" in p.stdout, p.output

@@ -213,7 +213,16 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
     with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
             httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
         _flush_checks(c, store_copy)
-        r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": "file:///ckpt/2/4", "meta": {"step": 4}})
+        # what would make logs garbage for nothing is refused, naming it (a stage or iteration beyond the logs, a missing file)
+        for bad, needle in (({"stage": 9, "iteration": 4}, "stage 9 is beyond the stages of run 'run-a' (its channels name stages 0..5)"),
+                            ({"stage": 1, "iteration": 2**53 - 1}, "beyond the logs of run 'run-a' (last logged iteration"),
+                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"}, "'file:///nonexistent/2/4' does not exist on this node")):  # fmt: skip
+            r = c.post("/v1/runs/run-a/checkpoints", json=bad)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"] and '"force": true' in r.json()["error"]["hint"], r.text
+        assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
+        ckpt = store_copy.root.parent / "ckpt-2-4.pt"
+        ckpt.write_bytes(b"a checkpoint")
+        r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": ckpt.as_uri(), "meta": {"step": 4}})
         assert r.status_code == 201 and r.json()["iteration"] == 4
         cps = c.get("/v1/runs/run-a/checkpoints").json()
         assert cps["watermarks"] == [{"stage": 2, "iteration": 4}] and cps["checkpoints"][0]["meta"] == {"step": 4}
