@@ -67,6 +67,7 @@ from logstore.segment import (
     FILE_HEADER,
     FILE_HEADER_SIZE,
     FRAME_HEADER_SIZE,
+    MAGIC,
     IndexEntry,
     blob_checksum,
     build_footer,
@@ -371,21 +372,65 @@ class HotTier:
 
     # ------------------------------------------------------------------ writer side
     def _recover(self) -> None:
-        """Truncate open segments to their acknowledged end and seal them (owner only)."""
+        """Truncate open segments to their acknowledged end and seal them (owner only). A
+        segment file without a segment header (a creation the full disk refused) is moved
+        aside, named; new segments are numbered past every file present, so none is ever
+        overwritten (an index lost or replaced starts numbering at 1)."""
+        self._number_past_files()
         for meta in self.segments():
             if meta.state != OPEN:
                 continue
             path = self.seg_path(meta.id)
             try:
                 size = path.stat().st_size
+                with open(path, "rb") as f:
+                    headed = f.read(len(MAGIC)) == MAGIC
             except FileNotFoundError:
                 logger.warning("hot tier %s: open segment %d lost its file; dropping its index entries", self.dir, meta.id)
+                self._drop_segment_entries(meta.id)
+                continue
+            except OSError as e:
+                raise translate_os_error(e, f"reading segment {path}") from e
+            if not headed:
+                aside = path.with_name(path.name + ".unreadable")
+                os.replace(path, aside)
+                logger.warning("hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
+                               "disk): moved to %s, its index entries dropped", self.dir, path, size, aside.name)  # fmt: skip
                 self._drop_segment_entries(meta.id)
                 continue
             if size > meta.end:
                 logger.info("hot tier %s: truncating segment %d from %d to acknowledged end %d", self.dir, meta.id, size, meta.end)
                 os.truncate(path, meta.end)
             self._seal(meta.id)
+
+    def file_ids(self) -> list[int]:
+        """Ids of the segment files present in ``segments/`` (sorted)."""
+        try:
+            names = os.listdir(self._seg_dir)
+        except OSError:
+            return []
+        return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
+
+    def orphan_files(self) -> list[Path]:
+        """Segment files the index does not know (an index lost or replaced): never overwritten,
+        not readable through the index; ``LogStore.verify`` lists them."""
+        known = {m.id for m in self.segments()}
+        return [self.seg_path(i) for i in self.file_ids() if i not in known]
+
+    def _number_past_files(self) -> None:
+        top = max(self.file_ids(), default=0)
+
+        def fn(txn: lmdb.Transaction) -> int:
+            raw = txn.get(b"next_seg", db=self._db_meta)
+            nxt = 1 if raw is None else _U64.unpack(raw)[0]
+            if nxt <= top:
+                txn.put(b"next_seg", _U64.pack(top + 1), db=self._db_meta)
+            return nxt
+
+        if top and self._write(fn) <= top:  # type: ignore[operator]
+            orphans = self.orphan_files()
+            logger.warning("hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
+                           "are numbered from %d", self.dir, len(orphans), orphans[0].name if orphans else "-", top + 1)  # fmt: skip
 
     def _drop_segment_entries(self, seg_id: int) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -409,7 +454,7 @@ class HotTier:
         meta = self._write(fn)
         path = self.seg_path(meta.id)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)  # never over a file an index does not know
             os.pwrite(fd, FILE_HEADER, 0)
         except OSError as e:
             raise translate_os_error(e, f"creating segment {path}") from e

@@ -702,15 +702,24 @@ class LogStore:
         return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self.config.writer}.{m.id:010d}.seg"
 
     def _reconcile_uploads(self) -> None:
-        """After a restart: segments already committed in the cold tier are marked uploaded."""
+        """After a restart: segments already committed in the cold tier are marked uploaded, and
+        uploaded ones the cold tier no longer has (and whose file is still here) are queued again."""
         try:
             committed = {s.name for segs in self._cold_index(refresh=True).values() for s in segs}
+            wm = self.watermarks()
         except SwiftlogError as e:
             self._note_error(e)
             return
         for m in self.hot.segments():
             if m.state == SEALED and self._cold_name(m) in committed:
                 self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))
+            elif (m.state == UPLOADED and m.cold_name not in committed and self.hot.seg_path(m.id).exists()
+                  and m.hi >= wm.get(Channel.parse(m.channel).owner, 0)):  # not garbage another node's GC removed
+                logger.warning("run %s: segment %d of %s was uploaded as %s, which the cold tier no longer has: uploading it again",
+                               self.run, m.id, self.hot.writer, m.cold_name)  # fmt: skip
+                self.hot.set_state(m.id, SEALED)
+                with self._shipped:
+                    self._unsealed_up[m.id] = (m.channel, m.lo)
 
     def _upload_pending(self, deadline: float | None = None) -> int:
         """Upload every sealed segment now (caller's thread). Raises the first cold-tier error, and
@@ -1101,26 +1110,50 @@ class LogStore:
         }
 
     def verify(self, progress: Callable[[str, int, int], None] | None = None) -> VerifyReport:
-        """Check every checksum in both tiers (blob checksums and each tensor's raw checksum).
+        """Check every checksum in both tiers (blob checksums and each tensor's raw checksum), and
+        that what the indexes list is there: a segment file missing and never uploaded, an
+        uploaded segment the cold tier no longer has, a segment file no index knows, an index
+        that cannot be opened are problems too.
 
-        Never raises for a corrupt record: it is listed in the report. ``progress(tier, done,
+        Never raises for a corrupt or missing record: it is listed in the report. ``progress(tier, done,
         total)`` is called as work advances.
         """
         rep = VerifyReport()
         hots = self._hot_tiers()
+        for w in sorted(set(self.writers()) - {h.writer for h in hots}):
+            rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"), "error": "the index cannot be opened (see the log)"})
+        for hot in hots:
+            for path in hot.orphan_files():
+                rep.problems.append({"tier": "hot", "key": "", "where": str(path),
+                                     "error": "segment file not in the writer's index (index lost or replaced?): its records are not readable"})  # fmt: skip
+        committed: set[str] | None = None
+        if self.cold is not None:
+            try:
+                committed = {seg.name for segs in self._cold_index(refresh=True).values() for seg in segs}
+            except SwiftlogError as e:
+                rep.problems.append({"tier": "cold", "key": "", "where": self.config.cold_url or "", "error": f"cannot be listed: {e}"})
+        wm = self.watermarks(max_age=2.0)
         entries = [(hot, k, loc) for hot in hots for k, loc in hot.keys()]
         for i, (hot, k, loc) in enumerate(entries):
+            where = f"{hot.dir}/segments/{loc.segment.id:010d}.seg"
             try:
                 blob = hot.read_local(loc)
                 if blob is not None:
                     codec.verify_blob(blob, key=k)
                     rep.hot_checked += 1
+                if k.iteration < wm.get(k.channel.owner, 0):
+                    pass  # garbage: another node's GC may have removed its cold copy already
+                elif loc.segment.state in (UPLOADED, EVICTED) and committed is not None and loc.segment.cold_name not in committed:
+                    rep.problems.append({"tier": "cold", "key": str(k), "where": loc.segment.cold_name or "", "error": "uploaded, but the cold tier no longer has it"
+                                         + (" (its writer uploads it again when it reopens the store)" if blob is not None else " and the local file is gone: lost")})  # fmt: skip
+                elif blob is None and loc.segment.state not in (UPLOADED, EVICTED):
+                    rep.problems.append({"tier": "hot", "key": str(k), "where": where, "error": "segment file missing and never uploaded: lost"})
             except (CorruptRecordError, SwiftlogError) as e:
-                rep.problems.append({"tier": "hot", "key": str(k), "where": f"{hot.dir}/segments/{loc.segment.id:010d}.seg@{loc.offset}", "error": str(e)})
+                rep.problems.append({"tier": "hot", "key": str(k), "where": f"{where}@{loc.offset}", "error": str(e)})
             if progress is not None:
                 progress("hot", i + 1, len(entries))
-        if self.cold is not None:
-            segs = self._cold_segments(None, refresh=True)
+        if self.cold is not None and committed is not None:
+            segs = self._cold_segments(None)
             for i, seg in enumerate(segs):
                 rep.cold_segments += 1
                 try:

@@ -178,3 +178,45 @@ def test_stream_local_yields_the_record_and_holds_back_a_corrupt_end(tmp_path: P
         assert 0 < sum(map(len, got)) < len(blob)  # never the whole record
     assert len(os.listdir("/proc/self/fd")) == fds
     hot.close()
+
+
+def test_a_lost_index_never_lets_the_writer_overwrite_its_old_segment_files(tmp_path: Path, caplog) -> None:
+    """The index gone (deleted, or replaced by an empty one): the next writer numbered its segments
+    from 1 again and truncated the old files, silently. Now they are kept, named, and numbered past."""
+    d = tmp_path / "r" / "w"
+    h = HotTier(d, owner=True, segment_iters=1)
+    for it in range(4):
+        h.append([(RecordKey(ACT, it, 0), _blob(it), 1000)])
+    h.close()
+    before = {p.name: p.read_bytes() for p in (d / "segments").iterdir()}
+    for p in (d / "index").iterdir():
+        p.unlink()
+    with caplog.at_level("WARNING", logger="logstore.hot"):
+        h = HotTier(d, owner=True, segment_iters=1)
+    assert "4 segment file(s) are not in its index" in caplog.text and "numbered from 5" in caplog.text
+    assert [p.name for p in h.orphan_files()] == sorted(before)
+    for it in range(10, 14):
+        h.append([(RecordKey(ACT, it, 0), _blob(it), 1000)])
+    assert {n: (d / "segments" / n).read_bytes() for n in before} == before  # untouched
+    assert [m.id for m in h.segments()] == [5, 6, 7, 8] and h.read_local(h.lookup(RecordKey(ACT, 13, 0))) == _blob(13)
+    h.close()
+
+
+def test_a_segment_file_without_its_header_is_moved_aside_and_the_writer_reopens(tmp_path: Path, caplog) -> None:
+    """A full disk refuses the header of a new segment file, leaving it empty: the writer's next
+    open failed with "bad magic" (not naming the file), so a restarted training process crashed."""
+    d = tmp_path / "r" / "w"
+    h = HotTier(d, owner=True, segment_iters=1)
+    h.append([(RecordKey(ACT, 0, 0), _blob(0), 1000)])
+    h._new_segment(ACT, 5)  # as a put on a full disk left it: in the index, open, its file empty
+    empty = d / "segments" / "0000000002.seg"
+    empty.write_bytes(b"")
+    h.close()
+    with caplog.at_level("WARNING", logger="logstore.hot"):
+        h = HotTier(d, owner=True, segment_iters=1)
+    assert f"open segment file {empty} (0 bytes) has no segment header" in caplog.text and not empty.exists()
+    assert (d / "segments" / "0000000002.seg.unreadable").exists() and [m.id for m in h.segments()] == [1]
+    assert h.read_local(h.lookup(RecordKey(ACT, 0, 0))) == _blob(0)
+    h.append([(RecordKey(ACT, 6, 0), _blob(6), 1000)])
+    assert h.read_local(h.lookup(RecordKey(ACT, 6, 0))) == _blob(6)
+    h.close()

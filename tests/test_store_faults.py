@@ -197,3 +197,38 @@ def test_a_read_only_store_root_is_a_config_error_naming_it(tmp_path: Path) -> N
         assert "writable directory" in (e.value.hint or "")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_verify_reports_what_the_indexes_list_but_no_tier_holds_and_a_lost_cold_copy_is_uploaded_again(tmp_path) -> None:
+    """verify used to say ok (exit 0) when a record's segment file and cold object were both gone,
+    and a writer never re-uploaded a segment whose cold object had disappeared."""
+    from logstore import LogStore, RecordKey, Channel
+
+    act = Channel.activation(1)
+    cold = tmp_path / "cold"
+    s = LogStore.open(tmp_path / "node", "run1", writer="w0", cold_url=f"file://{cold}", segment_iters=1)
+    for it in range(4):
+        s.put(RecordKey(act, it, 0), torch.full((4,), float(it)))
+    s.flush()
+    segs = sorted(s.hot.segments(), key=lambda m: m.lo)
+    s.close()
+    assert LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{cold}").verify().ok
+    # segment of it 0: cold object gone, local file kept; it 1: both gone; it 2: a file no index knows
+    for m in segs[:2]:
+        (cold / m.cold_name).unlink()
+    (tmp_path / "node" / "run1" / "w0" / "segments" / f"{segs[1].id:010d}.seg").unlink()
+    stray = tmp_path / "node" / "run1" / "w0" / "segments" / "0000009999.seg"
+    stray.write_bytes(b"x")
+    rep = LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{cold}").verify()
+    got = {(p["key"], p["error"].split(":")[0].split(" (")[0]) for p in rep.problems}
+    assert got == {("act_1_2/it0/mb0/p0", "uploaded, but the cold tier no longer has it"),
+                   ("act_1_2/it1/mb0/p0", "uploaded, but the cold tier no longer has it and the local file is gone"),
+                   ("", "segment file not in the writer's index")}, rep.problems  # fmt: skip
+    assert not rep.ok
+    stray.unlink()
+    w = LogStore.open(tmp_path / "node", "run1", writer="w0", cold_url=f"file://{cold}", segment_iters=1)
+    w.flush()  # the reopened writer queued segment 0 again
+    w.close()
+    assert (cold / segs[0].cold_name).exists()
+    left = LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{cold}").verify().problems
+    assert [p["key"] for p in left] == ["act_1_2/it1/mb0/p0"]  # lost: nothing to upload it from
