@@ -167,6 +167,7 @@ class ReplayReport:
     loss_micro_batches: dict[int, list[int]] = field(default_factory=dict)
     sends: dict[RecordKey, torch.Tensor] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    unknown_steps: list[int] = field(default_factory=list)  # iterations replayed with another stage's META (clip norms, lrs unknown)
     iterations_done: int = 0
     records_fetched: int = 0
     fetch_seconds: float = 0.0
@@ -182,8 +183,11 @@ class ReplayReport:
 
     @property
     def verified(self) -> bool:
-        """True only if every regenerated boundary send was checked against a digest and matched."""
-        return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok
+        """True only if every regenerated boundary send was checked against a digest and matched,
+        and the last iteration's optimizer step (which no later send checks) was replayed from the
+        stage's own META: with another stage's stand-in, its clip norms and rates are unknown."""
+        last_unchecked = self.stop_iteration - 1 in self.unknown_steps
+        return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
 
     @property
     def first_mismatch(self) -> dict[str, Any] | None:
@@ -232,6 +236,7 @@ class ReplayReport:
             self.losses[it] = [v for _, v in pairs]
         self.sends.update(other.sends)
         self.warnings.extend(w for w in other.warnings if w not in self.warnings)
+        self.unknown_steps = sorted({*self.unknown_steps, *other.unknown_steps})
         self.records_fetched += other.records_fetched
         self.fetch_seconds = max(self.fetch_seconds, other.fetch_seconds)
 
@@ -255,6 +260,7 @@ class ReplayReport:
             "losses": {str(k): list(v) for k, v in self.losses.items()},
             "loss_micro_batches": {str(k): list(v) for k, v in self.loss_micro_batches.items()},
             "warnings": list(self.warnings),
+            "unknown_steps": list(self.unknown_steps),
             "records_fetched": self.records_fetched,
             "fetch_seconds": self.fetch_seconds,
             "compute_seconds": self.compute_seconds,
@@ -277,6 +283,7 @@ class ReplayReport:
         r.losses = {int(k): list(v) for k, v in d.get("losses", {}).items()}
         r.loss_micro_batches = {int(k): list(v) for k, v in d.get("loss_micro_batches", {}).items()}
         r.warnings = list(d.get("warnings", []))
+        r.unknown_steps = [int(i) for i in d.get("unknown_steps", [])]
         return r
 
 
@@ -562,9 +569,17 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
         note = (f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage); "
                 "what only a stage's own META says (its autocast regions, clip_grad_norm_ calls, learning rates) is unknown, so a run that "
                 "used them does not verify: give the replay the stage's META (a replacement reads it from the commit store)")  # fmt: skip
-        if report is not None and not any("no META of stages" in w for w in report.warnings):
-            report.warnings.append(note)
-            logger.warning("replay: %s (further iterations alike are not reported)", note)
+        if report is not None:
+            if it not in report.unknown_steps:
+                report.unknown_steps.append(it)
+            if it == report.stop_iteration - 1:
+                last = (f"the last iteration ({it}) was replayed with stage {k_in}'s META: no later send checks its optimizer step, "
+                        "so the result is not verified")  # fmt: skip
+                if last not in report.warnings:
+                    report.warnings.append(last)
+            if not any("no META of stages" in w for w in report.warnings):
+                report.warnings.append(note)
+                logger.warning("replay: %s (further iterations alike are not reported)", note)
     if m0.get("seed_scheme") != SEED_SCHEME:
         raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
     if m0.get("split_backward"):

@@ -653,7 +653,7 @@ class _Planner:
         self._fetch_items(u, [(ch, "input") for ch in chans["inputs"]] + [(ch, "meta") for ch in sorted(meta_chans)]
                           + [(ch, "verify") for ch in chans["verify"]], c, stop, failed_writers)  # fmt: skip
         if self.check_records and not u.reasons:
-            self._check_records(u, [ch for ch in chans["inputs"]], c, stop)
+            self._check_records(u, [*chans["inputs"], *sorted(meta_chans), *chans["verify"]], c, stop)  # what the replay reads, all of it
         u.possible = not u.reasons
         self._estimate(u, S)
 

@@ -301,7 +301,8 @@ def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbour
     for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / f"meta_{NUM_STAGES - 1}").glob("*"):
         p.unlink()
     res = replay(_job(f1b_run, NUM_STAGES - 1, tmp_path, sources=[SourceSpec(kind="cold", location=cold)]))
-    assert res.job.loss is None and res.verified
+    assert res.job.loss is None and res.report.ok  # every send matched; the last step is not proven (below)
+    assert not res.verified and res.report.unknown_steps == list(range(CKPT, ITERS))
     assert checkpoint_vs_live(checkpoint_of(res, NUM_STAGES - 1), f1b_run.results[NUM_STAGES - 1]) == []
 
 
@@ -327,8 +328,11 @@ def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
     assert plan.possible and any("stands in" in w for w in plan.units[0].warnings)
     assert {f.channel for f in plan.units[0].fetch if f.purpose == "meta"} == {"meta_0"}
     res = replay(_job(f1b_run, 1, tmp_path, sources=[src]))
-    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+    assert checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []  # this run neither clips nor sets rates by hand
     assert any("using stage 0's" in w for w in res.report.warnings)
+    # but a run that did would differ after the last step, which no later send checks: not "verified"
+    assert res.report.ok and not res.verified and f"the last iteration ({ITERS - 1}) was replayed with stage 0's META" in " ".join(res.report.warnings)
+    assert not checkpoint_of(res, 1).extra["recovered"]["verified"]
 
 
 def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, tmp_path):

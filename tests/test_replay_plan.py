@@ -181,6 +181,13 @@ def test_check_records_names_a_corrupt_record(f1b_run, tmp_path):
         assert plan_recovery(st, [2]).possible  # indexes alone cannot see it
         plan = plan_recovery(st, [2], check_records=True)
     assert not plan.possible and str(key) in plan.units[0].missing and str(key) in plan.reasons[0] and "corrupt" in plan.reasons[0]
+    # META and digests are read by the replay too: a corrupt one is named as well (was "verifiable", then exit 3)
+    for other in (RecordKey(Channel.meta(2), 4, 0), RecordKey(Channel.digest(2, 1), 4, 1)):
+        root, _ = copy_run_files(f1b_run, tmp_path / other.channel.name)
+        corrupt_hot_record(root, f1b_run.run_id, other)
+        with LogStore.open(root, f1b_run.run_id) as st:
+            plan = plan_recovery(st, [2], check_records=True)
+        assert not plan.possible and str(other) in plan.reasons[0] and "corrupt" in plan.reasons[0], plan.reasons
 
 
 def test_bad_arguments_are_refused(f1b_run):
