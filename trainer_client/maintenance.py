@@ -53,6 +53,7 @@ class CheckpointMaintenance:
         # registrations the cold tier refused (down): retried every ``retry_s`` and at close, newest first
         self.unregistered: list[tuple[int, int, str, dict[str, Any], bool]] = []
         self.retry_s = 10.0
+        self._last_refusal = ""
         self._thread = threading.Thread(target=self._run, name=f"{name}-maint", daemon=True)
         self._thread.start()
 
@@ -111,6 +112,7 @@ class CheckpointMaintenance:
                 self.registered.append((stage, iteration, uri))
                 return True
             except SwiftlogError as e:
+                self._last_refusal = f"{type(e).__name__}: {e.message}"
                 # the object store's refusals too (a bucket missing while it restarts): kept and retried
                 retryable = getattr(e, "retryable", False) or isinstance(e, ColdTierError)
                 if attempts > 1 or not retryable:  # a later retry of a refused one is not reported again
@@ -125,7 +127,7 @@ class CheckpointMaintenance:
     def _keep_unregistered(self, item: tuple[int, int, str, dict[str, Any], bool]) -> None:
         self.unregistered.append(item)
         del self.unregistered[:-8]  # the newest few: a newer checkpoint makes an older one's registration moot for GC
-        logger.warning("checkpoint of stage %d at iteration %d not registered (cold tier down?): retried every %g s", item[0], item[1], self.retry_s)
+        logger.warning("checkpoint of stage %d at iteration %d not registered (%s): retried every %g s", item[0], item[1], self._last_refusal, self.retry_s)
 
     def _retry_unregistered(self) -> None:
         """One attempt for each checkpoint the cold tier refused, oldest first; GC after the
