@@ -53,12 +53,15 @@ from pathlib import Path
 
 import lmdb
 
+from logstore import codec
 from logstore.errors import (
+    CodecError,
     ConfigError,
     CorruptRecordError,
     StoreClosedError,
     StoreError,
     StoreFullError,
+    SwiftlogError,
     translate_os_error,
 )
 from logstore.keys import Channel, RecordKey, channel_range
@@ -68,10 +71,13 @@ from logstore.segment import (
     FILE_HEADER_SIZE,
     FRAME_HEADER_SIZE,
     MAGIC,
+    TRAILER_SIZE,
     IndexEntry,
     blob_checksum,
     build_footer,
     encode_frame_header,
+    parse_index,
+    parse_trailer,
     scan_frames,
 )
 
@@ -376,6 +382,7 @@ class HotTier:
         segment file without a segment header (a creation the full disk refused) is moved
         aside, named; new segments are numbered past every file present, so none is ever
         overwritten (an index lost or replaced starts numbering at 1)."""
+        self._adopt_orphans()
         self._number_past_files()
         for meta in self.segments():
             if meta.state != OPEN:
@@ -416,6 +423,38 @@ class HotTier:
         not readable through the index; ``LogStore.verify`` lists them."""
         known = {m.id for m in self.segments()}
         return [self.seg_path(i) for i in self.file_ids() if i not in known]
+
+    def _adopt_orphans(self) -> None:
+        """Re-index the segment files the index does not know (it was lost or replaced by an older
+        copy), oldest first: a sealed file from its footer, a file without one (it was open) from
+        its frames up to the last whole one (then sealed like any open segment). Adopted segments
+        are "sealed", so the uploader ships them again (idempotent). A file that cannot be read
+        this way is kept and named (``orphan_files``)."""
+        for path in self.orphan_files():
+            seg_id = int(path.name[:-4])
+            try:
+                entries, end, size, sealed = _read_orphan(path)
+            except (SwiftlogError, OSError) as e:
+                logger.warning("hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is", self.dir, path.name, e)
+                continue
+            names = {e.key.channel.name for e, _ in entries}
+            if len(names) != 1:
+                logger.warning("hot tier %s: segment file %s is not in the index and holds %s: kept as it is", self.dir, path.name,
+                               "no record" if not names else f"several channels {sorted(names)}")  # fmt: skip
+                continue
+            first = entries[0][0].key
+
+            def fn(txn: lmdb.Transaction, seg_id: int = seg_id, entries: list = entries, end: int = end, size: int = size, sealed: bool = sealed) -> None:
+                self._put_seg(txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration))
+                self._commit_entries(txn, [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries], {seg_id: end})
+                m = self._get_seg(txn, seg_id)
+                assert m is not None
+                m.state, m.file_size = (SEALED, size) if sealed else (OPEN, end)
+                self._put_seg(txn, m)
+
+            self._write(fn)
+            logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
+                           self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
 
     def _number_past_files(self) -> None:
         top = max(self.file_ids(), default=0)
@@ -853,3 +892,41 @@ class HotTier:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+
+
+def _read_orphan(path: Path) -> tuple[list[tuple[IndexEntry, int]], int, int, bool]:
+    """(entries with their raw lengths, end of the frames, file size, sealed) of a segment file read
+    without an index: the footer of a sealed file, else its frames up to the last whole one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        sealed = False
+        entries: list[IndexEntry] = []
+        if size >= FILE_HEADER_SIZE + TRAILER_SIZE:
+            try:
+                index_offset, n, csum = parse_trailer(os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE), path.name)
+                entries = parse_index(os.pread(fd, size - TRAILER_SIZE - index_offset, index_offset), n, csum, path.name)
+                sealed, end = True, index_offset
+            except CorruptRecordError:
+                sealed = False
+        if not sealed:
+            try:
+                for e in scan_frames(fd):
+                    entries.append(e)
+            except CorruptRecordError:
+                pass  # a torn last frame: what precedes it is whole
+            end = entries[-1].offset + entries[-1].length if entries else FILE_HEADER_SIZE
+        out = []
+        for e in entries:
+            head = os.pread(fd, min(e.length, 4096), e.offset)
+            try:
+                raw = codec.read_header(head, key=e.key, total_length=e.length).raw_len
+            except CodecError:
+                try:
+                    raw = codec.read_header(os.pread(fd, e.length, e.offset), key=e.key).raw_len
+                except SwiftlogError:  # not a tensor record (the hot tier stores any blob): its stored size
+                    raw = e.length
+            out.append((e, raw))
+        return out, end, size, sealed
+    finally:
+        os.close(fd)

@@ -180,25 +180,52 @@ def test_stream_local_yields_the_record_and_holds_back_a_corrupt_end(tmp_path: P
     hot.close()
 
 
-def test_a_lost_index_never_lets_the_writer_overwrite_its_old_segment_files(tmp_path: Path, caplog) -> None:
+def test_a_lost_index_is_rebuilt_from_the_segment_files_and_none_is_overwritten(tmp_path: Path, caplog) -> None:
     """The index gone (deleted, or replaced by an empty one): the next writer numbered its segments
-    from 1 again and truncated the old files, silently. Now they are kept, named, and numbered past."""
+    from 1 again and truncated the old files, silently. Now it re-indexes them (sealed ones from
+    their footers, the one that was open from its frames) and numbers new segments past them."""
+    import shutil
+
     d = tmp_path / "r" / "w"
     h = HotTier(d, owner=True, segment_iters=1)
     for it in range(4):
-        h.append([(RecordKey(ACT, it, 0), _blob(it), 1000)])
+        h.append([(RecordKey(ACT, it, mb), _blob(it * 10 + mb), 1000) for mb in range(2)])
+    assert [m.state for m in h.segments()] == [SEALED, SEALED, SEALED, OPEN]
+    shutil.copytree(d / "segments", tmp_path / "as-it-was")  # the open segment without its footer, as a crash leaves it
     h.close()
+    shutil.rmtree(d / "segments")
+    shutil.copytree(tmp_path / "as-it-was", d / "segments")
     before = {p.name: p.read_bytes() for p in (d / "segments").iterdir()}
     for p in (d / "index").iterdir():
         p.unlink()
     with caplog.at_level("WARNING", logger="logstore.hot"):
         h = HotTier(d, owner=True, segment_iters=1)
-    assert "4 segment file(s) are not in its index" in caplog.text and "numbered from 5" in caplog.text
-    assert [p.name for p in h.orphan_files()] == sorted(before)
-    for it in range(10, 14):
+    assert caplog.text.count("was not in the index: re-indexed 2 record(s) of act_0_1") == 4 and "from its frames" in caplog.text
+    assert h.orphan_files() == [] and [(m.id, m.lo, m.hi, m.state, m.live) for m in h.segments()] == [(i + 1, i, i, SEALED, 2) for i in range(4)]
+    for it in range(4):
+        for mb in range(2):
+            assert h.read_local(h.lookup(RecordKey(ACT, it, mb))) == _blob(it * 10 + mb)
+    for it in range(10, 12):
         h.append([(RecordKey(ACT, it, 0), _blob(it), 1000)])
-    assert {n: (d / "segments" / n).read_bytes() for n in before} == before  # untouched
-    assert [m.id for m in h.segments()] == [5, 6, 7, 8] and h.read_local(h.lookup(RecordKey(ACT, 13, 0))) == _blob(13)
+    assert [m.id for m in h.segments()][4:] == [5, 6] and h.read_local(h.lookup(RecordKey(ACT, 11, 0))) == _blob(11)
+    for name, data in before.items():  # the sealed files untouched; the open one only gained its footer
+        assert (d / "segments" / name).read_bytes()[: len(data)] == data
+    h.close()
+
+
+def test_a_segment_file_no_index_can_take_is_kept_and_numbered_past(tmp_path: Path, caplog) -> None:
+    d = tmp_path / "r" / "w"
+    h = HotTier(d, owner=True, segment_iters=1)
+    h.append([(RecordKey(ACT, 0, 0), _blob(0), 1000)])
+    h.close()
+    stray = d / "segments" / "0000000007.seg"
+    stray.write_bytes(b"not a segment")
+    with caplog.at_level("WARNING", logger="logstore.hot"):
+        h = HotTier(d, owner=True, segment_iters=1)
+    assert "0000000007.seg is not in the index and cannot be re-indexed" in caplog.text and "numbered from 8" in caplog.text
+    assert h.orphan_files() == [stray]
+    h.append([(RecordKey(ACT, 1, 0), _blob(1), 1000)])
+    assert stray.read_bytes() == b"not a segment" and [m.id for m in h.segments()] == [1, 8]
     h.close()
 
 
