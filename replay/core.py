@@ -64,7 +64,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from logstore import Channel, RecordKey
+from logstore.errors import SwiftlogError
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError
 from replay.reader import LogReader, RecordSource
 from trainer_client.checkpoint import Checkpoint
@@ -683,6 +685,21 @@ def _passes(plan: _Plan) -> list[tuple[str, int]]:
     return out
 
 
+@contextmanager
+def _user_code(what: str, stage: int, it: int, mb: int) -> Iterator[None]:
+    """An error of the user's model or loss becomes a ReplayError naming where the replay was (the
+    original stays chained as its cause, for the traceback)."""
+    try:
+        yield
+    except SwiftlogError:
+        raise
+    except Exception as e:
+        text = str(e).strip().splitlines()
+        raise ReplayError(f"stage {stage} iteration {it} micro-batch {mb}: the {what} raised {type(e).__name__}: {text[0][:300] if text else ''}",
+                          hint="is the stage factory (--model, --model-arg) and the loss (--loss) what this run trained with? "
+                               "The stage must accept exactly what its neighbour sent") from e  # fmt: skip
+
+
 def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport) -> None:
     reader, states, num_stages, dev = ctx.reader, ctx.states, ctx.num_stages, ctx.device
     first = ctx.first
@@ -716,7 +733,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
             kw_st = {**(plan.logged(st.stage, "input_consts") or {}), **(kw if st.stage == 0 else _stage_kwargs(reader, plan, st.stage, it, mb, dev))}
-            with autocast_as(plan.logged(st.stage, "autocast")):  # the live forward's autocast regions
+            with _user_code("stage's forward", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):  # the live forward's autocast regions
                 out = st.module(*x, **kw_st)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
@@ -730,7 +747,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 target = on_device(target, dev)
-                with autocast_as(plan.logged(st.stage, "autocast")):  # the schedule computed the loss inside the step too
+                with _user_code("loss function", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):  # the schedule computed the loss inside the step too
                     loss = ctx.loss_fn(out, target)  # type: ignore[misc]
                 losses.append(float(loss.detach()))
                 loss_mbs.append(mb)
@@ -751,7 +768,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             st = states[i]
             x, out = per_stage[i]
             if st.stage == num_stages - 1:
-                with autocast_as(plan.logged(st.stage, "autocast")):
+                with _user_code("stage's backward", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):
                     torch.autograd.backward([out])
             else:
                 if grads_in is None:  # last stage of the group, not of the pipeline: logged gradients
@@ -759,7 +776,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
                 if len(with_grad) != len(grads_in):
                     raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
-                with autocast_as(plan.logged(st.stage, "autocast")):
+                with _user_code("stage's backward", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):
                     torch.autograd.backward(with_grad, grad_tensors=grads_in)
             sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
             grads_in = sent

@@ -306,6 +306,29 @@ def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbour
     assert checkpoint_vs_live(checkpoint_of(res, NUM_STAGES - 1), f1b_run.results[NUM_STAGES - 1]) == []
 
 
+def test_an_error_in_the_users_model_names_where_the_replay_was(f1b_run, tmp_path):
+    """A stage factory whose module fails on what it receives: a ReplayError naming the stage,
+    iteration and micro-batch and what to check (was torch's bare traceback), the cause chained."""
+    from replay.core import load_object
+
+    job = _job(f1b_run, 1, tmp_path)
+    real = load_object(job.model)
+
+    def broken(stage, num_stages, checkpoint, **kw):
+        built = real(stage, num_stages, checkpoint, **kw)
+
+        def boom(*a, **k):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)\nmore torch text")
+
+        built[0].forward = boom
+        return built
+
+    with pytest.raises(ReplayError, match=rf"stage 1 iteration {CKPT} micro-batch 0: the stage's forward raised RuntimeError: mat1 and mat2 "
+                                          r"shapes cannot be multiplied \(4x8 and 16x8\) \(hint: ") as e:  # fmt: skip
+        replay(job, factory=broken)
+    assert "--model" in (e.value.hint or "") and isinstance(e.value.__cause__, RuntimeError)
+
+
 def test_a_job_names_the_device_it_replays_on(f1b_run, tmp_path):
     job = _job(f1b_run, 1, tmp_path, device="cpu")
     res = replay(job)

@@ -186,8 +186,8 @@ class StageRecorder:
                 if t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
                     msg = (f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
                            f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
-                           "of the declared type without conversion, so what arrives is not what was sent; declare output_args as the "
-                           "forward produces them (under autocast: its dtype)")  # fmt: skip
+                           "of the type its own input_args declare, without conversion, so unless those say what the forward produces, "
+                           "what arrives is not what was sent; declare output_args as the forward produces them (under autocast: its dtype)")  # fmt: skip
                     self.writer.note_fault("send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration)
                     return
         except Exception as e:
