@@ -283,6 +283,16 @@ def test_a_corrupt_hot_copy_is_read_from_its_intact_cold_copy(tmp_path: Path, co
     with pytest.raises(CorruptRecordError, match=r"grad_2_1/it1/mb1"):
         hot_only.get(key)
     hot_only.close()
+    url, opts, _ = cold_backend
+    if url.startswith("file://"):  # both copies corrupt: the error names both
+        obj = Path(url[len("file://"):]) / loc.segment.cold_name
+        data = bytearray(obj.read_bytes())
+        data[loc.offset + loc.length // 2] ^= 0x01
+        obj.write_bytes(bytes(data))
+        both = _open(tmp_path / "node", cold_backend, writer=None)
+        with pytest.raises(CorruptRecordError, match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: corrupt record grad_2_1/it1/mb1/p0 in cold object"):
+            both.get(key)
+        both.close()
 
 
 def test_corrupt_bit_in_hot_record_detected(tmp_path: Path, cold_backend) -> None:
