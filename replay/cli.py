@@ -170,36 +170,23 @@ def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], to
           target: int | None, bandwidth: float | None, workers: int, check_records: bool) -> tuple[Any, list[Any]]:  # fmt: skip
     from logstore import LogStore
     from replay.engine import SourceSpec
-    from replay.plan import RecoveryPlan, cold_only_store, plan_recovery
+    from replay.plan import cold_only_store, plan_recovery
+    from replay.remote import HttpRecordSource
 
     specs = [SourceSpec(kind="store", location=str(r), cold_url=cold_url, options=opts) for r in roots]
     specs += [SourceSpec(kind="http", location=u, token=token) for u in servers]
     if cold_url and not roots:
         specs.append(SourceSpec(kind="cold", location=cold_url, options=opts))
-    if roots or cold_url:
-        stores = [LogStore.open(r, run, cold_url=cold_url, cold_options=opts) for r in roots] or [cold_only_store(cold_url or "", run, opts)]
-        try:
-            return plan_recovery(stores, failed, target_iteration=target, bandwidth_mbps=bandwidth, workers=workers, check_records=check_records), specs
-        finally:
-            for s in stores:
-                s.close()
-    if target is not None or check_records:
-        raise ValueError("--target-iteration and --check-records need --root or --cold-url (a server's planner takes only the failed stages)")
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = f"{servers[0].rstrip('/')}/v1/runs/{run}/recovery-plan"
+    # planned over every source the replay reads: roots, node servers (their hot tiers, through the API), the cold tier
+    stores: list[Any] = [LogStore.open(r, run, cold_url=cold_url, cold_options=opts) for r in roots]
     try:
-        r = httpx.get(url, params={"failed": failed}, headers=headers, timeout=120)
-    except httpx.HTTPError as e:
-        from logstore.errors import StoreError
-
-        err = StoreError(f"cannot reach {servers[0]}: {e}")
-        err.retryable = True
-        raise err from e
-    if r.status_code != 200:
-        raise ValueError(f"{url} answered {r.status_code}: {r.text[:500]}")
-    return RecoveryPlan.from_dict(r.json()["plan"]), specs
+        stores += [HttpRecordSource(u, run, token=token) for u in servers]
+        if cold_url and not roots:
+            stores.append(cold_only_store(cold_url, run, opts))
+        return plan_recovery(stores, failed, target_iteration=target, bandwidth_mbps=bandwidth, workers=workers, check_records=check_records), specs
+    finally:
+        for s in stores:
+            s.close()
 
 
 def print_plan(plan: Any, json_out: bool) -> None:

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import ColdTierUnavailableError, SwiftlogError
+from logstore.errors import ColdTierUnavailableError, StoreError, SwiftlogError
 from logstore.keys import Kind
 from logstore.store import RecordInfo
 from replay.core import needed_channels
@@ -231,7 +231,9 @@ def plan_recovery(
 
     Args:
         stores: one LogStore per reachable node root (each reads every writer's hot tier there and
-            the cold tier if configured), or a cold-tier-only store. Order is preference order.
+            the cold tier if configured), a cold-tier-only store, or a node server
+            (``replay.remote.HttpRecordSource``: what the node holds, read through its REST API).
+            Order is preference order.
         failed_stages: the stages whose state is lost.
         store: one more store (the keyword ``server.planner`` uses).
         num_stages: pipeline size; default: from the checkpoint registrations or the channels.
@@ -320,7 +322,14 @@ class _Planner:
     def _checkpoints(self) -> dict[int, dict[int, Any]]:
         out: dict[int, dict[int, Any]] = {}
         for s in self.stores:
-            for c in s.checkpoints():
+            try:
+                found = s.checkpoints()
+            except StoreError as e:
+                if not (hasattr(s, "describe") and e.retryable):
+                    raise
+                self.warnings.append(f"{self._describe(s)} is unreachable, planned without it: {e.message}")  # a node server down
+                continue
+            for c in found:
                 out.setdefault(c.stage, {})[c.iteration] = c
         return out
 
@@ -382,6 +391,8 @@ class _Planner:
         return None
 
     def _describe(self, s: LogStore) -> str:
+        if hasattr(s, "describe"):  # a node server (replay.remote.HttpRecordSource)
+            return str(s.describe())
         cold = getattr(s.config, "cold_url", None)
         return f"store root {s.root}" + (f" + cold tier {cold}" if cold else "")
 

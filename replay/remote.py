@@ -37,6 +37,7 @@ import torch
 from logstore import Channel, RecordKey, codec, validate_run
 from logstore.errors import CorruptRecordError, RecordNotFoundError, StoreError
 from logstore.segment import blob_checksum
+from logstore.store import CheckpointInfo, RecordInfo
 from replay.core import LogReader, RecordSource
 
 __all__ = ["HttpRecordSource", "RemoteLogReader", "NodeUnavailableError"]
@@ -131,6 +132,52 @@ class HttpRecordSource:
         except RecordNotFoundError:  # the run is unknown there: nothing was dropped there either
             return []
         return [dict(g) for g in summary.get("gaps", [])]
+
+    # ------------------------------------------------------------------ what the planner reads
+    #: a node server's cold tier is not read through it (give the run's cold tier as a source of its own)
+    cold = None
+
+    def describe(self) -> str:
+        return f"node server {self.base_url}"
+
+    def _or_empty(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", f"{self.base_url}/v1/runs/{self.run}{path}", params=params).json()
+        except RecordNotFoundError:  # the run is not on that node
+            return None
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """The checkpoints the node knows (its hot tiers' and its cold tier's registrations)."""
+        doc = self._or_empty("/checkpoints")
+        return [] if doc is None else [CheckpointInfo(**c) for c in doc["checkpoints"]]
+
+    def channels(self) -> list[Channel]:
+        """Channels with records on the node (either tier), from a fresh run summary."""
+        doc = self._or_empty("", {"fresh": "true"})
+        return [] if doc is None else sorted(Channel.parse(c["name"]) for c in doc["channels"])
+
+    def writers(self) -> list[str]:
+        doc = self._or_empty("")
+        return [] if doc is None else list(doc["hot"]["writers"])
+
+    def list_records(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *,
+                     after: RecordKey | None = None, limit: int = _PAGE) -> list[RecordInfo]:  # fmt: skip
+        """One page of the node's records in key order, strictly after ``after`` (as
+        ``LogStore.list_records``; ``segment`` is empty: the server does not say)."""
+        params: dict[str, Any] = {"it_lo": it_lo, "limit": min(limit, _PAGE)}
+        if channel is not None:
+            params["channel"] = channel.name
+        if it_hi is not None:
+            if it_hi <= it_lo:
+                return []
+            params["it_hi"] = it_hi
+        if after is not None:
+            params["cursor"] = after.encode().hex()  # the server's cursor is the last key, hex-encoded
+        doc = self._or_empty("/records", params)
+        if doc is None:
+            return []
+        return [RecordInfo(RecordKey.parse(e["key"]), e["tier"], e["writer"], int(e["stored_bytes"]), e.get("raw_bytes"),
+                           int(e["checksum"], 16), "") for e in doc["records"]]  # fmt: skip
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, url: str, *, key: RecordKey | None = None, params: dict[str, Any] | None = None) -> httpx.Response:

@@ -163,3 +163,29 @@ def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tm
     assert checkpoint_vs_live(load_checkpoint(uri), f1b_run.results[1]) == []
     p = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", "s3://gone/x", "-f", "2"], env=dead)
     assert p.exit_code == 0 and "stages [2]: replay [2, 6)" in p.stdout and "hot tiers only" in p.stdout, p.output
+
+
+def test_replay_through_node_servers_plans_from_what_the_servers_hold(f1b_run, tmp_path):
+    """`--server URL --cold-url C`: the plan used to read only the cold tier (or only the first
+    server's planner), so what a survivor had not shipped yet was "missing": replay [2, 2), NOT
+    verified. The servers are planned over too, through their API."""
+    import shutil
+    from pathlib import Path
+
+    from server.testing import ServerProcess
+    from tests._replay_helpers import copy_run_files
+
+    root, cold = copy_run_files(f1b_run, tmp_path)
+    shutil.rmtree(Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "act_0_1")  # only on the node's disk
+    with ServerProcess(Path(root)) as srv:
+        args = ["replay", "--run", f1b_run.run_id, "--server", srv.url, "--cold-url", cold, "-s", "1"]
+        p = runner.invoke(app, [*args, "--plan-only", "--json"])
+        assert p.exit_code == 0, p.output
+        unit = json.loads(p.stdout)["units"][0]
+        assert (unit["checkpoint_iteration"], unit["stop_iteration"]) == (CKPT, ITERS)
+        assert {(f["channel"], f["tier"]) for f in unit["fetch"] if f["channel"] == "act_0_1"} == {("act_0_1", "hot")}
+        r = runner.invoke(app, [*args, "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"])
+        assert r.exit_code == 0 and "verified (32/32 sends checked)" in r.stdout, r.output
+        assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
+        alone = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--server", srv.url, "-s", "1", "-t", str(ITERS), "--plan-only"])
+        assert alone.exit_code == 0 and f"replay [{CKPT}, {ITERS})" in alone.stdout, alone.output  # a target with servers alone
