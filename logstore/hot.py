@@ -456,8 +456,11 @@ class HotTier:
             logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
                            self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
 
-    def _number_past_files(self) -> None:
-        top = max(self.file_ids(), default=0)
+    def number_past(self, top: int) -> bool:
+        """Number new segments from ``top + 1`` at least (owner only); True when that moved the
+        numbering. The store calls it with the highest id this writer's name already has in the
+        cold tier: a writer restarted on a fresh root (a rollback) must not reuse the names of its
+        previous incarnation's uploads, which the cold tier refuses (immutable, other bytes)."""
 
         def fn(txn: lmdb.Transaction) -> int:
             raw = txn.get(b"next_seg", db=self._db_meta)
@@ -466,7 +469,11 @@ class HotTier:
                 txn.put(b"next_seg", _U64.pack(top + 1), db=self._db_meta)
             return nxt
 
-        if top and self._write(fn) <= top:  # type: ignore[operator]
+        return bool(top) and self._write(fn) <= top  # type: ignore[operator]
+
+    def _number_past_files(self) -> None:
+        top = max(self.file_ids(), default=0)
+        if self.number_past(top):
             orphans = self.orphan_files()
             logger.warning("hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
                            "are numbered from %d", self.dir, len(orphans), orphans[0].name if orphans else "-", top + 1)  # fmt: skip

@@ -61,6 +61,12 @@ logger = logging.getLogger(__name__)
 _COLD_SEG_RE = re.compile(r"^(?P<lo>\d{12})-(?P<hi>\d{12})\.(?P<writer>[A-Za-z0-9._-]+)\.(?P<seg>\d{10})\.seg$")
 
 
+def _seg_number(seg: _ColdSeg) -> int:
+    """The segment id in a cold segment's name (0 for a name not of the form)."""
+    m = _COLD_SEG_RE.match(seg.name.rsplit("/", 1)[-1])
+    return int(m["seg"]) if m else 0
+
+
 @dataclass(kw_only=True, slots=True)
 class StoreConfig:
     """Configuration of one LogStore.
@@ -686,7 +692,8 @@ class LogStore:
     def _cold_get(self, key: RecordKey) -> bytes | None:
         kb = key.encode()
         for refresh in (False, time.monotonic() - self._cold_list_at > 0.5):
-            for seg in self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh):
+            # newest first: a writer restarted by a rollback numbers past its earlier uploads, and its copy is the one the job went on from
+            for seg in sorted(self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh), key=_seg_number, reverse=True):
                 e = self._footer(seg.name).get(kb)
                 if e is None:
                     continue
@@ -712,6 +719,9 @@ class LogStore:
         except SwiftlogError as e:
             self._note_error(e)
             return
+        mine = [int(m["seg"]) for name in committed if (m := _COLD_SEG_RE.match(name.rsplit("/", 1)[-1])) and m["writer"] == self.config.writer]
+        if mine and self.hot.number_past(max(mine)):  # an earlier incarnation of this writer (another root: a rollback) uploaded these
+            logger.info("run %s: writer %s numbers its segments from %d, past its uploads in the cold tier", self.run, self.config.writer, max(mine) + 1)
         for m in self.hot.segments():
             if m.state == SEALED and self._cold_name(m) in committed:
                 self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))

@@ -194,6 +194,10 @@ def run_with_failures(
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
+    twice = sorted({ks.stage for ks in kills if sum(1 for o in kills if o.stage == ks.stage) > 1})
+    if twice:  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
+        raise ValueError(f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
+                         "(its replacement is not): give one KillSpec per stage")  # fmt: skip
     host = _launch.StoreHost()
     store = host.store
     keys = RecoveryKeys(run_id)

@@ -331,8 +331,10 @@ def recover_stage(
                 except Exception:
                     logger.debug("closing a source failed", exc_info=True)
         if not res.verified:
+            why = ("a regenerated send differs from the log: is the replacement's stage factory (and its arguments) and loss what the "
+                   "training used, and deterministic?" if res.first_mismatch else "not every send could be checked, or the last step is unproven")
             raise ReplacementFallback(f"replay of stage {stage} did not verify: first mismatch {res.first_mismatch}, "
-                                      f"missing digests {res.report.digests_missing[:3]}")  # fmt: skip
+                                      f"missing digests {res.report.digests_missing[:3]}; {why}")  # fmt: skip
         if res.states is not None:
             mine = next(st for st in res.states if st.stage == stage)
             st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler

@@ -297,3 +297,14 @@ def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(refer
     assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == 2 and "during the recovery of generation 0" in rollbacks[0]["reason"], r.timeline
     assert r.fallback is None
     assert_same_as(r, references["1f1b"])
+
+
+def test_two_kills_of_one_stage_are_refused_not_dropped(tmp_path: Path) -> None:
+    """A stage's first process takes its KillSpec; a second one for the same stage was dropped
+    silently (the run then showed one failure where two were asked for)."""
+    from replay.launcher import run_with_failures
+
+    with pytest.raises(ValueError, match=r"more than one KillSpec for stage\(s\) \[1\]"):
+        run_with_failures([], run_id="twice", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path}/ckpt",
+                          kills=[KillSpec(1, 2), KillSpec(1, 6), KillSpec(2, 3)])  # fmt: skip
+    assert not (tmp_path / "out").exists()  # refused before anything started

@@ -259,3 +259,25 @@ def test_a_store_whose_index_was_lost_is_whole_again_when_its_writer_reopens(tmp
     assert after.verify().ok and {k: after.stats()["hot"][k] for k in ("records", "raw_bytes", "stored_bytes")} == \
         {k: before[k] for k in ("records", "raw_bytes", "stored_bytes")}  # fmt: skip
     after.close()
+
+
+def test_a_writer_restarted_on_a_fresh_root_does_not_reuse_its_earlier_uploads_names(tmp_path) -> None:
+    """A rollback restarts a stage on a new store root: its segment ids began at 1 again, so its
+    uploads had the names of the previous incarnation's, which the cold tier refuses (immutable,
+    other bytes): nothing of the new run was shipped, and a first stage's commits waited 10 s."""
+    from logstore import Channel, LogStore, RecordKey
+
+    inp = Channel.input(0)
+    cold = f"file://{tmp_path / 'cold'}"
+    old = LogStore.open(tmp_path / "gen0", "run1", writer="stage0", cold_url=cold, segment_iters=1)
+    old.put_many([(RecordKey(inp, it, 0), torch.full((4,), float(it))) for it in range(3)])
+    old.flush()
+    old.close()
+    new = LogStore.open(tmp_path / "gen1", "run1", writer="stage0", cold_url=cold, segment_iters=1)
+    new.put_many([(RecordKey(inp, it, 0), torch.full((4,), 100.0 + it)) for it in range(3)])  # other bytes, same iterations
+    new.seal([inp])
+    assert new.wait_shipped([inp], 2, timeout=30)
+    assert new.flush() == 0 and new.stats()["upload"]["errors"] == 0
+    new.close()
+    with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:  # the newest copy wins on read
+        assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(3)] == [100.0, 101.0, 102.0]
