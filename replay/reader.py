@@ -3,8 +3,9 @@
 A source is anything with the :class:`RecordSource` methods: a ``LogStore`` opened on a node's
 store root (every writer's hot tier there, plus its cold tier), a cold-tier-only store, or a node
 server over HTTP (``replay.remote.HttpRecordSource``). A key is asked first of the first source
-that listed it (no failed lookups in the sources that do not hold it), then of the others in
-order; the first intact copy wins; a retryable error of one source (an unreachable server) falls
+that lists it in a hot tier (a survivor's disk, not the object store another source also reaches),
+else of the first that listed it (no failed lookups in the sources that do not hold it), then of
+the others in order; the first intact copy wins; a retryable error of one source (an unreachable server) falls
 through to the next.
 
 Prefetching: :meth:`LogReader.prefetch` fetches and decodes keys ahead (the replay's prefetch
@@ -119,6 +120,8 @@ class LogReader:
         self._taken: set[RecordKey] = set()  # fetched by get() while a prefetch thread runs
         self._prefetchers = 0
         self._hot_only: set[int] = set()  # ids of stores read from their hot tiers only (cold tier unreachable)
+        # a key no listing placed (META is read without one) is asked of the node roots and servers before a cold-tier-only store
+        self._order = sorted(range(len(self.stores)), key=lambda i: _cold_only(self.stores[i]))
         self.fetched_records = 0
         self.fetched_seconds = 0.0
         self.prefetch_hits = 0
@@ -146,9 +149,10 @@ class LogReader:
         t0 = time.perf_counter()
         corrupt: CorruptRecordError | None = None
         unavailable: StoreError | None = None
-        first = self._source_of.get(key, 0)
+        first = self._source_of.get(key)
+        order = self._order if first is None else [first, *(i for i in self._order if i != first)]
         try:
-            for s in [self.stores[first], *self.stores[:first], *self.stores[first + 1 :]] if first else self.stores:
+            for s in (self.stores[i] for i in order):
                 try:
                     return s.get(key)
                 except RecordNotFoundError:
@@ -279,29 +283,36 @@ class LogReader:
         prefetch thread start on the same iteration)."""
         return self._shared(self._listing, self._listing_pending, (channel, iteration), lambda: self._list(channel, iteration))
 
-    def _keys_of(self, s: RecordSource, channel: Channel, lo: int, hi: int) -> list[RecordKey]:
-        """``s.keys``; a node's store whose cold tier is unreachable is listed from its hot tiers
-        (what that node's disk holds, with a warning once per source, and from then on: each
-        listing of a dead cold tier costs its retries)."""
-        if id(s) in self._hot_only:
-            return s.keys(channel, lo, hi, hot_only=True)  # type: ignore[call-arg]
+    def _keys_of(self, s: RecordSource, channel: Channel, lo: int, hi: int) -> list[tuple[RecordKey, bool]]:
+        """(key, on the node's disk) for what ``s`` lists: a node's store or server says which of
+        its records are in a hot tier (those are read there first, not from the object store
+        another source reaches too); other sources' keys count as local. A node's store whose
+        cold tier is unreachable is listed from its hot tiers (what that node's disk holds, with
+        a warning once per source, and from then on: each listing of a dead cold tier costs its
+        retries)."""
+        if not hasattr(s, "list_records"):  # e.g. META documents from the commit store
+            return [(k, True) for k in s.keys(channel, lo, hi)]
+        hot_only = id(s) in self._hot_only
         try:
-            return s.keys(channel, lo, hi)
+            return _tiers_listed(s, channel, lo, hi, hot_only)
         except ColdTierUnavailableError as e:
-            if not isinstance(s, LogStore) or not s.writers():
+            if hot_only or not isinstance(s, LogStore) or not s.writers():
                 raise
-            if id(s) not in self._hot_only:
-                self._hot_only.add(id(s))
-                logger.warning("the cold tier of store root %s is unreachable (%s): reading what its hot tiers hold", s.root, e.message)
-            return s.keys(channel, lo, hi, hot_only=True)
+            self._hot_only.add(id(s))
+            logger.warning("the cold tier of store root %s is unreachable (%s): reading what its hot tiers hold", s.root, e.message)
+            return _tiers_listed(s, channel, lo, hi, True)
 
     def _list(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
         """List every source for the window starting at ``iteration`` and cache it (see :meth:`_parts_of`)."""
-        found: dict[RecordKey, int] = {}  # key -> the first source listing it
+        found: dict[RecordKey, int] = {}  # key -> the source asked first: the first listing it on a local disk, else the first listing it
+        local: set[RecordKey] = set()
         for i, s in enumerate(self.stores):
             try:
-                for key in self._keys_of(s, channel, iteration, iteration + LIST_WINDOW):
-                    found.setdefault(key, i)
+                for key, hot in self._keys_of(s, channel, iteration, iteration + LIST_WINDOW):
+                    if key not in found or (hot and key not in local):
+                        found[key] = i
+                    if hot:
+                        local.add(key)
             except StoreError as e:
                 logger.warning("listing %s it %d failed in one source: %s", channel.name, iteration, e)
         by_it: dict[int, dict[int, list[RecordKey]]] = {iteration: {}}
@@ -312,7 +323,7 @@ class LogReader:
                 self._listing.clear()
             if len(self._source_of) > 1 << 20:
                 self._source_of.clear()
-            self._source_of.update((key, i) for key, i in found.items() if i)
+            self._source_of.update((key, i) for key, i in found.items() if i != self._order[0])
             for it, by_mb in by_it.items():
                 self._listing[(channel, it)] = by_mb
         return by_it[iteration]
@@ -348,3 +359,22 @@ class LogReader:
         except SwiftlogError:
             pass
         return ""
+
+
+def _tiers_listed(s: Any, channel: Channel, lo: int, hi: int, hot_only: bool) -> list[tuple[RecordKey, bool]]:
+    """Every record of ``channel`` in ``[lo, hi)`` that a store or node server lists, with whether
+    it is in a hot tier (``list_records`` pages)."""
+    out: list[tuple[RecordKey, bool]] = []
+    after: RecordKey | None = None
+    while True:
+        page = s.list_records(channel, lo, hi, after=after, limit=1000, **({"hot_only": True} if hot_only else {}))
+        out.extend((info.key, info.tier == "hot") for info in page)
+        if len(page) < 1000:
+            return out
+        after = page[-1].key
+
+
+def _cold_only(s: Any) -> bool:
+    """A store that reads the cold tier alone (no writer's hot tier under its root)."""
+    writers = getattr(s, "writers", None)
+    return getattr(s, "cold", None) is not None and callable(writers) and not writers()

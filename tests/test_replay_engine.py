@@ -129,7 +129,7 @@ def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, t
 
 
 class _ListingCounter:
-    """A record source that counts its listings (``keys`` calls)."""
+    """A record source that counts its listings (``keys`` / ``list_records`` calls)."""
 
     def __init__(self, inner):
         self.inner, self.listings = inner, 0
@@ -137,6 +137,10 @@ class _ListingCounter:
     def keys(self, *a, **kw):
         self.listings += 1
         return self.inner.keys(*a, **kw)
+
+    def list_records(self, *a, **kw):
+        self.listings += 1
+        return self.inner.list_records(*a, **kw)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -197,6 +201,28 @@ def test_replay_through_a_node_server(f1b_run, tmp_path):
             with pytest.raises(ReplayInputMissingError) as ei:  # the server answers 404 for what it does not have
                 reader.get(missing)
             assert ei.value.key == missing and str(missing) in str(ei.value)
+
+
+def test_a_record_on_a_survivors_disk_is_read_there_not_from_the_object_store(f1b_run, tmp_path):
+    """Sources in the order cold tier, node root: every record is asked of the node first (its hot
+    tier lists it), not of the object store that listed it first (was: all of them from there)."""
+
+    class Counting:  # the run's cold tier, counting what is read from it
+        def __init__(self, inner):
+            self.inner, self.gets = inner, 0
+
+        def get(self, key):
+            self.gets += 1
+            return self.inner.get(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    with f1b_run.cold_store() as cold, LogStore.open(f1b_run.root, f1b_run.run_id) as node:
+        counting = Counting(cold)
+        res = replay(_job(f1b_run, 1, tmp_path), sources=[counting, node])
+        assert res.verified and res.report.records_fetched > 0 and counting.gets == 0
+    assert checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
 
 
 def test_a_corrupt_record_fails_the_replay_naming_it(f1b_run, tmp_path):
