@@ -212,7 +212,8 @@ def run_with_failures(
     kill_of = {ks.stage: ks for ks in kills}
     t0 = time.time()
     gen = 0
-    fallback: str | None = None
+    fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
+    abandoned: str | None = None  # an in-place recovery given up because of a death during it
 
     def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
         root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
@@ -317,6 +318,8 @@ def run_with_failures(
                 if recovering is not None and store.check([keys.wake(recovering)]):
                     recovering = None
                 if mode == "rollback" or recovering is not None:  # a death while a recovery is under way: restart from the checkpoint
+                    if recovering is not None and abandoned is None:  # the in-place recovery was abandoned: say why, as for a replacement's fallback
+                        abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {recovering}"
                     rollback(f"stage {k} died (rc={rc})" + (f" during the recovery of generation {recovering}" if recovering is not None else ""))
                 else:
                     store.set(
@@ -378,7 +381,7 @@ def run_with_failures(
         rcs,
         outputs,
         timeline=timeline,
-        fallback=fallback,
+        fallback=fallback or abandoned,
         timed_out=timed_out,
         t0=t0,
     )

@@ -295,7 +295,7 @@ def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(refer
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 0, 0, "recovering")])
     rollbacks = [e for e in r.timeline if e["what"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == 2 and "during the recovery of generation 0" in rollbacks[0]["reason"], r.timeline
-    assert r.fallback is None
+    assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", r.fallback  # the reason in-place recovery was abandoned
     assert_same_as(r, references["1f1b"])
 
 
