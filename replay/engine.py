@@ -137,8 +137,13 @@ class SourceSpec:
         return cls(kind="metas", location=where, docs=docs) if docs else None
 
     @classmethod
-    def from_store(cls, store: LogStore) -> SourceSpec:
-        """The spec that reopens ``store`` (its root and cold tier)."""
+    def from_store(cls, store: Any) -> SourceSpec:
+        """The spec that reopens ``store``: a LogStore (its root and cold tier; a cold-tier-only
+        one as the cold tier) or a node server (``replay.remote.HttpRecordSource``)."""
+        if hasattr(store, "base_url"):
+            return cls(kind="http", location=store.base_url, token=getattr(store, "token", None))
+        if store.cold is not None and not store.writers() and store.config.cold_url:  # plan.cold_only_store(...)
+            return cls(kind="cold", location=store.config.cold_url, options=dict(store.config.cold_options))
         return cls(kind="store", location=str(store.root), cold_url=store.config.cold_url, options=dict(store.config.cold_options))
 
     def open(self, run: str) -> RecordSource:
@@ -302,12 +307,12 @@ class ReplayJob:
         return DEFAULT_PREFETCH if self.prefetch is None else self.prefetch
 
 
-def jobs_from_plan(plan: Any, *, sources: Sequence[SourceSpec | LogStore] | None = None, **fields: Any) -> list[ReplayJob]:
+def jobs_from_plan(plan: Any, *, sources: Sequence[Any] | None = None, **fields: Any) -> list[ReplayJob]:
     """One job per replay unit of a possible :class:`~replay.plan.RecoveryPlan`.
 
     ``sources`` (required): where the workers read the records: the stores the plan read (as
-    LogStore objects, reopened from their roots and cold tiers, or SourceSpecs), or node servers /
-    the cold tier when the workers run elsewhere. Other keyword arguments are :class:`ReplayJob`
+    LogStore or HttpRecordSource objects, reopened from their roots and cold tiers or URLs, or
+    SourceSpecs), or node servers / the cold tier when the workers run elsewhere. Other keyword arguments are :class:`ReplayJob`
     fields. Raises ReplayError if the plan is not possible, ValueError without sources.
     """
     if not plan.possible:
@@ -315,7 +320,7 @@ def jobs_from_plan(plan: Any, *, sources: Sequence[SourceSpec | LogStore] | None
                           hint=f"fallback: {plan.fallback.get('note')}")  # fmt: skip
     specs = [s if isinstance(s, SourceSpec) else SourceSpec.from_store(s) for s in (sources or [])]
     if not specs:
-        raise ValueError("jobs_from_plan needs sources= (SourceSpec or LogStore objects)")
+        raise ValueError("jobs_from_plan needs sources= (SourceSpec, LogStore or HttpRecordSource objects)")
     out = []
     for u in plan.units:
         ck = {k: v for k, v in u.checkpoints.items()}

@@ -68,6 +68,7 @@ class HttpRecordSource:
                  client: httpx.Client | None = None) -> None:  # fmt: skip
         self.base_url = base_url.rstrip("/")
         self.run = validate_run(run)
+        self.token = token
         self.retries = max(1, int(retries))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None

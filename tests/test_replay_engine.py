@@ -203,6 +203,23 @@ def test_replay_through_a_node_server(f1b_run, tmp_path):
             assert ei.value.key == missing and str(missing) in str(ei.value)
 
 
+def test_the_python_api_plans_and_replays_over_a_node_server_and_a_root(f1b_run, tmp_path):
+    """README's Python snippet with a node server among the sources: plan_recovery reads it through
+    its API, jobs_from_plan turns each source object into its spec, the replay is exact."""
+    from replay.remote import HttpRecordSource
+
+    with ServerProcess(Path(f1b_run.root)) as srv, HttpRecordSource(srv.url, f1b_run.run_id) as http, \
+            LogStore.open(f1b_run.root, f1b_run.run_id) as st, f1b_run.cold_store() as cold:  # fmt: skip
+        plan = plan_recovery([http, st, cold], [1])
+        # inputs and digests from the server (first, and it holds them hot); the failed stage's own META from the cold tier
+        # (its hot copy is on the failed stage's node: read only if nothing else has it)
+        assert plan.possible and {(f.purpose, f.source) for f in plan.units[0].fetch} == {("input", 0), ("verify", 0), ("meta", 2)}
+        (job,) = jobs_from_plan(plan, sources=[http, st, cold], output=str(tmp_path / "out"), **f1b_run.job_fields())
+        assert [(sp.kind, sp.location) for sp in job.sources] == [("http", srv.url), ("store", f1b_run.root), ("cold", f1b_run.cold_url)]
+        res = replay(job)
+    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+
+
 def test_a_record_on_a_survivors_disk_is_read_there_not_from_the_object_store(f1b_run, tmp_path):
     """Sources in the order cold tier, node root: every record is asked of the node first (its hot
     tier lists it), not of the object store that listed it first (was: all of them from there)."""
