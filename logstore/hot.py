@@ -861,6 +861,10 @@ class HotTier:
         data = json.dumps(obj, sort_keys=True).encode()
         self._write(lambda txn: txn.put(b"doc/" + name.encode(), data, db=self._db_meta))
 
+    def delete_doc(self, name: str) -> None:
+        """Remove a document; a missing one is success."""
+        self._write(lambda txn: txn.delete(b"doc/" + name.encode(), db=self._db_meta))
+
     def docs(self, prefix: str = "") -> dict[str, dict]:
         p = b"doc/" + prefix.encode()
         out = {}

@@ -991,6 +991,16 @@ class LogStore:
                 self._wm_cache[stage] = iteration
         return info
 
+    def unregister_checkpoint(self, stage: int, iteration: int) -> None:
+        """Forget the registration of ``stage``'s checkpoint at ``iteration`` (its file is about to
+        be deleted: no plan may start from it), in the cold tier first, then in this node's hot
+        tiers. Never lowers a watermark (GC already used it; the newer registrations stand).
+        Raises ColdTierUnavailableError if the cold tier cannot forget it."""
+        if self.cold is not None:
+            self.cold.delete_doc(f"{self.run}/checkpoints/stage{stage:05d}/{iteration:012d}.json")
+        for hot in [self.hot] if self.hot is not None else []:
+            hot.delete_doc(f"ckpt/stage{stage:05d}/{iteration:012d}")
+
     def checkpoints(self, *, hot_only: bool = False) -> list[CheckpointInfo]:
         """Every registered checkpoint (cold tier and local), sorted by (stage, iteration). Raises
         ColdTierUnavailableError when the cold tier cannot be listed; ``hot_only``: those

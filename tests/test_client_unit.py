@@ -644,6 +644,30 @@ def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_bac
     client.close()
 
 
+def test_keep_checkpoints_withdraws_then_deletes_the_older_ones(tmp_path):
+    """Retention: with keep_checkpoints=2 only the newest two of this stage's checkpoint files stay,
+    and the older ones' registrations are withdrawn first (no plan starts from a deleted file)."""
+    from logstore import LogStore
+
+    with pytest.raises(ConfigError, match="keep_checkpoints must be None or an int >= 2"):
+        ClientConfig(run_id="keep", stage=0, num_stages=2, store_root=str(tmp_path / "s"), keep_checkpoints=1)
+    cold = f"file://{tmp_path / 'cold'}"
+    client = SwiftlogClient(ClientConfig(run_id="keep", stage=1, num_stages=2, store_root=str(tmp_path / "store"), cold_url=cold, keep_checkpoints=2))
+    model = torch.nn.Linear(4, 4)
+    uris = [client.checkpoint(it, model) for it in (0, 2, 4, 6)]
+    client.flush()
+    with LogStore.open(tmp_path / "elsewhere", "keep", cold_url=cold) as other:  # another node sees the same
+        other.register_checkpoint(0, 6, uri="file:///not/this/clients/0-6.pt")  # another stage's: never touched
+    client.checkpoint(8, model)
+    rep = client.close()
+    assert rep.faults_total == 0, rep
+    ck = client.stats()["checkpoints"]
+    assert [r[:2] for r in ck["retired"]] == [[1, 0], [1, 2], [1, 4]]
+    assert [os.path.exists(u[len("file://"):]) for u in uris] == [False, False, False, True]
+    with LogStore.open(tmp_path / "reader", "keep", cold_url=cold) as r:
+        assert [(c.stage, c.iteration) for c in r.checkpoints()] == [(0, 6), (1, 6), (1, 8)]
+
+
 def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp_path, single_rank_group):
     """The data wait of the commit overlaps the iteration: once the schedule step logged every
     micro-batch's inputs and targets, they are sealed and shipped without waiting for the commit."""

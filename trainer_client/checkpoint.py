@@ -172,6 +172,29 @@ def save_checkpoint(
         ) from e
 
 
+def canonical_uri(uri: str) -> str:
+    """``uri`` as :func:`save_checkpoint` returns it (``file:///abs/path`` for a local file)."""
+    local = _local_path(uri)
+    return uri if local is None else "file://" + local
+
+
+def remove_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete the checkpoint file at ``uri`` (path, ``file://`` or fsspec URL); a missing one is
+    success. Raises OSError (or the filesystem's error) when it cannot be deleted."""
+    local = _local_path(uri)
+    if local is not None:
+        try:
+            os.remove(local)
+        except FileNotFoundError:
+            pass
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if fs.exists(path):
+        fs.rm_file(path)
+
+
 def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, map_location: str | torch.device = "cpu") -> Checkpoint:
     """Read a checkpoint written by :func:`save_checkpoint`. Every tensor is freshly allocated.
 

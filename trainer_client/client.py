@@ -172,7 +172,11 @@ class SwiftlogClient:
                 prefix=config.commit_prefix or f"swiftlog/{config.run_id}",
                 timeout=config.commit_timeout,
             )
-        self._maint = CheckpointMaintenance(self.store, self.writer, name)
+        ck_base = config.resolved_checkpoint_url()
+        self._maint = CheckpointMaintenance(
+            self.store, self.writer, name, keep=config.keep_checkpoints, own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
+            storage_options=dict(config.cold_options) if "://" in ck_base and not ck_base.startswith("file://") else None,
+        )  # fmt: skip
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
@@ -573,6 +577,7 @@ class SwiftlogClient:
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
                 "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
+                "retired": [list(x) for x in self._maint.retired],  # keep_checkpoints: withdrawn and deleted
                 "gc_runs": self._maint.gc_runs,
                 "gc_deleted_records": self._maint.gc_deleted_records,
                 "last_gc": self._maint.last_gc,

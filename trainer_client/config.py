@@ -112,6 +112,11 @@ class ClientConfig:
         commit_prefix: key prefix in the commit store (default ``f"swiftlog/{run_id}"``).
         gc_after_checkpoint: run ``store.gc()`` in the background after each registered
             checkpoint, once the writer has drained the older records (default True).
+        keep_checkpoints: keep only this stage's newest N checkpoints that this client wrote
+            (its ``checkpoint_url``): once a newer one is registered, an older one's registration
+            is withdrawn, then its file deleted (in the background; failures are "checkpoint_retire"
+            faults). None (default) keeps every file; at least 2 (a rollback restarts from the
+            newest checkpoint every stage has: one stage may not have finished its newest).
     """
 
     run_id: str
@@ -141,6 +146,7 @@ class ClientConfig:
     commit_timeout: timedelta = timedelta(seconds=120)
     commit_prefix: str | None = None
     gc_after_checkpoint: bool = True
+    keep_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -161,6 +167,9 @@ class ClientConfig:
             raise ConfigError(f"writer: {e}") from e
         if not isinstance(self.store_root, (str, os.PathLike)) or not str(self.store_root):
             raise ConfigError(f"store_root must be a directory path, got {self.store_root!r}")
+        if self.keep_checkpoints is not None and (not _is_int(self.keep_checkpoints) or self.keep_checkpoints < 2):
+            raise ConfigError(f"keep_checkpoints must be None or an int >= 2, got {self.keep_checkpoints!r}",
+                              hint="a rollback restarts from the newest checkpoint every stage has, and a stage may not have finished its newest")  # fmt: skip
         if self.cold_url is not None and (not isinstance(self.cold_url, str) or not self.cold_url):
             raise ConfigError(f"cold_url must be None or a URL string, got {self.cold_url!r}", hint="e.g. file:///data/cold or s3://bucket/prefix")
         if not isinstance(self.cold_options, dict):

@@ -17,9 +17,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from logstore import LogStore
+from trainer_client.checkpoint import canonical_uri, remove_checkpoint
 from logstore.errors import ColdTierError, SwiftlogError
 from trainer_client.writer import AsyncLogWriter
 
@@ -38,9 +40,14 @@ class CheckpointMaintenance:
     ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
     """
 
-    def __init__(self, store: LogStore, writer: AsyncLogWriter, name: str) -> None:
+    def __init__(self, store: LogStore, writer: AsyncLogWriter, name: str, *, keep: int | None = None,
+                 own_uri: Callable[[int, int], str] | None = None, storage_options: dict[str, Any] | None = None) -> None:  # fmt: skip
         self._store = store
         self._writer = writer
+        self.keep = keep  # retention: this stage's newest ``keep`` checkpoints whose uri is own_uri(stage, iteration)
+        self._own_uri = own_uri
+        self._storage_options = dict(storage_options or {})
+        self.retired: list[tuple[int, int, str]] = []
         self._q: queue.Queue[tuple | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -110,6 +117,7 @@ class CheckpointMaintenance:
             try:
                 self._store.register_checkpoint(stage, iteration, uri=uri, meta=meta)
                 self.registered.append((stage, iteration, uri))
+                self._retire(stage)
                 return True
             except SwiftlogError as e:
                 self._last_refusal = f"{type(e).__name__}: {e.message}"
@@ -123,6 +131,24 @@ class CheckpointMaintenance:
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
         return False
+
+    def _retire(self, stage: int) -> None:
+        """Retention (``keep``): withdraw the registration of this stage's older checkpoints that
+        this client's checkpoint_url holds, then delete their files; a failure is a fault and the
+        rest waits for the next checkpoint."""
+        if self.keep is None or self._own_uri is None:
+            return
+        try:
+            own = self._own_uri
+            mine = sorted((c for c in self._store.checkpoints() if c.stage == stage and c.uri and canonical_uri(c.uri) == canonical_uri(own(stage, c.iteration))),
+                          key=lambda c: c.iteration)  # fmt: skip
+            for c in mine[: -self.keep]:
+                self._store.unregister_checkpoint(stage, c.iteration)  # first: no plan may start from a file about to go
+                assert c.uri is not None
+                remove_checkpoint(c.uri, storage_options=self._storage_options)
+                self.retired.append((stage, c.iteration, c.uri))
+        except Exception as e:  # noqa: BLE001 - a retention failure never touches training
+            self._writer.note_fault("checkpoint_retire", f"{type(e).__name__}: {e}")
 
     def _keep_unregistered(self, item: tuple[int, int, str, dict[str, Any], bool]) -> None:
         self.unregistered.append(item)
