@@ -70,6 +70,7 @@ from logstore.errors import (
     CorruptRecordError,
     InvalidNameError,
     RecordNotFoundError,
+    SegmentClashError,
     StoreClosedError,
     StoreError,
     translate_os_error,
@@ -326,7 +327,7 @@ class ColdTier:
                 # The marker outlived its object (deleted behind our back): store it again.
                 logger.warning("cold tier %s: committed %s lost its object; uploading it again", self.url, name)
             else:
-                raise ColdTierError(
+                raise SegmentClashError(
                     f"segment {name!r} in {self.url} is already committed with different bytes "
                     f"(stored size {existing.size} checksum {existing.checksum:#x}, "
                     f"new size {size} checksum {checksum:#x})",
@@ -716,8 +717,12 @@ class _LocalBackend(_Backend):
         """(path, key, is_temp) of every file under the directory that holds ``prefix``."""
         head = prefix.rpartition("/")[0]
         base = self.root / head if head else self.root
+        def unreadable(e: OSError) -> None:  # os.walk would skip a directory it cannot list: an unreadable cold tier read as empty
+            if not isinstance(e, FileNotFoundError):
+                raise e
+
         try:
-            for dirpath, dirnames, filenames in os.walk(base):
+            for dirpath, dirnames, filenames in os.walk(base, onerror=unreadable):
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for fn in filenames:
@@ -728,7 +733,7 @@ class _LocalBackend(_Backend):
                         continue
                     if key.startswith(prefix):
                         yield Path(dirpath) / fn, key, False
-        except OSError as e:  # os.walk swallows errors of listdir; this is for stat and friends
+        except OSError as e:  # a directory that cannot be listed (onerror), stat and friends
             raise _local_error(e, self._what("list", prefix)) from e
 
     def list(self, prefix: str) -> dict[str, int]:

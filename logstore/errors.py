@@ -37,6 +37,7 @@ __all__ = [
     "StoreFullError",
     "ColdTierUnavailableError",
     "ColdTierError",
+    "SegmentClashError",
     "StoreClosedError",
     "ConfigError",
     "translate_os_error",
@@ -106,6 +107,11 @@ class ColdTierUnavailableError(StoreError):
 
 class ColdTierError(StoreError):
     """The object store refused an operation for a reason that retrying will not fix."""
+
+
+class SegmentClashError(ColdTierError):
+    """A segment name is already committed in the cold tier with other bytes (segments are
+    immutable): e.g. an earlier incarnation of the writer, on another root, used the name."""
 
 
 class StoreClosedError(StoreError):

@@ -406,6 +406,16 @@ class HotTier:
                 self._drop_segment_entries(meta.id)
                 continue
             if size > meta.end:
+                try:
+                    found = _read_orphan(path)
+                except (SwiftlogError, OSError):
+                    found = None
+                if found is not None and found[3] and found[1] >= meta.end:  # sealed on disk, with more: the index is an older copy
+                    logger.warning("hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes (an older copy "
+                                   "of the index?): re-indexed from its footer, not truncated", self.dir, meta.id, len(found[0]), meta.end)  # fmt: skip
+                    self._drop_segment_entries(meta.id)
+                    self._adopt_file(path, found)
+                    continue
                 logger.info("hot tier %s: truncating segment %d from %d to acknowledged end %d", self.dir, meta.id, size, meta.end)
                 os.truncate(path, meta.end)
             self._seal(meta.id)
@@ -431,30 +441,36 @@ class HotTier:
         are "sealed", so the uploader ships them again (idempotent). A file that cannot be read
         this way is kept and named (``orphan_files``)."""
         for path in self.orphan_files():
-            seg_id = int(path.name[:-4])
-            try:
-                entries, end, size, sealed = _read_orphan(path)
-            except (SwiftlogError, OSError) as e:
-                logger.warning("hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is", self.dir, path.name, e)
-                continue
-            names = {e.key.channel.name for e, _ in entries}
-            if len(names) != 1:
-                logger.warning("hot tier %s: segment file %s is not in the index and holds %s: kept as it is", self.dir, path.name,
-                               "no record" if not names else f"several channels {sorted(names)}")  # fmt: skip
-                continue
-            first = entries[0][0].key
+            self._adopt_file(path)
 
-            def fn(txn: lmdb.Transaction, seg_id: int = seg_id, entries: list = entries, end: int = end, size: int = size, sealed: bool = sealed) -> None:
-                self._put_seg(txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration))
-                self._commit_entries(txn, [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries], {seg_id: end})
-                m = self._get_seg(txn, seg_id)
-                assert m is not None
-                m.state, m.file_size = (SEALED, size) if sealed else (OPEN, end)
-                self._put_seg(txn, m)
+    def _adopt_file(self, path: Path, known: tuple[list[tuple[IndexEntry, int]], int, int, bool] | None = None) -> bool:
+        """Index the segment file ``path`` (not in the index) from its footer or frames; False
+        (with a warning) when it cannot be read that way."""
+        seg_id = int(path.name[:-4])
+        try:
+            entries, end, size, sealed = known if known is not None else _read_orphan(path)
+        except (SwiftlogError, OSError) as e:
+            logger.warning("hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is", self.dir, path.name, e)
+            return False
+        names = {e.key.channel.name for e, _ in entries}
+        if len(names) != 1:
+            logger.warning("hot tier %s: segment file %s is not in the index and holds %s: kept as it is", self.dir, path.name,
+                           "no record" if not names else f"several channels {sorted(names)}")  # fmt: skip
+            return False
+        first = entries[0][0].key
 
-            self._write(fn)
-            logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
-                           self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
+        def fn(txn: lmdb.Transaction, seg_id: int = seg_id, entries: list = entries, end: int = end, size: int = size, sealed: bool = sealed) -> None:
+            self._put_seg(txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration))
+            self._commit_entries(txn, [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries], {seg_id: end})
+            m = self._get_seg(txn, seg_id)
+            assert m is not None
+            m.state, m.file_size = (SEALED, size) if sealed else (OPEN, end)
+            self._put_seg(txn, m)
+
+        self._write(fn)
+        logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
+                       self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
+        return True
 
     def number_past(self, top: int) -> bool:
         """Number new segments from ``top + 1`` at least (owner only); True when that moved the
@@ -470,6 +486,18 @@ class HotTier:
             return nxt
 
         return bool(top) and self._write(fn) <= top  # type: ignore[operator]
+
+    def reserve_id(self) -> int:
+        """A segment id no segment of this writer has or will get (owner only): for the cold name
+        of a segment whose own name the cold tier holds with other bytes."""
+
+        def fn(txn: lmdb.Transaction) -> int:
+            raw = txn.get(b"next_seg", db=self._db_meta)
+            nxt = 1 if raw is None else _U64.unpack(raw)[0]
+            txn.put(b"next_seg", _U64.pack(nxt + 1), db=self._db_meta)
+            return nxt
+
+        return int(self._write(fn))  # type: ignore[arg-type]
 
     def _number_past_files(self) -> None:
         top = max(self.file_ids(), default=0)

@@ -46,6 +46,7 @@ from logstore.errors import (
     ConfigError,
     CorruptRecordError,
     RecordNotFoundError,
+    SegmentClashError,
     StoreError,
     StoreFullError,
     SwiftlogError,
@@ -707,8 +708,8 @@ class LogStore:
     def _compute_backlog(self) -> int:
         return sum(m.file_size for m in self.hot.segments() if m.state == SEALED) if self.hot else 0
 
-    def _cold_name(self, m: SegmentMeta, writer: str | None = None) -> str:
-        return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self.config.writer}.{m.id:010d}.seg"
+    def _cold_name(self, m: SegmentMeta, writer: str | None = None, seg_id: int | None = None) -> str:
+        return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self.config.writer}.{m.id if seg_id is None else seg_id:010d}.seg"
 
     def _reconcile_uploads(self) -> None:
         """After a restart: segments already committed in the cold tier are marked uploaded, and
@@ -818,6 +819,19 @@ class LogStore:
             try:
                 self.cold.put_segment(name, str(path), meta=meta)
                 return name
+            except SegmentClashError:
+                if hot is not self.hot:
+                    raise
+                # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
+                # was down) used the name: number past its uploads and ship this one under a new id
+                mine = [int(g["seg"]) for seg_name in {c.name for segs in self._cold_index(refresh=True).values() for c in segs}
+                        if (g := _COLD_SEG_RE.match(seg_name.rsplit("/", 1)[-1])) and g["writer"] == self.config.writer]  # fmt: skip
+                self.hot.number_past(max(mine, default=0))
+                renamed = self._cold_name(m, hot.writer, self.hot.reserve_id())
+                logger.warning("run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
+                               self.run, name, hot.writer, renamed)  # fmt: skip
+                self.cold.put_segment(renamed, str(path), meta=meta)
+                return renamed
             except StoreError:
                 cur = hot.segment(m.id)
                 if cur is not None and cur.state == SEALED and path.exists():

@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import fail, parse_cold_options, parse_kv
+from server.cli._common import check_cold_url, fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
 __all__ = ["app", "register", "replay_command", "print_plan"]
@@ -85,6 +85,7 @@ def replay_command(
     for r in root or []:
         if not r.is_dir():
             raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
+    check_cold_url(cold_url)
     opts = parse_cold_options(cold_option)
     from replay.core import absolute_spec
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from replay.replacement import common_checkpoint
+from trainer_client.commit import gloo_on_loopback
 from trainer_client.examples import launch as _launch
 from trainer_client.survivor import RecoveryKeys
 
@@ -127,6 +128,7 @@ def _entry(argv: list[str], log_path: str, script: str = DEFAULT_SCRIPT) -> None
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    gloo_on_loopback()  # the scheduler's stages and helpers run on this host
     try:
         rc = importlib.import_module(script).main(argv)
     except SystemExit as e:

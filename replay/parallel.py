@@ -155,6 +155,7 @@ from replay.engine import (
 )
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.digest import tensor_digest
+from trainer_client.commit import gloo_on_loopback, loopback_store
 
 __all__ = ["run_parallel", "worker_main", "worker_prefetch", "result_of", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
 
@@ -1163,6 +1164,7 @@ def _raise_worker_error(result_path: str, world: int, fallback: str) -> None:
 def _spawn_entry(rank: int, world: int, job_doc: dict[str, Any], host: str, port: int, prefix: str, result_path: str, progress: Any,
                  factory: StageFactory | None, loss_fn: Any, data_source: Any) -> None:  # fmt: skip
     logging.basicConfig(level=logging.WARNING, format=f"replay-worker{rank} %(levelname)s %(name)s: %(message)s")
+    gloo_on_loopback()  # spawned workers of one host
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=120))
     worker_main(rank, world, ReplayJob.from_dict(job_doc), store=dist.PrefixStore(prefix, store), result_path=result_path,
                 progress=progress, factory=factory, loss_fn=loss_fn, data_source=data_source)  # fmt: skip
@@ -1195,7 +1197,7 @@ def run_parallel(
         import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "replay.parallel"])
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    host = loopback_store(datetime.timedelta(seconds=120))  # the workers are processes of this host
     ctx = tmp.get_context(start_method)
     queue = ctx.SimpleQueue() if on_progress is not None else None
     with tempfile.TemporaryDirectory(prefix="swiftlog-replay-") as d:

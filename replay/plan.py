@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import ColdTierUnavailableError, StoreError, SwiftlogError
+from logstore.errors import ColdTierError, ColdTierUnavailableError, StoreError, SwiftlogError
 from logstore.keys import Kind
 from logstore.store import RecordInfo
 from replay.core import needed_channels
@@ -311,11 +311,11 @@ class _Planner:
                 continue
             try:
                 s.checkpoints()  # lists the cold tier's registrations
-            except ColdTierUnavailableError as e:
+            except (ColdTierUnavailableError, ColdTierError) as e:  # down, or refusing (credentials, bucket, permissions)
                 view = LogStore.open(s.root, s.run)
                 self._hot_views.append(view)
                 self.stores[i] = view
-                self.warnings.append(f"the cold tier of {self._describe(s)} is unreachable ({e.message}): planned from that root's hot tiers only "
+                self.warnings.append(f"the cold tier of {self._describe(s)} cannot be read ({e.message}): planned from that root's hot tiers only "
                                      "(the checkpoints registered on this node; records only the cold tier holds are not considered)")  # fmt: skip
 
     # ------------------------------------------------------------------ gathering

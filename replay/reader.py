@@ -30,6 +30,7 @@ import torch
 from logstore import Channel, LogStore, RecordKey
 from logstore.keys import Kind
 from logstore.errors import (
+    ColdTierError,
     ColdTierUnavailableError,
     CorruptRecordError,
     RecordNotFoundError,
@@ -295,7 +296,7 @@ class LogReader:
         hot_only = id(s) in self._hot_only
         try:
             return _tiers_listed(s, channel, lo, hi, hot_only)
-        except ColdTierUnavailableError as e:
+        except (ColdTierUnavailableError, ColdTierError) as e:  # down, or refusing (credentials, bucket, permissions)
             if hot_only or not isinstance(s, LogStore) or not s.writers():
                 raise
             self._hot_only.add(id(s))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from logstore import codec
-from logstore.errors import CodecError, ColdTierUnavailableError, SwiftlogError
+from logstore.errors import CodecError, ColdTierError, ColdTierUnavailableError, SwiftlogError
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
 from logstore.store import LogStore, RecordInfo, StoreConfig, list_runs, writers_under
@@ -373,7 +373,7 @@ class Node:
         wm: dict[int, int] = {}
         try:
             cps = st.checkpoints()
-        except ColdTierUnavailableError as e:  # what this node registered itself, and the watermarks it last saw
+        except (ColdTierUnavailableError, ColdTierError) as e:  # unreachable or refusing: what this node registered itself, and the watermarks it last saw
             cold_error = f"checkpoints: {e.message}"
             cps, wm = st.checkpoints(hot_only=True), st.watermarks(max_age=math.inf)
             incomplete += ["checkpoints", "watermarks", "gaps"]
@@ -465,7 +465,7 @@ class Node:
         cold_error: str | None = None
         try:
             infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1)
-        except ColdTierUnavailableError as e:  # an operator still sees what this node holds, and is told what is missing
+        except (ColdTierUnavailableError, ColdTierError) as e:  # unreachable or refusing: an operator still sees what this node holds, and is told what is missing
             cold_error = f"{e.message}: only the hot tier is listed (records only the cold tier holds are missing)"
             infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1, hot_only=True)
         more = len(infos) > limit
@@ -595,9 +595,12 @@ class Node:
         if last is not None and req.iteration > last + 1:
             raise BadRequestError(f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
                                   f"record stage {req.stage} received garbage", hint='check the iteration; pass "force": true to register it anyway')  # fmt: skip
+        if req.uri and "://" in req.uri and req.uri.split("://", 1)[0] != req.uri.split("://", 1)[0].lower():
+            raise BadRequestError(f"checkpoint uri {req.uri!r}: the scheme must be lower case (fsspec does not know {req.uri.split('://', 1)[0]!r})",
+                                  hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...")  # fmt: skip
         local = req.uri[len("file://"):] if req.uri and req.uri.startswith("file://") else (req.uri if req.uri and "://" not in req.uri else None)
-        if local is not None and not os.path.exists(local):
-            raise BadRequestError(f"checkpoint uri {req.uri!r} does not exist on this node",
+        if local is not None and not os.path.isfile(local):
+            raise BadRequestError(f"checkpoint uri {req.uri!r} is not a file on this node",
                                   hint='register a checkpoint once it is durable; pass "force": true if it is readable elsewhere')  # fmt: skip
 
     def gc(self, run: str, *, confirm: bool = False) -> GcResult:

@@ -111,6 +111,21 @@ def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_
     assert json.loads(ok.stdout)["incomplete"] == []
 
 
+@pytest.mark.s3
+def test_a_cold_tier_that_refuses_is_handled_as_one_that_is_down(written_store: StoreFixture, moto_server) -> None:
+    """A missing bucket (or wrong credentials): ls / stat printed nothing from the hot tier and
+    exited 4 with the refusal only; now they list what the node holds, as for an outage."""
+    env = {"SWIFTLOG_COLD_OPTIONS": json.dumps(moto_server.storage_options)}
+    pj, sj = swiftlog_all(
+        ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://no-such-bucket-here/x", "-c", "act_0_1", "--json", env),
+        ("stat", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://no-such-bucket-here/x", "--json", env),
+    )
+    assert pj.returncode == sj.returncode == 4, (pj.stderr, sj.stderr)
+    page, summary = json.loads(pj.stdout), json.loads(sj.stdout)
+    assert page["records"] and "NoSuchBucket" in page["cold_error"]
+    assert summary["incomplete"] == ["checkpoints", "cold", "gaps", "watermarks"] and summary["hot"]["records"] > 0
+
+
 def test_stat_and_show(written_store: StoreFixture) -> None:
     root, cold = written_store.root, written_store.cold_url
     key = RecordKey(Channel.gradient(2), 4, 1)
@@ -201,6 +216,7 @@ def test_flush(store_copy: StoreFixture) -> None:
 
 ERRORS = [
     (("ls", "--root", "/nonexistent/swiftlog-root"), 3, "does not exist"),
+    (("ls", "--run", "run-a", "--cold-url", "file:///nonexistent/cold"), 3, "cold tier directory '/nonexistent/cold' does not exist"),
     (("stat", "--run", "no-such-run"), 3, "run 'no-such-run' not found"),
     (("stat", "--run", "../etc"), 2, "invalid run id"),
     (("show", "act_0_1/it999", "--run", "run-a"), 3, "not found"),

@@ -34,6 +34,7 @@ from tests._client_mp import (
 from trainer_client import decode_meta, derive_seed, tensor_digest
 from trainer_client.digest import digest_from_record
 from trainer_client.examples.gpt import SyntheticTokens, loss_fn
+from trainer_client.commit import loopback_store
 
 CKPT = 2  # checkpoints at 0 and 2; GC makes everything below 2 garbage
 
@@ -248,7 +249,7 @@ def test_a_stage_sending_other_than_it_declared_is_named_by_the_client(tmp_path)
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host = loopback_store()
     mp.start_processes(_mismatch_rank, args=(host.port, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     faults = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert [k for k, _ in faults[0]] == ["send_mismatch"] and "sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]" in faults[0][0][1]
@@ -316,7 +317,7 @@ def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path)
     from replay.core import StageState
     from trainer_client import load_checkpoint
 
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    host = loopback_store()
     mp.start_processes(_kwargs_rank, args=(host.port, str(tmp_path)), nprocs=2, start_method="spawn")
     stores = [LogStore.open(tmp_path / f"n{k}", "kw", cold_url=f"file://{tmp_path}/cold") for k in (0, 1)]
     meta1 = decode_meta(stores[1].get(RecordKey(Channel.meta(1), 2, 0)))

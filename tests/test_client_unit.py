@@ -42,6 +42,7 @@ from trainer_client.config import group_starts
 from trainer_client.digest import digest_from_record, digest_record
 from trainer_client.meta import importable_name
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
+from trainer_client.commit import loopback_store
 
 
 def test_public_api_is_pinned():
@@ -267,7 +268,7 @@ def test_logging_faults_never_raise_and_become_gaps(store):
 # ------------------------------------------------------------------------------ commit
 @pytest.fixture
 def tcp_store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    master = loopback_store(datetime.timedelta(seconds=30))
     yield master
 
 
@@ -360,7 +361,7 @@ def test_commit_with_the_store_host_gone_raises_commit_store_error_and_abort_nev
     import sys
 
     host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d\n"
-                             "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+                             "from trainer_client.commit import loopback_store\ns = loopback_store()\n"
                              "print(s.port, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         port = int(host.stdout.readline())
@@ -804,6 +805,20 @@ def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
         with pytest.raises(ReplayMismatchError) as ei:
             rep.raise_for_mismatch()
         assert words in (ei.value.hint or "") and f"iteration {it} " in str(ei.value)
+
+
+def test_example_args_that_cannot_carry_gradients_are_refused_up_front(tmp_path):
+    """torch's schedules fail in backward ("grad can be implicitly created only for scalar
+    outputs") when a stage's floating output_args (or a later stage's input_args) do not require
+    grad: pipeline_stage says so before anything runs (two new users hit it)."""
+    mod = torch.nn.Linear(4, 4)
+    for stage, kw, needle in ((0, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "output_args requires grad"),
+                              (1, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "input_args requires grad")):  # fmt: skip
+        client = SwiftlogClient(ClientConfig(run_id="args", stage=stage, num_stages=2, store_root=str(tmp_path / f"s{stage}")))
+        with pytest.raises(ConfigError, match=needle) as ei:
+            client.pipeline_stage(mod, "cpu", **kw)
+        assert "requires_grad=True" in (ei.value.hint or "")
+        client.close()
 
 
 def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, single_rank_group):

@@ -247,3 +247,28 @@ def test_a_segment_file_without_its_header_is_moved_aside_and_the_writer_reopens
     h.append([(RecordKey(ACT, 6, 0), _blob(6), 1000)])
     assert h.read_local(h.lookup(RecordKey(ACT, 6, 0))) == _blob(6)
     h.close()
+
+
+def test_an_older_copy_of_the_index_loses_no_acknowledged_record(tmp_path: Path, caplog) -> None:
+    """The index put back from an older copy knows a segment as open with fewer records, which the
+    writer's recovery truncated (destroying the footer and later records, silently). A segment
+    sealed on disk is now re-indexed from its footer; later segments are adopted as orphans."""
+    import shutil
+
+    d = tmp_path / "r" / "w"
+    h = HotTier(d, owner=True, segment_iters=2)
+    h.append([(RecordKey(ACT, 0, mb), _blob(mb), 1000) for mb in range(2)])
+    h.close()  # (close seals; an open segment in the copy is what matters: reopen and take the copy mid-segment)
+    h = HotTier(d, owner=True, segment_iters=2)
+    h.append([(RecordKey(ACT, 2, 0), _blob(20), 1000)])  # segment 2 open with one record
+    shutil.copytree(d / "index", tmp_path / "old-index")
+    h.append([(RecordKey(ACT, 2, mb), _blob(20 + mb), 1000) for mb in range(1, 4)] + [(RecordKey(ACT, 4, 0), _blob(40), 1000)])
+    h.close()
+    shutil.rmtree(d / "index")
+    shutil.copytree(tmp_path / "old-index", d / "index")
+    with caplog.at_level("WARNING", logger="logstore.hot"):
+        h = HotTier(d, owner=True, segment_iters=2)
+    assert "is sealed on disk (4 records) but open in the index" in caplog.text
+    for key, blob in [(RecordKey(ACT, 2, mb), _blob(20 + mb)) for mb in range(4)] + [(RecordKey(ACT, 4, 0), _blob(40))]:
+        assert h.read_local(h.lookup(key)) == blob, key
+    h.close()

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from server.cli import app
 from tests._replay_helpers import CKPT, ITERS, checkpoint_vs_live
 from trainer_client import load_checkpoint
+from trainer_client.commit import loopback_store
 
 pytest_plugins = ["tests._replay_fixtures"]
 
@@ -85,7 +86,7 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
     _, cold = copy_run_files(f1b_run, tmp_path)
     for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
         p.unlink()
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    host = loopback_store(datetime.timedelta(seconds=30))
     with f1b_run.spec().open(f1b_run.run_id) as st:
         for it in range(CKPT, ITERS):
             host.set(meta_key(f"swiftlog/{f1b_run.run_id}", 1, it), st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes())
@@ -155,7 +156,7 @@ def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tm
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
     assert plan["possible"] and plan["units"][0]["checkpoint_iteration"] == CKPT
-    assert any("is unreachable" in w and "planned from that root's hot tiers only" in w for w in plan["warnings"]), plan["warnings"]
+    assert any("cannot be read" in w and "planned from that root's hot tiers only" in w for w in plan["warnings"]), plan["warnings"]
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"], env=dead)
     assert r.exit_code == 0, r.output
     assert "verified (32/32 sends checked)" in r.stdout

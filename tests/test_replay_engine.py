@@ -46,6 +46,7 @@ from tests._replay_helpers import (
 )
 from trainer_client import load_checkpoint, save_checkpoint
 from trainer_client.examples.gpt import loss_fn
+from trainer_client.commit import loopback_store
 
 pytest_plugins = ["tests._replay_fixtures"]
 
@@ -451,7 +452,7 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     from replay.replacement import recover_stage
     from trainer_client.survivor import RecoveryKeys
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    store = loopback_store(datetime.timedelta(seconds=30))
     keys = RecoveryKeys(f1b_run.run_id)
     store.set(keys.failed_stages(0), json.dumps([1]))
     for k in (0, 2, 3):  # the survivors' reports: where they stand and where their logs are

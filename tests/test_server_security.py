@@ -216,9 +216,12 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
         # what would make logs garbage for nothing is refused, naming it (a stage or iteration beyond the logs, a missing file)
         for bad, needle in (({"stage": 9, "iteration": 4}, "stage 9 is beyond the stages of run 'run-a' (its channels name stages 0..5)"),
                             ({"stage": 1, "iteration": 2**53 - 1}, "beyond the logs of run 'run-a' (last logged iteration"),
-                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"}, "'file:///nonexistent/2/4' does not exist on this node")):  # fmt: skip
-            r = c.post("/v1/runs/run-a/checkpoints", json=bad)
+                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"}, "'file:///nonexistent/2/4' is not a file on this node")):  # fmt: skip
+            r = c.post("/v1/runs/run-a/checkpoints", json=bad)  # (also a directory, an upper-case scheme: below)
             assert r.status_code == 400 and needle in r.json()["error"]["message"] and '"force": true' in r.json()["error"]["hint"], r.text
+        for bad in ({"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()}, {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"}):
+            r = c.post("/v1/runs/run-a/checkpoints", json=bad)
+            assert r.status_code == 400 and ("is not a file" in r.text or "must be lower case" in r.text), r.text
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
         ckpt = store_copy.root.parent / "ckpt-2-4.pt"
         ckpt.write_bytes(b"a checkpoint")

@@ -281,3 +281,25 @@ def test_a_writer_restarted_on_a_fresh_root_does_not_reuse_its_earlier_uploads_n
     new.close()
     with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:  # the newest copy wins on read
         assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(3)] == [100.0, 101.0, 102.0]
+
+
+
+def test_a_name_clash_in_the_cold_tier_is_shipped_under_a_new_name(tmp_path, caplog) -> None:
+    """The same restart, with the cold tier unreachable when the new writer opened (so it could not
+    number past the old uploads): its first upload met a name committed with other bytes and the
+    uploader stopped there for good (ColdTierError, head of line). Now it renumbers and ships."""
+    from logstore import Channel, LogStore, RecordKey
+
+    inp = Channel.input(0)
+    cold = f"file://{tmp_path / 'cold'}"
+    with LogStore.open(tmp_path / "gen0", "run1", writer="stage0", cold_url=cold, segment_iters=1) as old:
+        old.put_many([(RecordKey(inp, it, 0), torch.full((4,), float(it))) for it in range(3)])
+        old.flush()
+    new = LogStore.open(tmp_path / "gen1", "run1", writer="stage0", cold_url=cold, segment_iters=1, upload=False)  # as if the listing at open failed
+    new.put_many([(RecordKey(inp, it, 0), torch.full((4,), 100.0 + it)) for it in range(4)])
+    with caplog.at_level("WARNING", logger="logstore"):
+        assert new.flush() == 4
+    assert caplog.text.count("is taken in the cold tier by other bytes") == 3 and new.stats()["upload"]["errors"] == 0  # its first three
+    new.close()
+    with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:
+        assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(4)] == [100.0, 101.0, 102.0, 103.0]

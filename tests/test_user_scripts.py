@@ -18,6 +18,7 @@ import torch.distributed as dist
 from logstore import Channel, LogStore, RecordKey
 from replay.core import absolute_spec, is_script_spec, load_object
 from trainer_client import decode_meta, load_checkpoint
+from trainer_client.commit import loopback_store
 from trainer_client.meta import script_defines_only
 
 NET = """
@@ -102,7 +103,7 @@ def _train(proj: Path, script: str, how: str) -> tuple[Path, list[dict[str, torc
     """Run the script's two ranks (two processes run by path, or one that spawns both) beside a
     TCPStore hosted here; the final state of each stage."""
     root, out = proj / f"store-{how}", proj / f"final-{how}"
-    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    host = loopback_store(datetime.timedelta(seconds=120))
     cmd = [sys.executable, script, str(root), str(out), str(host.port)]
     procs = [subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True) for rank in (["spawn"] if how == "spawn" else ["0", "1"])]
     for p in procs:

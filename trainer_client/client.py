@@ -28,7 +28,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from logstore import Channel, LogStore, StoreConfig
-from logstore.errors import SwiftlogError
+from logstore.errors import ConfigError, SwiftlogError
 from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
@@ -212,7 +212,19 @@ class SwiftlogClient:
     ) -> LoggingPipelineStage:
         """Wrap ``module`` in a :class:`LoggingPipelineStage` for this stage (same arguments as
         ``PipelineStage``; stage index and count come from the config). Call it again after the
-        process group is re-formed; the newest stage is the one logged."""
+        process group is re-formed; the newest stage is the one logged.
+
+        Raises ConfigError when the example tensors cannot carry gradients where torch's schedules
+        need them (they fail later, in backward, with an error that does not say why): floating
+        ``output_args`` of a stage before the last, or ``input_args`` of a stage after the first,
+        none of which requires grad."""
+        c = self.config
+        for what, args, needed in (("output_args", output_args, not c.is_last), ("input_args", input_args, not c.is_first)):
+            floats = [t for t in _tensors(args) if t.is_floating_point()]
+            if needed and floats and not any(t.requires_grad for t in floats):
+                role = "receives the gradients of what it sends" if what == "output_args" else "sends back the gradients of what it receives"
+                raise ConfigError(f"stage {c.stage}: no floating tensor of {what} requires grad, but the stage {role}",
+                                  hint=f"create the example {what} with requires_grad=True (torch builds gradient buffers only for those)")  # fmt: skip
         self._stage = LoggingPipelineStage(
             module,
             self.config.stage,
@@ -691,3 +703,12 @@ class SwiftlogClient:
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,
             "time": time.time(),
         }
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    """The tensors of an example-arguments structure (a tensor, or tuples / lists of them)."""
+    if isinstance(args, torch.Tensor):
+        return [args]
+    if isinstance(args, (tuple, list)):
+        return [t for a in args for t in _tensors(a)]
+    return []

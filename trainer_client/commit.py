@@ -35,6 +35,9 @@ per poll. Never: decides anything locally, retries a decided iteration, or raise
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,12 +46,37 @@ import torch.distributed as dist
 
 from trainer_client.errors import CommitStoreError, IterationAbortedError
 
-__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT", "meta_key", "stored_metas"]
+__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT", "meta_key", "stored_metas", "loopback_store", "gloo_on_loopback"]
 
 logger = logging.getLogger(__name__)
 
 COMMIT = "commit"
 ABORT = "abort"
+
+
+def gloo_on_loopback() -> None:
+    """For a process whose process groups stay on this host (the launchers' stages, a spawned
+    parallel replay): gloo listens on the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless
+    set), not on whatever address the host name resolves to. Linux only (elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def loopback_store(timeout: timedelta = timedelta(seconds=300)) -> dist.TCPStore:
+    """A TCPStore server on 127.0.0.1 only, on a free port (``.port``), for processes of this host.
+
+    ``dist.TCPStore(host, 0, is_master=True)`` listens on every interface whatever ``host`` says;
+    here the listening socket is bound to loopback first and handed over (torch owns and closes it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4096)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach())
 
 
 @dataclass(frozen=True, slots=True)

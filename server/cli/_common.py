@@ -36,6 +36,7 @@ __all__ = [
     "err_console",
     "fail",
     "handle_errors",
+    "check_cold_url",
     "make_node",
     "parse_cold_options",
     "parse_kv",
@@ -114,10 +115,18 @@ def parse_kv(items: list[str] | None, what: str) -> dict[str, Any]:
     return out
 
 
+def check_cold_url(cold_url: str | None) -> None:
+    """A ``file://`` cold tier a reading command is given must exist (a mistyped one would read as
+    an empty cold tier, silently). Other URLs are checked by their first request."""
+    if cold_url and cold_url.startswith("file://") and not os.path.isdir(cold_url[len("file://"):]):
+        raise fail(f"cold tier directory {cold_url[len('file://'):]!r} does not exist", hint="check --cold-url / SWIFTLOG_COLD_URL", code=EXIT_NOT_FOUND)
+
+
 def make_node(root: Path, cold_url: str | None = None, cold_options: list[str] | None = None) -> Node:
     """A Node over ``root`` (which must exist), with summaries always computed fresh."""
     if not root.is_dir():
         raise fail(f"store root {str(root)!r} does not exist", hint=f"pass --root or set {ENV_ROOT}", code=EXIT_NOT_FOUND)
+    check_cold_url(cold_url)
     return Node(root, cold_url=cold_url, cold_options=parse_cold_options(cold_options), summary_ttl=0.0, summary_max_stale=0.0)
 
 

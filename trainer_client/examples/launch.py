@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_client.commit import gloo_on_loopback, loopback_store
+
 __all__ = ["LaunchResult", "StoreHost", "launch_pipeline", "load_stage_result"]
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -79,6 +81,7 @@ def _stage_entry(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.update(env)
+    gloo_on_loopback()
     from trainer_client.examples import train_pipeline
 
     try:
@@ -122,7 +125,7 @@ class StoreHost:
     """A TCPStore server on 127.0.0.1 (free port) owned by this process."""
 
     def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.store = loopback_store(timeout)  # listening on 127.0.0.1 only (torch's own server listens on every interface)
         self.port: int = self.store.port
 
 
