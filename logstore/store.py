@@ -62,6 +62,20 @@ logger = logging.getLogger(__name__)
 _COLD_SEG_RE = re.compile(r"^(?P<lo>\d{12})-(?P<hi>\d{12})\.(?P<writer>[A-Za-z0-9._-]+)\.(?P<seg>\d{10})\.seg$")
 
 
+_PRECIOUS_KINDS = frozenset({Kind.INPUT, Kind.TARGET, Kind.META})
+
+
+def _precious(channel: str, first: set[str]) -> bool:
+    """Uploaded before the bulk: channels sealed through ``seal()`` and, even without that (a writer
+    reopened, another process's flush), inputs, targets and META: what only their stage had."""
+    if channel in first:
+        return True
+    try:
+        return Channel.parse(channel).kind in _PRECIOUS_KINDS
+    except SwiftlogError:
+        return False
+
+
 def _seg_number(seg: _ColdSeg) -> int:
     """The segment id in a cold segment's name (0 for a name not of the form)."""
     m = _COLD_SEG_RE.match(seg.name.rsplit("/", 1)[-1])
@@ -751,7 +765,7 @@ class LogStore:
             segs = self.hot.segments()
             sealed = {m.id for m in segs if m.state == SEALED}
             self._forget_unshipped(known - sealed)
-            order = lambda m: (m.channel not in first, m.id)  # noqa: E731
+            order = lambda m: (not _precious(m.channel, first), m.id)  # noqa: E731
             todo = sorted((m for m in segs if m.state == SEALED), key=order)
             queued = {m.id for m in todo}
             left = 0
@@ -788,7 +802,7 @@ class LogStore:
         the index is read only when there is one)."""
         assert self.hot is not None
         with self._shipped:
-            ids = [i for i, (ch, _lo) in self._unsealed_up.items() if i not in queued and ch in first]
+            ids = [i for i, (ch, _lo) in self._unsealed_up.items() if i not in queued and _precious(ch, first)]
         metas = (self.hot.segment(i) for i in ids)
         return [m for m in metas if m is not None and m.state == SEALED]
 
@@ -957,23 +971,24 @@ class LogStore:
         rep: dict[str, Any] = {"uploaded": [], "uploaded_bytes": 0, "already_uploaded": 0, "open": []}
         with self._upload_lock:
             try:
-                for hot in self._hot_tiers():
-                    for m in sorted(hot.segments(), key=lambda m: m.id):
-                        if m.state == OPEN:
-                            rep["open"].append({"writer": hot.writer, "channel": m.channel, "lo": m.lo, "hi": m.hi,
-                                                "records": m.live, "bytes": m.end})
-                            continue
-                        if m.state != SEALED:
-                            rep["already_uploaded"] += 1
-                            continue
-                        name = self._ship(hot, m)
-                        if name is None:
-                            continue
-                        cur = hot.segment(m.id)
-                        if cur is not None and cur.state == SEALED:
-                            hot.set_state(m.id, UPLOADED, cold_name=name)
-                        rep["uploaded"].append(name)
-                        rep["uploaded_bytes"] += m.file_size
+                # every writer's inputs, targets and META first (what only their stage had), then the rest
+                segs = [(hot, m) for hot in self._hot_tiers() for m in hot.segments()]
+                for hot, m in sorted(segs, key=lambda hm: (not _precious(hm[1].channel, self._ship_first), hm[0].writer, hm[1].id)):
+                    if m.state == OPEN:
+                        rep["open"].append({"writer": hot.writer, "channel": m.channel, "lo": m.lo, "hi": m.hi,
+                                            "records": m.live, "bytes": m.end})
+                        continue
+                    if m.state != SEALED:
+                        rep["already_uploaded"] += 1
+                        continue
+                    name = self._ship(hot, m)
+                    if name is None:
+                        continue
+                    cur = hot.segment(m.id)
+                    if cur is not None and cur.state == SEALED:
+                        hot.set_state(m.id, UPLOADED, cold_name=name)
+                    rep["uploaded"].append(name)
+                    rep["uploaded_bytes"] += m.file_size
             except SwiftlogError as e:
                 self._note_error(e)
                 raise

@@ -210,6 +210,24 @@ def test_inputs_sealed_during_a_long_upload_pass_go_before_the_rest_of_its_backl
     s.close()
 
 
+def test_inputs_targets_and_meta_go_first_even_when_nobody_sealed_them_as_such(tmp_path: Path) -> None:
+    """The inputs-first order lived in memory (channels given to seal()): a reopened writer, or
+    another process's flush (swiftlog flush, POST /flush), uploaded by id. Inputs, targets and META
+    now go first by their kind."""
+    s = LogStore.open(tmp_path / "node", "run1", writer="stage0", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=1, upload=False)
+    for it in range(4):  # rotation seals the segments of iterations 0..2
+        _fill(s, range(it, it + 1))
+        s.put(RecordKey(Channel.input(0), it, 0), _t(it, 0))
+        s.put(RecordKey(Channel.meta(0), it, 0), _t(it, 0))
+    s.close()  # sealed, nothing uploaded
+    other = LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{tmp_path / 'cold'}")  # another process: no writer
+    rep = other.upload_sealed()
+    kinds = [n.split("/")[2].split("_")[0] for n in rep["uploaded"]]
+    assert len(kinds) == 16 and sorted(kinds[:8]) == ["input"] * 4 + ["meta"] * 4, kinds
+    assert set(kinds[8:]) == {"act", "grad"}
+    other.close()
+
+
 def test_gc_concurrent_with_writer(tmp_path: Path, cold_backend) -> None:
     import threading
 
