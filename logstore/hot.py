@@ -459,7 +459,7 @@ class HotTier:
             return False
         first = entries[0][0].key
 
-        def fn(txn: lmdb.Transaction, seg_id: int = seg_id, entries: list = entries, end: int = end, size: int = size, sealed: bool = sealed) -> None:
+        def fn(txn: lmdb.Transaction) -> None:
             self._put_seg(txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration))
             self._commit_entries(txn, [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries], {seg_id: end})
             m = self._get_seg(txn, seg_id)
@@ -479,8 +479,7 @@ class HotTier:
         previous incarnation's uploads, which the cold tier refuses (immutable, other bytes)."""
 
         def fn(txn: lmdb.Transaction) -> int:
-            raw = txn.get(b"next_seg", db=self._db_meta)
-            nxt = 1 if raw is None else _U64.unpack(raw)[0]
+            nxt = self._next_seg(txn)
             if nxt <= top:
                 txn.put(b"next_seg", _U64.pack(top + 1), db=self._db_meta)
             return nxt
@@ -492,19 +491,22 @@ class HotTier:
         of a segment whose own name the cold tier holds with other bytes."""
 
         def fn(txn: lmdb.Transaction) -> int:
-            raw = txn.get(b"next_seg", db=self._db_meta)
-            nxt = 1 if raw is None else _U64.unpack(raw)[0]
+            nxt = self._next_seg(txn)
             txn.put(b"next_seg", _U64.pack(nxt + 1), db=self._db_meta)
             return nxt
 
         return int(self._write(fn))  # type: ignore[arg-type]
 
+    def _next_seg(self, txn: lmdb.Transaction) -> int:
+        """The id the next new segment gets (1 in a fresh index)."""
+        raw = txn.get(b"next_seg", db=self._db_meta)
+        return 1 if raw is None else _U64.unpack(raw)[0]
+
     def _number_past_files(self) -> None:
         top = max(self.file_ids(), default=0)
-        if self.number_past(top):
-            orphans = self.orphan_files()
+        if self.number_past(top) and (orphans := self.orphan_files()):  # (re-indexed files are no orphans)
             logger.warning("hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
-                           "are numbered from %d", self.dir, len(orphans), orphans[0].name if orphans else "-", top + 1)  # fmt: skip
+                           "are numbered from %d", self.dir, len(orphans), orphans[0].name, top + 1)  # fmt: skip
 
     def _drop_segment_entries(self, seg_id: int) -> None:
         def fn(txn: lmdb.Transaction) -> None:
@@ -518,8 +520,7 @@ class HotTier:
 
     def _new_segment(self, channel: Channel, iteration: int) -> _Open:
         def fn(txn: lmdb.Transaction) -> SegmentMeta:
-            raw = txn.get(b"next_seg", db=self._db_meta)
-            seg_id = 1 if raw is None else _U64.unpack(raw)[0]
+            seg_id = self._next_seg(txn)
             txn.put(b"next_seg", _U64.pack(seg_id + 1), db=self._db_meta)
             meta = SegmentMeta(id=seg_id, channel=channel.name, lo=iteration, hi=iteration)
             self._put_seg(txn, meta)

@@ -76,9 +76,14 @@ def _precious(channel: str, first: set[str]) -> bool:
         return False
 
 
+def _cold_name_parts(name: str) -> re.Match[str] | None:
+    """lo, hi, writer and segment id of a cold segment's name (None for a name not of the form)."""
+    return _COLD_SEG_RE.match(name.rsplit("/", 1)[-1])
+
+
 def _seg_number(seg: _ColdSeg) -> int:
     """The segment id in a cold segment's name (0 for a name not of the form)."""
-    m = _COLD_SEG_RE.match(seg.name.rsplit("/", 1)[-1])
+    m = _cold_name_parts(seg.name)
     return int(m["seg"]) if m else 0
 
 
@@ -554,7 +559,7 @@ class LogStore:
         """True when ``seg`` is the upload of a segment still known to a hot tier of this node,
         whose index then holds every live record of it (no need to read its footer)."""
         hot = hots.get(seg.writer)
-        m = _COLD_SEG_RE.match(seg.name.rsplit("/", 1)[-1])
+        m = _cold_name_parts(seg.name)
         if hot is None or m is None:
             return False
         meta = hot.segment(int(m["seg"]))
@@ -614,6 +619,10 @@ class LogStore:
     def writers(self) -> list[str]:
         """Names of the writers with a hot tier of this run under this root (sorted; [] for none)."""
         return writers_under(self._run_dir)
+
+    def is_cold_only(self) -> bool:
+        """True for a store that reads a cold tier and no writer's hot tier (``plan.cold_only_store``)."""
+        return self.cold is not None and not self.writers()
 
     def _hot_tiers(self) -> list[HotTier]:
         """Own hot tier plus every other writer's under root/run (opened read-only, cached)."""
@@ -725,18 +734,28 @@ class LogStore:
     def _cold_name(self, m: SegmentMeta, writer: str | None = None, seg_id: int | None = None) -> str:
         return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self.config.writer}.{m.id if seg_id is None else seg_id:010d}.seg"
 
+    def _committed_names(self) -> set[str]:
+        """Names of every committed cold segment, from a fresh listing (raises like the listing)."""
+        return {seg.name for segs in self._cold_index(refresh=True).values() for seg in segs}
+
+    def _number_past_own_uploads(self, committed: set[str]) -> bool:
+        """Number this writer's new segments past the ids its name has among ``committed`` (an
+        earlier incarnation on another root: a rollback); True when that moved the numbering."""
+        assert self.hot is not None
+        mine = [int(m["seg"]) for name in committed if (m := _cold_name_parts(name)) and m["writer"] == self.config.writer]
+        return self.hot.number_past(max(mine, default=0))
+
     def _reconcile_uploads(self) -> None:
         """After a restart: segments already committed in the cold tier are marked uploaded, and
         uploaded ones the cold tier no longer has (and whose file is still here) are queued again."""
         try:
-            committed = {s.name for segs in self._cold_index(refresh=True).values() for s in segs}
+            committed = self._committed_names()
             wm = self.watermarks()
         except SwiftlogError as e:
             self._note_error(e)
             return
-        mine = [int(m["seg"]) for name in committed if (m := _COLD_SEG_RE.match(name.rsplit("/", 1)[-1])) and m["writer"] == self.config.writer]
-        if mine and self.hot.number_past(max(mine)):  # an earlier incarnation of this writer (another root: a rollback) uploaded these
-            logger.info("run %s: writer %s numbers its segments from %d, past its uploads in the cold tier", self.run, self.config.writer, max(mine) + 1)
+        if self._number_past_own_uploads(committed):
+            logger.info("run %s: writer %s numbers its segments past its earlier uploads in the cold tier", self.run, self.config.writer)
         for m in self.hot.segments():
             if m.state == SEALED and self._cold_name(m) in committed:
                 self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))
@@ -838,9 +857,7 @@ class LogStore:
                     raise
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
                 # was down) used the name: number past its uploads and ship this one under a new id
-                mine = [int(g["seg"]) for seg_name in {c.name for segs in self._cold_index(refresh=True).values() for c in segs}
-                        if (g := _COLD_SEG_RE.match(seg_name.rsplit("/", 1)[-1])) and g["writer"] == self.config.writer]  # fmt: skip
-                self.hot.number_past(max(mine, default=0))
+                self._number_past_own_uploads(self._committed_names())
                 renamed = self._cold_name(m, hot.writer, self.hot.reserve_id())
                 logger.warning("run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
                                self.run, name, hot.writer, renamed)  # fmt: skip
@@ -1180,7 +1197,7 @@ class LogStore:
         committed: set[str] | None = None
         if self.cold is not None:
             try:
-                committed = {seg.name for segs in self._cold_index(refresh=True).values() for seg in segs}
+                committed = self._committed_names()
             except SwiftlogError as e:
                 rep.problems.append({"tier": "cold", "key": "", "where": self.config.cold_url or "", "error": f"cannot be listed: {e}"})
         wm = self.watermarks(max_age=2.0)

@@ -142,7 +142,7 @@ class SourceSpec:
         one as the cold tier) or a node server (``replay.remote.HttpRecordSource``)."""
         if hasattr(store, "base_url"):
             return cls(kind="http", location=store.base_url, token=getattr(store, "token", None))
-        if store.cold is not None and not store.writers() and store.config.cold_url:  # plan.cold_only_store(...)
+        if store.is_cold_only() and store.config.cold_url:  # plan.cold_only_store(...)
             return cls(kind="cold", location=store.config.cold_url, options=dict(store.config.cold_options))
         return cls(kind="store", location=str(store.root), cold_url=store.config.cold_url, options=dict(store.config.cold_options))
 

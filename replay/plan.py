@@ -307,7 +307,7 @@ class _Planner:
         object-store outage uses what the survivors' disks hold. A cold-only source stays as it
         is (its error is the plan's)."""
         for i, s in enumerate(self.stores):
-            if s.cold is None or not s.writers():
+            if s.cold is None or s.is_cold_only():
                 continue
             try:
                 s.checkpoints()  # lists the cold tier's registrations

@@ -297,10 +297,10 @@ class LogReader:
         try:
             return _tiers_listed(s, channel, lo, hi, hot_only)
         except (ColdTierUnavailableError, ColdTierError) as e:  # down, or refusing (credentials, bucket, permissions)
-            if hot_only or not isinstance(s, LogStore) or not s.writers():
+            if hot_only or not isinstance(s, LogStore) or s.is_cold_only():
                 raise
             self._hot_only.add(id(s))
-            logger.warning("the cold tier of store root %s is unreachable (%s): reading what its hot tiers hold", s.root, e.message)
+            logger.warning("the cold tier of store root %s cannot be read (%s): reading what its hot tiers hold", s.root, e.message)
             return _tiers_listed(s, channel, lo, hi, True)
 
     def _list(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
@@ -376,6 +376,6 @@ def _tiers_listed(s: Any, channel: Channel, lo: int, hi: int, hot_only: bool) ->
 
 
 def _cold_only(s: Any) -> bool:
-    """A store that reads the cold tier alone (no writer's hot tier under its root)."""
-    writers = getattr(s, "writers", None)
-    return getattr(s, "cold", None) is not None and callable(writers) and not writers()
+    """A source that reads a cold tier alone (``LogStore.is_cold_only``; also through a wrapper)."""
+    check = getattr(s, "is_cold_only", None)
+    return bool(check()) if callable(check) else False

@@ -109,21 +109,29 @@ class HttpRecordSource:
 
     def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
         """Every key of ``channel`` (all channels when None) in ``[it_lo, it_hi)``, in key order."""
-        params: dict[str, Any] = {"it_lo": it_lo, "limit": _PAGE}
+        out: list[RecordKey] = []
+        cursor: str | None = None
+        while True:
+            page = self._records_page(channel, it_lo, it_hi, cursor, _PAGE)
+            if page is None:
+                return out
+            out.extend(RecordKey.parse(e["key"]) for e in page["records"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return out
+
+    def _records_page(self, channel: Channel | None, it_lo: int, it_hi: int | None, cursor: str | None, limit: int) -> dict[str, Any] | None:
+        """One GET of the records endpoint (None for an empty range; a 404 raises)."""
+        params: dict[str, Any] = {"it_lo": it_lo, "limit": min(limit, _PAGE)}
         if channel is not None:
             params["channel"] = channel.name
         if it_hi is not None:
             if it_hi <= it_lo:
-                return []
+                return None
             params["it_hi"] = it_hi
-        out: list[RecordKey] = []
-        url = f"{self.base_url}/v1/runs/{self.run}/records"
-        while True:
-            page = self._request("GET", url, params=params).json()
-            out.extend(RecordKey.parse(e["key"]) for e in page["records"])
-            if not page.get("next_cursor"):
-                return out
-            params["cursor"] = page["next_cursor"]
+        if cursor is not None:
+            params["cursor"] = cursor
+        return self._request("GET", f"{self.base_url}/v1/runs/{self.run}/records", params=params).json()
 
     def gaps(self) -> list[dict[str, Any]]:
         """The gaps this node recorded for the run (channel, iteration, micro_batch, reason, at),
@@ -165,16 +173,10 @@ class HttpRecordSource:
                      after: RecordKey | None = None, limit: int = _PAGE) -> list[RecordInfo]:  # fmt: skip
         """One page of the node's records in key order, strictly after ``after`` (as
         ``LogStore.list_records``; ``segment`` is empty: the server does not say)."""
-        params: dict[str, Any] = {"it_lo": it_lo, "limit": min(limit, _PAGE)}
-        if channel is not None:
-            params["channel"] = channel.name
-        if it_hi is not None:
-            if it_hi <= it_lo:
-                return []
-            params["it_hi"] = it_hi
-        if after is not None:
-            params["cursor"] = after.encode().hex()  # the server's cursor is the last key, hex-encoded
-        doc = self._or_empty("/records", params)
+        try:  # the server's cursor is the last key, hex-encoded
+            doc = self._records_page(channel, it_lo, it_hi, None if after is None else after.encode().hex(), limit)
+        except RecordNotFoundError:  # the run is not on that node
+            return []
         if doc is None:
             return []
         return [RecordInfo(RecordKey.parse(e["key"]), e["tier"], e["writer"], int(e["stored_bytes"]), e.get("raw_bytes"),

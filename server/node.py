@@ -595,10 +595,11 @@ class Node:
         if last is not None and req.iteration > last + 1:
             raise BadRequestError(f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
                                   f"record stage {req.stage} received garbage", hint='check the iteration; pass "force": true to register it anyway')  # fmt: skip
-        if req.uri and "://" in req.uri and req.uri.split("://", 1)[0] != req.uri.split("://", 1)[0].lower():
-            raise BadRequestError(f"checkpoint uri {req.uri!r}: the scheme must be lower case (fsspec does not know {req.uri.split('://', 1)[0]!r})",
+        scheme = req.uri.split("://", 1)[0] if req.uri and "://" in req.uri else None
+        if scheme is not None and scheme != scheme.lower():
+            raise BadRequestError(f"checkpoint uri {req.uri!r}: the scheme must be lower case (fsspec does not know {scheme!r})",
                                   hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...")  # fmt: skip
-        local = req.uri[len("file://"):] if req.uri and req.uri.startswith("file://") else (req.uri if req.uri and "://" not in req.uri else None)
+        local = req.uri[len("file://"):] if scheme == "file" else (req.uri if req.uri and scheme is None else None)
         if local is not None and not os.path.isfile(local):
             raise BadRequestError(f"checkpoint uri {req.uri!r} is not a file on this node",
                                   hint='register a checkpoint once it is durable; pass "force": true if it is readable elsewhere')  # fmt: skip

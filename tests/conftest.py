@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from logstore.cold import ColdTier
-from trainer_client.commit import gloo_on_loopback
 from logstore.testing.s3servers import MotoServer, S3Server, SeaweedFSServer, seaweedfs_available
+from trainer_client.commit import gloo_on_loopback
 
 gloo_on_loopback()  # process groups of the tests (and their child processes) listen on 127.0.0.1 only
 

@@ -37,12 +37,11 @@ from trainer_client import (
     seed_micro_batch,
     tensor_digest,
 )
-from trainer_client.commit import stored_metas
+from trainer_client.commit import loopback_store, stored_metas
 from trainer_client.config import group_starts
 from trainer_client.digest import digest_from_record, digest_record
 from trainer_client.meta import importable_name
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
-from trainer_client.commit import loopback_store
 
 
 def test_public_api_is_pinned():

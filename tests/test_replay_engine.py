@@ -45,8 +45,8 @@ from tests._replay_helpers import (
     state_bytes_differ,
 )
 from trainer_client import load_checkpoint, save_checkpoint
-from trainer_client.examples.gpt import loss_fn
 from trainer_client.commit import loopback_store
+from trainer_client.examples.gpt import loss_fn
 
 pytest_plugins = ["tests._replay_fixtures"]
 

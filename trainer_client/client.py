@@ -175,7 +175,7 @@ class SwiftlogClient:
         ck_base = config.resolved_checkpoint_url()
         self._maint = CheckpointMaintenance(
             self.store, self.writer, name, keep=config.keep_checkpoints, own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
-            storage_options=dict(config.cold_options) if "://" in ck_base and not ck_base.startswith("file://") else None,
+            storage_options=config.checkpoint_options(),
         )  # fmt: skip
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
@@ -547,7 +547,7 @@ class SwiftlogClient:
         """
         c = self.config
         uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
-        opts = dict(c.cold_options) if "://" in uri and not uri.startswith("file://") else None
+        opts = c.checkpoint_options()
         uri = save_checkpoint(
             uri, run_id=c.run_id, stage=c.stage, num_stages=c.num_stages, iteration=iteration, seed=c.seed,
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra, storage_options=opts,

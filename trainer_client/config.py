@@ -230,6 +230,12 @@ class ClientConfig:
         nxt = [x for x in starts if x > s]
         return first, (nxt[0] - 1 if nxt else self.num_stages - 1)
 
+    def checkpoint_options(self) -> dict[str, Any] | None:
+        """fsspec storage options for the checkpoint location: ``cold_options`` for a remote URL
+        (``s3://``...), None for a local path or ``file://``."""
+        url = self.resolved_checkpoint_url()
+        return dict(self.cold_options) if "://" in url and not url.startswith("file://") else None
+
     def resolved_checkpoint_url(self) -> str:
         """Where checkpoints go when ``checkpoint_url`` is None (see the field's doc)."""
         if self.checkpoint_url:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from logstore import LogStore
-from trainer_client.checkpoint import canonical_uri, remove_checkpoint
 from logstore.errors import ColdTierError, SwiftlogError
+from trainer_client.checkpoint import canonical_uri, remove_checkpoint
 from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["CheckpointMaintenance"]
@@ -57,7 +57,7 @@ class CheckpointMaintenance:
         self.last_gc: dict[str, Any] | None = None
         self._pending = 0
         self._lock = threading.Lock()
-        # registrations the cold tier refused (down): retried every ``retry_s`` and at close, newest first
+        # registrations the cold tier refused (the newest 8): retried every ``retry_s``, before later ones and at close, oldest first
         self.unregistered: list[tuple[int, int, str, dict[str, Any], bool]] = []
         self.retry_s = 10.0
         self._last_refusal = ""
