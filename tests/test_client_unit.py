@@ -211,6 +211,37 @@ def test_deferred_digests_see_the_buffer_as_received_once_settled(store, pool_fi
     w.close()
 
 
+def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
+    """The stage hooks find what was received in torch's ``args_recv_info`` / ``grad_recv_info``.
+    torch 2.13 (installed): ``_RecvInfo`` with ``is_root_arg``. torch 2.11 (seen on a GPU machine;
+    it cannot be installed beside 2.13, so its two classes are written out as its source defines
+    them): ``_RecvInfo(input_name, source, buffer)`` and a ``_RootArgPlaceholder`` with no buffer.
+    Reading ``is_root_arg`` there failed every forward's hook: no activation digest was logged."""
+    import inspect
+
+    from torch.distributed.pipelining import stage as torch_stage
+
+    from trainer_client.stage import _received_buffers
+
+    a, b = torch.randn(2, 3), torch.randn(4)
+    if "is_root_arg" in inspect.signature(torch_stage._RecvInfo).parameters:  # the installed torch's own classes
+        infos = (torch_stage._RecvInfo("x", None, None, None, is_root_arg=True), torch_stage._RecvInfo("h", 0, a, None), torch_stage._RecvInfo("g", 0, None, None))
+    else:
+        infos = (torch_stage._RootArgPlaceholder(a), torch_stage._RecvInfo("h", 0, a))
+    assert _received_buffers(infos) == [a]
+
+    class OldRecvInfo:  # torch 2.11's _RecvInfo
+        def __init__(self, input_name: str, source: int, buffer: torch.Tensor) -> None:
+            self.input_name, self.source, self.buffer = input_name, source, buffer
+
+    class OldRootArgPlaceholder:  # torch 2.11's placeholder of a model input
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.meta = tensor.to("meta")
+
+    got = _received_buffers((OldRootArgPlaceholder(a), OldRecvInfo("h", 0, a), OldRecvInfo("k", 0, b)))
+    assert len(got) == 2 and got[0] is a and got[1] is b
+
+
 def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
     w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="gap")
     gate = threading.Event()

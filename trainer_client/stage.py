@@ -140,7 +140,7 @@ class StageRecorder:
                     self.data_count += 1
             else:
                 if self._digest_from_prev:
-                    bufs = [i.buffer for i in stage.args_recv_info[micro_batch] if not i.is_root_arg and i.buffer is not None]
+                    bufs = _received_buffers(stage.args_recv_info[micro_batch])
                     self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
                 # the step's keyword inputs reach every stage; only this stage has them: logged like stage 0's
                 if kwargs and self.log_inputs(self.iteration, micro_batch, (), kwargs):
@@ -164,7 +164,7 @@ class StageRecorder:
                 self.split_backward = True
             if not self.enabled or stage.is_last or not self._digest_from_next:
                 return
-            bufs = [i.buffer for i in stage.grad_recv_info[micro_batch] if i.buffer is not None]
+            bufs = _received_buffers(stage.grad_recv_info[micro_batch])
             if bufs:
                 self.writer.submit_digests(Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
         except Exception as e:
@@ -293,6 +293,29 @@ class StageRecorder:
         self.writer.note_fault("hook", f"{where}: {type(e).__name__}: {e}", iteration=self.iteration, micro_batch=micro_batch)
 
 
+def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensors a stage received into, from its ``args_recv_info[mb]`` / ``grad_recv_info[mb]``.
+
+    Model inputs (root args) and absent gradients carry no buffer. Written for the layouts of the
+    torch releases seen: 2.13's ``_RecvInfo`` marks a root arg with ``is_root_arg`` (buffer None);
+    older releases (2.11 on a GPU machine here) put a ``_RootArgPlaceholder`` with no ``buffer``
+    and no ``is_root_arg`` in its place, and an ``i.is_root_arg`` there failed every forward's
+    hook (the activation digests went missing and no replay could verify)."""
+    out = []
+    for info in recv_infos:
+        buf = getattr(info, "buffer", None)
+        if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
+            out.append(buf)
+    return out
+
+
+def _declared_outputs(stage: PipelineStage) -> Sequence[Any] | None:
+    """The outputs a stage declared (``output_args``), as torch keeps them: ``_stage_meta.outputs``
+    (2.13) or ``_outputs_meta`` (older releases); None when neither is there."""
+    meta = getattr(getattr(stage, "_stage_meta", None), "outputs", None)
+    return meta if meta is not None else getattr(stage, "_outputs_meta", None)
+
+
 def _json_constant(v: Any) -> bool:
     """A keyword input META can carry as it is (None, bool, int, float, str)."""
     return v is None or isinstance(v, (bool, int, float, str))
@@ -342,7 +365,7 @@ class LoggingPipelineStage(PipelineStage):
             sent = [op.tensor for op in ops]
             if not self._send_checked:
                 self._send_checked = True
-                self.recorder.check_declared_sends(sent, getattr(getattr(self, "_stage_meta", None), "outputs", None))
+                self.recorder.check_declared_sends(sent, _declared_outputs(self))
             self.recorder.on_fwd_send(fwd_chunk_id, sent)
         return ops
 
