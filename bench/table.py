@@ -48,6 +48,12 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "parallel_speedup_k2_of_ceiling", "(speedup / ceiling)", None, None),
     ("replay", "parallel_max_abs_diff", "(approximate mode)", None, None),
     ("replay", "bit_exact", "true", "eq", True),
+    # the same replay bench on a lent GPU host's 16 idle cores (torch 2.11; bench/gpu_check.sh)
+    ("replay_h200", "parallel_speedup_k2", ">= 1.6 (16 idle cores)", "ge", 1.6),
+    ("replay_h200", "parallel_speedup_k2_ceiling", "(2 / slowdown of two busy cores)", None, None),
+    ("replay_h200", "replay_vs_live", "(a core per live stage; by slots 8/11 = 0.73)", None, None),
+    ("replay_h200", "bit_exact", "true", "eq", True),
+    ("replay_h200", "verified", "true", "eq", True),
     ("recovery", "recovery_vs_global_rollback", "<= 0.3", "le", 0.3),
     ("recovery", "detect_s", "<= 1 s", "le", 1.0),
     ("recovery", "fetch_s", "", None, None),
