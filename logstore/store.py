@@ -1184,9 +1184,12 @@ class LogStore:
         that cannot be opened are problems too.
 
         Never raises for a corrupt or missing record: it is listed in the report. ``progress(tier, done,
-        total)`` is called as work advances.
+        total)`` is called as work advances. A GC may run meanwhile (the client runs one after each
+        checkpoint): what is missing because it became garbage during the check is no problem
+        (the watermarks are read again at the end).
         """
         rep = VerifyReport()
+        may_be_gc: list[tuple[dict[str, str], int, int]] = []  # (problem, owner stage, last iteration it concerns)
         hots = self._hot_tiers()
         for w in sorted(set(self.writers()) - {h.writer for h in hots}):
             rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"), "error": "the index cannot be opened (see the log)"})
@@ -1214,10 +1217,14 @@ class LogStore:
                 elif loc.segment.state in (UPLOADED, EVICTED) and committed is not None and loc.segment.cold_name not in committed:
                     rep.problems.append({"tier": "cold", "key": str(k), "where": loc.segment.cold_name or "", "error": "uploaded, but the cold tier no longer has it"
                                          + (" (its writer uploads it again when it reopens the store)" if blob is not None else " and the local file is gone: lost")})  # fmt: skip
+                    may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
                 elif blob is None and loc.segment.state not in (UPLOADED, EVICTED):
                     rep.problems.append({"tier": "hot", "key": str(k), "where": where, "error": "segment file missing and never uploaded: lost"})
+                    may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
             except (CorruptRecordError, SwiftlogError) as e:
                 rep.problems.append({"tier": "hot", "key": str(k), "where": f"{where}@{loc.offset}", "error": str(e)})
+                if not isinstance(e, CorruptRecordError):  # e.g. its file deleted while read
+                    may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
             if progress is not None:
                 progress("hot", i + 1, len(entries))
         if self.cold is not None and committed is not None:
@@ -1229,6 +1236,8 @@ class LogStore:
                     entries_c = self._footer(seg.name).values()
                 except SwiftlogError as e:
                     rep.problems.append({"tier": "cold", "key": "", "where": seg.name, "error": str(e)})
+                    if not isinstance(e, CorruptRecordError):  # e.g. deleted since the listing
+                        may_be_gc.append((rep.problems[-1], seg.channel.owner, seg.hi))
                     continue
                 for e in entries_c:
                     blob = data[e.offset : e.offset + e.length]
@@ -1241,6 +1250,13 @@ class LogStore:
                         rep.problems.append({"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)})
                 if progress is not None:
                     progress("cold", i + 1, len(segs))
+        if may_be_gc:  # garbage since the check began (a GC ran meanwhile): not a problem
+            try:
+                wm = self.watermarks(max_age=0.0)
+            except SwiftlogError:
+                wm = {}
+            gone = {id(p) for p, owner, it in may_be_gc if it < wm.get(owner, 0)}
+            rep.problems = [p for p in rep.problems if id(p) not in gone]
         return rep
 
     # ================================================================== lifecycle

@@ -234,6 +234,35 @@ def test_verify_reports_what_the_indexes_list_but_no_tier_holds_and_a_lost_cold_
     assert [p["key"] for p in left] == ["act_1_2/it1/mb0/p0"]  # lost: nothing to upload it from
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["hot-only", "with-cold"])
+def test_verify_during_a_gc_does_not_report_what_became_garbage(tmp_path, cold) -> None:
+    """A checkpoint and its GC landing while verify runs (the client GCs after every checkpoint):
+    verify listed the segments at its start and reported those the GC then deleted as "segment file
+    missing and never uploaded: lost" (hot) or "not found" (cold), exit 1 on a healthy store."""
+    act = Channel.activation(1)
+    cold_url = f"file://{tmp_path / 'cold'}" if cold else None
+    with LogStore.open(tmp_path / "node", "r1", writer="stage1", cold_url=cold_url, segment_iters=1) as w:
+        for it in range(12):
+            w.put(RecordKey(act, it, 0), torch.full((8,), float(it)))
+        if cold:
+            w.flush()
+    reader = LogStore.open(tmp_path / "node", "r1", cold_url=cold_url)
+    gcer = LogStore.open(tmp_path / "node", "r1", cold_url=cold_url)
+    fired: list[str] = []
+
+    def progress(tier: str, done: int, total: int) -> None:
+        if not fired:  # the first step of verify's first pass: a checkpoint of the receiver (stage 2) at 9, and its GC
+            fired.append(tier)
+            gcer.register_checkpoint(stage=2, iteration=9)
+            gc = gcer.gc()
+            assert gc.hot_segments + gc.cold_segments >= 9
+
+    rep = reader.verify(progress=progress)
+    assert fired and rep.ok, rep.problems
+    reader.close()
+    gcer.close()
+
+
 def test_a_store_whose_index_was_lost_is_whole_again_when_its_writer_reopens(tmp_path) -> None:
     """Every record of a writer whose LMDB index was deleted is readable (and counted) again after
     its writer reopens: the segment files are re-indexed; readers meanwhile see verify name them."""
