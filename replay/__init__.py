@@ -28,6 +28,7 @@ from replay.core import (
     ReplayHooks,
     ReplayInputMissingError,
     ReplayMismatchError,
+    ReplayOrderError,
     ReplayReport,
     StageState,
     replay_stage,
@@ -67,4 +68,5 @@ __all__ = [
     "ReplayError",
     "ReplayInputMissingError",
     "ReplayMismatchError",
+    "ReplayOrderError",
 ]

@@ -74,7 +74,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 
 from logstore import Channel, RecordKey
 from logstore.errors import SwiftlogError
-from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError, ReplayOrderError
 from replay.reader import LogReader, RecordSource
 from trainer_client.checkpoint import Checkpoint
 from trainer_client.client import data_inputs, on_device
@@ -86,11 +86,13 @@ from trainer_client.determinism import (
     seed_micro_batch,
 )
 from trainer_client.digest import tensor_digest
+from trainer_client.meta import hparam_changes, optimizer_hparams
 
 __all__ = [
     "ReplayError",
     "ReplayInputMissingError",
     "ReplayMismatchError",
+    "ReplayOrderError",
     "RecordSource",
     "LogReader",
     "StageState",
@@ -459,7 +461,7 @@ def replay_stages(
     report = ReplayReport(idx, start_iteration, stop_iteration)
     fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
     ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks,
-                   replay_device(states))
+                   replay_device(states), [(s.stage, n, b) for s in states for n, b in s.module.named_buffers()])  # fmt: skip
     pf = None
     if prefetch > 0 and stop_iteration > start_iteration:
         reader.start_prefetching()
@@ -503,6 +505,7 @@ class _Context:
     keep_sends: bool
     hooks: ReplayHooks
     device: torch.device
+    buffers: list[tuple[int, str, torch.Tensor]]  # (stage, name, buffer) of every replayed module
 
     @property
     def first(self) -> int:
@@ -528,6 +531,7 @@ class _Plan:
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its META record of the iteration (when logged)
+    live_order: list[tuple[str, int]] | None = None  # run the passes exactly as the live stage interleaved them (see _passes)
 
     def logged(self, stage: int, key: str) -> Any:
         """Field ``key`` of ``stage``'s META (None without it): its ``grad_clip`` calls, ``autocast``
@@ -615,7 +619,11 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     if varies:
         raise ReplayError(f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
                           hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, _shadow(ctx, it), present)
+    shadow = _shadow(ctx, it)
+    live_order = None
+    if ctx.buffers and len(states) == 1 and states[0].stage in present and ctx.hooks.select is None and ctx.hooks.claim is None and not shadow:
+        live_order = [(str(kind), int(mb)) for kind, mb in present[states[0].stage]["order"]]
+    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, shadow, present, live_order)
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -668,7 +676,15 @@ def _passes(plan: _Plan) -> list[tuple[str, int]]:
     memory than the live GPipe schedule, warm caches). Only this replay's micro-batches
     (``plan.mine``); with ``plan.shadow`` the others' forwards too ("S": shadow forwards, for the
     buffers only), each at its place in the forward order.
+
+    A stage replayed alone whose module has buffers runs its passes exactly as the live stage
+    interleaved them (``plan.live_order``, META ``order``): a buffer that a backward changes
+    (BatchNorm inside activation recomputation updates its statistics again when the backward
+    re-runs its forward) ends as it did live only in the live order. Memory is then the live
+    schedule's (GPipe: every micro-batch's activations at once).
     """
+    if plan.live_order is not None:
+        return list(plan.live_order)
     mine = set(plan.mine)
     pending = iter([mb for mb in plan.fwd_order if mb in mine or plan.shadow])
     done: set[int] = set()
@@ -764,6 +780,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         grads_in: list[torch.Tensor | None] | None = None
         if ctx.hooks.before_backward is not None:
             ctx.hooks.before_backward(it, mb)
+        versions = [b._version for _, _, b in ctx.buffers]
         for i in range(len(states) - 1, -1, -1):
             st = states[i]
             x, out = per_stage[i]
@@ -782,11 +799,15 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             grads_in = sent
             if st.stage > 0 and i == 0:
                 _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
+        changed = [(k, name) for (k, name, b), v in zip(ctx.buffers, versions, strict=True) if b._version != v]
+        if changed:
+            _check_live_interleaving(plan, passes, it, mb, changed)
         if ctx.hooks.after_backward is not None:
             ctx.hooks.after_backward(it, mb)
 
     forwarded: dict[int, list[tuple[tuple[torch.Tensor, ...], Any]]] = {}  # mb -> forward's per-stage record
-    for kind, mb in _passes(plan):
+    passes = _passes(plan)
+    for kind, mb in passes:
         if kind == "F":
             forwarded[mb] = forward(mb)
         elif kind == "S":
@@ -811,7 +832,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     p.grad.div_(plan.scale)
         for clip in plan.logged(st.stage, "grad_clip") or ():
             _clip_as_logged(st, it, clip, dev)
-        _check_learning_rates(st, it, plan.logged(st.stage, "lrs"))
+        _check_hyperparameters(st, it, plan.metas.get(st.stage))
         st.optimizer.step()
         if st.lr_scheduler is not None:
             st.lr_scheduler.step()
@@ -823,17 +844,44 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         report.loss_micro_batches[it] = loss_mbs
 
 
-def _check_learning_rates(st: StageState, it: int, live: list[float] | None) -> None:
-    """The replay's optimizer is about to step with the learning rates the live step used (META
-    ``lrs``, when the client knew the optimizer); raises ReplayError naming both otherwise: the
-    live loop changed them in a way the replay does not repeat, and every later state would differ."""
-    if live is None:
+def _check_live_interleaving(plan: _Plan, passes: list[tuple[str, int]], it: int, mb: int, changed: list[tuple[int, str]]) -> None:
+    """A backward changed module buffers (``changed``: (stage, name)): they end as they did live
+    only if this replay ran its forwards and backwards exactly as each live stage interleaved them
+    (META ``order``). Raises ReplayError naming the buffers otherwise: a parallel replay (shares of
+    the micro-batches, shadow forwards) or a group replay of stages whose live orders differ
+    cannot reproduce them, and nothing it sends would show it."""
+    stages = sorted({k for k, _ in changed})
+    ran = [(k, m) for k, m in passes if k != "S"]
+    if all(k in plan.metas and [(str(a), int(b)) for a, b in plan.metas[k]["order"]] == ran for k in stages):
         return
-    have = [float(g["lr"]) for g in st.optimizer.param_groups]
-    if have != [float(x) for x in live]:
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live optimizer step used learning rates {live}, the replay's would use {have}",
-                          hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate otherwise "
-                               "(a scheduler stepped per epoch, a hand-set lr) or a stage factory whose optimizer / scheduler differs cannot be replayed")  # fmt: skip
+    names = ", ".join(f"stage {k} {n}" for k, n in changed[:4]) + (" ..." if len(changed) > 4 else "")
+    how = ("its live interleaving of forwards and backwards is unknown (no META of the stage)" if any(k not in plan.metas for k in stages)
+           else "this replay does not run the forwards and backwards as the live stage interleaved them "
+                "(a parallel replay splits the micro-batches over workers; a group replay runs one order for stages whose live orders differ)")  # fmt: skip
+    raise ReplayOrderError(f"iteration {it} micro-batch {mb}: the backward changed module buffers ({names}), e.g. a BatchNorm whose forward activation "
+                      f"recomputation re-runs; their values depend on the order of every forward and backward, and {how}",
+                      hint="replay the stage alone with one worker: it then follows the live order")  # fmt: skip
+
+
+def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None) -> None:
+    """The replay's optimizer is about to step with the learning rates and other hyperparameters
+    the live step used (META ``lrs`` and ``hparams``, when the client tracked the optimizer; an
+    amended META when the live loop changed them after the commit); raises ReplayError naming the
+    first difference otherwise: the live loop changed them in a way the replay does not repeat,
+    and every later state would differ."""
+    if not meta:
+        return
+    live_lrs, live_hp = meta.get("lrs"), meta.get("hparams")
+    diff = hparam_changes(live_lrs, live_hp, None if live_lrs is None else [float(g["lr"]) for g in st.optimizer.param_groups],
+                          None if live_hp is None else optimizer_hparams(st.optimizer))  # fmt: skip
+    if not diff:
+        return
+    after = meta.get("changed_after_commit")
+    when = f" (the live loop set {'; '.join(after)} after client.commit, before the step)" if after else ""
+    raise ReplayError(f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live -> replay){when}",
+                      hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
+                           "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
+                           "scheduler differs cannot be replayed")  # fmt: skip
 
 
 def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.device) -> None:

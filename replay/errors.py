@@ -16,7 +16,7 @@ from __future__ import annotations
 from logstore import RecordKey
 from logstore.errors import SwiftlogError
 
-__all__ = ["ReplayError", "ReplayInputMissingError", "ReplayMismatchError"]
+__all__ = ["ReplayError", "ReplayInputMissingError", "ReplayMismatchError", "ReplayOrderError"]
 
 
 class ReplayError(SwiftlogError):
@@ -33,3 +33,9 @@ class ReplayInputMissingError(ReplayError):
 
 class ReplayMismatchError(ReplayError):
     """Replayed sends differ from the digests (or records) logged during the live run."""
+
+
+class ReplayOrderError(ReplayError):
+    """The replay cannot run the stage's forwards and backwards in the order the live stage did, and
+    the result depends on it (a backward changed module buffers). The same stage replayed alone,
+    with one worker, follows the live order."""

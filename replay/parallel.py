@@ -133,6 +133,7 @@ from replay.core import (
     ReplayError,
     ReplayHooks,
     ReplayInputMissingError,
+    ReplayOrderError,
     ReplayReport,
     StageState,
     replay_device,
@@ -1157,6 +1158,8 @@ def _raise_worker_error(result_path: str, world: int, fallback: str) -> None:
     if d["type"] == "CorruptRecordError":
         key = RecordKey.parse(d["key"]) if d.get("key") else None
         raise CorruptRecordError(msg, key=key, hint=d.get("hint"))
+    if d["type"] == "ReplayOrderError":
+        raise ReplayOrderError(msg, hint=d.get("hint"))
     raise ReplayError(f"parallel replay failed in {msg} ({d['type']})", hint=d.get("hint"))
 
 

@@ -39,6 +39,7 @@ from logstore.errors import (
 )
 from replay.errors import ReplayError, ReplayInputMissingError
 from trainer_client.client import decode_meta
+from trainer_client.meta import amend_meta
 from trainer_client.digest import digest_from_record
 
 __all__ = ["RecordSource", "LogReader", "MetaDocSource", "LIST_WINDOW"]
@@ -259,6 +260,8 @@ class LogReader:
         def fetch() -> dict[str, Any] | None:
             try:
                 doc = decode_meta(self._fetch(RecordKey(Channel.meta(stage), iteration, 0)))
+                if 1 in self._parts_of(Channel.meta(stage), iteration):  # amended: the optimizer step used other values
+                    doc = amend_meta(doc, decode_meta(self._fetch(RecordKey(Channel.meta(stage), iteration, 1))))
             except ReplayInputMissingError:
                 return None
             with self._lock:

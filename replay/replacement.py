@@ -49,7 +49,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError
+from replay.core import ReplayError, ReplayOrderError
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
@@ -314,12 +314,19 @@ def recover_stage(
                 try:
                     res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout, prepared,
                                                loss_fn)  # fmt: skip
+                except ReplayOrderError as e:  # the stage needs its live order, which only a replay alone follows
+                    logger.warning("stage %d: %s; replaying alone", stage, e.message)
                 except (ReplayError, CheckpointError):
                     raise
                 except Exception as e:  # a helper died or never came: the replacement can still replay alone
                     logger.warning("stage %d: replay with %d helper(s) failed (%s: %s); replaying alone", stage, helpers, type(e).__name__, e)
+            if res is None and helpers <= 0 and job.workers > 1:
+                try:
+                    res = replay(job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
+                except ReplayOrderError as e:
+                    logger.warning("stage %d: %s; replaying alone", stage, e.message)
             if res is None:
-                res = replay(job.replace(workers=1) if helpers > 0 else job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
+                res = replay(job.replace(workers=1), factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(
                 f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"

@@ -4,6 +4,7 @@ the explicit logging API, and a one-stage pipeline in this process."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -911,10 +912,90 @@ def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tm
             for group in opt.param_groups:
                 group["lr"] = 0.01
 
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live optimizer step used learning rates \[0\.01\], the replay's would use \[0\.05\]"):
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint"):
         _single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
     meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
     assert meta["lrs"] == [0.05]
+
+
+def test_another_hyperparameter_set_by_hand_stops_the_replay_naming_it(tmp_path, single_rank_group):
+    """META also records each param group's other hyperparameters (``hparams``): a weight decay set by
+    hand (here before the commit of iteration 2) stops the replay at that step, naming it."""
+
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        if it == 2:
+            opt.param_groups[0]["weight_decay"] = 0.5
+
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: .*differ: weight_decay of param group 0: 0\.5 -> 0\.01 \(live -> replay\) \(hint"):
+        _single_rank_run(tmp_path, "wd", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01), step)
+
+
+def _run_with_scheduler(tmp_path: Path, run_id: str, commit_store: Any, set_after_commit: Callable[[int, torch.optim.Optimizer], None]) -> tuple[SwiftlogClient, Any, str, torch.nn.Module]:
+    """``_Masked`` as a one-stage pipeline, 4 iterations, AdamW under OneCycleLR (which also cycles
+    the betas), a checkpoint at 1; ``set_after_commit(it, optimizer)`` runs between each commit and
+    the optimizer step. Returns the client (closed), its close report, the checkpoint and the module."""
+    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9), commit_store=commit_store)
+    mod = _Masked()
+    opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    uri = ""
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt, sched)
+        g = torch.Generator().manual_seed(it)
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        client.commit(it)
+        set_after_commit(it, opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return client, client.close(), uri, mod
+
+
+def _replay_with_scheduler(tmp_path: Path, run_id: str, uri: str, stop: int) -> tuple[Any, torch.nn.Module]:
+    fresh = _Masked()
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, torch.optim.lr_scheduler.OneCycleLR(fopt, max_lr=0.1, total_steps=10))
+    return replay_stage(state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse), fresh
+
+
+def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_at_that_step(tmp_path, single_rank_group, tcp_store):
+    """Set between ``client.commit`` and ``optimizer.step()`` (here in the last iteration, which no
+    later META reveals), a learning rate was invisible: META holds the values at the commit, and the
+    replay said "verified" with another state. The client sees the step (a pre-hook on the tracked
+    optimizer), amends the iteration's META in the log (micro-batch 1) and in the commit store (the
+    copy a replacement reads), reports it, and the replay stops at that step naming the change.
+    The scheduler's own changes (OneCycleLR also cycles the betas) are no such change."""
+    store = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+    def halve_in_last(it: int, opt: torch.optim.Optimizer) -> None:
+        if it == 3:
+            opt.param_groups[0]["lr"] *= 0.5
+
+    client, report, uri, _ = _run_with_scheduler(tmp_path, "after", store, halve_in_last)
+    faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
+    assert len(faults) == 1 and faults[0].iteration == 3 and "set after client.commit" in faults[0].message, report.logging_faults
+    logs = LogStore.open(tmp_path / "store", "after")
+    committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    amended = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))
+    assert amended["lrs"] == [committed["lrs"][0] * 0.5] and amended["changed_after_commit"] == [f"lr of param group 0: {committed['lrs'][0]} -> {committed['lrs'][0] * 0.5}"]
+    assert committed["hparams"][0]["betas"] == amended["hparams"][0]["betas"] != trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
+    in_store = {it: json.loads(b) for it, b in stored_metas(store, client.coordinator.prefix, 0, range(1, 4)).items()}
+    assert in_store[3]["lrs"] == amended["lrs"] and in_store[3]["changed_after_commit"] and "changed_after_commit" not in in_store[2]
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live loop set lr of param group 0: .* after client\.commit"):
+        _replay_with_scheduler(tmp_path, "after", uri, 4)
+    rep, _ = _replay_with_scheduler(tmp_path, "after", uri, 3)  # the steps before it are what they were
+    assert rep.ok
+
+
+def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
+    _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
+    assert report.ok and report.logging_faults == []
+    rep, fresh = _replay_with_scheduler(tmp_path, "cycle", uri, 4)
+    assert rep.ok and _same_state(fresh, live)
 
 
 def _plain_step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:

@@ -161,6 +161,19 @@ def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(tmp_path: P
     assert_same_as(r, ref)
 
 
+def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(tmp_path: Path) -> None:
+    """BatchNorm inside activation recomputation: the statistics also change in the backward, so
+    only the live interleaving of forwards and backwards reproduces them. The replacement was
+    given a helper; the parallel replay stops at its first backward (it cannot follow that order),
+    and the replacement replays alone instead of rolling the job back: bit-exact, buffers included."""
+    extra = ("--data-source", "--mlp-norm", "batch", "--recompute")
+    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra, replay_workers=2)
+    _check_recovered(r, [1], 3)
+    assert "replaying alone" in r.outputs["stage1-g1"], r.outputs["stage1-g1"][-3000:]
+    assert_same_as(r, ref)
+
+
 def test_the_failed_stages_meta_comes_from_the_commit_store(tmp_path: Path) -> None:
     """The failed stage's own META of its last iterations never left its machine (not shipped: its
     segment was still open when it died), yet the replay needs it: this job runs under bf16

@@ -9,7 +9,7 @@ EXPECTED = {
     "replay", "ReplayJob", "SourceSpec", "ReplayResult", "ReplayProgress", "jobs_from_plan",
     "replay_stages", "replay_stage", "StageState", "ReplayReport", "ReplayHooks",
     "LogReader", "RecordSource", "RemoteLogReader", "HttpRecordSource",
-    "ReplayError", "ReplayInputMissingError", "ReplayMismatchError",
+    "ReplayError", "ReplayInputMissingError", "ReplayMismatchError", "ReplayOrderError",
 }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from logstore import Channel, RecordKey
 from logstore.testing import free_port
 from replay import (
     ReplayHooks,
@@ -31,7 +32,7 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState
+from replay.core import LogReader, ReplayError, ReplayInputMissingError, ReplayOrderError, StageState
 from replay.engine import build_states, checkpoint_of
 from replay.parallel import SHM_DIR, _Claims, _GradReducer, _remove_stale_chains, _Share, _SharedChain, adamw_update_bound, balanced_counts, share_layout, slice_of
 from server.testing import subprocess_env
@@ -44,6 +45,7 @@ from tests._replay_helpers import (
     state_bytes_differ,
 )
 from trainer_client import load_checkpoint
+from trainer_client.meta import decode_meta
 from trainer_client.examples.gpt import loss_fn
 
 pytest_plugins = ["tests._replay_fixtures"]
@@ -283,6 +285,26 @@ def test_parallel_replay_reproduces_buffers_updated_in_forward(workers, stage, e
             elif "num_batches_tracked" in name:
                 assert torch.equal(ck.model[name], t), name
     assert par.report.micro_batches == (ITERS - CKPT) * batchnorm_run.gpt.n_microbatches  # shadow forwards are not counted
+
+
+def test_buffers_changed_in_the_backward_follow_the_live_order_alone_and_are_refused_in_parallel(recompute_bn_run, tmp_path):
+    """BatchNorm inside torch.utils.checkpoint: the backward re-runs the block's forward and updates
+    the running statistics again, so they depend on the live interleaving of forwards and backwards
+    (1F1B: F0 F1 F2 B0 F3 B1 ... on stage 1). No send depends on them (training mode normalises
+    with the micro-batch's own statistics), so no digest would catch a wrong order: a replay that
+    ran F0 B0 F1 B1 said "verified" with other statistics. Alone, a stage now replays in the live
+    order, bit for bit; a parallel or group replay, which cannot, says so instead of verifying."""
+    run = recompute_bn_run
+    for stage in range(NUM_STAGES):
+        res = replay(_job(run, [stage], tmp_path / f"seq{stage}"))
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), run.results[stage]) == [], stage
+    with run.store(cold=False) as st:
+        order = decode_meta(st.get(RecordKey(Channel.meta(1), CKPT, 0)))["order"]
+    assert [k for k, _ in order[:3]] == ["F", "F", "F"], order  # live, stage 1 did not run F0 B0 F1 B1
+    with pytest.raises(ReplayOrderError, match=r"backward changed module buffers \(stage 1 blocks\.0\.ln2\.num_batches_tracked.*one worker"):
+        replay(_job(run, [1], tmp_path / "par", workers=2))
+    with pytest.raises(ReplayOrderError, match="group replay runs one order for stages whose live orders differ"):
+        replay(_job(run, [1, 2], tmp_path / "group"))
 
 
 def test_frozen_parameters_replay_in_parallel_as_sequentially(f1b_run, tmp_path):

@@ -35,7 +35,7 @@ from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
-from trainer_client.meta import META_VERSION, decode_meta, encode_meta, importable_name, script_name
+from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter, Fault
 
@@ -183,7 +183,9 @@ class SwiftlogClient:
         self._iteration: int | None = None
         self._step_t0: float | None = None
         self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
-        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the one given to checkpoint() (META "lrs")
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the tracked one (META "lrs", "hparams"; track_optimizer)
+        self._step_hook: Any = None  # its step pre-hook's handle
+        self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -410,10 +412,13 @@ class SwiftlogClient:
         if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
             self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
         meta = None
+        doc: dict[str, Any] | None = None
         sealed: threading.Event | None = None
         own = self._own_channels()
+        self._step_expect = None
         if rec.enabled:
-            meta = encode_meta(self._meta(iteration))
+            doc = self._meta(iteration)
+            meta = encode_meta(doc)
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
                 sealed = threading.Event()
@@ -438,7 +443,57 @@ class SwiftlogClient:
             self._commits += 1
             self._commit_wait_s += decision.wait_s
         self._iteration = iteration + 1
+        if doc is not None and doc["lrs"] is not None:  # the coming optimizer step is checked against it
+            self._step_expect = (iteration, doc)
         return CommitReport(iteration, decision, faults)
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record ``optimizer``'s learning rates and other hyperparameters in every META (what the
+        coming step uses) and check its steps: a step that runs with other values than the
+        iteration's META says (set between :meth:`commit` and ``optimizer.step()``) amends the
+        META (a replay then stops at that step, naming the change, instead of taking it for
+        another) and is reported as a ``step_after_commit`` fault. :meth:`checkpoint` and
+        ``ResilientLoop`` call it; one optimizer per client (the last one given). Never changes
+        what the step does."""
+        if self._optimizer is not None and self._optimizer() is optimizer:
+            return
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._optimizer = weakref.ref(optimizer)
+        me = weakref.ref(self)
+
+        def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            client = me()
+            if client is not None:
+                client._check_step(opt)
+
+        self._step_hook = optimizer.register_step_pre_hook(pre_step)
+
+    def _check_step(self, opt: torch.optim.Optimizer) -> None:
+        """The optimizer step after :meth:`commit`: amend the iteration's META if the step uses
+        other learning rates / hyperparameters than it says. Never raises."""
+        expect, self._step_expect = self._step_expect, None
+        if expect is None or self._optimizer is None or self._optimizer() is not opt:
+            return
+        it, doc = expect
+        try:
+            lrs, hparams = self._learning_rates(), optimizer_hparams(opt)
+            if lrs == doc["lrs"] and hparams == doc["hparams"]:
+                return
+            changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams) or ["the optimizer's hyperparameters"]
+            stage = self.config.stage
+            amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed}
+            self.writer.submit(Channel.meta(stage), it, 1, [encode_meta(amendment)])
+            if self.config.ship_data and self.store.cold is not None:  # off the node soon, like the META itself
+                self.writer.mark(functools.partial(_seal_then_set, self.store, [Channel.meta(stage)], threading.Event()))
+            self.writer.kick()
+            if self.coordinator is not None:  # before the step: the copy a replacement reads says what the step used
+                self.coordinator.amend_meta(it, encode_meta({**doc, **amendment, "iteration": it}).numpy().tobytes())
+            self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step uses {'; '.join(changed)}, set after client.commit; "
+                                   "a replay of this iteration stops there (recovery falls back to the checkpoint): change them before "
+                                   "client.commit or through the lr scheduler", iteration=it)  # fmt: skip
+        except Exception as e:
+            self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
 
     def _seal_own_data(self) -> None:
         """The recorder queued the last input / target of the iteration: have the writer seal them
@@ -553,7 +608,7 @@ class SwiftlogClient:
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra, storage_options=opts,
         )  # fmt: skip
         if optimizer is not None:  # from now on META records the learning rates each step uses
-            self._optimizer = weakref.ref(optimizer)
+            self.track_optimizer(optimizer)
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
@@ -650,6 +705,9 @@ class SwiftlogClient:
         except SwiftlogError as e:
             error = error or f"{type(e).__name__}: {e}"
         self._closed = True
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         if faults or error:
             logger.warning("stage %d: closed with %d logging fault(s)%s", self.config.stage, len(faults), f"; {error}" if error else "")
         return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
@@ -663,7 +721,7 @@ class SwiftlogClient:
     # ================================================================ internals
     def _learning_rates(self) -> list[float] | None:
         """Each param group's learning rate now (at commit: what the coming optimizer step uses), of
-        the optimizer last given to :meth:`checkpoint`; None before (no replay starts earlier)."""
+        the tracked optimizer (:meth:`track_optimizer`); None before there is one."""
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is None:
             return None
@@ -671,6 +729,11 @@ class SwiftlogClient:
             return [float(g["lr"]) for g in opt.param_groups]
         except (KeyError, TypeError, ValueError):  # an optimizer without a scalar lr
             return None
+
+    def _hparams(self) -> list[dict[str, Any]] | None:
+        """The tracked optimizer's other hyperparameters now (:func:`~trainer_client.meta.optimizer_hparams`); None without one."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        return None if opt is None else optimizer_hparams(opt)
 
     def _meta(self, iteration: int) -> dict[str, Any]:
         c = self.config
@@ -696,6 +759,7 @@ class SwiftlogClient:
             "input_consts": dict(rec.input_consts),
             "grad_clip": list(self._grad_clips),
             "lrs": self._learning_rates(),
+            "hparams": self._hparams(),
             "autocast": rec.autocast,
             "autocast_varies": rec.autocast_varies,
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),

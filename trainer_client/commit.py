@@ -158,6 +158,11 @@ class CommitCoordinator:
         g = self.generation if generation is None else generation
         return f"{self.prefix}/gen{g}/failed"
 
+    def amend_meta(self, iteration: int, meta: bytes) -> None:
+        """Replace the stored META of ``iteration`` (already committed) with ``meta``: the document
+        amended with what the optimizer step used. Raises what the store client raises."""
+        self.store.set(meta_key(self.prefix, self.stage, iteration), meta)
+
     def set_generation(self, generation: int) -> None:
         """Use keys of ``generation`` from now on (after the pipeline re-formed)."""
         self.generation = generation

@@ -12,8 +12,11 @@ stage logged under ``input_{stage}``, in this order; on stage 0 after the positi
 records), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
 order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
 module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
-group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer last
-given to ``checkpoint``; null before any), ``autocast`` (the
+group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
+client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any), ``hparams`` (each
+param group's other hyperparameters at commit, :func:`optimizer_hparams`; absent in older records),
+``changed_after_commit`` (only in an amended META: what the step used that differed from the
+document as committed, see below), ``autocast`` (the
 ``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
 "cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
 iteration: not replayable), ``logging_groups``,
@@ -23,6 +26,12 @@ when another process can import it by that name, else null; absent in older reco
 ``loss_repr`` (what it was, for the error that asks for it) and ``loss_script`` (the
 ``"/path/script.py:qualname"`` of a function of a script whose top level does more than define
 things, which a replay does not load by itself: the error names it; else null).
+
+An optimizer step that runs with other learning rates or hyperparameters than its iteration's META
+says (set between ``commit`` and ``optimizer.step()``) is amended: the client writes a second
+record, micro-batch 1 of the same channel and iteration, holding ``lrs``, ``hparams`` and
+``changed_after_commit`` as the step used them, and replaces the decision store's copy with the
+document so amended. A replay reads both (:func:`amend_meta`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["META_VERSION", "encode_meta", "decode_meta", "importable_name", "script_name", "script_defines_only"]
+__all__ = ["META_VERSION", "encode_meta", "decode_meta", "amend_meta", "optimizer_hparams", "hparam_changes", "importable_name", "script_name", "script_defines_only"]
 
 META_VERSION = 1
 
@@ -49,6 +58,72 @@ def encode_meta(doc: dict[str, Any]) -> torch.Tensor:
 def decode_meta(t: torch.Tensor) -> dict[str, Any]:
     """Inverse of :func:`encode_meta`."""
     return json.loads(bytes(t.numpy().tobytes()).decode())
+
+
+AMENDED_FIELDS = ("lrs", "hparams", "changed_after_commit")
+
+
+def amend_meta(doc: dict[str, Any], amendment: dict[str, Any] | None) -> dict[str, Any]:
+    """``doc`` with the fields of an amendment record (micro-batch 1: what the optimizer step used,
+    set after the commit) in place of its own; ``doc`` itself when there is none."""
+    if not amendment:
+        return doc
+    return {**doc, **{k: amendment[k] for k in AMENDED_FIELDS if k in amendment}}
+
+
+def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters but its parameters and learning rate (META ``lrs``), as
+    JSON values: numbers, booleans, strings, None, lists of numbers (``betas``); a one-element
+    tensor as its number; NaN as the string "nan" (so that equal values compare equal). Entries of
+    other types are left out. A replay compares them with its own optimizer's before each step:
+    an optimizer restored from a checkpoint and stepped by the same scheduler has the same ones."""
+    out = []
+    for group in optimizer.param_groups:
+        d: dict[str, Any] = {}
+        for k, v in group.items():
+            if k in ("params", "lr"):
+                continue
+            j = _json_value(v)
+            if j is not _SKIP:
+                d[str(k)] = j
+        out.append(d)
+    return out
+
+
+def hparam_changes(lrs: list[float] | None, hparams: list[dict[str, Any]] | None, new_lrs: list[float] | None,
+                   new_hparams: list[dict[str, Any]] | None) -> list[str]:
+    """What differs between two snapshots of an optimizer (META ``lrs`` / ``hparams`` and now), as
+    ``"lr of param group 0: 0.001 -> 0.0005"``; [] when nothing does. A side given as None is not
+    compared."""
+    out = []
+    if lrs is not None and new_lrs is not None:
+        out += [f"lr of param group {g}: {a} -> {b}" for g, (a, b) in enumerate(zip(lrs, new_lrs, strict=False)) if float(a) != float(b)]
+        if len(lrs) != len(new_lrs):
+            out.append(f"param groups: {len(lrs)} -> {len(new_lrs)}")
+    if hparams is not None and new_hparams is not None:
+        for g, (a, b) in enumerate(zip(hparams, new_hparams, strict=False)):
+            out += [f"{k} of param group {g}: {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        if len(hparams) != len(new_hparams) and not any(x.startswith("param groups") for x in out):
+            out.append(f"param groups: {len(hparams)} -> {len(new_hparams)}")
+    return out
+
+
+_SKIP = object()
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            return _SKIP
+        v = v.item()
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, (int, float)):
+        return "nan" if v != v else v
+    if isinstance(v, (tuple, list)):
+        items = [_json_value(x) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else items
+    return _SKIP
 
 
 def importable_name(obj: Any) -> str | None:

@@ -381,7 +381,7 @@ class ResilientLoop:
         config: :class:`RecoveryConfig`.
         rebuild: called after every (re-)formation of the process group: build the stage and the
             schedule over the new default group (``client.pipeline_stage`` + ``client.schedule``).
-        optimizer: zeroed when an iteration is discarded.
+        optimizer: zeroed when an iteration is discarded; the client tracks it (``SwiftlogClient.track_optimizer``).
         on_event: called with each :class:`RecoveryEvent` once the pipeline re-formed.
     """
 
@@ -401,6 +401,7 @@ class ResilientLoop:
             )
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
+        client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
         self.keys = RecoveryKeys(
             config.run_id, config.commit_prefix or client.coordinator.prefix
         )

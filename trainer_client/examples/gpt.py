@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "GPTConfig",
@@ -47,7 +48,9 @@ class GPTConfig:
     micro_batch_size: sequences per micro-batch (default 2). n_microbatches: micro-batches per
     iteration (default 4). mlp_norm: the norm before each block's MLP, "layer" (default: LayerNorm)
     or "batch" (BatchNorm over the micro-batch's tokens: a module whose forward updates buffers,
-    its running statistics).
+    its running statistics). recompute: activation recomputation (``torch.utils.checkpoint``
+    around each block: its forward runs again in the backward, and with ``mlp_norm="batch"`` the
+    running statistics are updated there too; default False).
     """
 
     vocab: int = 64
@@ -59,6 +62,7 @@ class GPTConfig:
     micro_batch_size: int = 2
     n_microbatches: int = 4
     mlp_norm: str = "layer"
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp_norm not in ("layer", "batch"):
@@ -120,6 +124,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.first = stage == 0
         self.last = stage == num_stages - 1
+        self.recompute = cfg.recompute
         if self.first:
             self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
             self.pos = nn.Embedding(cfg.seq, cfg.hidden)
@@ -138,7 +143,7 @@ class StageModule(nn.Module):
         if self.first:
             x = self.edrop(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
         for b in self.blocks:
-            x = b(x)
+            x = checkpoint(b, x, use_reentrant=False) if self.recompute and torch.is_grad_enabled() else b(x)
         if self.last:
             x = self.head(self.lnf(x))
         return x

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--micro-batch-size", type=int, default=2)
     a("--n-microbatches", type=int, default=4)
     a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
+    a("--recompute", action="store_true", help="activation recomputation (torch.utils.checkpoint around each block)")
     a("--clip-grad-norm", type=float, default=None, help="clip gradients to this global norm (over all stages) before each step")
     a("--autocast", default="none", choices=["none", "bf16"], help="run each schedule step under torch.autocast (bf16 on the stage's device)")
     # logging
@@ -159,7 +160,7 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The example model's configuration from this script's arguments (shared with train_resilient)."""
     return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
                      dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches,
-                     mlp_norm=args.mlp_norm)  # fmt: skip
+                     mlp_norm=args.mlp_norm, recompute=args.recompute)  # fmt: skip
 
 
 def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch.nn.Module, data: SyntheticTokens, it: int, losses: list) -> None:
