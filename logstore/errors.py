@@ -12,6 +12,8 @@ Hierarchy::
     │   ├── StoreFullError              disk full (ENOSPC/EDQUOT) or LMDB map cannot grow
     │   ├── ColdTierUnavailableError    object store unreachable or failing (retryable)
     │   ├── ColdTierError               object store refused an operation (not retryable)
+    │   │   ├── SegmentClashError       a segment name committed with other bytes
+    │   │   └── WriterFencedError       a newer incarnation of this writer ships to the cold tier
     │   └── StoreClosedError            use after close()
     └── ConfigError (ValueError)        a configuration value that cannot work
 
@@ -38,6 +40,7 @@ __all__ = [
     "ColdTierUnavailableError",
     "ColdTierError",
     "SegmentClashError",
+    "WriterFencedError",
     "StoreClosedError",
     "ConfigError",
     "translate_os_error",
@@ -112,6 +115,12 @@ class ColdTierError(StoreError):
 class SegmentClashError(ColdTierError):
     """A segment name is already committed in the cold tier with other bytes (segments are
     immutable): e.g. an earlier incarnation of the writer, on another root, used the name."""
+
+
+class WriterFencedError(ColdTierError):
+    """Another process opened the same writer later (a replacement) and ships to the same cold
+    tier: this one (the earlier incarnation, e.g. a stage thought dead but still running) stops
+    uploading, so the two never interleave their segments there. Its records stay in its hot tier."""
 
 
 class StoreClosedError(StoreError):

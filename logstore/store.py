@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +50,7 @@ from logstore.errors import (
     StoreError,
     StoreFullError,
     SwiftlogError,
+    WriterFencedError,
 )
 from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
@@ -85,6 +86,18 @@ def _seg_number(seg: _ColdSeg) -> int:
     """The segment id in a cold segment's name (0 for a name not of the form)."""
     m = _cold_name_parts(seg.name)
     return int(m["seg"]) if m else 0
+
+
+def _incarnation_of(meta: dict[str, Any]) -> float:
+    v = meta.get("incarnation")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def _copy_age(seg: _ColdSeg) -> tuple[float, int]:
+    """Sort key of the copies of a record, newest last: the later incarnation of the writer (when
+    it opened; a replacement, a rollback's restart), then the higher segment id. Segments uploaded
+    without an incarnation count as the oldest."""
+    return seg.incarnation, _seg_number(seg)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -219,6 +232,7 @@ class _ColdSeg:
     records: int
     raw_bytes: int
     stored_bytes: int
+    incarnation: float = 0.0  # when the writer that uploaded it opened (0: not recorded)
 
 
 def list_runs(root: str | os.PathLike[str]) -> list[str]:
@@ -271,6 +285,8 @@ class LogStore:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._uploader: threading.Thread | None = None
+        self._incarnation = time.time()  # when this writer opened: its uploads carry it (fencing, see _ship)
+        self._fenced: str | None = None  # why this writer no longer uploads (a newer incarnation ships)
         if config.writer is not None:
             try:
                 self._run_dir.mkdir(parents=True, exist_ok=True)
@@ -681,7 +697,8 @@ class LogStore:
                 meta = info.meta or {}
                 out.setdefault(ch.name, []).append(
                     _ColdSeg(info.name, ch, int(m["lo"]), int(m["hi"]), m["writer"], info.size,
-                             int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)))
+                             int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)),
+                             _incarnation_of(meta))
                 )
             with self._lock:
                 if self._cold_epoch == epoch:
@@ -717,7 +734,7 @@ class LogStore:
         kb = key.encode()
         for refresh in (False, time.monotonic() - self._cold_list_at > 0.5):
             # newest first: a writer restarted by a rollback numbers past its earlier uploads, and its copy is the one the job went on from
-            for seg in sorted(self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh), key=_seg_number, reverse=True):
+            for seg in sorted(self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh), key=_copy_age, reverse=True):
                 e = self._footer(seg.name).get(kb)
                 if e is None:
                     continue
@@ -844,17 +861,31 @@ class LogStore:
         read: nothing is left to ship and that is no cold-tier fault. Raises the cold tier's error
         otherwise."""
         assert self.cold is not None
+        own = hot is self.hot
+        if own and self._fenced is not None:
+            raise WriterFencedError(self._fenced, hint="this process's records stay in its hot tier; stop it (its stage was replaced)")
         name = self._cold_name(m, hot.writer)
         meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
                 "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}  # fmt: skip
+        if own:
+            meta["incarnation"] = self._incarnation
         path = hot.seg_path(m.id)
         if path.exists():
             try:
                 self.cold.put_segment(name, str(path), meta=meta)
                 return name
             except SegmentClashError:
-                if hot is not self.hot:
+                if not own:
                     raise
+                other = self.cold.segment_info(name)
+                theirs = None if other is None else other.meta.get("incarnation")
+                if isinstance(theirs, (int, float)) and theirs > self._incarnation:
+                    # a later incarnation of this writer (its replacement) uploads: this one is the stale one
+                    self._fenced = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
+                                    f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
+                                    f"{datetime.fromtimestamp(self._incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
+                    logger.error("run %s: %s", self.run, self._fenced)
+                    raise WriterFencedError(self._fenced, key=name, hint="this process's records stay in its hot tier; stop it (its stage was replaced)") from None
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
                 # was down) used the name: number past its uploads and ship this one under a new id
                 self._number_past_own_uploads(self._committed_names())
@@ -968,6 +999,10 @@ class LogStore:
             return self._upload_pending(None if timeout is None else time.monotonic() + timeout)
         except SwiftlogError as e:
             self._note_error(e)
+            try:  # what stats() reports as waiting: the segments just sealed too (the uploader may not have failed yet)
+                self._backlog_bytes = self._compute_backlog()
+            except SwiftlogError:
+                pass
             raise
 
     def upload_sealed(self) -> dict[str, Any]:

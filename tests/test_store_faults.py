@@ -332,3 +332,50 @@ def test_a_name_clash_in_the_cold_tier_is_shipped_under_a_new_name(tmp_path, cap
     new.close()
     with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:
         assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(4)] == [100.0, 101.0, 102.0, 103.0]
+
+
+def test_an_earlier_incarnation_still_writing_never_wins_in_the_cold_tier(tmp_path) -> None:
+    """A stage thought dead but still running (a partition: a "zombie") and its replacement write as
+    the same writer, on their own roots, into one cold tier. Which copy of a record a cold read
+    returned was decided by the segment id: the zombie's, numbered on, could win (a cold-only
+    reader got {4..7: replacement, 8..9: zombie}, and verify said ok). Every upload now carries
+    its writer's incarnation (when it opened): a read takes the later incarnation's copy first, and
+    a name clash with a later incarnation's upload fences the earlier writer (WriterFencedError,
+    nothing more uploaded; its records stay in its hot tier)."""
+    from logstore.errors import WriterFencedError
+
+    act = Channel.activation(1)
+    cold = f"file://{tmp_path / 'cold'}"
+
+    def put(s: LogStore, its: range, value: float) -> None:
+        s.put_many([(RecordKey(act, it, 0), torch.full((4,), value)) for it in its])
+
+    def cold_values(its: range) -> dict[int, float]:
+        with LogStore.open(tmp_path / "reader", "r1", cold_url=cold) as r:
+            return {it: float(r.get(RecordKey(act, it, 0))[0]) for it in its}
+
+    zombie = LogStore.open(tmp_path / "A", "r1", writer="stage1", cold_url=cold, segment_iters=1)
+    put(zombie, range(0, 6), 1.0)
+    zombie.flush()  # ids 1-6
+    # the replacement opened while the cold tier could not be listed: its ids start at 1, below the zombie's
+    replacement = LogStore.open(tmp_path / "B", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+    put(replacement, range(4, 10), 2.0)  # ids 1-6
+    put(zombie, range(6, 10), 1.0)  # ids 7-10
+    zombie.flush()
+    replacement.flush()
+    assert cold_values(range(10)) == {**{it: 1.0 for it in range(4)}, **{it: 2.0 for it in range(4, 10)}}
+    replacement.close()
+    # a second replacement, opened normally (it numbers past every upload), ships iteration 10 as id 11; the zombie's
+    # next segment, iteration 10 as id 11 too, meets that name: it is the earlier incarnation, and stops uploading
+    second = LogStore.open(tmp_path / "B2", "r1", writer="stage1", cold_url=cold, segment_iters=1)
+    put(second, range(10, 11), 3.0)
+    second.flush()
+    put(zombie, range(10, 11), 1.0)
+    with pytest.raises(WriterFencedError, match=r"writer stage1 of run 'r1': .* was uploaded by a later incarnation of this writer"):
+        zombie.flush()
+    with pytest.raises(WriterFencedError):  # for good
+        zombie.flush()
+    assert float(zombie.get(RecordKey(act, 10, 0))[0]) == 1.0  # its own records are still in its hot tier
+    zombie.close()
+    second.close()
+    assert cold_values(range(4, 11)) == {**{it: 2.0 for it in range(4, 10)}, 10: 3.0}
