@@ -621,8 +621,10 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
                           hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
     shadow = _shadow(ctx, it)
     live_order = None
-    if ctx.buffers and len(states) == 1 and states[0].stage in present and ctx.hooks.select is None and ctx.hooks.claim is None and not shadow:
-        live_order = [(str(kind), int(mb)) for kind, mb in present[states[0].stage]["order"]]
+    if ctx.buffers and all(st.stage in present for st in states) and ctx.hooks.select is None and ctx.hooks.claim is None and not shadow:
+        orders = {tuple((str(kind), int(mb)) for kind, mb in present[st.stage]["order"]) for st in states}
+        if len(orders) == 1:  # one stage, or a group whose stages ran one order (GPipe)
+            live_order = list(orders.pop())
     return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, shadow, present, live_order)
 
 
@@ -677,8 +679,9 @@ def _passes(plan: _Plan) -> list[tuple[str, int]]:
     (``plan.mine``); with ``plan.shadow`` the others' forwards too ("S": shadow forwards, for the
     buffers only), each at its place in the forward order.
 
-    A stage replayed alone whose module has buffers runs its passes exactly as the live stage
-    interleaved them (``plan.live_order``, META ``order``): a buffer that a backward changes
+    A stage replayed alone whose module has buffers (or a group whose stages all ran one order)
+    runs its passes exactly as the live stage interleaved them (``plan.live_order``, META
+    ``order``): a buffer that a backward changes
     (BatchNorm inside activation recomputation updates its statistics again when the backward
     re-runs its forward) ends as it did live only in the live order. Memory is then the live
     schedule's (GPipe: every micro-batch's activations at once).
@@ -847,7 +850,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
 def _check_live_interleaving(plan: _Plan, passes: list[tuple[str, int]], it: int, mb: int, changed: list[tuple[int, str]]) -> None:
     """A backward changed module buffers (``changed``: (stage, name)): they end as they did live
     only if this replay ran its forwards and backwards exactly as each live stage interleaved them
-    (META ``order``). Raises ReplayError naming the buffers otherwise: a parallel replay (shares of
+    (META ``order``). Raises ReplayOrderError naming the buffers otherwise: a parallel replay (shares of
     the micro-batches, shadow forwards) or a group replay of stages whose live orders differ
     cannot reproduce them, and nothing it sends would show it."""
     stages = sorted({k for k, _ in changed})

@@ -13,7 +13,7 @@ from logstore.testing.s3servers import MotoServer
 from tests._client_mp import run_pipeline
 from tests._replay_helpers import CKPT, ITERS, Run, file_run
 
-__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run", "recompute_bn_run"]
+__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run", "recompute_bn_run", "recompute_bn_gpipe_run"]
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +51,12 @@ def recompute_bn_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     forward, so the running statistics are also updated in the backward, and where depends on how
     the live stage interleaved forwards and backwards."""
     return file_run(tmp_path_factory.mktemp("recompute-bn"), "recompute-bn", "1f1b", extra=["--mlp-norm", "batch", "--recompute"])
+
+
+@pytest.fixture(scope="session")
+def recompute_bn_gpipe_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same under GPipe: every stage ran one order (all forwards, then all backwards)."""
+    return file_run(tmp_path_factory.mktemp("recompute-bn-gpipe"), "recompute-bn-gpipe", "gpipe", extra=["--mlp-norm", "batch", "--recompute"])
 
 
 @pytest.fixture(scope="session")

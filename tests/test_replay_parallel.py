@@ -307,6 +307,16 @@ def test_buffers_changed_in_the_backward_follow_the_live_order_alone_and_are_ref
         replay(_job(run, [1, 2], tmp_path / "group"))
 
 
+def test_a_group_whose_stages_ran_one_order_replays_buffers_changed_in_the_backward(recompute_bn_gpipe_run, tmp_path):
+    """Under GPipe every stage ran all forwards, then all backwards: a group replay of two stages
+    follows that order, and their statistics end bit for bit as live."""
+    run = recompute_bn_gpipe_run
+    res = replay(_job(run, [1, 2], tmp_path / "group"))
+    assert res.verified
+    for stage in (1, 2):
+        assert checkpoint_vs_live(checkpoint_of(res, stage), run.results[stage]) == [], stage
+
+
 def test_frozen_parameters_replay_in_parallel_as_sequentially(f1b_run, tmp_path):
     model = "tests._replay_helpers:frozen_ln_gpt_stage"  # differs from the live run: compared with the sequential replay only
     seq = replay(_job(f1b_run, [1], tmp_path / "seq", model=model, verify=False))
