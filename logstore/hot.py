@@ -89,6 +89,7 @@ OPEN, SEALED, UPLOADED, EVICTED = "open", "sealed", "uploaded", "evicted"
 
 _REC = struct.Struct(">QQQQQ")
 _U64 = struct.Struct(">Q")
+_F64 = struct.Struct(">d")
 _MAX_MAP = 1 << 40
 
 
@@ -313,6 +314,16 @@ class HotTier:
         self._db_meta = self._handle.db_meta
         if owner:
             self._recover()
+            opened = time.time()
+            self._write(lambda txn: txn.put(b"incarnation", _F64.pack(opened), db=self._db_meta))
+
+    def incarnation(self) -> float:
+        """When the writer of this hot tier last opened it as its owner (time.time(); 0.0 if never
+        recorded): the incarnation its cold uploads carry, whichever process ships them (see
+        LogStore's fencing). Read from the index each time: the writer may have reopened since."""
+        with self._read() as txn:
+            raw = txn.get(b"incarnation", db=self._db_meta)
+        return 0.0 if raw is None else float(_F64.unpack(raw)[0])
 
     # ------------------------------------------------------------------ LMDB plumbing
     def _check_open(self) -> None:

@@ -285,7 +285,6 @@ class LogStore:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._uploader: threading.Thread | None = None
-        self._incarnation = time.time()  # when this writer opened: its uploads carry it (fencing, see _ship)
         self._fenced: str | None = None  # why this writer no longer uploads (a newer incarnation ships)
         if config.writer is not None:
             try:
@@ -867,8 +866,9 @@ class LogStore:
         name = self._cold_name(m, hot.writer)
         meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
                 "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}  # fmt: skip
-        if own:
-            meta["incarnation"] = self._incarnation
+        incarnation = hot.incarnation()  # whichever process ships it: its writer's (a server's flush, a CLI's)
+        if incarnation:
+            meta["incarnation"] = incarnation
         path = hot.seg_path(m.id)
         if path.exists():
             try:
@@ -879,11 +879,11 @@ class LogStore:
                     raise
                 other = self.cold.segment_info(name)
                 theirs = None if other is None else other.meta.get("incarnation")
-                if isinstance(theirs, (int, float)) and theirs > self._incarnation:
+                if isinstance(theirs, (int, float)) and theirs > incarnation:
                     # a later incarnation of this writer (its replacement) uploads: this one is the stale one
                     self._fenced = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
                                     f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
-                                    f"{datetime.fromtimestamp(self._incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
+                                    f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
                     logger.error("run %s: %s", self.run, self._fenced)
                     raise WriterFencedError(self._fenced, key=name, hint="this process's records stay in its hot tier; stop it (its stage was replaced)") from None
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier

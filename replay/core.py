@@ -784,6 +784,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         if ctx.hooks.before_backward is not None:
             ctx.hooks.before_backward(it, mb)
         versions = [b._version for _, _, b in ctx.buffers]
+        # not in the live order: in the first iteration also compare the bytes (a kernel that updates a buffer in
+        # place, e.g. F.batch_norm on the module's own statistics, or an update through .data, leaves the version)
+        snapshot = [_bytes_of(b).clone() for _, _, b in ctx.buffers] if ctx.buffers and plan.live_order is None and it == report.start_iteration else None
         for i in range(len(states) - 1, -1, -1):
             st = states[i]
             x, out = per_stage[i]
@@ -803,6 +806,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             if st.stage > 0 and i == 0:
                 _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
         changed = [(k, name) for (k, name, b), v in zip(ctx.buffers, versions, strict=True) if b._version != v]
+        if snapshot is not None:
+            changed += [(k, name) for (k, name, b), c in zip(ctx.buffers, snapshot, strict=True) if (k, name) not in changed and not torch.equal(_bytes_of(b), c)]
         if changed:
             _check_live_interleaving(plan, passes, it, mb, changed)
         if ctx.hooks.after_backward is not None:
@@ -845,6 +850,11 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     if is_last:
         report.losses[it] = losses
         report.loss_micro_batches[it] = loss_mbs
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (NaN compares equal to itself)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _check_live_interleaving(plan: _Plan, passes: list[tuple[str, int]], it: int, mb: int, changed: list[tuple[int, str]]) -> None:

@@ -1130,7 +1130,7 @@ def _state_digest(states: Sequence[StageState]) -> str:
 
 
 def _write_error(result_path: str, rank: int, e: BaseException) -> None:
-    doc = {"rank": rank, "type": type(e).__name__, "message": str(e), "key": str(getattr(e, "key", "") or "") or None,
+    doc = {"rank": rank, "type": type(e).__name__, "message": getattr(e, "message", None) or str(e), "key": str(getattr(e, "key", "") or "") or None,
            "hint": getattr(e, "hint", None)}  # fmt: skip
     try:
         with open(f"{result_path}.error-{rank}", "w") as f:

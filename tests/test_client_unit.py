@@ -998,6 +998,59 @@ def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path,
     assert rep.ok and _same_state(fresh, live)
 
 
+class _FunctionalBatchNormInRecompute(torch.nn.Module):
+    """Running statistics updated by ``F.batch_norm`` on the module's own buffers (the kernel leaves
+    their version counters alone), inside activation recomputation: updated in the backward too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 5)
+        self.register_buffer("rm", torch.zeros(5))
+        self.register_buffer("rv", torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def block(h: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.batch_norm(self.lin(h), self.rm, self.rv, training=True, momentum=0.1)
+
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_the_live_order(tmp_path, single_rank_group):
+    """A replay that cannot follow the live order (a parallel share, a group with other orders:
+    here a ``select`` hook, as parallel replay uses) compared only the buffers' version counters
+    around each backward; F.batch_norm updates a module's statistics without touching them, and
+    the replay said "verified" with other statistics. In its first iteration it now compares the
+    bytes too and stops with ReplayOrderError. Alone, the live order (GPipe: F0 F1 B0 B1) is exact."""
+    from replay import ReplayHooks, ReplayOrderError
+
+    client = SwiftlogClient(ClientConfig(run_id="fbn", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _FunctionalBatchNormInRecompute()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=_mse)
+    for it in range(3):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        g = torch.Generator().manual_seed(it)
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        client.commit(it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert client.close().ok
+
+    def replay_it(**kw: Any) -> tuple[Any, torch.nn.Module]:
+        fresh = _FunctionalBatchNormInRecompute()
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(LogStore.open(tmp_path / "store", "fbn")),
+                           num_stages=1, stop_iteration=3, loss_fn=_mse, **kw)  # fmt: skip
+        return rep, fresh
+
+    rep, fresh = replay_it()
+    assert rep.ok and torch.equal(fresh.rm, mod.rm) and torch.equal(fresh.rv, mod.rv) and _same_state(fresh, mod)
+    with pytest.raises(ReplayOrderError, match=r"iteration 1 micro-batch 0: the backward changed module buffers \(stage 0 rm, stage 0 rv\)"):
+        replay_it(hooks=ReplayHooks(select=lambda it, order: order))
+
+
 def _plain_step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
     client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
 

@@ -379,3 +379,30 @@ def test_an_earlier_incarnation_still_writing_never_wins_in_the_cold_tier(tmp_pa
     zombie.close()
     second.close()
     assert cold_values(range(4, 11)) == {**{it: 2.0 for it in range(4, 10)}, 10: 3.0}
+
+
+def test_segments_shipped_by_another_process_carry_their_writers_incarnation(tmp_path) -> None:
+    """The replacement's segments uploaded by another process (`swiftlog flush`, POST /flush: it
+    was down, or closed with them sealed) carried no incarnation, counted as the oldest, and the
+    zombie's copies won every cold read. The incarnation lives in the writer's index now, so any
+    shipper stamps it."""
+    act = Channel.activation(1)
+    cold = f"file://{tmp_path / 'cold'}"
+
+    def put(s: LogStore, value: float) -> None:
+        s.put_many([(RecordKey(act, it, 0), torch.full((4,), value)) for it in range(4, 8)])
+
+    zombie = LogStore.open(tmp_path / "zombie", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+    put(zombie, 1.0)
+    replacement = LogStore.open(tmp_path / "replacement", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+    put(replacement, 2.0)
+    replacement.close()  # sealed, not uploaded
+    with LogStore.open(tmp_path / "replacement", "r1", cold_url=cold) as shipper:  # not the writer
+        assert len(shipper.upload_sealed()["uploaded"]) == 4
+    from logstore.errors import WriterFencedError
+
+    with pytest.raises(WriterFencedError):  # the same names, uploaded for a later incarnation
+        zombie.flush()
+    zombie.close()
+    with LogStore.open(tmp_path / "reader", "r1", cold_url=cold) as r:
+        assert [float(r.get(RecordKey(act, it, 0))[0]) for it in range(4, 8)] == [2.0] * 4
