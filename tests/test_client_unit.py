@@ -96,6 +96,16 @@ def test_config_defaults_and_boundaries(tmp_path):
     assert c.encode_threads is None  # chosen by the writer at the first record
 
 
+def test_a_torchrun_restart_commits_under_its_own_prefix(tmp_path, monkeypatch):
+    """torchrun --max-restarts restarts every worker while its agent's store (the commit store)
+    lives on: the redone iterations must not find the first attempt's decisions."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r/restart2"
+    assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), commit_prefix="mine").commit_prefix == "mine"
+
+
 # ------------------------------------------------------------------------------ seeds and digests
 def test_seeds_are_pure_distinct_and_reproduce_dropout():
     assert derive_seed(1, 2, 3, 4) == derive_seed(1, 2, 3, 4) < 2**63
@@ -452,6 +462,26 @@ def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     with pytest.raises(CheckpointError, match=r"its optimizer state does not fit the optimizer AdamW: .*parameter group") as ei:
         ck.apply(two_groups, torch.optim.AdamW([{"params": [two_groups.weight]}, {"params": [two_groups.bias]}], lr=0.1))
     assert "same parameter groups" in (ei.value.hint or "")
+
+
+def test_close_leaves_no_garbage_in_the_cold_tier(tmp_path):
+    """A last checkpoint, then close: the final GC ran before the flush, which sealed and shipped the
+    open segments (older iterations among them), so garbage stayed in the cold tier for good (a
+    new user's run: grad_1_0 of iterations 8-13 after a checkpoint at 14). A GC follows the flush now."""
+    root, cold = tmp_path / "store", f"file://{tmp_path / 'cold'}"
+    clients = [SwiftlogClient(ClientConfig(run_id="tail", stage=k, num_stages=2, store_root=str(root), cold_url=cold, segment_iters=4)) for k in (0, 1)]
+    for it in range(14):
+        assert clients[0].log_send(torch.randn(2, 3), 1, "activation", it, 0)
+        assert clients[1].log_send(torch.randn(2, 3), 0, "gradient", it, 0)
+    mods = [torch.nn.Linear(2, 2) for _ in clients]
+    for c, m in zip(clients, mods, strict=True):
+        c.checkpoint(14, m, torch.optim.SGD(m.parameters(), lr=0.1))
+    for c in clients:
+        assert c.close().ok
+    with LogStore.open(tmp_path / "reader", "tail", cold_url=cold) as st:
+        assert st.watermarks() == {0: 14, 1: 14}
+        left = st.gc(dry_run=True)
+        assert left.cold_segments == 0 and left.segments == [], left
 
 
 # ------------------------------------------------------------------------------ explicit logging API

@@ -696,6 +696,10 @@ class SwiftlogClient:
             except SwiftlogError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.writer.note_fault("flush", error)
+            if uploaded and self._maint.registered and self.config.gc_after_checkpoint:
+                # the flush sealed and shipped the open segments, older iterations among them: garbage in the cold tier now
+                self._maint.submit(("gc",))
+                self._maint.wait_idle(left())
         self.writer.close(left())
         self._maint.close(left())
         faults = self.writer.take_faults()

@@ -109,7 +109,10 @@ class ClientConfig:
     Commit and maintenance
         commit_timeout: how long ``commit`` waits for every stage (default 120 s); on timeout
             the iteration is aborted for everyone.
-        commit_prefix: key prefix in the commit store (default ``f"swiftlog/{run_id}"``).
+        commit_prefix: key prefix in the commit store (default ``f"swiftlog/{run_id}"``; under
+            a torchrun restart, ``TORCHELASTIC_RESTART_COUNT`` > 0, ``f"swiftlog/{run_id}/restart{n}"``:
+            the agent's store outlives the workers it restarts, and the first attempt's decisions
+            must not answer the redone iterations).
         gc_after_checkpoint: run ``store.gc()`` in the background after each registered
             checkpoint, once the writer has drained the older records (default True).
         keep_checkpoints: keep only this stage's newest N checkpoints that this client wrote
@@ -203,7 +206,8 @@ class ClientConfig:
         if not isinstance(self.commit_timeout, timedelta) or self.commit_timeout <= timedelta(0):
             raise ConfigError(f"commit_timeout must be a positive timedelta, got {self.commit_timeout!r}")
         if self.commit_prefix is None:
-            self.commit_prefix = f"swiftlog/{self.run_id}"
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+            self.commit_prefix = f"swiftlog/{self.run_id}" + (f"/restart{restart}" if restart not in ("", "0") else "")
 
     # -- derived ---------------------------------------------------------------------------
     @property
