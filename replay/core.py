@@ -884,13 +884,18 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
     and every later state would differ."""
     if not meta:
         return
+    if meta.get("grads_changed"):
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
+                          f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
+                          hint="clip through client.clip_grad_norm_; a GradScaler (fp16) or another change of the gradients before the "
+                               "optimizer step cannot be replayed")  # fmt: skip
     live_lrs, live_hp = meta.get("lrs"), meta.get("hparams")
     diff = hparam_changes(live_lrs, live_hp, None if live_lrs is None else [float(g["lr"]) for g in st.optimizer.param_groups],
                           None if live_hp is None else optimizer_hparams(st.optimizer))  # fmt: skip
     if not diff:
         return
     after = meta.get("changed_after_commit")
-    when = f" (the live loop set {'; '.join(after)} after client.commit, before the step)" if after else ""
+    when = f" (the live step differed from its META as committed: {'; '.join(after)})" if after else ""
     raise ReplayError(f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live -> replay){when}",
                       hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
                            "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "

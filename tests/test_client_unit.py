@@ -1007,7 +1007,7 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
 
     client, report, uri, _ = _run_with_scheduler(tmp_path, "after", store, halve_in_last)
     faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
-    assert len(faults) == 1 and faults[0].iteration == 3 and "set after client.commit" in faults[0].message, report.logging_faults
+    assert len(faults) == 1 and faults[0].iteration == 3 and "the optimizer step is not what its META says" in faults[0].message, report.logging_faults
     logs = LogStore.open(tmp_path / "store", "after")
     committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
     amended = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))
@@ -1015,10 +1015,32 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
     assert committed["hparams"][0]["betas"] == amended["hparams"][0]["betas"] != trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
     in_store = {it: json.loads(b) for it, b in stored_metas(store, client.coordinator.prefix, 0, range(1, 4)).items()}
     assert in_store[3]["lrs"] == amended["lrs"] and in_store[3]["changed_after_commit"] and "changed_after_commit" not in in_store[2]
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live loop set lr of param group 0: .* after client\.commit"):
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live step differed from its META as committed: lr of param group 0: "):
         _replay_with_scheduler(tmp_path, "after", uri, 4)
     rep, _ = _replay_with_scheduler(tmp_path, "after", uri, 3)  # the steps before it are what they were
     assert rep.ok
+
+
+def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_path, single_rank_group):
+    """torch's own clip_grad_norm_ (instead of the client's) in the last iteration: nothing later
+    shows it (no later send depends on that step), and the replay said "verified" with another
+    state. The client compares the gradients' version counters after the schedule's step with
+    those at the optimizer step, amends META, and the replay stops there naming the parameters.
+    The client's own clip is no such change."""
+
+    def clip(it: int, opt: torch.optim.Optimizer) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if it == 3:
+            torch.nn.utils.clip_grad_norm_(params, 1e-3)
+
+    client, report, uri, _ = _run_with_scheduler(tmp_path, "torchclip", None, clip)
+    faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
+    assert len(faults) == 1 and "lin.weight, lin.bias" in faults[0].message and "client.clip_grad_norm_" in faults[0].message, report.logging_faults
+    amended = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "torchclip").get(RecordKey(Channel.meta(0), 3, 1)))
+    assert amended["grads_changed"] == ["lin.weight", "lin.bias"]
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop changed gradients after the schedule's backward .*lin\.weight"):
+        _replay_with_scheduler(tmp_path, "torchclip", uri, 4)
+    assert _replay_with_scheduler(tmp_path, "torchclip", uri, 3)[0].ok
 
 
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):

@@ -186,6 +186,7 @@ class SwiftlogClient:
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the tracked one (META "lrs", "hparams"; track_optimizer)
         self._step_hook: Any = None  # its step pre-hook's handle
         self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
+        self._grad_versions: list[int] | None = None  # the stage's gradients' version counters after the schedule's step
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -340,7 +341,9 @@ class SwiftlogClient:
             args = ()
         if not c.is_last:
             target, losses = None, None
-        return self._schedule.step(*args, target=target, losses=losses, **kwargs)
+        out = self._schedule.step(*args, target=target, losses=losses, **kwargs)
+        self._grad_versions = self._grad_snapshot()  # what the coming optimizer step should find (see _check_step)
+        return out
 
     def clip_grad_norm_(
         self,
@@ -391,6 +394,8 @@ class SwiftlogClient:
             "foreach": foreach,
             "params": None if positions == list(range(len(index))) else positions,
         })  # fmt: skip
+        if self._grad_versions is not None:  # a change the replay repeats
+            self._grad_versions = self._grad_snapshot()
         return total
 
     def commit(self, iteration: int) -> CommitReport:
@@ -473,25 +478,32 @@ class SwiftlogClient:
         """The optimizer step after :meth:`commit`: amend the iteration's META if the step uses
         other learning rates / hyperparameters than it says. Never raises."""
         expect, self._step_expect = self._step_expect, None
+        versions, self._grad_versions = self._grad_versions, None
         if expect is None or self._optimizer is None or self._optimizer() is not opt:
             return
         it, doc = expect
         try:
             lrs, hparams = self._learning_rates(), optimizer_hparams(opt)
-            if lrs == doc["lrs"] and hparams == doc["hparams"]:
+            grads = self._grads_changed(versions)
+            if lrs == doc["lrs"] and hparams == doc["hparams"] and not grads:
                 return
-            changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams) or ["the optimizer's hyperparameters"]
+            changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
+            if grads:
+                changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
+                               "the schedule's backward other than by client.clip_grad_norm_ (torch's clip_grad_norm_, a GradScaler, a manual scaling)")  # fmt: skip
+            changed = changed or ["the optimizer's hyperparameters"]
             stage = self.config.stage
-            amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed}
+            amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads}
             self.writer.submit(Channel.meta(stage), it, 1, [encode_meta(amendment)])
             if self.config.ship_data and self.store.cold is not None:  # off the node soon, like the META itself
                 self.writer.mark(functools.partial(_seal_then_set, self.store, [Channel.meta(stage)], threading.Event()))
             self.writer.kick()
             if self.coordinator is not None:  # before the step: the copy a replacement reads says what the step used
                 self.coordinator.amend_meta(it, encode_meta({**doc, **amendment, "iteration": it}).numpy().tobytes())
-            self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step uses {'; '.join(changed)}, set after client.commit; "
-                                   "a replay of this iteration stops there (recovery falls back to the checkpoint): change them before "
-                                   "client.commit or through the lr scheduler", iteration=it)  # fmt: skip
+            self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step is not what its META says: {'; '.join(changed)}; "
+                                   "a replay of this iteration stops there (recovery falls back to the checkpoint): change hyperparameters "
+                                   "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_",
+                                   iteration=it)  # fmt: skip
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
 
@@ -733,6 +745,22 @@ class SwiftlogClient:
             return [float(g["lr"]) for g in opt.param_groups]
         except (KeyError, TypeError, ValueError):  # an optimizer without a scalar lr
             return None
+
+    def _grad_snapshot(self) -> list[int] | None:
+        """The version counter of each gradient of the stage's module (-1: none); None without a module."""
+        mod = self.stage_module
+        return None if mod is None else [-1 if p.grad is None else p.grad._version for p in mod.parameters()]
+
+    def _grads_changed(self, versions: list[int] | None) -> list[str]:
+        """Names of the stage's parameters whose gradient changed in place (or was replaced) since
+        ``versions`` was taken. Sees what bumps a version counter (torch's in-place ops); not a
+        collective (an all_reduce of the gradients) or a write through ``.data``."""
+        mod = self.stage_module
+        if versions is None or mod is None:
+            return []
+        now = self._grad_snapshot() or []
+        names = [n for n, _ in mod.named_parameters()]
+        return [n for n, a, b in zip(names, versions, now, strict=False) if a != b]
 
     def _hparams(self) -> list[dict[str, Any]] | None:
         """The tracked optimizer's other hyperparameters now (:func:`~trainer_client.meta.optimizer_hparams`); None without one."""

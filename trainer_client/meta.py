@@ -15,8 +15,9 @@ module's ``parameters()`` or null for all; absent in older records: no clipping)
 group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
 client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any), ``hparams`` (each
 param group's other hyperparameters at commit, :func:`optimizer_hparams`; absent in older records),
-``changed_after_commit`` (only in an amended META: what the step used that differed from the
-document as committed, see below), ``autocast`` (the
+``changed_after_commit`` and ``grads_changed`` (only in an amended META: what the step used that
+differed from the document as committed, and the parameters whose gradients were changed after the
+schedule's backward other than by ``client.clip_grad_norm_``; see below), ``autocast`` (the
 ``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
 "cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
 iteration: not replayable), ``logging_groups``,
@@ -28,10 +29,13 @@ when another process can import it by that name, else null; absent in older reco
 things, which a replay does not load by itself: the error names it; else null).
 
 An optimizer step that runs with other learning rates or hyperparameters than its iteration's META
-says (set between ``commit`` and ``optimizer.step()``) is amended: the client writes a second
-record, micro-batch 1 of the same channel and iteration, holding ``lrs``, ``hparams`` and
-``changed_after_commit`` as the step used them, and replaces the decision store's copy with the
-document so amended. A replay reads both (:func:`amend_meta`).
+says (set between ``commit`` and ``optimizer.step()``), or on gradients changed in place after the
+schedule's backward other than by ``client.clip_grad_norm_`` (seen by their version counters:
+torch's clip, a GradScaler's unscale, a manual scaling; not a collective or a ``.data`` write),
+is amended: the client writes a second record, micro-batch 1 of the same channel and iteration,
+holding ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found them,
+and replaces the decision store's copy with the document so amended. A replay reads both
+(:func:`amend_meta`) and stops at such a step.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def decode_meta(t: torch.Tensor) -> dict[str, Any]:
     return json.loads(bytes(t.numpy().tobytes()).decode())
 
 
-AMENDED_FIELDS = ("lrs", "hparams", "changed_after_commit")
+AMENDED_FIELDS = ("lrs", "hparams", "changed_after_commit", "grads_changed")
 
 
 def amend_meta(doc: dict[str, Any], amendment: dict[str, Any] | None) -> dict[str, Any]:
