@@ -754,12 +754,14 @@ class LogStore:
         """Names of every committed cold segment, from a fresh listing (raises like the listing)."""
         return {seg.name for segs in self._cold_index(refresh=True).values() for seg in segs}
 
-    def _number_past_own_uploads(self, committed: set[str]) -> bool:
-        """Number this writer's new segments past the ids its name has among ``committed`` (an
-        earlier incarnation on another root: a rollback); True when that moved the numbering."""
-        assert self.hot is not None
-        mine = [int(m["seg"]) for name in committed if (m := _cold_name_parts(name)) and m["writer"] == self.config.writer]
-        return self.hot.number_past(max(mine, default=0))
+    def _number_past_own_uploads(self, committed: set[str], hot: HotTier | None = None) -> bool:
+        """Number the new segments of ``hot``'s writer (default: this store's) past the ids its name
+        has among ``committed`` (an earlier incarnation on another root: a rollback); True when
+        that moved the numbering."""
+        hot = hot or self.hot
+        assert hot is not None
+        mine = [int(m["seg"]) for name in committed if (m := _cold_name_parts(name)) and m["writer"] == hot.writer]
+        return hot.number_past(max(mine, default=0))
 
     def _reconcile_uploads(self) -> None:
         """After a restart: segments already committed in the cold tier are marked uploaded, and
@@ -875,21 +877,22 @@ class LogStore:
                 self.cold.put_segment(name, str(path), meta=meta)
                 return name
             except SegmentClashError:
-                if not own:
-                    raise
                 other = self.cold.segment_info(name)
                 theirs = None if other is None else other.meta.get("incarnation")
                 if isinstance(theirs, (int, float)) and theirs > incarnation:
                     # a later incarnation of this writer (its replacement) uploads: this one is the stale one
-                    self._fenced = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
-                                    f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
-                                    f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
-                    logger.error("run %s: %s", self.run, self._fenced)
-                    raise WriterFencedError(self._fenced, key=name, hint="this process's records stay in its hot tier; stop it (its stage was replaced)") from None
+                    why = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
+                           f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
+                           f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
+                    if own:
+                        self._fenced = why
+                    logger.error("run %s: %s", self.run, why)
+                    raise WriterFencedError(why, key=name, hint="its records stay in its hot tier; stop its process (its stage was replaced)") from None
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
-                # was down) used the name: number past its uploads and ship this one under a new id
-                self._number_past_own_uploads(self._committed_names())
-                renamed = self._cold_name(m, hot.writer, self.hot.reserve_id())
+                # was down) used the name: number past its uploads and ship this one under a new id (also when
+                # another process ships it: the index's counter is shared through LMDB)
+                self._number_past_own_uploads(self._committed_names(), hot)
+                renamed = self._cold_name(m, hot.writer, hot.reserve_id())
                 logger.warning("run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
                                self.run, name, hot.writer, renamed)  # fmt: skip
                 self.cold.put_segment(renamed, str(path), meta=meta)

@@ -406,3 +406,33 @@ def test_segments_shipped_by_another_process_carry_their_writers_incarnation(tmp
     zombie.close()
     with LogStore.open(tmp_path / "reader", "r1", cold_url=cold) as r:
         assert [float(r.get(RecordKey(act, it, 0))[0]) for it in range(4, 8)] == [2.0] * 4
+
+
+@pytest.mark.parametrize("zombie_first", [True, False], ids=["zombie-shipped-first", "replacement-shipped-first"])
+def test_another_process_ships_each_incarnation_by_the_same_rules(tmp_path, zombie_first) -> None:
+    """Both incarnations' segments shipped by other processes (`swiftlog flush` on each root, POST
+    /flush). Zombie first: the replacement's met the same names and the shipper gave up (only the
+    writer's own process renamed): the replacement's records never reached the cold tier, and reads
+    returned the zombie's. Now a shipper renumbers a later incarnation's segment past an earlier
+    one's names, and refuses (WriterFencedError) to ship an earlier incarnation's over a later one's."""
+    from logstore.errors import WriterFencedError
+
+    act = Channel.activation(1)
+    cold = f"file://{tmp_path / 'cold'}"
+
+    def write(root: str, value: float) -> None:
+        w = LogStore.open(tmp_path / root, "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+        w.put_many([(RecordKey(act, it, 0), torch.full((4,), value)) for it in range(4, 8)])
+        w.close()  # sealed, not uploaded
+
+    write("zombie", 1.0)
+    write("replacement", 2.0)
+    for root in ("zombie", "replacement") if zombie_first else ("replacement", "zombie"):
+        with LogStore.open(tmp_path / root, "r1", cold_url=cold) as shipper:
+            if root == "zombie" and not zombie_first:
+                with pytest.raises(WriterFencedError, match="later incarnation"):
+                    shipper.upload_sealed()
+            else:
+                assert len(shipper.upload_sealed()["uploaded"]) == 4
+    with LogStore.open(tmp_path / "reader", "r1", cold_url=cold) as r:
+        assert [float(r.get(RecordKey(act, it, 0))[0]) for it in range(4, 8)] == [2.0] * 4

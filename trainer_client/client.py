@@ -490,7 +490,7 @@ class SwiftlogClient:
             changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
             if grads:
                 changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
-                               "the schedule's backward other than by client.clip_grad_norm_ (torch's clip_grad_norm_, a GradScaler, a manual scaling)")  # fmt: skip
+                               "the schedule's backward other than by client.clip_grad_norm_ (torch's clip_grad_norm_, a manual scaling)")  # fmt: skip
             changed = changed or ["the optimizer's hyperparameters"]
             stage = self.config.stage
             amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads}
