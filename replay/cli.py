@@ -66,7 +66,7 @@ def replay_command(
     plan_only: Annotated[bool, typer.Option("--plan-only", help="print the plan and stop")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print machine-readable JSON")] = False,
     commit_store: Annotated[str | None, typer.Option("--commit-store", help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped")] = None,
-    commit_prefix: Annotated[str | None, typer.Option("--commit-prefix", help="key prefix in the commit store (default: swiftlog/RUN, as ClientConfig.commit_prefix)")] = None,
+    commit_prefix: Annotated[str | None, typer.Option("--commit-prefix", help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under swiftlog/RUN/restartN, see ClientConfig.commit_prefix)")] = None,
 ) -> None:
     """Rebuild failed stages from their checkpoints and the logs; write recovered checkpoints."""
     from logstore.errors import (
