@@ -384,6 +384,17 @@ class _Planner:
             self._metas[k] = doc
         return self._metas[k]
 
+    def _meta_amendment(self, stage: int, it: int) -> dict[str, Any] | None:
+        """The amendment record of (stage, it)'s META (what its optimizer step used), or None."""
+        for s in self.stores:
+            try:
+                return decode_meta(s.get(RecordKey(Channel.meta(stage), it, 1)))
+            except SwiftlogError:
+                continue
+            except ValueError:
+                continue
+        return None
+
     def _any_meta(self, it: int, prefer: Sequence[int], num_stages: int) -> tuple[int, dict[str, Any]] | None:
         for k in list(prefer) + [k for k in range(num_stages) if k not in prefer]:
             if it in self._index(Channel.meta(k), 0) and (m := self._meta(k, it)) is not None:
@@ -640,6 +651,13 @@ class _Planner:
                 meta_chans.add(Channel.meta(found[0]))
                 if not any("stands in" in w for w in u.warnings):
                     u.warnings.append(f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s META stands in")
+        # an optimizer step the client saw differ from its META (amended, micro-batch 1): the replay stops there
+        amended = next(((k, it) for it in range(c, stop) for k in u.stages if 1 in self._index(Channel.meta(k), c).get(it, {})), None)
+        if amended is not None:
+            k, it = amended
+            what = (self._meta_amendment(k, it) or {}).get("changed_after_commit") or ["see its META"]
+            u.reasons.append(f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
+                             "a replay stops there (the live loop changed it in a way a replay does not repeat)")  # fmt: skip
         # gaps on channels the replay reads or verifies
         verify_names = {ch.name for ch in chans["verify"]}
         input_names = {ch.name for ch in chans["inputs"]}

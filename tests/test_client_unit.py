@@ -1019,6 +1019,11 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
         _replay_with_scheduler(tmp_path, "after", uri, 4)
     rep, _ = _replay_with_scheduler(tmp_path, "after", uri, 3)  # the steps before it are what they were
     assert rep.ok
+    from replay import plan_recovery  # the plan says so up front (it said "verifiable" and exit 0)
+
+    plan = plan_recovery(LogStore.open(tmp_path / "store", "after"), [0])
+    assert not plan.possible and any("stage 0 iteration 3: the live optimizer step was not what its META says (lr of param group 0" in r
+                                     for r in plan.reasons), plan.reasons  # fmt: skip
 
 
 def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_path, single_rank_group):

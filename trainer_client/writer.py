@@ -712,4 +712,6 @@ class AsyncLogWriter:
         if len(self._new_faults) < _MAX_FAULTS:
             self._new_faults.append(f)
         if st.faults_by_kind[kind] <= 3 or st.faults_by_kind[kind] % 100 == 0:
-            logger.warning("swiftlog logging fault (%s, %s it=%s mb=%s): %s", kind, f.channel, iteration, micro_batch, message)
+            where = ", ".join([kind, *([f.channel] if f.channel else []), *([f"it={iteration}"] if iteration is not None else []),
+                               *([f"mb={micro_batch}"] if micro_batch is not None else [])])  # fmt: skip
+            logger.warning("swiftlog logging fault (%s): %s", where, message)

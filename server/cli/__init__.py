@@ -40,7 +40,7 @@ def _load_replay_command() -> click.Command | None:
         from replay import cli as replay_cli
     except ImportError:
         return None
-    sub = typer.Typer()
+    sub = typer.Typer(add_completion=False)
     replay_cli.register(sub)
     cmd = typer.main.get_command(sub)
     if isinstance(cmd, click.Group):
