@@ -884,9 +884,9 @@ class LogStore:
                     why = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
                            f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
                            f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
-                    if own:
+                    if own:  # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
                         self._fenced = why
-                    logger.error("run %s: %s", self.run, why)
+                        logger.error("run %s: %s", self.run, why)
                     raise WriterFencedError(why, key=name, hint="its records stay in its hot tier; stop its process (its stage was replaced)") from None
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
                 # was down) used the name: number past its uploads and ship this one under a new id (also when
@@ -1045,7 +1045,8 @@ class LogStore:
                     rep["uploaded"].append(name)
                     rep["uploaded_bytes"] += m.file_size
             except SwiftlogError as e:
-                self._note_error(e)
+                if not isinstance(e, WriterFencedError):  # a refusal of this run's data, not the cold tier's health
+                    self._note_error(e)
                 raise
             finally:
                 with self._lock:

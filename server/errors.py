@@ -36,6 +36,7 @@ from logstore.errors import (
     StoreError,
     StoreFullError,
     SwiftlogError,
+    WriterFencedError,
 )
 
 __all__ = [
@@ -120,6 +121,7 @@ _TABLE: tuple[tuple[type[BaseException], int, str, int], ...] = (
     (ColdTierUnavailableError, 503, "cold_tier_unavailable", EXIT_UNAVAILABLE),
     (StoreClosedError, 503, "store_closed", EXIT_UNAVAILABLE),
     (StoreFullError, 507, "store_full", EXIT_UNAVAILABLE),
+    (WriterFencedError, 409, "writer_fenced", EXIT_PROBLEMS),  # an earlier incarnation's segments: never shipped over a later one's
     (ColdTierError, 502, "cold_tier_error", EXIT_UNAVAILABLE),
     (StoreError, 500, "store_error", EXIT_UNAVAILABLE),
 )

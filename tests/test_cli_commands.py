@@ -214,6 +214,23 @@ def test_flush(store_copy: StoreFixture) -> None:
     assert "uploaded 0 segment(s)" in out
 
 
+def test_flush_of_an_earlier_incarnations_segments_is_refused_by_name(tmp_path: Path) -> None:
+    """`swiftlog flush` on a root whose writer a later incarnation replaced (its uploads hold the
+    names): a 409-class refusal (exit 1, "writer_fenced"), not an object-store outage (exit 4)."""
+    import torch
+
+    from logstore import Channel, LogStore, RecordKey
+
+    act, cold = Channel.activation(1), f"file://{tmp_path / 'cold'}"
+    (tmp_path / "cold").mkdir()
+    for root, value in (("zombie", 1.0), ("replacement", 2.0)):
+        w = LogStore.open(tmp_path / root, "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+        w.put_many([(RecordKey(act, it, 0), torch.full((4,), value)) for it in range(2)])
+        w.close()
+    _ok(swiftlog("flush", "--root", tmp_path / "replacement", "--run", "r1", "--cold-url", cold))
+    _fails(swiftlog("flush", "--root", tmp_path / "zombie", "--run", "r1", "--cold-url", cold), 1, "later incarnation of this writer")
+
+
 ERRORS = [
     (("ls", "--root", "/nonexistent/swiftlog-root"), 3, "does not exist"),
     (("ls", "--run", "run-a", "--cold-url", "file:///nonexistent/cold"), 3, "cold tier directory '/nonexistent/cold' does not exist"),
