@@ -88,6 +88,22 @@ def _seg_number(seg: _ColdSeg) -> int:
     return int(m["seg"]) if m else 0
 
 
+def _group_watermarks(wm: dict[int, int], groups: Any) -> dict[int, int]:
+    """``wm`` with each logging group's members at the group's oldest newest checkpoint (a member
+    without one: 0, nothing of the group is garbage). ``groups``: sizes of consecutive groups."""
+    if not isinstance(groups, list) or not all(isinstance(n, int) and n > 0 for n in groups):
+        return wm
+    out, first = dict(wm), 0
+    for n in groups:
+        members = range(first, first + n)
+        low = min(wm.get(k, 0) for k in members)
+        for k in members:
+            if k in out or low:
+                out[k] = low
+        first += n
+    return out
+
+
 def _incarnation_of(meta: dict[str, Any]) -> float:
     v = meta.get("incarnation")
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
@@ -270,7 +286,8 @@ class LogStore:
         self._cold_epoch = 0  # bumped (under _lock) whenever _cold_list is invalidated
         self._cold_listing = threading.Lock()  # one cold listing at a time, never under _lock
         self._gaps_shipped: set[str] = set()
-        self._wm_cache: dict[int, int] = {}
+        self._wm_cache: dict[int, int] = {}  # stage -> its newest registered checkpoint (raw: groups applied on the way out)
+        self._wm_groups: Any = None  # the logging groups the newest registration named
         self._wm_at = 0.0
         self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
         self._last_error: tuple[float, str] | None = None
@@ -1074,6 +1091,8 @@ class LogStore:
         with self._lock:
             if iteration > self._wm_cache.get(stage, -1):
                 self._wm_cache[stage] = iteration
+            if info.meta.get("logging_groups"):
+                self._wm_groups = info.meta["logging_groups"]
         return info
 
     def unregister_checkpoint(self, stage: int, iteration: int) -> None:
@@ -1102,27 +1121,34 @@ class LogStore:
         return [found[k] for k in sorted(found)]
 
     def watermarks(self, max_age: float = 0.0) -> dict[int, int]:
-        """stage -> newest durable checkpoint iteration. ``max_age`` allows a cached answer."""
+        """stage -> the iteration below which what the stage received is garbage: its newest durable
+        checkpoint; for a stage of a logging group (registrations whose meta names
+        ``logging_groups``, e.g. [2, 2]), the oldest of its members' newest checkpoints, since the
+        group is replayed together from the checkpoint every member has. ``max_age`` allows a
+        cached answer."""
         with self._lock:
             if max_age and time.monotonic() - self._wm_at < max_age:
-                return dict(self._wm_cache)
+                return _group_watermarks(self._wm_cache, self._wm_groups)
         wm: dict[int, int] = {}
+        groups = None
         try:
-            for c in self.checkpoints():
+            for c in sorted(self.checkpoints(), key=lambda c: c.registered_at):
                 wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
+                groups = c.meta.get("logging_groups") or groups
         except SwiftlogError as e:
             if max_age:  # a read path: fall back to what we knew, and ask again only after max_age
                 self._note_error(e)
                 with self._lock:
                     self._wm_at = time.monotonic()
-                    return dict(self._wm_cache)
+                    return _group_watermarks(self._wm_cache, self._wm_groups)
             raise
         with self._lock:
             for s, it in self._wm_cache.items():
                 wm[s] = max(wm.get(s, 0), it)
             self._wm_cache = dict(wm)
+            self._wm_groups = groups or self._wm_groups
             self._wm_at = time.monotonic()
-        return wm
+            return _group_watermarks(wm, self._wm_groups)
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
         """Delete every record received by a stage below that stage's watermark, in both tiers.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import StoreFullError
+from logstore.errors import RecordNotFoundError, StoreFullError
 
 ACT = Channel.activation(0)
 
@@ -436,3 +436,27 @@ def test_another_process_ships_each_incarnation_by_the_same_rules(tmp_path, zomb
                 assert len(shipper.upload_sealed()["uploaded"]) == 4
     with LogStore.open(tmp_path / "reader", "r1", cold_url=cold) as r:
         assert [float(r.get(RecordKey(act, it, 0))[0]) for it in range(4, 8)] == [2.0] * 4
+
+
+def test_a_logging_groups_records_stay_until_every_member_checkpointed_past_them(tmp_path) -> None:
+    """Logging groups replay together from the newest checkpoint every member has: a member's own,
+    newer checkpoint made the records it received garbage, and a group replay from the common one
+    found target_3 of iteration 6 gone ("no record of target_3", a rollback). With the groups named
+    in the registrations, a member's watermark is its group's oldest newest checkpoint."""
+    tgt, act = Channel.target(3), Channel.activation(0)  # act_0_1: received by stage 1
+    cold = f"file://{tmp_path / 'cold'}"
+    with LogStore.open(tmp_path / "node", "r1", writer="stage3", cold_url=cold, segment_iters=1) as w:
+        w.put_many([(RecordKey(tgt, it, 0), torch.full((2,), float(it))) for it in range(10)])
+        w.put_many([(RecordKey(act, it, 0), torch.full((2,), float(it))) for it in range(10)])
+        w.flush()
+        groups = {"logging_groups": [2, 2]}
+        w.register_checkpoint(stage=2, iteration=6, meta=groups)
+        w.register_checkpoint(stage=3, iteration=9, meta=groups)
+        w.register_checkpoint(stage=1, iteration=8, meta=groups)  # stage 0 has none: group (0, 1) keeps everything
+        assert w.watermarks() == {1: 0, 2: 6, 3: 6}
+        w.gc()
+        assert float(w.get(RecordKey(tgt, 6, 0))[0]) == 6.0 and float(w.get(RecordKey(act, 2, 0))[0]) == 2.0
+        with pytest.raises(RecordNotFoundError, match="garbage-collected"):
+            w.get(RecordKey(tgt, 5, 0))
+    with LogStore.open(tmp_path / "other", "r1", cold_url=cold) as r:  # the registrations in the cold tier say the same
+        assert r.watermarks() == {1: 0, 2: 6, 3: 6} and float(r.get(RecordKey(tgt, 6, 0))[0]) == 6.0

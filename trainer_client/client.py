@@ -624,6 +624,8 @@ class SwiftlogClient:
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
+        if c.logging_groups is not None:  # a group is replayed from the checkpoint all its members have: GC keeps what that needs
+            meta["logging_groups"] = list(c.logging_groups)
         self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.gc_after_checkpoint))
         if self.coordinator is not None and c.gc_after_checkpoint:  # the META copies below it too (cheap store requests)
             self.coordinator.forget_metas(iteration)
