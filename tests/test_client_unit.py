@@ -1048,6 +1048,36 @@ def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_p
     assert _replay_with_scheduler(tmp_path, "torchclip", uri, 3)[0].ok
 
 
+def test_a_grad_scaler_step_is_seen_although_its_unscale_leaves_the_version_counters(tmp_path, single_rank_group):
+    """torch.amp.GradScaler's unscale kernel changes every gradient without bumping their version
+    counters (torch 2.13, CPU): a recovery said "verified" with another state (a QA check). The
+    client recognises a step that comes from a GradScaler and amends META; the replay stops there."""
+    client = SwiftlogClient(ClientConfig(run_id="amp", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # its scale exists from the first scale() on (a loss_fn would scale the loss)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    for it in range(3):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        g = torch.Generator().manual_seed(it)
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        client.commit(it)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    report = client.close()
+    faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
+    assert faults and "a GradScaler unscaled them" in faults[0].message, report.logging_faults
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 1: the live loop changed gradients .*GradScaler"):
+        replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(LogStore.open(tmp_path / "store", "amp")),
+                     num_stages=1, stop_iteration=3, loss_fn=_mse)  # fmt: skip
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

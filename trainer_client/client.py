@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -470,11 +471,11 @@ class SwiftlogClient:
         def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             client = me()
             if client is not None:
-                client._check_step(opt)
+                client._check_step(opt, _stepped_by_grad_scaler(opt, kwargs))
 
         self._step_hook = optimizer.register_step_pre_hook(pre_step)
 
-    def _check_step(self, opt: torch.optim.Optimizer) -> None:
+    def _check_step(self, opt: torch.optim.Optimizer, scaled: bool = False) -> None:
         """The optimizer step after :meth:`commit`: amend the iteration's META if the step uses
         other learning rates / hyperparameters than it says. Never raises."""
         expect, self._step_expect = self._step_expect, None
@@ -485,12 +486,15 @@ class SwiftlogClient:
         try:
             lrs, hparams = self._learning_rates(), optimizer_hparams(opt)
             grads = self._grads_changed(versions)
+            if scaled and not grads:  # its unscale kernel leaves the version counters alone
+                grads = [n for n, p in (self.stage_module.named_parameters() if self.stage_module is not None else []) if p.grad is not None]
             if lrs == doc["lrs"] and hparams == doc["hparams"] and not grads:
                 return
             changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
             if grads:
+                how = "a GradScaler unscaled them" if scaled else "torch's clip_grad_norm_, a manual scaling"
                 changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
-                               "the schedule's backward other than by client.clip_grad_norm_ (torch's clip_grad_norm_, a manual scaling)")  # fmt: skip
+                               f"the schedule's backward other than by client.clip_grad_norm_ ({how})")  # fmt: skip
             changed = changed or ["the optimizer's hyperparameters"]
             stage = self.config.stage
             amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads}
@@ -801,6 +805,22 @@ class SwiftlogClient:
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,
             "time": time.time(),
         }
+
+
+def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
+    """Whether this optimizer step comes from a ``torch.amp.GradScaler`` that unscaled the gradients
+    (its kernel changes them without bumping their version counters): the scaler hands itself or
+    its scale to optimizers that take them, else its ``_maybe_opt_step`` is a few frames up."""
+    if kwargs.get("grad_scaler") is not None or getattr(opt, "grad_scale", None) is not None:
+        return True
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return False
+        if f.f_code.co_name == "_maybe_opt_step" and f.f_code.co_filename.endswith("grad_scaler.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 def _tensors(args: Any) -> list[torch.Tensor]:

@@ -31,7 +31,8 @@ things, which a replay does not load by itself: the error names it; else null).
 An optimizer step that runs with other learning rates or hyperparameters than its iteration's META
 says (set between ``commit`` and ``optimizer.step()``), or on gradients changed in place after the
 schedule's backward other than by ``client.clip_grad_norm_`` (seen by their version counters:
-torch's clip, a manual scaling; not a collective, a ``.data`` write or a GradScaler's unscale),
+torch's clip, a manual scaling; and a GradScaler's step, recognised as such; not a collective
+or a ``.data`` write),
 is amended: the client writes a second record, micro-batch 1 of the same channel and iteration,
 holding ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found them,
 and replaces the decision store's copy with the document so amended. A replay reads both
