@@ -104,6 +104,9 @@ def _group_watermarks(wm: dict[int, int], groups: Any) -> dict[int, int]:
     return out
 
 
+_FENCED_HINT = "its records stay in its hot tier; stop its process (its stage was replaced)"
+
+
 def _incarnation_of(meta: dict[str, Any]) -> float:
     v = meta.get("incarnation")
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
@@ -881,7 +884,7 @@ class LogStore:
         assert self.cold is not None
         own = hot is self.hot
         if own and self._fenced is not None:
-            raise WriterFencedError(self._fenced, hint="this process's records stay in its hot tier; stop it (its stage was replaced)")
+            raise WriterFencedError(self._fenced, hint=_FENCED_HINT)
         name = self._cold_name(m, hot.writer)
         meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
                 "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}  # fmt: skip
@@ -904,7 +907,7 @@ class LogStore:
                     if own:  # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
                         self._fenced = why
                         logger.error("run %s: %s", self.run, why)
-                    raise WriterFencedError(why, key=name, hint="its records stay in its hot tier; stop its process (its stage was replaced)") from None
+                    raise WriterFencedError(why, key=name, hint=_FENCED_HINT) from None
                 # an earlier incarnation of this writer (a rollback's fresh root, opened while the cold tier
                 # was down) used the name: number past its uploads and ship this one under a new id (also when
                 # another process ships it: the index's counter is shared through LMDB)

@@ -372,26 +372,18 @@ class _Planner:
     def _meta(self, stage: int, it: int) -> dict[str, Any] | None:
         k = (stage, it)
         if k not in self._metas:
-            doc = None
-            for s in self.stores:
-                try:
-                    doc = decode_meta(s.get(RecordKey(Channel.meta(stage), it, 0)))
-                    break
-                except SwiftlogError:
-                    continue
-                except ValueError:  # not JSON: treat as absent
-                    continue
-            self._metas[k] = doc
+            self._metas[k] = self._meta_record(stage, it, 0)
         return self._metas[k]
 
-    def _meta_amendment(self, stage: int, it: int) -> dict[str, Any] | None:
-        """The amendment record of (stage, it)'s META (what its optimizer step used), or None."""
+    def _meta_record(self, stage: int, it: int, micro_batch: int) -> dict[str, Any] | None:
+        """A META record (micro-batch 0: the document; 1: its amendment) from the first store that
+        has it intact, or None."""
         for s in self.stores:
             try:
-                return decode_meta(s.get(RecordKey(Channel.meta(stage), it, 1)))
+                return decode_meta(s.get(RecordKey(Channel.meta(stage), it, micro_batch)))
             except SwiftlogError:
                 continue
-            except ValueError:
+            except ValueError:  # not JSON: treat as absent
                 continue
         return None
 
@@ -655,7 +647,7 @@ class _Planner:
         amended = next(((k, it) for it in range(c, stop) for k in u.stages if 1 in self._index(Channel.meta(k), c).get(it, {})), None)
         if amended is not None:
             k, it = amended
-            what = (self._meta_amendment(k, it) or {}).get("changed_after_commit") or ["see its META"]
+            what = (self._meta_record(k, it, 1) or {}).get("changed_after_commit") or ["see its META"]
             u.reasons.append(f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
                              "a replay stops there (the live loop changed it in a way a replay does not repeat)")  # fmt: skip
         # gaps on channels the replay reads or verifies

@@ -593,6 +593,32 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
+def _train_one_stage(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, *, iters: int = 4, schedule: str = "1f1b",
+                     sched: Any = None, out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
+                     step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None] | None = None,
+                     apply: Callable[[int], Any] | None = None) -> str:  # fmt: skip
+    """``mod`` (8 features in, 5 out) as ``client``'s one-stage pipeline for ``iters`` iterations, a
+    checkpoint at 1 (with ``sched``); per iteration ``step(client, module, optimizer, it, generator)``
+    (default: the schedule step on random data), the commit, ``apply(it)`` (default: the optimizer
+    step), the scheduler step, zero_grad. Returns the checkpoint's URI."""
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
+    client.schedule(stage, schedule, n_microbatches=2, loss_fn=loss_fn)
+    uri = ""
+    for it in range(iters):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt, sched)
+        (step or _plain_step)(client, mod, opt, it, torch.Generator().manual_seed(it))
+        client.commit(it)
+        if apply is None:
+            opt.step()
+        else:
+            apply(it)
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+    return uri
+
+
 def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
                      step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None], *,
                      schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
@@ -605,15 +631,7 @@ def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.M
     client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
     mod = _Masked()
     opt = make_opt(mod)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
-    client.schedule(stage, schedule, n_microbatches=2, loss_fn=loss_fn)
-    for it in range(4):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt)
-        step(client, mod, opt, it, torch.Generator().manual_seed(it))
-        client.commit(it)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    uri = _train_one_stage(client, mod, opt, schedule=schedule, out_dtype=out_dtype, loss_fn=loss_fn, step=step)
     assert client.close().ok
     logs = LogStore.open(tmp_path / "store", run_id)
     fresh = _Masked()
@@ -969,19 +987,7 @@ def _run_with_scheduler(tmp_path: Path, run_id: str, commit_store: Any, set_afte
     mod = _Masked()
     opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
-    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
-    uri = ""
-    for it in range(4):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt, sched)
-        g = torch.Generator().manual_seed(it)
-        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
-        client.commit(it)
-        set_after_commit(it, opt)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+    uri = _train_one_stage(client, mod, opt, sched=sched, apply=lambda it: (set_after_commit(it, opt), opt.step()))
     return client, client.close(), uri, mod
 
 
@@ -1057,17 +1063,7 @@ def test_a_grad_scaler_step_is_seen_although_its_unscale_leaves_the_version_coun
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(torch.ones(()))  # its scale exists from the first scale() on (a loss_fn would scale the loss)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
-    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
-    for it in range(3):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt)
-        g = torch.Generator().manual_seed(it)
-        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
-        client.commit(it)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+    uri = _train_one_stage(client, mod, opt, iters=3, apply=lambda it: (scaler.step(opt), scaler.update()))
     report = client.close()
     faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
     assert faults and "a GradScaler unscaled them" in faults[0].message, report.logging_faults
@@ -1113,16 +1109,7 @@ def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_th
     client = SwiftlogClient(ClientConfig(run_id="fbn", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
     mod = _FunctionalBatchNormInRecompute()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
-    client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=_mse)
-    for it in range(3):
-        if it == 1:
-            uri = client.checkpoint(1, mod, opt)
-        g = torch.Generator().manual_seed(it)
-        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
-        client.commit(it)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    uri = _train_one_stage(client, mod, opt, iters=3, schedule="gpipe")
     assert client.close().ok
 
     def replay_it(**kw: Any) -> tuple[Any, torch.nn.Module]:

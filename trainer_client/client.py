@@ -343,7 +343,8 @@ class SwiftlogClient:
         if not c.is_last:
             target, losses = None, None
         out = self._schedule.step(*args, target=target, losses=losses, **kwargs)
-        self._grad_versions = self._grad_snapshot()  # what the coming optimizer step should find (see _check_step)
+        # what the coming optimizer step should find (see _check_step); only with a tracked optimizer, whose steps are checked
+        self._grad_versions = self._grad_snapshot() if self._optimizer is not None else None
         return out
 
     def clip_grad_norm_(
@@ -456,8 +457,9 @@ class SwiftlogClient:
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer``'s learning rates and other hyperparameters in every META (what the
         coming step uses) and check its steps: a step that runs with other values than the
-        iteration's META says (set between :meth:`commit` and ``optimizer.step()``) amends the
-        META (a replay then stops at that step, naming the change, instead of taking it for
+        iteration's META says (set between :meth:`commit` and ``optimizer.step()``), or on
+        gradients changed since the schedule's step other than by :meth:`clip_grad_norm_`, amends
+        the META (a replay then stops at that step, naming the change, instead of taking it for
         another) and is reported as a ``step_after_commit`` fault. :meth:`checkpoint` and
         ``ResilientLoop`` call it; one optimizer per client (the last one given). Never changes
         what the step does."""
@@ -471,13 +473,14 @@ class SwiftlogClient:
         def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             client = me()
             if client is not None:
-                client._check_step(opt, _stepped_by_grad_scaler(opt, kwargs))
+                client._check_step(opt, kwargs)
 
         self._step_hook = optimizer.register_step_pre_hook(pre_step)
 
-    def _check_step(self, opt: torch.optim.Optimizer, scaled: bool = False) -> None:
+    def _check_step(self, opt: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
         """The optimizer step after :meth:`commit`: amend the iteration's META if the step uses
-        other learning rates / hyperparameters than it says. Never raises."""
+        other learning rates / hyperparameters than it says, or gradients changed since the
+        schedule's step (version counters; a GradScaler's step). Never raises."""
         expect, self._step_expect = self._step_expect, None
         versions, self._grad_versions = self._grad_versions, None
         if expect is None or self._optimizer is None or self._optimizer() is not opt:
@@ -486,6 +489,7 @@ class SwiftlogClient:
         try:
             lrs, hparams = self._learning_rates(), optimizer_hparams(opt)
             grads = self._grads_changed(versions)
+            scaled = _stepped_by_grad_scaler(opt, kwargs)
             if scaled and not grads:  # its unscale kernel leaves the version counters alone
                 grads = [n for n, p in (self.stage_module.named_parameters() if self.stage_module is not None else []) if p.grad is not None]
             if lrs == doc["lrs"] and hparams == doc["hparams"] and not grads:
@@ -813,8 +817,8 @@ def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) 
     its scale to optimizers that take them, else its ``_maybe_opt_step`` is a few frames up."""
     if kwargs.get("grad_scaler") is not None or getattr(opt, "grad_scale", None) is not None:
         return True
-    f = sys._getframe(2)
-    for _ in range(8):
+    f = sys._getframe(1)
+    for _ in range(12):  # this check, the step hook, torch's step wrappers, then the scaler
         if f is None:
             return False
         if f.f_code.co_name == "_maybe_opt_step" and f.f_code.co_filename.endswith("grad_scaler.py"):
