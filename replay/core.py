@@ -747,7 +747,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     n_pos = len(x) - len(plan.input_kwargs)
                     x, kw = x[:n_pos], dict(zip(plan.input_kwargs, x[n_pos:], strict=True))
         else:
-            x = tuple(_leaf(on_device(t, dev)) for t in reader.require_parts(Channel.activation(first - 1), it, mb))
+            x = _leaves([on_device(t, dev) for t in reader.require_parts(Channel.activation(first - 1), it, mb)], plan.logged(first, "recv_requires_grad"))
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
@@ -757,7 +757,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
                 if i + 1 < len(states):
-                    x = tuple(_leaf(o.detach()) for o in outs)
+                    x = _leaves([o.detach() for o in outs], plan.logged(states[i + 1].stage, "recv_requires_grad"))
                 continue
             if st.stage == num_stages - 1:
                 if src_targets is not None:
@@ -774,7 +774,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             else:
                 per_stage.append((x, outs))
                 if i + 1 < len(states):
-                    x = tuple(_leaf(o.detach()) for o in outs)
+                    x = _leaves([o.detach() for o in outs], plan.logged(states[i + 1].stage, "recv_requires_grad"))
                 else:
                     _check_sends(ctx, Channel.activation(st.stage), Channel.digest(st.stage, st.stage + 1), it, mb, outs, check, report)
         return per_stage
@@ -840,10 +840,12 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     p.grad.div_(plan.scale)
         for clip in plan.logged(st.stage, "grad_clip") or ():
             _clip_as_logged(st, it, clip, dev)
-        _check_hyperparameters(st, it, plan.metas.get(st.stage))
+        meta = plan.metas.get(st.stage)
+        _check_hyperparameters(st, it, meta)
+        sched_steps = _live_steps(st, it, meta)
         st.optimizer.step()
-        if st.lr_scheduler is not None:
-            st.lr_scheduler.step()
+        for _ in range(sched_steps if st.lr_scheduler is not None else 0):
+            _step_scheduler(st, it)
         st.optimizer.zero_grad(set_to_none=True)
     report.step_seconds += time.perf_counter() - t_step
     report.micro_batches += len(plan.mine)
@@ -900,6 +902,49 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
                       hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
                            "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
                            "scheduler differs cannot be replayed")  # fmt: skip
+
+
+def _step_scheduler(st: StageState, it: int) -> None:
+    """``lr_scheduler.step()`` as the live loop made it; raises ReplayError when the scheduler's step
+    needs arguments the replay does not have (``ReduceLROnPlateau`` steps on a metric)."""
+    try:
+        st.lr_scheduler.step()
+    except TypeError as e:
+        raise ReplayError(f"stage {st.stage} iteration {it}: the lr scheduler {type(st.lr_scheduler).__name__} cannot step without arguments ({e})",
+                          hint="a scheduler stepped on a metric (ReduceLROnPlateau) or an explicit epoch is not replayed: such a run is "
+                               "recovered from its checkpoint") from e  # fmt: skip
+
+
+def _live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
+    """How many times the live loop stepped the stage's lr scheduler after iteration ``it``'s
+    optimizer step: once, unless META's ``apply`` (counted by the client before the next
+    iteration) says otherwise (a scheduler stepped per epoch). Raises ReplayError when the live
+    loop made no optimizer step after ``it`` (gradients accumulated over iterations), when the
+    scheduler's step count before this step differs from the live one (``sched_epoch``), and when
+    the live loop was seen stepping its scheduler irregularly but the count after ``it`` never
+    reached META (the stage died before its next iteration): every later state would differ."""
+    if not meta:
+        return 1
+    apply = meta.get("apply") or {}
+    if apply.get("optimizer_steps") == 0:
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop made no optimizer step after this iteration (gradients accumulated "
+                          "over iterations?); a replay makes one after every iteration",
+                          hint="accumulate within one schedule step (more micro-batches) instead: such a run is recovered from its checkpoint")  # fmt: skip
+    live_epoch = meta.get("sched_epoch")
+    if st.lr_scheduler is not None and isinstance(live_epoch, int) and getattr(st.lr_scheduler, "last_epoch", live_epoch) != live_epoch:
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live lr scheduler had made {live_epoch} steps (last_epoch) before this "
+                          f"iteration's optimizer step, the replay's {st.lr_scheduler.last_epoch}",
+                          hint="the replay repeats the scheduler steps the client counted; a scheduler stepped outside the loop's apply, or "
+                               "a stage factory whose scheduler differs from the live one, cannot be replayed")  # fmt: skip
+    n = apply.get("scheduler_steps")
+    if isinstance(n, int) and n >= 0:
+        return n
+    if not apply and meta.get("apply_irregular") is not None:
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop did not make exactly one optimizer and one lr-scheduler step "
+                          f"after every iteration (first seen after iteration {meta['apply_irregular']}), and what it made after this "
+                          "iteration is not logged (the stage died before its next iteration began)",
+                          hint="recover from the checkpoint; a loop that steps both once per iteration needs no count")  # fmt: skip
+    return 1
 
 
 def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.device) -> None:
@@ -1011,9 +1056,14 @@ def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., 
                           hint="make its module importable (PYTHONPATH) or pass the function: --loss module:attr") from e  # fmt: skip
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    """A received tensor as the live receive buffer was: a leaf requiring grad if it is float."""
-    return t.requires_grad_(t.is_floating_point() or t.is_complex())
+def _leaves(received: Sequence[torch.Tensor], requires_grad: Sequence[bool] | None) -> tuple[torch.Tensor, ...]:
+    """Received tensors as the live receive buffers were: leaves requiring grad as the receiving
+    stage declared them (META ``recv_requires_grad``, from its ``input_args``), else (older
+    records) every float one. A float input declared without grad gets none live (its sender
+    expects no gradient for it), so it must get none here either."""
+    if requires_grad is None or len(requires_grad) != len(received):
+        return tuple(t.requires_grad_(t.is_floating_point() or t.is_complex()) for t in received)
+    return tuple(t.requires_grad_(bool(rg) and (t.is_floating_point() or t.is_complex())) for t, rg in zip(received, requires_grad, strict=True))
 
 
 def replay_device(states: Sequence[StageState]) -> torch.device:

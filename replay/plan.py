@@ -387,6 +387,27 @@ class _Planner:
                 continue
         return None
 
+    def _unrepeatable_steps(self, stages: Sequence[int], c: int, stop: int) -> list[str]:
+        """Why a replay of ``stages`` over [c, stop) would stop at an optimizer step (at most one
+        reason): an amended META (micro-batch 1) whose step the client saw differ from the
+        document, or not made at all (gradients accumulated over iterations); or a loop seen
+        stepping irregularly whose count after the last iteration never reached META."""
+        for it in range(c, stop):
+            for k in stages:
+                if 1 in self._index(Channel.meta(k), c).get(it, {}):
+                    am = self._meta_record(k, it, 1) or {}
+                    if am.get("changed_after_commit") or am.get("grads_changed") or not am:
+                        what = am.get("changed_after_commit") or ["see its META"]
+                        return [f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
+                                "a replay stops there (the live loop changed it in a way a replay does not repeat)"]  # fmt: skip
+                    if (am.get("apply") or {}).get("optimizer_steps") == 0:
+                        return [f"stage {k} iteration {it}: the live loop made no optimizer step after it (gradients accumulated over "
+                                "iterations?): a replay, which makes one after every iteration, stops there"]  # fmt: skip
+                elif it == stop - 1 and it in self._index(Channel.meta(k), c) and (self._meta(k, it) or {}).get("apply_irregular") is not None:
+                    return [f"stage {k} iteration {it}: the live loop did not step its optimizer and lr scheduler once per iteration, and "
+                            "what it made after this last iteration is not logged (the stage died before its next iteration began)"]  # fmt: skip
+        return []
+
     def _any_meta(self, it: int, prefer: Sequence[int], num_stages: int) -> tuple[int, dict[str, Any]] | None:
         for k in list(prefer) + [k for k in range(num_stages) if k not in prefer]:
             if it in self._index(Channel.meta(k), 0) and (m := self._meta(k, it)) is not None:
@@ -643,13 +664,7 @@ class _Planner:
                 meta_chans.add(Channel.meta(found[0]))
                 if not any("stands in" in w for w in u.warnings):
                     u.warnings.append(f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s META stands in")
-        # an optimizer step the client saw differ from its META (amended, micro-batch 1): the replay stops there
-        amended = next(((k, it) for it in range(c, stop) for k in u.stages if 1 in self._index(Channel.meta(k), c).get(it, {})), None)
-        if amended is not None:
-            k, it = amended
-            what = (self._meta_record(k, it, 1) or {}).get("changed_after_commit") or ["see its META"]
-            u.reasons.append(f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
-                             "a replay stops there (the live loop changed it in a way a replay does not repeat)")  # fmt: skip
+        u.reasons.extend(self._unrepeatable_steps(u.stages, c, stop))
         # gaps on channels the replay reads or verifies
         verify_names = {ch.name for ch in chans["verify"]}
         input_names = {ch.name for ch in chans["inputs"]}

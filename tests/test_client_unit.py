@@ -596,11 +596,11 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _train_one_stage(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, *, iters: int = 4, schedule: str = "1f1b",
                      sched: Any = None, out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
                      step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None] | None = None,
-                     apply: Callable[[int], Any] | None = None) -> str:  # fmt: skip
+                     apply: Callable[[int], Any] | None = None, sched_after: Callable[[int], bool] = lambda it: True) -> str:  # fmt: skip
     """``mod`` (8 features in, 5 out) as ``client``'s one-stage pipeline for ``iters`` iterations, a
     checkpoint at 1 (with ``sched``); per iteration ``step(client, module, optimizer, it, generator)``
     (default: the schedule step on random data), the commit, ``apply(it)`` (default: the optimizer
-    step), the scheduler step, zero_grad. Returns the checkpoint's URI."""
+    step), the scheduler step (if ``sched_after(it)``), zero_grad. Returns the checkpoint's URI."""
     stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
     client.schedule(stage, schedule, n_microbatches=2, loss_fn=loss_fn)
     uri = ""
@@ -613,7 +613,7 @@ def _train_one_stage(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.op
             opt.step()
         else:
             apply(it)
-        if sched is not None:
+        if sched is not None and sched_after(it):
             sched.step()
         opt.zero_grad(set_to_none=True)
     return uri
@@ -1030,6 +1030,107 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
     plan = plan_recovery(LogStore.open(tmp_path / "store", "after"), [0])
     assert not plan.possible and any("stage 0 iteration 3: the live optimizer step was not what its META says (lr of param group 0" in r
                                      for r in plan.reasons), plan.reasons  # fmt: skip
+
+
+def _epoch_run(tmp_path: Path, run_id: str, iters: int, *, count_last: bool = True) -> tuple[FlushReport, str, torch.nn.Module, Any]:
+    """``_Masked`` under SGD with momentum and a StepLR stepped per "epoch" of two iterations (after
+    even ones), ``iters`` iterations, checkpoint at 1. ``count_last=False``: close as if the stage
+    had died before counting the last iteration's steps. Returns the close report, the checkpoint,
+    the module and the scheduler."""
+    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    uri = _train_one_stage(client, mod, opt, iters=iters, sched=sched, sched_after=lambda it: it % 2 == 0)
+    if not count_last:
+        client._committed = None  # what close would count: nothing, as after a death in the optimizer step
+    return client.close(), uri, mod, sched
+
+
+def _replay_epochs(tmp_path: Path, run_id: str, uri: str, stop: int) -> tuple[Any, torch.nn.Module, Any]:
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    fsched = torch.optim.lr_scheduler.StepLR(fopt, step_size=1, gamma=0.5)
+    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, fsched)
+    rep = replay_stage(state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse)
+    return rep, fresh, fsched
+
+
+@pytest.mark.parametrize("iters", [2, 5])
+def test_a_scheduler_stepped_per_epoch_is_replayed_as_it_ran(tmp_path, single_rank_group, iters):
+    """A QA check: a StepLR stepped every other iteration; the replay of one iteration stepped it
+    after its optimizer step, said "verified", and every later state differed (nothing checked the
+    rate it carried on with). The client counts the scheduler's steps (given to ``checkpoint``):
+    META records its ``last_epoch`` at each commit, and once a count other than one is seen, every
+    iteration's META is amended with the steps made after it (counted at the next step, checkpoint
+    or close); the replay makes them, so it ends bit-identical, one iteration or several."""
+    report, uri, live, live_sched = _epoch_run(tmp_path, "epoch", iters)
+    assert report.ok and report.logging_faults == [], report.logging_faults
+    logs = LogStore.open(tmp_path / "store", "epoch")
+    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 1, 1)))["apply"] == {"optimizer_steps": 1, "scheduler_steps": 0}
+    rep, fresh, fsched = _replay_epochs(tmp_path, "epoch", uri, iters)
+    assert rep.ok and _same_state(live, fresh) and fsched.state_dict() == live_sched.state_dict()
+    momenta = [[st["momentum_buffer"] for st in s.optimizer.state_dict()["state"].values()] for s in (live_sched, fsched)]
+    assert len(momenta[0]) == 2 and all(torch.equal(a, b) for a, b in zip(*momenta, strict=True))
+
+
+def test_a_stage_lost_before_its_scheduler_count_reached_meta_is_not_replayed_to_a_guess(tmp_path, single_rank_group):
+    """The count after an iteration is taken when the next one begins: a stage that died before
+    that (in its optimizer step), in a run seen stepping its scheduler irregularly, leaves the count
+    unknown. The plan says so and the replay stops there instead of guessing one step; the
+    iterations before it replay."""
+    _, uri, _, _ = _epoch_run(tmp_path, "lost", 4, count_last=False)
+    logs = LogStore.open(tmp_path / "store", "lost")
+    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))["apply_irregular"] == 1
+    assert [k.micro_batch for k in logs.keys(Channel.meta(0), 3, 4)] == [0]
+    from replay import plan_recovery
+
+    plan = plan_recovery(logs, [0])
+    assert not plan.possible and any("stage 0 iteration 3: the live loop did not step its optimizer and lr scheduler once per iteration" in r
+                                     for r in plan.reasons), plan.reasons  # fmt: skip
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop did not make exactly one optimizer and one lr-scheduler step"):
+        _replay_epochs(tmp_path, "lost", uri, 4)
+    assert _replay_epochs(tmp_path, "lost", uri, 3)[0].ok
+
+
+def test_a_second_schedule_step_of_one_iteration_is_refused(tmp_path, single_rank_group):
+    """Gradient accumulation over two ``client.step`` calls per optimizer step was accepted, and a
+    recovery said "verified" with another state (a QA check): a replay repeats one schedule step
+    per iteration. A second step of one iteration before its commit is refused, naming the way out."""
+    client = SwiftlogClient(ClientConfig(run_id="twice", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    x, y = torch.randn(4, 8), torch.randn(4, 5)
+    client.step(0, x, target=y)
+    with pytest.raises(RuntimeError, match=r"client\.step\(0\) again before client\.commit\(0\).*n_microbatches"):
+        client.step(0, x, target=y)
+    client.commit(0)
+    client.step(1, x, target=y)  # the next iteration is fine
+    client.abort(1)
+    client.step(1, x, target=y)  # and so is an aborted iteration run again
+    assert client.close().ok
+
+
+def test_an_iteration_without_an_optimizer_step_stops_the_replay_there(tmp_path, single_rank_group):
+    """Accumulating over iterations (an optimizer step every other commit) cannot be replayed: the
+    client counts the steps, reports the iteration without one (``no_optimizer_step``), amends its
+    META, and the plan and the replay stop there."""
+    client = SwiftlogClient(ClientConfig(run_id="accum", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    uri = _train_one_stage(client, mod, opt, iters=4, apply=lambda it: opt.step() if it % 2 == 1 else None)
+    assert client.close().drained  # not "ok": a fault was reported
+    faults = [f for f in client.writer.recent_faults() if f.kind == "no_optimizer_step"]  # reported by commit(3)
+    assert [f.iteration for f in faults] == [2] and "gradients accumulated over iterations" in faults[0].message, client.writer.recent_faults()
+    from replay import plan_recovery
+
+    logs = LogStore.open(tmp_path / "store", "accum")
+    plan = plan_recovery(logs, [0])
+    assert not plan.possible and any("stage 0 iteration 2: the live loop made no optimizer step after it" in r for r in plan.reasons), plan.reasons
+    fresh = _Masked()
+    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, torch.optim.SGD(fresh.parameters(), lr=0.05))
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live loop made no optimizer step after this iteration"):
+        replay_stage(state, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
 
 
 def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_path, single_rank_group):

@@ -62,8 +62,7 @@ def train(rank, root, out, port):
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
     client = SwiftlogClient(ClientConfig(run_id="mine", stage=rank, num_stages=2, store_root=root, seed=3), commit_store=store)
     module, opt, _ = make_stage(rank, 2, None)
-    stage = client.pipeline_stage(module, "cpu", input_args=torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0),
-                                  output_args=torch.zeros(2, 5 if rank else 16, requires_grad=True))
+    stage = client.pipeline_stage(module, "cpu", {io})
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=my_loss)
     for it in range(4):
         if it == 1:
@@ -87,11 +86,46 @@ if __name__ == "__main__":
 '''
 
 
-def _project(tmp_path: Path, name: str, top_level: str = "") -> Path:
+IO = "input_args=torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0), output_args=torch.zeros(2, 5 if rank else 16, requires_grad=True)"
+
+# stage 0 also sends a float tensor computed without gradient, and stage 1 declares it so
+NET_NOGRAD = """
+import torch
+
+
+class First(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, h.detach().square()
+
+
+class Second(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 5)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, h, c):
+        return self.lin(self.drop(h * (1 + c)))
+
+
+def stage_module(stage):
+    return Second() if stage else First()
+"""
+
+IO_NOGRAD = ("input_args=(torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16)) if rank else torch.zeros(2, 8), "
+             "output_args=torch.zeros(2, 5, requires_grad=True) if rank else (torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16))")
+
+
+def _project(tmp_path: Path, name: str, top_level: str = "", net: str = NET, io: str = IO) -> Path:
     proj = tmp_path / "proj"
     proj.mkdir(exist_ok=True)
-    (proj / "mynet.py").write_text(NET)
-    (proj / name).write_text(TRAIN.format(top_level=top_level))
+    (proj / "mynet.py").write_text(net)
+    (proj / name).write_text(TRAIN.format(top_level=top_level, io=io))
     return proj
 
 
@@ -150,6 +184,22 @@ def test_a_script_run_by_path_is_replayed_by_its_file_and_meta_names_its_loss(tm
                       "-o", str(tmp_path / f"out-{stage}-{workers}"))  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), (stage, model, workers)
+
+
+def test_an_input_declared_without_gradient_is_replayed_without_one(tmp_path):
+    """A QA check: a float tensor sent without gradient (declared ``requires_grad=False`` in
+    ``input_args``) got one in the replay, whose stage then sent back a gradient the live one never
+    did ("missing digests", or "2 outputs need gradients but 1 were received" one stage up). META
+    records what the receive buffers required (``recv_requires_grad``); both stages replay
+    verified and bit-identical."""
+    proj = _project(tmp_path, "train_nograd.py", net=NET_NOGRAD, io=IO_NOGRAD)
+    root, live = _train(proj, "train_nograd.py", "ranks")
+    assert _meta(root)["recv_requires_grad"] == [True, False]
+    for stage in (0, 1):
+        r = _swiftlog(proj, "replay", "--run", "mine", "--root", str(root), "-s", str(stage), "--model", "train_nograd.py:make_stage",
+                      "-o", str(tmp_path / f"out-{stage}"))  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), stage
 
 
 def test_a_script_that_runs_code_at_import_is_not_loaded_unasked(tmp_path):

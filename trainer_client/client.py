@@ -188,6 +188,12 @@ class SwiftlogClient:
         self._step_hook: Any = None  # its step pre-hook's handle
         self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
         self._grad_versions: list[int] | None = None  # the stage's gradients' version counters after the schedule's step
+        self._lr_scheduler: weakref.ref[Any] | None = None  # the tracked one (META "sched_epoch"; track_lr_scheduler)
+        self._committed: tuple[int, dict[str, Any]] | None = None  # the last committed iteration and its META (amendments merged)
+        self._amendment: dict[str, Any] | None = None  # what has been amended in that META (its micro-batch 1 record)
+        self._apply_checked: int | None = None  # the last iteration whose optimizer / scheduler steps were counted
+        self._apply_irregular: int | None = None  # the first iteration not followed by exactly one of each (META "apply_irregular")
+        self._stepped: int | None = None  # the iteration whose schedule step finished and is not yet committed or aborted
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -307,6 +313,7 @@ class SwiftlogClient:
         can be destructed and its connections closed; build new ones before the next ``step``."""
         self._stage = None
         self._schedule = None
+        self._stepped = None
 
     # ================================================================ per iteration
     def begin_iteration(self, iteration: int) -> None:
@@ -328,6 +335,13 @@ class SwiftlogClient:
         """
         if self._schedule is None:
             raise RuntimeError("call client.schedule(...) before client.step(...)")
+        if self._stepped is not None and self._stepped == iteration:
+            raise RuntimeError(
+                f"client.step({iteration}) again before client.commit({iteration}): a replay repeats exactly one schedule step per "
+                "iteration, so gradients accumulated over several steps cannot be replayed; give the schedule more micro-batches "
+                "(n_microbatches) instead, or commit each step as its own iteration with its own optimizer step"
+            )
+        self._check_apply(iteration)
         self.begin_iteration(iteration)
         c = self.config
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
@@ -343,6 +357,7 @@ class SwiftlogClient:
         if not c.is_last:
             target, losses = None, None
         out = self._schedule.step(*args, target=target, losses=losses, **kwargs)
+        self._stepped = iteration
         # what the coming optimizer step should find (see _check_step); only with a tracked optimizer, whose steps are checked
         self._grad_versions = self._grad_snapshot() if self._optimizer is not None else None
         return out
@@ -412,6 +427,7 @@ class SwiftlogClient:
         """
         if self._iteration is None or iteration != self._iteration:
             raise ValueError(f"commit({iteration}) but the current iteration is {self._iteration}; call begin_iteration/step first")
+        self._stepped = None
         rec = self.recorder
         n_fwd = sum(1 for k, _ in rec.order if k == "F")
         n_bwd = sum(1 for k, _ in rec.order if k == "B")
@@ -450,8 +466,10 @@ class SwiftlogClient:
             self._commits += 1
             self._commit_wait_s += decision.wait_s
         self._iteration = iteration + 1
-        if doc is not None and doc["lrs"] is not None:  # the coming optimizer step is checked against it
-            self._step_expect = (iteration, doc)
+        if doc is not None:
+            self._committed, self._amendment = (iteration, doc), None
+            if doc["lrs"] is not None:  # the coming optimizer step is checked against it
+                self._step_expect = (iteration, doc)
         return CommitReport(iteration, decision, faults)
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -500,20 +518,78 @@ class SwiftlogClient:
                 changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
                                f"the schedule's backward other than by client.clip_grad_norm_ ({how})")  # fmt: skip
             changed = changed or ["the optimizer's hyperparameters"]
-            stage = self.config.stage
-            amendment = {"iteration": it, "lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads}
-            self.writer.submit(Channel.meta(stage), it, 1, [encode_meta(amendment)])
-            if self.config.ship_data and self.store.cold is not None:  # off the node soon, like the META itself
-                self.writer.mark(functools.partial(_seal_then_set, self.store, [Channel.meta(stage)], threading.Event()))
-            self.writer.kick()
-            if self.coordinator is not None:  # before the step: the copy a replacement reads says what the step used
-                self.coordinator.amend_meta(it, encode_meta({**doc, **amendment, "iteration": it}).numpy().tobytes())
+            self._amend(it, doc, {"lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads})
             self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step is not what its META says: {'; '.join(changed)}; "
                                    "a replay of this iteration stops there (recovery falls back to the checkpoint): change hyperparameters "
                                    "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_",
                                    iteration=it)  # fmt: skip
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
+
+    def track_lr_scheduler(self, lr_scheduler: Any) -> None:
+        """Count ``lr_scheduler``'s steps (its ``last_epoch``): META records it at every commit
+        (``sched_epoch``), and when the loop does not step it exactly once between two iterations
+        (a scheduler stepped per epoch), the next :meth:`step` amends the previous iteration's META
+        with the number of steps made, which a replay then repeats. :meth:`checkpoint` calls it
+        (and ``ResilientLoop`` when given one); one scheduler per client (the last one given).
+        Never steps or changes the scheduler."""
+        if lr_scheduler is not None and isinstance(getattr(lr_scheduler, "last_epoch", None), int):
+            self._lr_scheduler = weakref.ref(lr_scheduler)
+
+    def _sched_epoch(self) -> int | None:
+        """The tracked lr scheduler's ``last_epoch`` now; None without one."""
+        sch = self._lr_scheduler() if self._lr_scheduler is not None else None
+        epoch = getattr(sch, "last_epoch", None)
+        return epoch if isinstance(epoch, int) else None
+
+    def _check_apply(self, iteration: int) -> None:
+        """Before the schedule step of ``iteration``: count the optimizer and lr-scheduler steps
+        made since the commit of ``iteration - 1`` (a replay makes one of each after every
+        iteration). From the first iteration with another count on, every iteration's META is
+        amended with its counts (``apply``): a replay repeats the scheduler's, and stops at an
+        iteration without an optimizer step (gradients accumulated over iterations), which is also
+        reported as a ``no_optimizer_step`` fault. Never raises."""
+        last = self._committed
+        if last is None or last[0] != iteration - 1 or self._apply_checked == iteration - 1:
+            return
+        prev, doc = last
+        self._apply_checked = prev
+        expect, self._step_expect = self._step_expect, None  # a step still expected for `prev` did not come
+        try:
+            opt_steps = None if doc.get("lrs") is None else (0 if expect is not None and expect[0] == prev else 1)
+            now, then = self._sched_epoch(), doc.get("sched_epoch")
+            sched_steps = None if now is None or then is None else now - then
+            irregular = opt_steps == 0 or (sched_steps is not None and sched_steps != 1)
+            if irregular and self._apply_irregular is None:
+                self._apply_irregular = prev
+                logger.info("stage %d: iteration %d was followed by %s optimizer step(s) and %s lr-scheduler step(s); META records "
+                            "them from now on", self.config.stage, prev, opt_steps, sched_steps)  # fmt: skip
+            if self._apply_irregular is None:
+                return
+            self._amend(prev, doc, {"apply": {"optimizer_steps": opt_steps, "scheduler_steps": sched_steps}})
+            if opt_steps == 0:
+                self.writer.note_fault("no_optimizer_step", f"iteration {prev}: no optimizer step between client.commit({prev}) and "
+                                       f"client.step({iteration}) (gradients accumulated over iterations?): a replay makes one after every "
+                                       "iteration, so a replay of this iteration stops there (recovery falls back to the checkpoint)",
+                                       iteration=prev)  # fmt: skip
+        except Exception as e:
+            self.writer.note_fault("hook", f"optimizer / scheduler step count: {type(e).__name__}: {e}", iteration=prev)
+
+    def _amend(self, iteration: int, doc: dict[str, Any], fields: dict[str, Any]) -> None:
+        """Amend committed ``iteration``'s META (``doc``) with ``fields``: a second record (micro-batch
+        1; fields amended before are kept) shipped like the META, and the decision store's copy
+        replaced with the document so amended. Raises what the store client raises."""
+        base = self._amendment if self._committed is not None and self._committed[0] == iteration and self._amendment else {}
+        amendment = {**base, **fields, "iteration": iteration}
+        if self._committed is not None and self._committed[0] == iteration:
+            self._amendment = amendment
+        stage = self.config.stage
+        self.writer.submit(Channel.meta(stage), iteration, 1, [encode_meta(amendment)])
+        if self.config.ship_data and self.store.cold is not None:  # off the node soon, like the META itself
+            self.writer.mark(functools.partial(_seal_then_set, self.store, [Channel.meta(stage)], threading.Event()))
+        self.writer.kick()
+        if self.coordinator is not None:  # the copy a replacement reads says what the steps did
+            self.coordinator.amend_meta(iteration, encode_meta({**doc, **amendment}).numpy().tobytes())
 
     def _seal_own_data(self) -> None:
         """The recorder queued the last input / target of the iteration: have the writer seal them
@@ -558,6 +634,7 @@ class SwiftlogClient:
     def abort(self, iteration: int, reason: str = "") -> str:
         """This stage saw a failure in ``iteration``: write "abort" unless decided; return the
         decision in force ("commit", "abort", "unknown", or "none" without a decision store)."""
+        self._stepped = None
         if self.coordinator is None:
             return "none"
         return self.coordinator.abort(iteration, reason)
@@ -621,6 +698,7 @@ class SwiftlogClient:
         there are reported like logging faults.
         """
         c = self.config
+        self._check_apply(iteration)  # taken between iterations: the previous one's optimizer / scheduler steps are made
         uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
         opts = c.checkpoint_options()
         uri = save_checkpoint(
@@ -629,6 +707,8 @@ class SwiftlogClient:
         )  # fmt: skip
         if optimizer is not None:  # from now on META records the learning rates each step uses
             self.track_optimizer(optimizer)
+        if lr_scheduler is not None:  # and the scheduler's steps
+            self.track_lr_scheduler(lr_scheduler)
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
@@ -706,6 +786,8 @@ class SwiftlogClient:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
+        if self._committed is not None:  # the last iteration's optimizer / scheduler steps are made by now
+            self._check_apply(self._committed[0] + 1)
         drained = self.writer.drain(left())
         self._maint.wait_idle(left())
         if self._maint.registered and self.config.gc_after_checkpoint:
@@ -799,9 +881,12 @@ class SwiftlogClient:
             "data": "logged" if c.log_data else "source",
             "input_kwargs": list(rec.input_kwargs),
             "input_consts": dict(rec.input_consts),
+            "recv_requires_grad": rec.recv_requires_grad,
             "grad_clip": list(self._grad_clips),
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
+            "sched_epoch": self._sched_epoch(),
+            "apply_irregular": self._apply_irregular,
             "autocast": rec.autocast,
             "autocast_varies": rec.autocast_varies,
             "logging_groups": None if c.logging_groups is None else list(c.logging_groups),

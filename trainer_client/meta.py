@@ -9,7 +9,11 @@ as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micr
 ``data`` ("logged" | "source"), ``input_kwargs`` (names of the step's keyword tensor inputs this
 stage logged under ``input_{stage}``, in this order; on stage 0 after the positional ones),
 ``input_consts`` (the step's keyword inputs that are JSON constants, by name; absent in older
-records), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
+records), ``recv_requires_grad`` (per received part, whether the stage's forward got it as a leaf
+requiring grad: what ``input_args`` declared; null on the first stage; absent in older records:
+every float part did), ``sched_epoch`` (the ``last_epoch`` of the lr scheduler the client tracks,
+at commit; null without one), ``apply_irregular`` (the first iteration after which the client saw
+other than one optimizer and one scheduler step, or null), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
 order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
 module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
 group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
@@ -36,7 +40,11 @@ or a ``.data`` write),
 is amended: the client writes a second record, micro-batch 1 of the same channel and iteration,
 holding ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found them,
 and replaces the decision store's copy with the document so amended. A replay reads both
-(:func:`amend_meta`) and stops at such a step.
+(:func:`amend_meta`) and stops at such a step. From the first iteration followed by other than
+one optimizer step and one lr-scheduler step on, the client also amends every iteration's META
+with ``apply``: ``{"optimizer_steps", "scheduler_steps"}`` made after it (counted when the next
+iteration begins, at a checkpoint or at close; null where it tracks no such object). A replay
+repeats the scheduler's count and stops at an iteration without an optimizer step.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ def decode_meta(t: torch.Tensor) -> dict[str, Any]:
     return json.loads(bytes(t.numpy().tobytes()).decode())
 
 
-AMENDED_FIELDS = ("lrs", "hparams", "changed_after_commit", "grads_changed")
+AMENDED_FIELDS = ("lrs", "hparams", "changed_after_commit", "grads_changed", "apply")
 
 
 def amend_meta(doc: dict[str, Any], amendment: dict[str, Any] | None) -> dict[str, Any]:

@@ -81,6 +81,7 @@ class StageRecorder:
         self.skipped_send_records = 0
         self._warned_non_tensor = False
         self.input_consts: dict[str, Any] = {}  # the step's keyword inputs that are JSON constants (META "input_consts")
+        self.recv_requires_grad: list[bool] | None = None  # per received part: does its buffer require grad (META "recv_requires_grad")
         # inputs / targets logged per iteration (only this stage has them), and what to call once all of an
         # iteration's are queued, after its last forward / loss (the client ships them then, not at the commit)
         self.n_microbatches: int | None = None
@@ -139,6 +140,8 @@ class StageRecorder:
                 if self.log_data and self.log_inputs(self.iteration, micro_batch, args, kwargs):
                     self.data_count += 1
             else:
+                if self.recv_requires_grad is None:  # as declared (input_args): a replay's received leaves must be the same
+                    self.recv_requires_grad = _received_requires_grad(stage, stage.args_recv_info[micro_batch])
                 if self._digest_from_prev:
                     bufs = _received_buffers(stage.args_recv_info[micro_batch])
                     self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
@@ -306,6 +309,21 @@ def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
         buf = getattr(info, "buffer", None)
         if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
             out.append(buf)
+    return out
+
+
+def _received_requires_grad(stage: PipelineStage, recv_infos: Sequence[Any]) -> list[bool]:
+    """Per received part (as :func:`_received_buffers` lists them): whether the stage's forward gets
+    it as a leaf requiring grad. torch sets that on the buffer only as the forward begins, from the
+    part's declared metadata (``tensor_meta.requires_grad``, 2.13) and whether the stage runs a
+    backward; releases without that metadata set it on the buffer when they create it."""
+    out = []
+    for info in recv_infos:
+        buf = getattr(info, "buffer", None)
+        if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
+            meta = getattr(info, "tensor_meta", None)
+            declared = getattr(meta, "requires_grad", None)
+            out.append(bool(declared and getattr(stage, "has_backward", True)) if declared is not None else bool(buf.requires_grad))
     return out
 
 

@@ -382,6 +382,8 @@ class ResilientLoop:
         rebuild: called after every (re-)formation of the process group: build the stage and the
             schedule over the new default group (``client.pipeline_stage`` + ``client.schedule``).
         optimizer: zeroed when an iteration is discarded; the client tracks it (``SwiftlogClient.track_optimizer``).
+        lr_scheduler: optional; the client counts its steps (``SwiftlogClient.track_lr_scheduler``; ``checkpoint``
+            does that too), so that one not stepped once per iteration is replayed as it ran.
         on_event: called with each :class:`RecoveryEvent` once the pipeline re-formed.
     """
 
@@ -393,6 +395,7 @@ class ResilientLoop:
         *,
         rebuild: Callable[[], None],
         optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None = None,
         on_event: Callable[[RecoveryEvent], None] | None = None,
     ) -> None:
         if client.coordinator is None:
@@ -402,6 +405,7 @@ class ResilientLoop:
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
         client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
+        client.track_lr_scheduler(lr_scheduler)
         self.keys = RecoveryKeys(
             config.run_id, config.commit_prefix or client.coordinator.prefix
         )

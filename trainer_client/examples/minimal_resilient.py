@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = ResilientLoop(client, store, RecoveryConfig(run_id=args.run_id, stage=k, num_stages=S, generation=generation,
                                                       store_host=args.store_host, store_port=args.store_port),
-                         rebuild=rebuild, optimizer=optimizer)  # fmt: skip
+                         rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)  # fmt: skip
     loop.join()
     if args.replacement:
         store.set(RecoveryKeys(args.run_id).rejoined(args.generation, k), repr(time.time()))

@@ -289,7 +289,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                           pg_timeout=datetime.timedelta(seconds=args.pg_timeout), rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
                           heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
                           store_host=args.store_host, store_port=args.store_port)  # fmt: skip
-    loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer)
+    loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)
     t_join = time.time()
     loop.join()
     if args.replacement:
