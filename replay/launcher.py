@@ -103,10 +103,12 @@ class RecoveryRun:
     t0: float = 0.0
     kill_times: dict[int, float] = field(default_factory=dict)
     progress: list[tuple[int, float, int]] = field(default_factory=list)
+    error: str | None = None
 
     def describe(self) -> str:
         lines = [
             f"ok={self.ok} mode={self.mode} timed_out={self.timed_out} rcs={self.returncodes} fallback={self.fallback}"
+            + (f" error={self.error}" if self.error else "")
         ]
         for name, rc in sorted(self.returncodes.items()):
             if rc not in (0, -9):
@@ -216,6 +218,8 @@ def run_with_failures(
     gen = 0
     fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
     abandoned: str | None = None  # an in-place recovery given up because of a death during it
+    raised: dict[int, str] = {}  # stage -> the error its last process exited with (rc > 0: it raised, no signal)
+    error: str | None = None  # the same error raised again by a stage's replacement: a bug, not a machine failure
 
     def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
         root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
@@ -308,6 +312,13 @@ def run_with_failures(
                         "rc": rc,
                     }
                 )
+                line = _last_error(logs[name]) if rc is not None and rc > 0 else None
+                if line is not None and raised.get(k) == line:
+                    error = f"stage {k} raised the same error again after its replacement ({line}): a bug in the script, not a machine failure"
+                    timeline.append({"t": time.time(), "what": "give_up", "reason": error})
+                    break
+                if line is not None:
+                    raised[k] = line
                 if gen >= max_restarts:
                     timeline.append(
                         {
@@ -386,6 +397,7 @@ def run_with_failures(
         fallback=fallback or abandoned,
         timed_out=timed_out,
         t0=t0,
+        error=error,
     )
     if store.check([keys.progress()]):
         entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
@@ -402,6 +414,19 @@ def run_with_failures(
         }
         run.timings = _timings(store, keys, run, num_stages)
     return run
+
+
+def _last_error(log_path: str) -> str | None:
+    """The last line of a traceback's exception in a stage's log (``Type: message``), or None."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f.readlines()[-200:]]
+    except OSError:
+        return None
+    if not any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        return None
+    tail = [ln for ln in lines if ln and not ln.startswith((" ", "\t"))]
+    return tail[-1][:300] if tail else None
 
 
 def _group_members(
@@ -553,17 +578,18 @@ def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | Non
 
 def states_equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """What differs between two stage results (``RecoveryRun.results[k]``): model tensors (bitwise;
-    names present in one only), optimizer state (tensors bitwise, other values by equality) and
+    names present in one only), optimizer state (tensors bitwise, other values by equality; a key
+    in one only) and
     param groups (learning rates, betas...), lr scheduler. [] when they are the same."""
     bad = sorted(f"param {n} in one only" for n in a["model"].keys() ^ b["model"].keys())
     bad += [f"param {n}" for n in a["model"] if n in b["model"] and not torch.equal(a["model"][n], b["model"][n])]
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     if sa.keys() != sb.keys():
         bad.append("optimizer state keys")
-    for p in sa.keys() & sb.keys():
-        for key, v in sa[p].items():
-            w = sb[p].get(key)
-            same = torch.equal(v, w) if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) else v == w
+    for p in sorted(sa.keys() & sb.keys(), key=str):
+        for key in sorted(sa[p].keys() | sb[p].keys()):  # a key in one only differs too
+            v, w = sa[p].get(key), sb[p].get(key)
+            same = torch.equal(v, w) if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) else (key in sa[p] and key in sb[p] and v == w)
             if not same:
                 bad.append(f"optimizer {p}.{key}")
     if a["optimizer"].get("param_groups") != b["optimizer"].get("param_groups"):

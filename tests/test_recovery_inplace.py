@@ -321,3 +321,18 @@ def test_two_kills_of_one_stage_are_refused_not_dropped(tmp_path: Path) -> None:
         run_with_failures([], run_id="twice", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path}/ckpt",
                           kills=[KillSpec(1, 2), KillSpec(1, 6), KillSpec(2, 3)])  # fmt: skip
     assert not (tmp_path / "out").exists()  # refused before anything started
+
+
+def test_a_stage_that_raises_the_same_error_again_is_not_replaced_in_a_loop(tmp_path):
+    """A QA check: a script whose stage raised (a bug: a wrong shape, a wrong dtype) was taken for a
+    machine failure and replaced until ``max_restarts``, each replacement failing alike, and the
+    cause sat in a log. A replacement that raises the error its predecessor raised ends the run at
+    once, naming the error."""
+    from replay.launcher import run_with_failures
+
+    r = run_with_failures(["--iters", "3", "--ckpt-at", "0"], run_id="bug", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path / 'ckpt'}",
+                          num_stages=3, timeout_s=120, script="tests._raising_script")  # fmt: skip
+    assert not r.ok and not r.timed_out
+    assert r.error is not None and "stage 1 raised the same error again" in r.error and "RuntimeError: a bug in stage 1's own code" in r.error, r.describe()
+    assert [e["name"] for e in r.timeline if e["what"] == "start" and e["stage"] == 1] == ["stage1-g0", "stage1-g1"]
+    assert "error=stage 1 raised" in r.describe()
