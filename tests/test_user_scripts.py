@@ -202,6 +202,26 @@ def test_an_input_declared_without_gradient_is_replayed_without_one(tmp_path):
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), stage
 
 
+def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_first_step(tmp_path):
+    """A QA check: a stage whose ``input_args`` declared a larger buffer than the previous stage's
+    ``output_args`` received garbage silently (gloo aborts only when more arrives than declared).
+    Each stage puts its declaration into the commit store; the receiver compares before its first
+    step and raises, naming both."""
+    wide = IO.replace("torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0)", "torch.zeros(2, 17 if rank else 8, requires_grad=rank > 0)")
+    proj = _project(tmp_path, "train_wide.py", io=wide)
+    host = loopback_store(datetime.timedelta(seconds=120))
+    cmd = [sys.executable, "train_wide.py", str(proj / "store"), str(proj / "final"), str(host.port)]
+    procs = {rank: subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True) for rank in ("0", "1")}
+    try:
+        _, err = procs["1"].communicate(timeout=120)
+    finally:
+        procs["0"].kill()
+        procs["0"].communicate()
+    assert procs["1"].returncode != 0
+    assert ("stage 1 declares that it receives float32 [2, 17] (input_args), but stage 0 declares that it sends float32 [2, 16] "
+            "(output_args)") in err, err[-3000:]
+
+
 def test_a_script_that_runs_code_at_import_is_not_loaded_unasked(tmp_path):
     """A top level that does more than define things (here a print) could start training again if
     loaded: META leaves ``loss`` empty, the replay's error names the function by path, and passing

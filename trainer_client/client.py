@@ -13,7 +13,9 @@ says: discard the iteration) and :class:`CheckpointError` when a checkpoint cann
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import logging
 import sys
 import threading
@@ -194,6 +196,8 @@ class SwiftlogClient:
         self._apply_checked: int | None = None  # the last iteration whose optimizer / scheduler steps were counted
         self._apply_irregular: int | None = None  # the first iteration not followed by exactly one of each (META "apply_irregular")
         self._stepped: int | None = None  # the iteration whose schedule step finished and is not yet committed or aborted
+        self._declared_inputs: list[list[Any]] | None = None  # [dtype, shape] of each part input_args declare (None: not given)
+        self._decl_checked = False  # input_args compared with what the stage before declares it sends
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
@@ -235,6 +239,7 @@ class SwiftlogClient:
                 role = "receives the gradients of what it sends" if what == "output_args" else "sends back the gradients of what it receives"
                 raise ConfigError(f"stage {c.stage}: no floating tensor of {what} requires grad, but the stage {role}",
                                   hint=f"create the example {what} with requires_grad=True (torch builds gradient buffers only for those)")  # fmt: skip
+        self._publish_declaration(input_args, output_args)
         self._stage = LoggingPipelineStage(
             module,
             self.config.stage,
@@ -342,6 +347,8 @@ class SwiftlogClient:
                 "(n_microbatches) instead, or commit each step as its own iteration with its own optimizer step"
             )
         self._check_apply(iteration)
+        if not self._decl_checked:
+            self._check_declaration()
         self.begin_iteration(iteration)
         c = self.config
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
@@ -525,6 +532,41 @@ class SwiftlogClient:
                                    iteration=it)  # fmt: skip
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
+
+    def _publish_declaration(self, input_args: Any, output_args: Any) -> None:
+        """Put what this stage declares it receives and sends (dtype and shape of each part) into the
+        commit store, where the next stage compares it with its own (:meth:`_check_declaration`)."""
+        self._declared_inputs, self._decl_checked = _part_specs(input_args), self.config.is_first
+        if self.coordinator is None:
+            return
+        try:
+            self.coordinator.store.set(_declaration_key(self.coordinator.prefix, self.config.stage),
+                                       json.dumps({"inputs": self._declared_inputs, "outputs": _part_specs(output_args)}))  # fmt: skip
+        except Exception as e:  # the store is the commit's: if it is gone, the commit says so
+            logger.debug("stage %d: declaration not published: %s", self.config.stage, e)
+
+    def _check_declaration(self) -> None:
+        """Before the first step: compare this stage's ``input_args`` with the ``output_args`` of the
+        stage before it (from the commit store, waiting up to 30 s for it to be built). torch receives
+        into buffers of the receiver's declared dtype and shape without conversion: a mismatch
+        delivers another tensor than was sent (or gloo aborts the receiver). Raises ConfigError
+        naming both declarations; skipped without a commit store or a declaration to compare."""
+        self._decl_checked = True
+        if self.coordinator is None or self._declared_inputs is None:
+            return
+        key = _declaration_key(self.coordinator.prefix, self.config.stage - 1)
+        try:
+            self.coordinator.store.wait([key], datetime.timedelta(seconds=30))
+            sent = json.loads(self.coordinator.store.get(key))["outputs"]
+        except Exception as e:  # not published (another client version, a store hiccup): nothing to compare
+            logger.info("stage %d: the declaration of stage %d is not in the commit store (%s); not compared", self.config.stage, self.config.stage - 1, e)
+            return
+        if sent is not None and sent != self._declared_inputs:
+            k = self.config.stage
+            raise ConfigError(f"stage {k} declares that it receives {_fmt_parts(self._declared_inputs)} (input_args), but stage {k - 1} "
+                              f"declares that it sends {_fmt_parts(sent)} (output_args): torch receives into the declared buffers without conversion, so "
+                              "what arrives would not be what was sent (or gloo aborts the receiver)",
+                              hint="declare input_args exactly as the previous stage's output_args (dtype, shape, one tensor per part, in order)")  # fmt: skip
 
     def track_lr_scheduler(self, lr_scheduler: Any) -> None:
         """Count ``lr_scheduler``'s steps (its ``last_epoch``): META records it at every commit
@@ -910,6 +952,20 @@ def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) 
             return True
         f = f.f_back
     return False
+
+
+def _part_specs(args: Any) -> list[list[Any]] | None:
+    """``[dtype, shape]`` of each tensor of example arguments, in order; None when not given."""
+    return None if args is None else [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in _tensors(args)]
+
+
+def _fmt_parts(parts: list[list[Any]]) -> str:
+    return ", ".join(f"{d} {shape}" for d, shape in parts) or "nothing"
+
+
+def _declaration_key(prefix: str, stage: int) -> str:
+    """The commit-store key of what ``stage`` declares it receives and sends (JSON)."""
+    return f"{prefix}/declared/{stage}"
 
 
 def _tensors(args: Any) -> list[torch.Tensor]:
