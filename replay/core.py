@@ -1105,6 +1105,10 @@ def _check_sends(
             report.records_checked += 1
             if logged.dtype != t.dtype or logged.shape != t.shape or not torch.equal(logged, t):
                 report.record_mismatches.append(str(key))
+    if ctx.verify and check:  # a part the live stage sent (its receiver kept a digest) that the replay did not send differs too
+        for part in reader.logged_parts(digest_channel, it, mb):
+            if part >= len(tensors):
+                report.digest_mismatches.append(str(RecordKey(data_channel, it, mb, part)))
 
 
 # ====================================================================== prefetching

@@ -96,7 +96,9 @@ class ReplayUnit:
 
     ``checkpoint_iteration``: where every stage of the unit restarts (``checkpoints``: their URIs);
     ``stop_iteration``: the first iteration not replayed; ``logged_through``: the first iteration
-    from the checkpoint on whose inputs are not completely logged (None: no checkpoint).
+    from the checkpoint on whose inputs are not completely logged (None: no checkpoint);
+    ``newest_checkpoint``: the newest checkpoint every stage of the unit has (their logs before it
+    may be garbage-collected: a replay from an older one is impossible then, and says so).
     ``needs_data_source``: stage-0 inputs / last-stage targets were not logged, the replay must be
     given the run's deterministic data source. ``verifiable``: every boundary send of the unit has
     a receiver's digest to be checked against. ``missing``/``gaps``: the first missing input keys /
@@ -112,6 +114,7 @@ class ReplayUnit:
     checkpoints: dict[int, str | None] = field(default_factory=dict)
     stop_iteration: int | None = None
     logged_through: int | None = None
+    newest_checkpoint: int | None = None
     iterations: int = 0
     n_microbatches: int | None = None
     needs_data_source: bool = False
@@ -548,6 +551,7 @@ class _Planner:
                              f"the checkpoints of stage(s) {no_uri} were registered without a URI: nothing to load them from")  # fmt: skip
             return
         common = sorted(set.intersection(*have), reverse=True)
+        u.newest_checkpoint = min(max(h) for h in have)  # the GC of the unit's inputs ran up to each stage's newest (at least)
         if self.target is not None:
             common = [c for c in common if c <= self.target]
         if not common:
@@ -633,7 +637,7 @@ class _Planner:
             n = n_mbs[it]
             if n is None:
                 u.missing.append(f"{Channel.meta(first).name}/it{it}/mb0/p0")
-                u.reasons.append(f"iteration {it}: no stage has a META record (no stage committed it)")
+                u.reasons.append(f"iteration {it}: no stage has a META record (no stage committed it, or it was garbage-collected)")
                 continue
             for ch in chans["inputs"]:
                 mbs = self._index(ch, c).get(it, {})
@@ -647,12 +651,17 @@ class _Planner:
                             u.missing.append(key)
                         if g is not None and len(u.gaps) < _MAX_LISTED:
                             u.gaps.append(g)
+        newest = u.newest_checkpoint
+        collected = newest is not None and c < newest and (u.missing or any("no stage has a META" in r for r in u.reasons))
+        if collected:
+            u.reasons.insert(0, f"the logs of [{c}, {newest}) were garbage-collected when stage(s) {u.stages} registered their checkpoint at {newest}: "
+                                f"a replay starts from it and reaches only iterations from {newest} on")  # fmt: skip
         if u.missing:
             first_key = u.missing[0]
             g = u.gaps[0] if u.gaps else None
             why = f"; a gap was recorded for {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}" if g else ""
             u.reasons.append(f"inputs missing for [{c}, {target}): first missing record {first_key}{why}")
-        if stop < target:
+        if stop < target and not (collected and newest is not None and target <= newest):
             u.reasons.append(f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is {stop - 1} completely)")
         # META: the unit's own, else another stage's stands in (ascending schedules only)
         meta_chans: set[Channel] = set()

@@ -272,6 +272,10 @@ class LogReader:
 
         return self._shared(self._metas, self._meta_pending, k, fetch)
 
+    def logged_parts(self, channel: Channel, iteration: int, micro_batch: int) -> list[int]:
+        """The parts of (channel, iteration, micro-batch) some source lists, in order ([] if none)."""
+        return sorted({k.part for k in self._parts_of(channel, iteration).get(micro_batch, [])})
+
     def digest(self, src: int, dst: int, iteration: int, micro_batch: int, part: int) -> int | None:
         """The digest that receiver ``dst`` kept of part ``part`` sent by ``src``, or None."""
         try:

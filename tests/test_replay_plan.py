@@ -166,7 +166,7 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         far = plan_recovery(st, [2], target_iteration=2**53 - 1)
     assert time.monotonic() - t0 < 10 and not far.possible and far.units[0].iterations == 2**53 - 1 - 2
     reasons = far.units[0].reasons
-    assert len(reasons) == 3 and reasons[0] == f"iteration {ITERS}: no stage has a META record (no stage committed it)", reasons
+    assert len(reasons) == 3 and reasons[0] == f"iteration {ITERS}: no stage has a META record (no stage committed it, or it was garbage-collected)", reasons
     assert reasons[-1] == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"
     shutil.rmtree(root)
 
@@ -200,6 +200,26 @@ def test_bad_arguments_are_refused(f1b_run):
     assert plan.possible and plan.units[0].stages == [0]
     with pytest.raises(ValueError, match="at least one LogStore"):
         plan_recovery([], [1])
+
+
+def test_a_target_below_a_newer_checkpoint_whose_gc_removed_the_logs_says_so(f1b_run, tmp_path):
+    """A QA check: with a newer checkpoint (4) whose GC removed the logs below it, a target between the
+    two (3) was refused as "no stage committed it" and "beyond the logs". The plan now says first
+    that the logs from the older checkpoint on were garbage-collected, and from where a replay can
+    start."""
+    root, cold = copy_run_files(f1b_run, tmp_path)
+    from logstore import LogStore
+
+    with LogStore.open(root, f1b_run.run_id, writer="admin", cold_url=cold) as st:
+        st.register_checkpoint(2, 4, uri=f"file://{tmp_path}/it4.pt")
+        assert st.gc().to_dict()
+        plan = plan_recovery(st, [2], target_iteration=3)
+        assert plan_recovery(st, [2]).possible  # from the newer one, to the end of the logs
+    u = plan.units[0]
+    assert not plan.possible and u.checkpoint_iteration == CKPT and u.newest_checkpoint == 4
+    assert u.reasons[0] == f"the logs of [{CKPT}, 4) were garbage-collected when stage(s) [2] registered their checkpoint at 4: a replay starts from it and reaches only iterations from 4 on", u.reasons
+    assert not any("beyond the logs" in r for r in u.reasons), u.reasons
+    shutil.rmtree(root)
 
 
 def test_a_checkpoint_registered_without_a_uri_is_not_planned_from(f1b_run, tmp_path):

@@ -202,6 +202,36 @@ def test_an_input_declared_without_gradient_is_replayed_without_one(tmp_path):
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), stage
 
 
+SHORT = """
+import torch
+
+from mynet import First
+
+
+class OneOut(First):
+    def forward(self, x):
+        return super().forward(x)[0]
+
+
+def make_short(stage, num_stages, checkpoint, lr=0.05):
+    module = OneOut()
+    return module, torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9), None
+"""
+
+
+def test_a_replay_that_sends_fewer_parts_than_the_live_stage_is_not_verified(tmp_path):
+    """A QA check: "verified" meant that every send the replay made matched a digest, so a replay
+    that made fewer sends than the live stage (here a factory whose module returns one of the
+    two parts; in the check, a whole direction skipped) was "verified". A part the receiver kept a
+    digest of that the replay did not send is a divergence, named."""
+    proj = _project(tmp_path, "train_nograd.py", net=NET_NOGRAD, io=IO_NOGRAD)
+    (proj / "short.py").write_text(SHORT)
+    root, _ = _train(proj, "train_nograd.py", "ranks")
+    r = _swiftlog(proj, "replay", "--run", "mine", "--root", str(root), "-s", "0", "--model", "short.py:make_short", "-o", str(tmp_path / "out"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "act_0_1/it1/mb0/p1" in r.stdout + r.stderr and " verified " not in r.stdout, r.stdout + r.stderr
+
+
 def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_first_step(tmp_path):
     """A QA check: a stage whose ``input_args`` declared a larger buffer than the previous stage's
     ``output_args`` received garbage silently (gloo aborts only when more arrives than declared).
