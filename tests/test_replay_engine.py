@@ -12,6 +12,7 @@ import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -591,3 +592,20 @@ def test_a_key_is_asked_first_of_the_source_that_listed_it(f1b_run, tmp_path):
         with pytest.raises(ReplayInputMissingError):  # a key nobody listed is still looked for everywhere
             reader.get(RecordKey(ch, ITERS + 5, 0))
         assert a.gets == 1 and b.gets == len(parts) + 1
+
+
+def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
+    """A QA check: a replacement's fallback read "first mismatch None, missing digests []; not every
+    send could be checked, or the last step is unproven", which did not say which. Now it names the
+    one reason that applies."""
+    from replay.core import ReplayReport
+    from replay.replacement import _unverified
+
+    def rep(**kw: Any) -> ReplayReport:
+        return ReplayReport(stages=[1], start_iteration=4, stop_iteration=6, **kw)
+
+    assert "act_1_2/it5/mb0/p0 differs from the log" in _unverified(rep(sends_generated=4, digests_checked=4, digest_mismatches=["act_1_2/it5/mb0/p0"]))
+    assert "made no boundary send" in _unverified(rep())
+    missing = _unverified(rep(sends_generated=4, digests_checked=2, digests_missing=["grad_1_0/it4/mb0/p0", "grad_1_0/it4/mb1/p0"]))
+    assert "2 of its 4 sends have no digest in the logs to check them against (first: grad_1_0/it4/mb0/p0)" in missing
+    assert "its last iteration (5) was replayed with another stage's META" in _unverified(rep(sends_generated=4, digests_checked=4, unknown_steps=[5]))
