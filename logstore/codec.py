@@ -545,17 +545,17 @@ def _as_view(blob: Blob) -> memoryview:
 def _parse(mv: memoryview, key: object, total_length: int | None = None) -> tuple[TensorHeader, _Layout | None]:
     at = _where(key)
     size = mv.nbytes if total_length is None else total_length
-    if size < 5 or bytes(mv[:4]) != MAGIC:
+    if size < 5 or mv.nbytes < 5 or bytes(mv[:4]) != MAGIC:
         raise CodecError(f"not a swiftlog tensor record: bad magic {bytes(mv[:4])!r}{at}", key=key)
     if mv[4] != VERSION:
         raise CodecError(f"unsupported tensor record version {mv[4]} (this build reads {VERSION}){at}", key=key)
-    if size < _FIXED.size + _HCHECK.size:
-        raise CodecError(f"truncated tensor record: {size} bytes, header alone needs more{at}", key=key)
+    if min(size, mv.nbytes) < _FIXED.size + _HCHECK.size:  # the bytes at hand may be fewer than the length the index says (a truncated file)
+        raise CodecError(f"truncated tensor record: {min(size, mv.nbytes)} bytes, header alone needs more{at}", key=key)
     _, _, dtype_code, codec_id, ndim, raw_len, payload_len, digest = _FIXED.unpack_from(mv, 0)
     hlen = _FIXED.size + 8 * ndim
     if codec_id == _CODEC_IDS["planes"]:
-        if size < hlen + _PLANES_HEAD.size + _HCHECK.size:
-            raise CodecError(f"truncated tensor record: {size} bytes, header is longer{at}", key=key)
+        if min(size, mv.nbytes) < hlen + _PLANES_HEAD.size + _HCHECK.size:
+            raise CodecError(f"truncated tensor record: {min(size, mv.nbytes)} bytes, header is longer{at}", key=key)
         _, word, nplanes, seg_words = _PLANES_HEAD.unpack_from(mv, hlen)
         if word not in _UINT or raw_len % word or (raw_len and not seg_words):
             raise CodecError(

@@ -9,6 +9,7 @@ Hierarchy::
     ├── StoreError                      a log-store operation failed
     │   ├── RecordNotFoundError (KeyError)   no tier holds the key
     │   ├── CorruptRecordError          checksum mismatch: the bytes are never returned
+    │   ├── CorruptIndexError           a writer's LMDB index cannot be read (damaged pages or entries)
     │   ├── StoreFullError              disk full (ENOSPC/EDQUOT) or LMDB map cannot grow
     │   ├── ColdTierUnavailableError    object store unreachable or failing (retryable)
     │   ├── ColdTierError               object store refused an operation (not retryable)
@@ -36,6 +37,7 @@ __all__ = [
     "StoreError",
     "RecordNotFoundError",
     "CorruptRecordError",
+    "CorruptIndexError",
     "StoreFullError",
     "ColdTierUnavailableError",
     "ColdTierError",
@@ -94,6 +96,11 @@ class RecordNotFoundError(StoreError, KeyError):
 
 class CorruptRecordError(StoreError):
     """Stored bytes do not match their checksum. The bytes are never returned."""
+
+
+class CorruptIndexError(StoreError):
+    """A writer's LMDB index cannot be read: damaged pages or entries. Its records are read no more
+    through it (those uploaded are still in the cold tier); ``swiftlog verify`` lists it."""
 
 
 class StoreFullError(StoreError):

@@ -57,6 +57,7 @@ from logstore import codec
 from logstore.errors import (
     CodecError,
     ConfigError,
+    CorruptIndexError,
     CorruptRecordError,
     StoreClosedError,
     StoreError,
@@ -64,7 +65,7 @@ from logstore.errors import (
     SwiftlogError,
     translate_os_error,
 )
-from logstore.keys import Channel, RecordKey, channel_range
+from logstore.keys import KEY_SIZE, Channel, RecordKey, channel_range
 from logstore.segment import (
     BlobStream,
     FILE_HEADER,
@@ -116,7 +117,10 @@ class SegmentMeta:
 
     @classmethod
     def loads(cls, data: bytes) -> SegmentMeta:
-        return cls(*json.loads(data))
+        try:
+            return cls(*json.loads(data))
+        except TypeError as e:  # the wrong number of fields: a damaged entry (JSON errors are ValueErrors, caught by the reader)
+            raise json.JSONDecodeError(f"segment entry with {e}", data.decode(errors="replace")[:80], 0) from e
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -343,6 +347,9 @@ class HotTier:
                 if txn is not None:
                     try:
                         yield txn
+                    except (lmdb.Error, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
+                        raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}",
+                                                hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier") from e  # fmt: skip
                     finally:
                         txn.abort()
                     return
@@ -740,6 +747,21 @@ class HotTier:
         lock (a dict copy is atomic under the GIL), so it never waits on a write in progress."""
         return {name: cur.lo for name, cur in self._active.copy().items()}
 
+    def check_readable(self) -> None:
+        """Walk every entry of the index once (segments and documents decoded, records read):
+        raises CorruptIndexError for damaged pages or entries, so that a reader can leave a
+        damaged index out instead of failing on it later in every listing."""
+        with self._read() as txn:
+            for _, v in txn.cursor(db=self._db_seg):
+                SegmentMeta.loads(v)
+            for k, v in txn.cursor(db=self._db_meta):
+                if k.startswith(b"doc/"):
+                    k[4:].decode()
+                    json.loads(v)
+            for k, v in txn.cursor(db=self._db_rec):
+                if len(k) != KEY_SIZE or len(v) != _REC.size:
+                    raise struct.error(f"record entry of {len(k)} + {len(v)} bytes")
+
     def segments(self) -> list[SegmentMeta]:
         with self._read() as txn:
             return [SegmentMeta.loads(v) for _, v in txn.cursor(db=self._db_seg)]
@@ -760,14 +782,20 @@ class HotTier:
         return Location(self.writer, meta, off, ln, cs, raw_len)
 
     def read_local(self, loc: Location) -> bytes | None:
-        """The blob at ``loc`` from the local segment file, checksum-verified; None if the file is gone."""
+        """The blob at ``loc`` from the local segment file, checksum-verified; None if the file is
+        gone. A file that cannot be read (EIO, EACCES, not a file) is a CorruptRecordError like a
+        checksum mismatch: the caller reads another copy or reports it, never a bare OSError."""
         path = self.seg_path(loc.segment.id)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
         try:
             blob = os.pread(fd, loc.length, loc.offset)
+        except OSError as e:
+            raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
         finally:
             os.close(fd)
         if len(blob) != loc.length or blob_checksum(blob) != loc.checksum:
@@ -785,6 +813,8 @@ class HotTier:
             fd = os.open(self.seg_path(loc.segment.id), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise CorruptRecordError(f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier {self.dir}: {e.strerror or e}", key=key) from e
         return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size,
                                   f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}")  # fmt: skip
 

@@ -128,6 +128,9 @@ class BlobStream:
             finally:
                 release()
 
+        if len(first) < min(chunk_size, length):  # the file ends inside the record
+            release()
+            raise CorruptRecordError(f"corrupt record {key} in {where}: truncated ({len(first)} of {length} bytes)", key=key)
         if len(first) == length and h.intdigest() != checksum:
             release()
             raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)

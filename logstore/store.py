@@ -25,6 +25,7 @@ at or above its owner's watermark; returns bytes that fail their checksum.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ from logstore.cold import ColdTier
 from logstore.errors import (
     ColdTierUnavailableError,
     ConfigError,
+    CorruptIndexError,
     CorruptRecordError,
     RecordNotFoundError,
     SegmentClashError,
@@ -282,6 +284,7 @@ class LogStore:
         self._lock = threading.RLock()
         self._upload_lock = threading.Lock()
         self._readers: dict[str, HotTier] = {}
+        self._unreadable: dict[str, str] = {}  # writer -> why its index was left out (damaged)
         self._readers_scanned = 0.0
         self._footers: OrderedDict[str, dict[bytes, Any]] = OrderedDict()
         self._cold_list: dict[str, list[_ColdSeg]] | None = None
@@ -480,7 +483,10 @@ class LogStore:
         like :meth:`get_blob`; the caller closes the stream (or iterates it to the end)."""
         self._refuse_collected(key)
         for hot, loc in self._hot_locations(key):
-            stream = hot.stream_local(loc, key, chunk_size)
+            try:
+                stream = hot.stream_local(loc, key, chunk_size)
+            except CorruptRecordError:  # a one-chunk record checked at once, or an unreadable file: another copy may be intact
+                break
             if stream is not None:
                 return stream
             break  # its segment file is gone: the read-through below finds it (cold tier)
@@ -521,7 +527,7 @@ class LogStore:
             found.update(k for k, _ in hot.keys(channel, it_lo, it_hi))
         if self.cold is not None and not hot_only:
             for seg in self._cold_segments(channel, it_lo, it_hi):
-                for e in self._footer(seg.name).values():  # keys decoded once, when the footer was read
+                for e in self._footer(seg.name, seg.size).values():  # keys decoded once, when the footer was read
                     k = e.key
                     if channel is None or (k.iteration >= it_lo and (it_hi is None or k.iteration < it_hi)):
                         found.add(k)
@@ -638,7 +644,7 @@ class LogStore:
                 if self._uploaded_from(seg, hots):
                     continue
                 added = False
-                for kb, e in self._footer(seg.name).items():
+                for kb, e in self._footer(seg.name, seg.size).items():
                     if (after is not None and kb <= after) or kb in found:
                         continue
                     k = RecordKey.decode(kb)
@@ -666,11 +672,20 @@ class LogStore:
             if now - self._readers_scanned > 1.0 and self._run_dir.is_dir():
                 self._readers_scanned = now
                 for d in sorted(self._run_dir.iterdir()):
-                    if d.name not in self._readers and (d / "index").is_dir():
+                    if d.name not in self._readers and d.name not in self._unreadable and (d / "index").is_dir():
                         try:
-                            self._readers[d.name] = HotTier(d, owner=False)
+                            reader = HotTier(d, owner=False)
                         except StoreError as e:
                             logger.warning("cannot open hot tier %s: %s", d, e)
+                            continue
+                        try:
+                            reader.check_readable()  # a damaged index is left out here, not met in every later listing
+                        except CorruptIndexError as e:
+                            logger.warning("leaving out hot tier %s: %s", d, e)
+                            self._unreadable[d.name] = str(e)
+                            reader.close()
+                            continue
+                        self._readers[d.name] = reader
             return list(self._readers.values())
 
     # ---------------------------------------------------------------- cold tier reads
@@ -732,8 +747,10 @@ class LogStore:
         segs = [s for n, v in idx.items() if channel is None or n == channel.name for s in v]
         return [s for s in segs if s.hi >= it_lo and (it_hi is None or s.lo < it_hi)]
 
-    def _footer(self, name: str) -> dict[bytes, Any]:
-        """Index of a cold segment (key bytes -> entry), cached (LRU)."""
+    def _footer(self, name: str, size: int) -> dict[bytes, Any]:
+        """Index of a cold segment of ``size`` bytes (key bytes -> entry), cached (LRU). Raises
+        CorruptRecordError when the trailer does not describe an index ending where it begins
+        (a damaged trailer would otherwise ask for any number of bytes)."""
         assert self.cold is not None
         with self._lock:
             if name in self._footers:
@@ -741,6 +758,9 @@ class LogStore:
                 return self._footers[name]
         trailer = self.cold.read_range(name, -TRAILER_SIZE, TRAILER_SIZE)
         off, n, csum = parse_trailer(trailer, name)
+        if off < 0 or off + n * 43 + TRAILER_SIZE != size:
+            raise CorruptRecordError(f"segment {name}: damaged trailer (an index of {n} entries at offset {off} does not end where the "
+                                     f"trailer of the {size}-byte object begins)", key=name)  # fmt: skip
         index = self.cold.read_range(name, off, n * 43) if n else b""
         entries = {e.key.encode(): e for e in parse_index(index, n, csum, name)}
         with self._lock:
@@ -754,7 +774,7 @@ class LogStore:
         for refresh in (False, time.monotonic() - self._cold_list_at > 0.5):
             # newest first: a writer restarted by a rollback numbers past its earlier uploads, and its copy is the one the job went on from
             for seg in sorted(self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh), key=_copy_age, reverse=True):
-                e = self._footer(seg.name).get(kb)
+                e = self._footer(seg.name, seg.size).get(kb)
                 if e is None:
                     continue
                 blob = self.cold.read_range(seg.name, e.offset, e.length)
@@ -1082,8 +1102,13 @@ class LogStore:
         the next ``gc``). Written to the cold tier (shared by every node) when configured, and to
         the local index. Raises ColdTierUnavailableError if the cold tier cannot record it.
         """
-        if not isinstance(stage, int) or stage < 0 or not isinstance(iteration, int) or iteration < 0:
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0 or isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ConfigError(f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}")
+        try:  # stored as JSON and served as UTF-8: a lone surrogate or a NaN would be stored, then break every read of the list
+            json.dumps(meta or {}, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
+            raise ConfigError(f"checkpoint meta of stage {stage} iteration {iteration} is not portable JSON: {e}",
+                              hint="strings must be valid Unicode, numbers finite, values JSON types") from e
         info = CheckpointInfo(stage, iteration, uri, time.time(), dict(meta or {}))
         doc = asdict(info)
         if self.cold is not None:
@@ -1260,9 +1285,17 @@ class LogStore:
         may_be_gc: list[tuple[dict[str, str], int, int]] = []  # (problem, owner stage, last iteration it concerns)
         hots = self._hot_tiers()
         for w in sorted(set(self.writers()) - {h.writer for h in hots}):
-            rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"), "error": "the index cannot be opened (see the log)"})
+            rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"),
+                                 "error": self._unreadable.get(w) or "the index cannot be opened (see the log)"})  # fmt: skip
+        readable = []
         for hot in hots:
-            for path in hot.orphan_files():
+            try:
+                orphans, listed = hot.orphan_files(), [(hot, k, loc) for k, loc in hot.keys()]
+            except CorruptIndexError as e:  # damaged pages: the other writers' records are still checked
+                rep.problems.append({"tier": "hot", "key": "", "where": str(hot.dir / "index"), "error": str(e)})
+                continue
+            readable.extend(listed)
+            for path in orphans:
                 rep.problems.append({"tier": "hot", "key": "", "where": str(path),
                                      "error": "segment file not in the writer's index (index lost or replaced?): its records are not readable"})  # fmt: skip
         committed: set[str] | None = None
@@ -1271,8 +1304,15 @@ class LogStore:
                 committed = self._committed_names()
             except SwiftlogError as e:
                 rep.problems.append({"tier": "cold", "key": "", "where": self.config.cold_url or "", "error": f"cannot be listed: {e}"})
+            else:  # the checkpoint registrations and gaps other commands read (stat, gc, plan)
+                try:
+                    self.checkpoints()
+                    self.gaps()
+                except SwiftlogError as e:
+                    rep.problems.append({"tier": "cold", "key": "", "where": str(getattr(e, "key", None) or self.config.cold_url or ""),
+                                         "error": f"a registration document cannot be read: {e}"})  # fmt: skip
         wm = self.watermarks(max_age=2.0)
-        entries = [(hot, k, loc) for hot in hots for k, loc in hot.keys()]
+        entries = readable
         for i, (hot, k, loc) in enumerate(entries):
             where = f"{hot.dir}/segments/{loc.segment.id:010d}.seg"
             try:
@@ -1301,7 +1341,7 @@ class LogStore:
                 rep.cold_segments += 1
                 try:
                     data = self.cold.read(seg.name)
-                    entries_c = self._footer(seg.name).values()
+                    entries_c = self._footer(seg.name, seg.size).values()
                 except SwiftlogError as e:
                     rep.problems.append({"tier": "cold", "key": "", "where": seg.name, "error": str(e)})
                     if not isinstance(e, CorruptRecordError):  # e.g. deleted since the listing

@@ -8,9 +8,10 @@ Conventions: sizes are bytes; iteration ranges in summaries are inclusive (``fir
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 __all__ = [
     "ErrorDetail",
@@ -214,10 +215,21 @@ class RecordDetail(RecordEntry):
 
 # ---------------------------------------------------------------------------------- checkpoints, gc, flush
 class CheckpointRequest(_Model):
-    stage: int = Field(ge=0, le=MAX_STAGE)
-    iteration: int = Field(ge=0, le=MAX_API_ITERATION)
-    uri: str | None = Field(None, max_length=4096, description="where the checkpoint is readable from a replacement")
-    meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded)")
+    stage: StrictInt = Field(ge=0, le=MAX_STAGE)
+    iteration: StrictInt = Field(ge=0, le=MAX_API_ITERATION)
+    uri: str | None = Field(None, min_length=1, max_length=4096, description="where the checkpoint is readable from a replacement")
+    meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded); valid Unicode, finite numbers")
+
+    @field_validator("meta")
+    @classmethod
+    def _portable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """Stored as JSON and served as UTF-8: a lone surrogate or a non-finite number is refused here (it used to be
+        stored, then break every later read of the checkpoint list)."""
+        try:
+            json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"meta is not portable JSON: {e}") from e
+        return v
     force: StrictBool = Field(
         False,
         description="register even a stage beyond the run's logged stages, an iteration beyond its logs, or a local uri "

@@ -19,6 +19,7 @@ through ``gc(confirm=True)``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -128,7 +129,12 @@ def tensor_stats(t: torch.Tensor) -> TensorStats:
 
 
 def _checkpoint(c: Any) -> Checkpoint:
-    return Checkpoint(stage=c.stage, iteration=c.iteration, uri=c.uri, registered_at=c.registered_at, meta=c.meta)
+    meta = c.meta
+    try:  # a registration older than the check on portable JSON may hold a lone surrogate: served, not a 500 on every list
+        json.dumps(meta, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError):
+        meta = {"unreadable_meta": json.dumps(meta, ensure_ascii=True, default=repr)}
+    return Checkpoint(stage=c.stage, iteration=c.iteration, uri=c.uri, registered_at=c.registered_at, meta=meta)
 
 
 def _entry(info: RecordInfo) -> dict[str, Any]:
@@ -600,6 +606,9 @@ class Node:
             raise BadRequestError(f"checkpoint uri {req.uri!r}: the scheme must be lower case (fsspec does not know {scheme!r})",
                                   hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...")  # fmt: skip
         local = req.uri[len("file://"):] if scheme == "file" else (req.uri if req.uri and scheme is None else None)
+        if local is not None and not os.path.isabs(local):
+            raise BadRequestError(f"checkpoint uri {req.uri!r} is a relative path: it would be read relative to whichever process reads it",
+                                  hint="give an absolute path (file:///abs/path/it000000000005.pt) or a URL")  # fmt: skip
         if local is not None and not os.path.isfile(local):
             raise BadRequestError(f"checkpoint uri {req.uri!r} is not a file on this node",
                                   hint='register a checkpoint once it is durable; pass "force": true if it is readable elsewhere')  # fmt: skip

@@ -89,6 +89,18 @@ def test_ls_lists_the_hot_tier_with_a_warning_while_the_cold_tier_is_unreachable
     assert "act_0_1/it0/mb0/p0" in pt.stdout
 
 
+def test_verify_with_the_object_store_unreachable_exits_unavailable(written_store: StoreFixture) -> None:
+    """A QA check: verify said "problems found" (1) when the only problem was an object store it could not
+    list; like ls and stat it exits 4 (unavailable), after checking the hot tier."""
+    from logstore.testing import free_port
+
+    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    (p,) = swiftlog_all(("verify", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--json", dead))
+    assert p.returncode == 4 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    rep = json.loads(p.stdout)["runs"][0]
+    assert rep["hot_checked"] > 0 and [pr["error"][:16] for pr in rep["problems"]] == ["cannot be listed"], rep["problems"]
+
+
 def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_copy: StoreFixture) -> None:
     """Checkpoints are registered in the cold tier: without it, stat printed "checkpoints: none
     registered", "gaps: none" and no watermarks, and exited 0. Now it shows what this node
@@ -161,6 +173,11 @@ def test_export_pt_and_npy(written_store: StoreFixture, tmp_path: Path) -> None:
     assert np.array_equal(np.load(npy), want.float().numpy())
     _fails(p_fmt, 2, "*.pt or *.npy")
     _fails(swiftlog("export", str(key), *common, "-o", npy), 2, "exists", "--force")
+    # QA checks: a directory that does not exist gave a FileNotFoundError traceback; a bad --format blamed the file name
+    no_dir, bad_fmt = swiftlog_all(("export", str(key), *common, "-o", tmp_path / "no" / "such" / "a.pt"),
+                                   ("export", str(key), *common, "-o", tmp_path / "b.pt", "--format", "npz"))  # fmt: skip
+    _fails(no_dir, 2, "cannot write", "directory exists")
+    _fails(bad_fmt, 2, "--format 'npz' is not pt or npy")
 
 
 def test_verify_reports_a_flipped_byte(store_copy: StoreFixture) -> None:

@@ -219,9 +219,16 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
                             ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"}, "'file:///nonexistent/2/4' is not a file on this node")):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)  # (also a directory, an upper-case scheme: below)
             assert r.status_code == 400 and needle in r.json()["error"]["message"] and '"force": true' in r.json()["error"]["hint"], r.text
-        for bad in ({"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()}, {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"}):
+        for bad in ({"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()}, {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"},
+                    {"stage": 2, "iteration": 4, "uri": "../../etc/passwd"}):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)
-            assert r.status_code == 400 and ("is not a file" in r.text or "must be lower case" in r.text), r.text
+            assert r.status_code == 400 and ("is not a file" in r.text or "must be lower case" in r.text or "is a relative path" in r.text), r.text
+        # QA checks: a lone surrogate in meta was stored, then broke every list of the run's checkpoints (500);
+        # a string, a bool or a float stage / iteration, an empty uri and a NaN were taken as they came
+        for body in ('{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}', '{"stage": "2", "iteration": 4}', '{"stage": true, "iteration": 4}',
+                     '{"stage": 2, "iteration": 4.0}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
+            r = c.post("/v1/runs/run-a/checkpoints", content=body.encode(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 422, (body, r.text)
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
         ckpt = store_copy.root.parent / "ckpt-2-4.pt"
         ckpt.write_bytes(b"a checkpoint")

@@ -5,6 +5,8 @@ Each test gets a fresh node root and a fresh cold prefix from ``cold_env`` (test
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import ColdTierUnavailableError, CorruptRecordError, RecordNotFoundError
+from logstore.errors import ColdTierUnavailableError, ConfigError, CorruptRecordError, RecordNotFoundError
 from logstore.hot import EVICTED, UPLOADED
 
 ACT = Channel.activation(1)
@@ -427,3 +429,86 @@ def test_gaps_reach_the_cold_tier_without_blocking_the_writer(tmp_path: Path, co
     r = _open(tmp_path / "other-node", cold_backend, writer=None)
     assert [(g["channel"], g["iteration"], g["reason"]) for g in r.gaps()] == [("act_1_2", 7, "queue full")]
     r.close()
+
+
+def _file_cold(tmp_path: Path) -> tuple[str, dict, None]:
+    return f"file://{tmp_path / 'cold'}", {}, None
+
+
+def test_a_damaged_index_is_left_out_and_listed_and_the_other_writers_stay_readable(tmp_path: Path) -> None:
+    """A QA check: bytes flipped in one writer's LMDB index made every command of the run fail with
+    an lmdb traceback (verify too). A reader now walks a foreign index once when it opens it and
+    leaves a damaged one out (warned, and listed by verify); the other writer's records, and the
+    damaged writer's uploaded ones (cold tier), stay readable."""
+    cold = _file_cold(tmp_path)
+    a = _open(tmp_path / "node", cold, writer="stage1")
+    _fill(a, range(2))
+    a.close()  # uploaded
+    b = _open(tmp_path / "node", cold, writer="stage2", upload=False)
+    b.put(RecordKey(Channel.activation(2), 0, 0), _t(0, 0))
+    b.close(flush=False)
+    data = tmp_path / "node" / "run1" / "stage1" / "index" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    for i in range(0, len(raw), 97):
+        raw[i] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    r = _open(tmp_path / "node", cold, writer=None)
+    rep = r.verify()
+    assert [(p["tier"], p["where"].endswith("stage1/index")) for p in rep.problems] == [("hot", True)], rep.problems
+    assert "cannot be" in rep.problems[0]["error"]
+    assert torch.equal(r.get(RecordKey(Channel.activation(2), 0, 0)), _t(0, 0))  # the other writer's
+    assert torch.equal(r.get(RecordKey(ACT, 1, 1)), _t(1, 1))  # the damaged writer's, from the cold tier
+    r.close()
+
+
+def test_damaged_cold_trailers_unreadable_and_truncated_hot_files_are_errors_naming_them(tmp_path: Path) -> None:
+    """QA checks: one flipped byte in a cold object's trailer asked for any number of bytes
+    (MemoryError); a segment file that cannot be read (here a directory in its place) raised a bare
+    IsADirectoryError from verify; a truncated one-chunk record failed a stream with struct.error
+    (a 500 from /raw). Each is now a CorruptRecordError naming it, and reads fall back to another copy."""
+    cold = _file_cold(tmp_path)
+    s = _open(tmp_path / "node", cold)
+    _fill(s, range(4))
+    s.flush()
+    key = RecordKey(ACT, 3, 0)
+    loc = s.hot.lookup(key)
+    s.close()
+    # the hot file truncated inside the record: a stream of it falls back to the cold copy
+    path = tmp_path / "node" / "run1" / "stage1" / "segments" / f"{loc.segment.id:010d}.seg"
+    os.truncate(path, loc.offset + 10)
+    r = _open(tmp_path / "node", cold, writer=None)
+    stream = r.open_blob(key)
+    assert b"".join(stream) == r.get_blob(key)
+    r.close()
+    # a directory where the file was: verify lists it, a read falls back
+    path.unlink()
+    path.mkdir()
+    r = _open(tmp_path / "node", cold, writer=None)
+    assert torch.equal(r.get(key), _t(3, 0))
+    assert any("unreadable segment file" in p["error"] for p in r.verify().problems)
+    r.close()
+    # a damaged trailer in the cold tier, with no hot copy: an error naming the object, for reads and verify
+    shutil.rmtree(tmp_path / "node" / "run1" / "stage1")
+    obj = Path(str(cold[0])[len("file://"):]) / loc.segment.cold_name
+    raw = bytearray(obj.read_bytes())
+    raw[-20] ^= 0xFF  # the trailer's entry count
+    obj.write_bytes(bytes(raw))
+    r = _open(tmp_path / "node", cold, writer=None)
+    with pytest.raises(CorruptRecordError, match=r"damaged trailer"):
+        r.get(key)
+    assert any("damaged trailer" in p["error"] for p in r.verify().problems)
+    r.close()
+
+
+def test_checkpoint_meta_must_be_portable_json(tmp_path: Path) -> None:
+    """A lone surrogate or a NaN in a registration's meta was stored as given; every later read of
+    the run's checkpoints then failed to serve it. Refused, naming what is wrong; bool stages too."""
+    with LogStore.open(tmp_path, "run1", writer="admin") as s:
+        for meta in ({"a": "\ud800"}, {"x": float("nan")}, {"o": object()}):
+            with pytest.raises(ConfigError, match=r"checkpoint meta of stage 1 iteration 2 is not portable JSON"):
+                s.register_checkpoint(1, 2, meta=meta)
+        with pytest.raises(ConfigError, match=r"stage >= 0"):
+            s.register_checkpoint(True, 2)  # type: ignore[arg-type]
+        assert s.checkpoints() == []
+        s.register_checkpoint(1, 2, meta={"é": "ü", "n": 1.5})
+        assert s.checkpoints()[0].meta == {"é": "ü", "n": 1.5}

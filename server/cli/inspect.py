@@ -242,6 +242,8 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Write one record's tensor to a .pt or .npy file (checksum-verified on the way)."""
+    if fmt is not None and fmt.lower() not in ("pt", "npy"):
+        raise fail(f"--format {fmt!r} is not pt or npy")
     fmt = (fmt or output.suffix.lstrip(".")).lower()
     if fmt not in ("pt", "npy"):
         raise fail(f"cannot tell the format of {str(output)!r}", hint="name the file *.pt or *.npy, or pass --format pt|npy")
@@ -251,7 +253,10 @@ def export(
         k, t = make_node(root, cold_url, cold_option).tensor(run, key)
     note = None
     out_dir = output.parent if str(output.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{output.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{output.name}.", suffix=".tmp")
+    except OSError as e:
+        raise fail(f"cannot write {str(output)!r}: {e.strerror or e}", hint="check that its directory exists and is writable") from None
     try:
         with os.fdopen(fd, "wb") as f:
             if fmt == "pt":
@@ -271,8 +276,11 @@ def export(
                     arr = t.to(wide).numpy()
                 np.save(f, arr, allow_pickle=False)
         os.replace(tmp, output)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, KeyboardInterrupt):  # a full disk, a file size limit (torch says "unexpected pos")
+            raise fail(f"cannot write {str(output)!r}: {type(e).__name__}: {e}", hint="check the free space and the file size limit",
+                       code=EXIT_UNAVAILABLE) from None  # fmt: skip
         raise
     shape = list(t.shape)
     dtype = str(t.dtype).removeprefix("torch.")

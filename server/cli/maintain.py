@@ -21,7 +21,7 @@ from server.cli._common import (
     make_node,
     print_json,
 )
-from server.errors import EXIT_PROBLEMS
+from server.errors import EXIT_PROBLEMS, EXIT_UNAVAILABLE
 from server.models import VerifyResult
 
 __all__ = ["register"]
@@ -34,7 +34,8 @@ def verify(
     cold_option: ColdOptionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Check every checksum in both tiers. Exits 1 and lists the problems if any record is corrupt."""
+    """Check every checksum in both tiers. Exits 1 and lists the problems if any record is corrupt (4 when the
+    only problem is a cold tier that cannot be listed)."""
     results: list[VerifyResult] = []
     with handle_errors():
         node = make_node(root, cold_url, cold_option)
@@ -71,7 +72,9 @@ def verify(
             err_console.print("[yellow]hint:[/] corrupt records are never returned; replay falls back to another copy "
                               "(the cold tier or a peer), and GC removes them once below a checkpoint")  # fmt: skip
     if problems:
-        raise typer.Exit(EXIT_PROBLEMS)
+        # the object store down and nothing else wrong: unavailable (4), as for ls / stat, not "problems found"
+        unreachable = all(p.tier == "cold" and p.error.startswith("cannot be listed") for _, p in problems)
+        raise typer.Exit(EXIT_UNAVAILABLE if unreachable else EXIT_PROBLEMS)
 
 
 def gc(
