@@ -53,7 +53,7 @@ def replay_command(
                                                                             "on one host the exact one is also the faster: its sums go through shared memory)")] = True,
     dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
     shared_memory: Annotated[bool, typer.Option("--shared-memory/--no-shared-memory", help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)")] = True,
-    target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration (default: last fully logged)")] = None,
+    target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely logged)")] = None,
     model: Annotated[str, typer.Option("--model", help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)")] = "replay.examples:gpt_stage",
     model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
     loss: Annotated[str | None, typer.Option("--loss", help="loss function module:attr or path/to/file.py:attr (default: the live schedule's, as META names it)")] = None,

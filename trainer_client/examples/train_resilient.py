@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--sources",
         default="",
-        help="replacement: comma-separated store roots of the surviving nodes (default: the roots the survivors report)",
+        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, or node-server URLs (http://HOST:PORT) "
+        "(default: the roots the survivors report)",
     )
     a("--replay-workers", type=int, default=1, help="replacement: spawn this many replay worker processes itself")
     a(
@@ -172,7 +173,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
-            sources = [SourceSpec(kind="store", location=r, cold_url=args.cold_url) for r in args.sources.split(",") if r]
+            sources = [SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r]  # a root, or a node server's URL
             if args.cold_url:
                 sources.append(SourceSpec(kind="cold", location=args.cold_url))
         t_recover = time.time()
