@@ -19,8 +19,10 @@ exactly the records received by stage k below k's watermark (see ``Channel.owner
 entries at once, hot segment files and cold objects once every record in them is garbage.
 Reads and scans never return a record below its watermark.
 
-Never: blocks a caller on the object store except in ``flush``/``verify``/``gc``; deletes a record
-at or above its owner's watermark; returns bytes that fail their checksum.
+Never: blocks a writer's ``put`` on the object store (uploads run in the background; what reaches
+the cold tier, ``flush``/``verify``/``gc``, reads of records only it holds, listings and ``stats``,
+waits for it, bounded by its timeouts and retries); deletes a record at or above its owner's
+watermark; returns bytes that fail their checksum.
 """
 
 from __future__ import annotations

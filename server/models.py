@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 __all__ = [
     "ErrorDetail",
@@ -215,10 +215,19 @@ class RecordDetail(RecordEntry):
 
 # ---------------------------------------------------------------------------------- checkpoints, gc, flush
 class CheckpointRequest(_Model):
-    stage: StrictInt = Field(ge=0, le=MAX_STAGE)
-    iteration: StrictInt = Field(ge=0, le=MAX_API_ITERATION)
+    stage: int = Field(ge=0, le=MAX_STAGE)
+    iteration: int = Field(ge=0, le=MAX_API_ITERATION)
     uri: str | None = Field(None, min_length=1, max_length=4096, description="where the checkpoint is readable from a replacement")
     meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded); valid Unicode, finite numbers")
+
+    @field_validator("stage", "iteration", mode="before")
+    @classmethod
+    def _json_integer(cls, v: Any) -> Any:
+        """A JSON number (598 or 598.0, as JSON Schema's "integer" allows), never a string or a boolean
+        (``"1"`` or ``true`` were taken as 1 on a request that makes logs garbage)."""
+        if isinstance(v, (bool, str)):
+            raise ValueError(f"must be a JSON integer, not {type(v).__name__}")
+        return v
 
     @field_validator("meta")
     @classmethod

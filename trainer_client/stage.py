@@ -41,6 +41,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 from logstore import Channel
+from logstore.errors import ConfigError
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import autocast_state, seed_micro_batch
 from trainer_client.writer import AsyncLogWriter
@@ -177,8 +178,11 @@ class StageRecorder:
         """Compare what the forward sends with the outputs the stage declared (``output_args``): the
         next stage receives into buffers of the declared dtype and shape and torch's pipelining
         does not convert (it checks only with TORCH_DISTRIBUTED_DEBUG=DETAIL), so a mismatch (e.g.
-        a bf16 output under autocast declared float32) corrupts what arrives, and no replay of the
-        run can verify. Reported once, as a "send_mismatch" fault (logged as a warning); never raises."""
+        a bf16 output under autocast declared float32, a batch that does not split into micro-batches
+        of the declared size) corrupts what arrives (or gloo aborts the receiver), and no replay of the
+        run can verify. Raises ConfigError before the send (also noted as a "send_mismatch" fault):
+        training on corrupted activations is never what was meant."""
+        msg = None
         try:
             if declared is None or len(declared) != len(sent):
                 return
@@ -189,12 +193,14 @@ class StageRecorder:
                 if t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
                     msg = (f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
                            f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
-                           "of the type its own input_args declare, without conversion, so unless those say what the forward produces, "
-                           "what arrives is not what was sent; declare output_args as the forward produces them (under autocast: its dtype)")  # fmt: skip
+                           "of the declared type and shape, without conversion, so what arrives would not be what was sent")  # fmt: skip
                     self.writer.note_fault("send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration)
-                    return
+                    break
         except Exception as e:
             self._hook_fault("fwd_send_check", e, None)
+        if msg is not None:
+            raise ConfigError(msg, hint="declare output_args as the forward produces them (under autocast: its dtype; per micro-batch: "
+                                        "the batch divided by n_microbatches), and the next stage's input_args alike")  # fmt: skip
 
     def on_bwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
         try:
@@ -359,7 +365,6 @@ class LoggingPipelineStage(PipelineStage):
     ) -> None:
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         self.recorder = recorder
-        self._send_checked = False  # the first forward send is compared with the declared outputs
 
     def clear_runtime_states(self) -> None:
         # every schedule step starts here, before its first receive: the deferred digests of the
@@ -381,9 +386,7 @@ class LoggingPipelineStage(PipelineStage):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if ops:
             sent = [op.tensor for op in ops]
-            if not self._send_checked:
-                self._send_checked = True
-                self.recorder.check_declared_sends(sent, _declared_outputs(self))
+            self.recorder.check_declared_sends(sent, _declared_outputs(self))  # every micro-batch: a batch may split unevenly
             self.recorder.on_fwd_send(fwd_chunk_id, sent)
         return ops
 
