@@ -1326,7 +1326,8 @@ class LogStore:
                     pass  # garbage: another node's GC may have removed its cold copy already
                 elif loc.segment.state in (UPLOADED, EVICTED) and committed is not None and loc.segment.cold_name not in committed:
                     rep.problems.append({"tier": "cold", "key": str(k), "where": loc.segment.cold_name or "", "error": "uploaded, but the cold tier no longer has it"
-                                         + (" (its writer uploads it again when it reopens the store)" if blob is not None else " and the local file is gone: lost")})  # fmt: skip
+                                         + (" (its writer uploads it again when it reopens the store)" if blob is not None else " and the local file is gone: lost")
+                                         + "; a cold object whose size no longer matches its commit marker, or whose marker is damaged, is not listed either"})  # fmt: skip
                     may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
                 elif blob is None and loc.segment.state not in (UPLOADED, EVICTED):
                     rep.problems.append({"tier": "hot", "key": str(k), "where": where, "error": "segment file missing and never uploaded: lost"})

@@ -189,7 +189,11 @@ class ReplayReport:
     def verified(self) -> bool:
         """True only if every regenerated boundary send was checked against a digest and matched,
         and the last iteration's optimizer step (which no later send checks) was replayed from the
-        stage's own META: with another stage's stand-in, its clip norms and rates are unknown."""
+        stage's own META: with another stage's stand-in, its clip norms and rates are unknown. A
+        replay of no iteration (the checkpoint is at the target already) is verified: its result is
+        the durable checkpoint itself."""
+        if self.stop_iteration == self.start_iteration:
+            return self.ok
         last_unchecked = self.stop_iteration - 1 in self.unknown_steps
         return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
 
@@ -456,7 +460,7 @@ def replay_stages(
         run_seed = seeds.pop()
     if stop_iteration < start_iteration:
         raise ReplayError(f"stop_iteration {stop_iteration} < start_iteration {start_iteration}")
-    if last == num_stages - 1 and loss_fn is None:
+    if last == num_stages - 1 and loss_fn is None and stop_iteration > start_iteration:  # nothing to replay: no loss needed
         loss_fn = logged_loss(reader, last, start_iteration)
     report = ReplayReport(idx, start_iteration, stop_iteration)
     fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
