@@ -1113,6 +1113,26 @@ def test_a_second_schedule_step_of_one_iteration_is_refused(tmp_path, single_ran
     assert client.close().ok
 
 
+def test_an_optimizer_step_before_the_commit_is_counted_too(tmp_path, single_rank_group):
+    """The optimizer stepped between the schedule step and the commit (not the documented order, but
+    replayable): counted as the iteration's step, no fault, and the replay equals the live run."""
+
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+        client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
+        opt.step()
+
+    client = SwiftlogClient(ClientConfig(run_id="early", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    uri = _train_one_stage(client, mod, opt, step=step, apply=lambda it: None)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "early")
+    assert all(k.micro_batch == 0 for k in logs.keys(Channel.meta(0))), "nothing amended"
+    fresh = _Masked()
+    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9))
+    assert replay_stage(state, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse).ok and _same_state(fresh, mod)
+
+
 def test_an_iteration_without_an_optimizer_step_stops_the_replay_there(tmp_path, single_rank_group):
     """Accumulating over iterations (an optimizer step every other commit) cannot be replayed: the
     client counts the steps, reports the iteration without one (``no_optimizer_step``), amends its

@@ -196,6 +196,7 @@ class SwiftlogClient:
         self._apply_checked: int | None = None  # the last iteration whose optimizer / scheduler steps were counted
         self._apply_irregular: int | None = None  # the first iteration not followed by exactly one of each (META "apply_irregular")
         self._stepped: int | None = None  # the iteration whose schedule step finished and is not yet committed or aborted
+        self._early_step: int | None = None  # an iteration whose optimizer step came before its commit
         self._declared_inputs: list[list[Any]] | None = None  # [dtype, shape] of each part input_args declare (None: not given)
         self._decl_checked = False  # input_args compared with what the stage before declares it sends
         self._commits = 0
@@ -508,6 +509,8 @@ class SwiftlogClient:
         schedule's step (version counters; a GradScaler's step). Never raises."""
         expect, self._step_expect = self._step_expect, None
         versions, self._grad_versions = self._grad_versions, None
+        if expect is None and self._stepped is not None:  # stepped before its commit (not the documented order): counted all the same
+            self._early_step = self._stepped
         if expect is None or self._optimizer is None or self._optimizer() is not opt:
             return
         it, doc = expect
@@ -598,7 +601,8 @@ class SwiftlogClient:
         self._apply_checked = prev
         expect, self._step_expect = self._step_expect, None  # a step still expected for `prev` did not come
         try:
-            opt_steps = None if doc.get("lrs") is None else (0 if expect is not None and expect[0] == prev else 1)
+            missed = expect is not None and expect[0] == prev and self._early_step != prev
+            opt_steps = None if doc.get("lrs") is None else (0 if missed else 1)
             now, then = self._sched_epoch(), doc.get("sched_epoch")
             sched_steps = None if now is None or then is None else now - then
             irregular = opt_steps == 0 or (sched_steps is not None and sched_steps != 1)
