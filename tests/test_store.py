@@ -443,7 +443,7 @@ def test_a_damaged_index_is_left_out_and_listed_and_the_other_writers_stay_reada
     cold = _file_cold(tmp_path)
     a = _open(tmp_path / "node", cold, writer="stage1")
     _fill(a, range(2))
-    a.close()  # uploaded
+    a.close(flush=True)  # uploaded
     b = _open(tmp_path / "node", cold, writer="stage2", upload=False)
     b.put(RecordKey(Channel.activation(2), 0, 0), _t(0, 0))
     b.close(flush=False)
