@@ -479,7 +479,8 @@ def _s(v: Any) -> str:
 def _timings(
     store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int
 ) -> list[dict[str, Any]]:
-    """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps."""
+    """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps;
+    ``verified``: every replaced stage's replay verified (``verified_by_stage`` has each)."""
     out = []
     kills = {
         k: _f(store.get(keys.kill_time(k)))
@@ -495,11 +496,8 @@ def _timings(
             if store.check([keys.survivor(g, k)])
         ]
         failed = json.loads(_s(store.get(keys.failed_stages(g))))
-        ready = [
-            json.loads(_s(store.get(keys.ready(g, k))))
-            for k in failed
-            if store.check([keys.ready(g, k)])
-        ]
+        ready_by = {k: json.loads(_s(store.get(keys.ready(g, k)))) for k in failed if store.check([keys.ready(g, k)])}
+        ready = list(ready_by.values())
         rejoined = [
             _f(store.get(keys.rejoined(g, k)))
             for k in range(num_stages)
@@ -525,7 +523,8 @@ def _timings(
             d["replay_workers"] = tm.get("workers")
             d["bytes_fetched"] = ready[0].get("bytes_fetched")
             d["records_fetched"] = ready[0].get("records_fetched")
-            d["verified"] = ready[0].get("verified")
+            d["verified"] = all(r.get("verified") for r in ready)  # every replaced stage's (a group has several)
+            d["verified_by_stage"] = {k: r.get("verified") for k, r in ready_by.items()}
             d["digests_checked"] = ready[0].get("digests_checked")
             d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
             d["warnings"] = ready[0].get("warnings", [])  # the replay's (e.g. a META it had to stand in for)

@@ -100,7 +100,7 @@ def test_two_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) 
         tmp_path, "1f1b", [KillSpec(0, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")]
     )
     assert r.timings[0]["failed_stages"] == [0, 2]
-    assert r.timings[0]["verified"]
+    assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {0: True, 2: True}  # each one's, not the first's only
     assert_same_as(r, references["1f1b"])
 
 
