@@ -111,7 +111,9 @@ class RecoveryRun:
             + (f" error={self.error}" if self.error else "")
         ]
         for name, rc in sorted(self.returncodes.items()):
-            if rc not in (0, -9):
+            if self.ok and rc == 3 and "-helper" in name:  # a helper that refused (e.g. a buffer the backward changes): its replacement replayed alone
+                lines.append(f"--- {name} (rc=3: refused to share the replay; its replacement replayed alone) ---")
+            elif rc not in (0, -9):
                 lines.append(
                     f"--- {name} (rc={rc}) ---\n" + self.outputs.get(name, "")[-3000:]
                 )
