@@ -214,32 +214,49 @@ def _nearly_full(path: Path, below: int = 1 << 20) -> bool:
 class _EnvHandle:
     """One LMDB environment per process and path (LMDB forbids opening it twice in a process)."""
 
-    def __init__(self, path: Path, sync: bool, map_size: int) -> None:
+    def __init__(self, path: Path, sync: bool, map_size: int, create: bool = True) -> None:
+        """``create=False`` (a reader of another writer's index): never creates the environment or
+        its databases (a damaged or emptied index would be overwritten by a fresh one, and the
+        evidence lost), and refuses one whose file is shorter than its last page: reading it
+        through the memory map would kill the process (SIGBUS)."""
         self.path = path
         self.pid = os.getpid()
+        if not create and not (path / "data.mdb").is_file():  # LMDB would create a fresh one in the directory
+            raise CorruptIndexError(f"the LMDB index of {path.parent} is missing (no {path / 'data.mdb'}): its segment files are not "
+                                    "readable until its writer reopens the store (it re-indexes them)")  # fmt: skip
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=4, subdir=True, sync=sync, metasync=sync,
-            readahead=False, max_readers=512, lock=True, writemap=False,
+            readahead=False, max_readers=512, lock=True, writemap=False, create=create,
         )
-        # stale reader slots of dead processes would pin old pages forever
-        self.env.reader_check()
-        self.rw = _RWLock()
-        self.refs = 0
-        self.db_rec = self.env.open_db(b"records")
-        self.db_seg = self.env.open_db(b"segments")
-        self.db_meta = self.env.open_db(b"meta")
+        try:
+            if not create:
+                size, need = os.path.getsize(path / "data.mdb"), (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+                if size < need:
+                    raise CorruptIndexError(f"the LMDB index of {path.parent} is truncated: {size} bytes, its pages need {need}",
+                                            hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier")  # fmt: skip
+            # stale reader slots of dead processes would pin old pages forever
+            self.env.reader_check()
+            self.rw = _RWLock()
+            self.refs = 0
+            self.db_rec = self.env.open_db(b"records", create=create)
+            self.db_seg = self.env.open_db(b"segments", create=create)
+            self.db_meta = self.env.open_db(b"meta", create=create)
+        except BaseException:
+            self.env.close()
+            raise
 
 
 _ENVS: dict[str, _EnvHandle] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _open_env(path: Path, sync: bool, map_size: int) -> _EnvHandle:
+def _open_env(path: Path, sync: bool, map_size: int, create: bool = True) -> _EnvHandle:
     key = os.path.realpath(path)
     with _ENVS_LOCK:
         h = _ENVS.get(key)
         if h is None or h.pid != os.getpid():  # after fork, never reuse the parent's env
-            h = _ENVS[key] = _EnvHandle(Path(key), sync, map_size)
+            h = _EnvHandle(Path(key), sync, map_size, create)
+            _ENVS[key] = h
         h.refs += 1
         return h
 
@@ -250,6 +267,33 @@ def _release_env(h: _EnvHandle) -> None:
         if h.refs <= 0 and h.pid == os.getpid():
             _ENVS.pop(str(h.path), None)
             h.env.close()
+
+
+_INDEX_ENTRY = 43  # a footer index entry: key (19) | offset | length | xxh3
+
+
+def _not_the_segment(path: Path, m: SegmentMeta) -> str | None:
+    """Why the sealed segment file at ``path`` is not the one ``m`` describes (its size, or a record
+    of its footer in another channel), or None when it is (or is gone). GC deletes only the file
+    its index describes: an index copied over another writer's would otherwise name that writer's
+    files, data only it has among them."""
+    try:
+        size = path.stat().st_size
+        if size != m.file_size:
+            return f"{size} bytes, the index says {m.file_size}"
+        with open(path, "rb") as f:
+            f.seek(size - TRAILER_SIZE)
+            off, n, csum = parse_trailer(f.read(TRAILER_SIZE), str(path))
+            if off + n * _INDEX_ENTRY + TRAILER_SIZE != size:
+                return "its trailer does not describe its footer"
+            f.seek(off)
+            entries = parse_index(f.read(n * _INDEX_ENTRY), n, csum, str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, SwiftlogError) as e:
+        return f"its footer cannot be read ({e})"
+    other = next((e.key for e in entries if e.key.channel.name != m.channel), None)
+    return None if other is None else f"it holds {other}, the index says channel {m.channel}"
 
 
 class HotTier:
@@ -278,6 +322,7 @@ class HotTier:
         self.dir = Path(directory)
         self.writer = self.dir.name
         self.owner = owner
+        self.damaged: str | None = None  # why a read of the index failed (damaged pages or entries), once one did
         self.durability = durability
         self.segment_iters = segment_iters
         self.segment_max_bytes = segment_max_bytes
@@ -302,7 +347,7 @@ class HotTier:
                     ) from None
             elif not (self.dir / "index").is_dir():
                 raise StoreError(f"no hot tier at {self.dir}")
-            self._handle = _open_env(self.dir / "index", durability == "fsync", map_size)
+            self._handle = _open_env(self.dir / "index", durability == "fsync", map_size, create=owner)
         except OSError as e:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -310,6 +355,9 @@ class HotTier:
         except lmdb.Error as e:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
+            if not owner:  # a reader creates nothing: an index it cannot open is damaged (or not one)
+                raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be opened: {e}",
+                                        hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier") from e  # fmt: skip
             raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
         self.env = self._handle.env
         self._rw = self._handle.rw
@@ -348,6 +396,7 @@ class HotTier:
                     try:
                         yield txn
                     except (lmdb.Error, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
+                        self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
                         raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}",
                                                 hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier") from e  # fmt: skip
                     finally:
@@ -922,7 +971,12 @@ class HotTier:
         for m in self.segments():
             if m.state != OPEN and m.live <= 0:
                 self._write(lambda txn, i=m.id: txn.delete(_U64.pack(i), db=self._db_seg))
-                self.seg_path(m.id).unlink(missing_ok=True)
+                path = self.seg_path(m.id)
+                why = _not_the_segment(path, m)
+                if why is None:
+                    path.unlink(missing_ok=True)
+                else:  # an index that is not this directory's (copied over it?): its garbage is not these files
+                    logger.warning("GC of %s: kept segment file %s: %s", self.dir, path, why)
                 dead_segments.append(m)
         return [RecordKey.decode(k) for k in doomed], dead_segments
 

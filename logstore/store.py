@@ -286,7 +286,7 @@ class LogStore:
         self._lock = threading.RLock()
         self._upload_lock = threading.Lock()
         self._readers: dict[str, HotTier] = {}
-        self._unreadable: dict[str, str] = {}  # writer -> why its index was left out (damaged)
+        self._unreadable: dict[str, tuple[str, float]] = {}  # writer -> why its index was left out (damaged), and when
         self._readers_scanned = 0.0
         self._footers: OrderedDict[str, dict[bytes, Any]] = OrderedDict()
         self._cold_list: dict[str, list[_ColdSeg]] | None = None
@@ -674,20 +674,31 @@ class LogStore:
             if now - self._readers_scanned > 1.0 and self._run_dir.is_dir():
                 self._readers_scanned = now
                 for d in sorted(self._run_dir.iterdir()):
-                    if d.name not in self._readers and d.name not in self._unreadable and (d / "index").is_dir():
+                    # a writer's index that could not be opened or read is tried again after a while (one being created
+                    # by its writer at this moment is not there yet; a damaged one is warned about once per retry)
+                    bad = self._unreadable.get(d.name)
+                    if d.name not in self._readers and (bad is None or now - bad[1] > 10.0) and (d / "index").is_dir():
                         try:
                             reader = HotTier(d, owner=False)
                         except StoreError as e:
                             logger.warning("cannot open hot tier %s: %s", d, e)
+                            self._unreadable[d.name] = (str(e), now)
                             continue
                         try:
                             reader.check_readable()  # a damaged index is left out here, not met in every later listing
                         except CorruptIndexError as e:
                             logger.warning("leaving out hot tier %s: %s", d, e)
-                            self._unreadable[d.name] = str(e)
+                            self._unreadable[d.name] = (str(e), now)
                             reader.close()
                             continue
+                        self._unreadable.pop(d.name, None)
                         self._readers[d.name] = reader
+                for name, reader in list(self._readers.items()):  # damaged since it was opened (a read raised CorruptIndexError)
+                    if reader.damaged is not None and reader is not self.hot:
+                        logger.warning("leaving out hot tier %s: %s", reader.dir, reader.damaged)
+                        self._unreadable[name] = (reader.damaged, now)
+                        del self._readers[name]
+                        reader.close()
             return list(self._readers.values())
 
     # ---------------------------------------------------------------- cold tier reads
@@ -1286,9 +1297,17 @@ class LogStore:
         rep = VerifyReport()
         may_be_gc: list[tuple[dict[str, str], int, int]] = []  # (problem, owner stage, last iteration it concerns)
         hots = self._hot_tiers()
+        try:  # a writer directory with segment files but no index (lost, or not a directory): nothing reads them
+            orphaned = sorted(d for d in self._run_dir.iterdir() if not (d / "index").is_dir() and any((d / "segments").glob("*.seg")))
+        except OSError:
+            orphaned = []
+        for d in orphaned:
+            rep.problems.append({"tier": "hot", "key": "", "where": str(d / "index"),
+                                 "error": f"{sum(1 for _ in (d / 'segments').glob('*.seg'))} segment file(s) but no index (lost?): their "
+                                          "records are not readable until the writer reopens the store (it re-indexes them)"})  # fmt: skip
         for w in sorted(set(self.writers()) - {h.writer for h in hots}):
             rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"),
-                                 "error": self._unreadable.get(w) or "the index cannot be opened (see the log)"})  # fmt: skip
+                                 "error": self._unreadable.get(w, ("the index cannot be opened (see the log)", 0.0))[0]})  # fmt: skip
         readable = []
         for hot in hots:
             try:

@@ -512,3 +512,51 @@ def test_checkpoint_meta_must_be_portable_json(tmp_path: Path) -> None:
         assert s.checkpoints() == []
         s.register_checkpoint(1, 2, meta={"é": "ü", "n": 1.5})
         assert s.checkpoints()[0].meta == {"é": "ü", "n": 1.5}
+
+
+def test_a_truncated_or_lost_index_is_listed_and_never_rewritten(tmp_path: Path) -> None:
+    """QA checks: an index cut in the middle killed a reader with SIGBUS (the memory map reaches past the
+    file's end) or was silently replaced by a fresh, empty one (a reader opened it writable and created
+    its databases), so the evidence was gone; an index directory lost entirely made verify say ok. A
+    reader now opens a foreign index without creating anything and refuses one shorter than its pages;
+    verify lists both cases."""
+    cold = _file_cold(tmp_path)
+    for w in ("stage1", "stage2"):
+        s = _open(tmp_path / "node", cold, writer=w, upload=False)
+        _fill(s, range(6)) if w == "stage1" else s.put(RecordKey(Channel.activation(2), 0, 0), _t(0, 0))
+        s.close()
+    data = tmp_path / "node" / "run1" / "stage1" / "index" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    before = data.read_bytes()
+    r = _open(tmp_path / "node", cold, writer=None)
+    problems = r.verify().problems
+    assert any(p["where"].endswith("stage1/index") and "is truncated" in p["error"] for p in problems), problems
+    assert torch.equal(r.get(RecordKey(Channel.activation(2), 0, 0)), _t(0, 0))
+    r.close()
+    assert data.read_bytes() == before  # untouched
+    shutil.rmtree(data.parent)  # the index lost: its segment files are listed as unreadable
+    r = _open(tmp_path / "node", cold, writer=None)
+    problems = r.verify().problems
+    assert any("segment file(s) but no index" in p["error"] for p in problems), problems
+    r.close()
+
+
+def test_gc_never_deletes_a_segment_file_its_index_does_not_describe(tmp_path: Path) -> None:
+    """A QA check: another writer's index copied over stage 1's made `gc --confirm` delete stage 1's
+    files by the other index's garbage (data only that writer had among them). GC removes a file
+    only when its size and its footer's records are what the index says."""
+    cold = _file_cold(tmp_path)
+    a = _open(tmp_path / "node", cold, writer="stage1", upload=False)
+    _fill(a, range(6))
+    a.close()
+    b = _open(tmp_path / "node", cold, writer="stage2", upload=False)
+    for it in range(6):
+        b.put(RecordKey(Channel.gradient(3), it, 0), _t(it, 0))  # grad_3_2: owned by stage 2
+    b.close()
+    run = tmp_path / "node" / "run1"
+    files = sorted(p.name for p in (run / "stage1" / "segments").glob("*.seg"))
+    shutil.copy(run / "stage2" / "index" / "data.mdb", run / "stage1" / "index" / "data.mdb")
+    with LogStore.open(tmp_path / "node", "run1", writer="admin") as s:
+        s.register_checkpoint(2, 4)  # stage 2's records below 4 are garbage: in stage 2's index, and in the copy
+        s.gc()
+    assert sorted(p.name for p in (run / "stage1" / "segments").glob("*.seg")) == files
