@@ -229,6 +229,13 @@ class CheckpointRequest(_Model):
             raise ValueError(f"must be a JSON integer, not {type(v).__name__}")
         return v
 
+    @field_validator("uri")
+    @classmethod
+    def _no_control_characters(cls, v: str | None) -> str | None:
+        if v is not None and any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("uri must not contain control characters (NUL, newline, ...)")
+        return v
+
     @field_validator("meta")
     @classmethod
     def _portable(cls, v: dict[str, Any]) -> dict[str, Any]:

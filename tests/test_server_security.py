@@ -226,7 +226,7 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
         # QA checks: a lone surrogate in meta was stored, then broke every list of the run's checkpoints (500);
         # a string, a bool or a fractional stage / iteration, an empty uri and a NaN were taken as they came
         for body in ('{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}', '{"stage": "2", "iteration": 4}', '{"stage": true, "iteration": 4}',
-                     '{"stage": 2, "iteration": 4.5}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
+                     '{"stage": 2, "iteration": 4.5}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "uri": "s3://b/x\\u0000y", "force": true}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", content=body.encode(), headers={"Content-Type": "application/json"})
             assert r.status_code == 422, (body, r.text)
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
