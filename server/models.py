@@ -217,7 +217,8 @@ class RecordDetail(RecordEntry):
 class CheckpointRequest(_Model):
     stage: int = Field(ge=0, le=MAX_STAGE)
     iteration: int = Field(ge=0, le=MAX_API_ITERATION)
-    uri: str | None = Field(None, min_length=1, max_length=4096, description="where the checkpoint is readable from a replacement")
+    uri: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$",
+                            description="where the checkpoint is readable from a replacement (no control characters)")
     meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded); valid Unicode, finite numbers")
 
     @field_validator("stage", "iteration", mode="before")
@@ -227,13 +228,6 @@ class CheckpointRequest(_Model):
         (``"1"`` or ``true`` were taken as 1 on a request that makes logs garbage)."""
         if isinstance(v, (bool, str)):
             raise ValueError(f"must be a JSON integer, not {type(v).__name__}")
-        return v
-
-    @field_validator("uri")
-    @classmethod
-    def _no_control_characters(cls, v: str | None) -> str | None:
-        if v is not None and any(ord(c) < 32 or ord(c) == 127 for c in v):
-            raise ValueError("uri must not contain control characters (NUL, newline, ...)")
         return v
 
     @field_validator("meta")
