@@ -663,6 +663,12 @@ class LogStore:
         """Names of the writers with a hot tier of this run under this root (sorted; [] for none)."""
         return writers_under(self._run_dir)
 
+    def unreadable_writers(self) -> dict[str, str]:
+        """Writers whose index readers leave out (damaged, truncated, missing), and why; {} when none."""
+        self._hot_tiers()
+        with self._lock:
+            return {w: why for w, (why, _) in sorted(self._unreadable.items())}
+
     def is_cold_only(self) -> bool:
         """True for a store that reads a cold tier and no writer's hot tier (``plan.cold_only_store``)."""
         return self.cold is not None and not self.writers()

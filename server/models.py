@@ -121,6 +121,8 @@ class HotTierSummary(TierRange):
     disk_bytes: int = Field(description="LMDB index plus segment files on disk")
     segments: SegmentStates
     writers: list[str]
+    unreadable: dict[str, str] = Field(default_factory=dict, description="writers whose index was left out (damaged, truncated, missing), and why: "
+                                       "their records are counted only where the cold tier has them")  # fmt: skip
 
 
 class ColdTierSummary(TierRange):

@@ -409,7 +409,7 @@ class Node:
         hot = HotTierSummary(
             records=h["records"], stored_bytes=h["stored_bytes"], raw_bytes=h["raw_bytes"],
             first_iteration=min(hot_lo, default=None), last_iteration=max(hot_hi, default=None),
-            disk_bytes=h["disk_bytes"], writers=self._writers(run),
+            disk_bytes=h["disk_bytes"], writers=self._writers(run), unreadable=st.unreadable_writers(),
             segments=SegmentStates(open=segs.get("open", 0), sealed=segs.get("sealed", 0),
                                    uploaded=segs.get("uploaded", 0), evicted=segs.get("evicted", 0)),
         )  # fmt: skip

@@ -531,6 +531,7 @@ def test_a_truncated_or_lost_index_is_listed_and_never_rewritten(tmp_path: Path)
     r = _open(tmp_path / "node", cold, writer=None)
     problems = r.verify().problems
     assert any(p["where"].endswith("stage1/index") and "is truncated" in p["error"] for p in problems), problems
+    assert list(r.unreadable_writers()) == ["stage1"] and "is truncated" in r.unreadable_writers()["stage1"]  # what stat shows
     assert torch.equal(r.get(RecordKey(Channel.activation(2), 0, 0)), _t(0, 0))
     r.close()
     assert data.read_bytes() == before  # untouched

@@ -149,6 +149,8 @@ def _print_summary(s: RunSummary) -> None:
     console.print(tiers)
     if s.cold is not None and s.cold.error:
         err_console.print(f"[yellow]cold tier:[/] {s.cold.error}")
+    for w, why in s.hot.unreadable.items():  # its records are counted only where the cold tier has them
+        err_console.print(f"[yellow]hot tier {w} left out:[/] {why}")
     ch = Table(title="channels", title_justify="left")
     for col in ("channel", "owner", "hot records", "hot iterations", "cold records", "cold iterations"):
         ch.add_column(col)
