@@ -291,6 +291,8 @@ class FlushResult(_Model):
         description="still open in their writer: only the writer seals them (at a segment boundary, "
         "on its flush/close, or when it restarts), so they are not in the cold tier yet"
     )
+    skipped_writers: dict[str, str] = Field(default_factory=dict, description="writers whose index was left out (damaged, truncated, missing), "
+                                            "and why: nothing of theirs was shipped")  # fmt: skip
 
 
 class VerifyProblem(_Model):

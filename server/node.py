@@ -647,6 +647,7 @@ class Node:
                             records=o["records"], bytes=o["bytes"])
                 for o in rep["open"]
             ],
+            skipped_writers=st.unreadable_writers(),
         )  # fmt: skip
 
     def verify(self, run: str, progress: Callable[[str, int, int], None] | None = None) -> VerifyResult:

@@ -229,6 +229,11 @@ def test_flush(store_copy: StoreFixture) -> None:
     assert rep["uploaded_segments"] > 0 and rep["open_segments"] == []
     out = _ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)).stdout
     assert "uploaded 0 segment(s)" in out
+    # a writer whose index is left out (here truncated) ships nothing: flush says so and exits 1 (a QA check: it exited 0)
+    data = store_copy.root / "run-a" / "stage0" / "index" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    p = swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url, "--json")
+    assert p.returncode == 1 and list(json.loads(p.stdout)["skipped_writers"]) == ["stage0"], (p.returncode, p.stdout, p.stderr[-1000:])
 
 
 def test_flush_of_an_earlier_incarnations_segments_is_refused_by_name(tmp_path: Path) -> None:

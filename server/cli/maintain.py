@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -118,7 +118,15 @@ def flush(
         rep = make_node(root, cold_url, cold_option).flush(run)
     if json_out:
         print_json(rep)
-        return
+    else:
+        _print_flush(rep)
+    if rep.skipped_writers:  # a writer whose index was left out shipped nothing: not a complete flush
+        raise typer.Exit(EXIT_PROBLEMS)
+
+
+def _print_flush(rep: Any) -> None:
+    for w, why in rep.skipped_writers.items():
+        err_console.print(f"[yellow]skipped writer {w}:[/] {why}")
     console.print(f"uploaded {rep.uploaded_segments} segment(s) ({human_bytes(rep.uploaded_bytes)}); "
                   f"{rep.already_uploaded} already in the cold tier")  # fmt: skip
     if rep.open_segments:
