@@ -1375,6 +1375,7 @@ class LogStore:
                     if not isinstance(e, CorruptRecordError):  # e.g. deleted since the listing
                         may_be_gc.append((rep.problems[-1], seg.channel.owner, seg.hi))
                     continue
+                before = len(rep.problems)
                 for e in entries_c:
                     blob = data[e.offset : e.offset + e.length]
                     try:
@@ -1384,6 +1385,16 @@ class LogStore:
                         rep.cold_checked += 1
                     except SwiftlogError as err:
                         rep.problems.append({"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)})
+                if len(rep.problems) == before:  # every record intact: the commit marker must still describe the object
+                    try:
+                        marker = self.cold.segment_info(seg.name)
+                    except SwiftlogError:
+                        marker = None
+                    if marker is None or marker.size != len(data) or marker.checksum != blob_checksum(data):
+                        rep.problems.append({"tier": "cold", "key": "", "where": seg.name,
+                                             "error": "the object does not match its commit marker (size or checksum): the marker is damaged"})  # fmt: skip
+                        if marker is None:  # gone since it was read: a GC, perhaps
+                            may_be_gc.append((rep.problems[-1], seg.channel.owner, seg.hi))
                 if progress is not None:
                     progress("cold", i + 1, len(segs))
         if may_be_gc:  # garbage since the check began (a GC ran meanwhile): not a problem

@@ -561,3 +561,23 @@ def test_gc_never_deletes_a_segment_file_its_index_does_not_describe(tmp_path: P
         s.register_checkpoint(2, 4)  # stage 2's records below 4 are garbage: in stage 2's index, and in the copy
         s.gc()
     assert sorted(p.name for p in (run / "stage1" / "segments").glob("*.seg")) == files
+
+
+def test_verify_checks_each_cold_object_against_its_commit_marker(tmp_path: Path) -> None:
+    """A QA check: a commit marker whose checksum no longer matches its object passed verify."""
+    import json as _json
+
+    cold = _file_cold(tmp_path)
+    s = _open(tmp_path / "node", cold)
+    _fill(s, range(2))
+    s.flush()
+    assert s.verify().ok
+    marker = next((tmp_path / "cold").rglob("*.seg.commit"))
+    doc = _json.loads(marker.read_text())
+    doc["checksum"] = doc["checksum"] ^ 1
+    marker.write_text(_json.dumps(doc))
+    s.close()
+    r = _open(tmp_path / "node", cold, writer=None)
+    problems = r.verify().problems
+    assert any(p["tier"] == "cold" and "does not match its commit marker" in p["error"] for p in problems), problems
+    r.close()
