@@ -410,12 +410,19 @@ class ColdTier:
         if data is None:
             raise RecordNotFoundError(f"segment {name!r} not found in {self.url}", key=name)
         if verify:
-            info = self._read_marker(name)
-            if info is None:
-                raise RecordNotFoundError(f"segment {name!r} in {self.url} is not committed", key=name)
-            if len(data) != info.size or xxhash.xxh3_64_intdigest(data) != info.checksum:
-                raise CorruptRecordError(f"segment {name!r} in {self.url} does not match its commit marker", key=name)
+            self.check_marker(name, data)
         return data
+
+    def check_marker(self, name: str, data: bytes) -> None:
+        """``data`` (the object ``name``, read) against its commit marker: RecordNotFoundError when it
+        is not committed (or gone), CorruptRecordError when its size or checksum differs."""
+        self._check_open()
+        name = _validate_segment_name(name)
+        info = self._read_marker(name)
+        if info is None:
+            raise RecordNotFoundError(f"segment {name!r} in {self.url} is not committed", key=name)
+        if len(data) != info.size or xxhash.xxh3_64_intdigest(data) != info.checksum:
+            raise CorruptRecordError(f"segment {name!r} in {self.url} does not match its commit marker", key=name)
 
     def read_range(self, name: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``name`` from ``start``; a negative ``start`` counts from the end.

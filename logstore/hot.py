@@ -77,8 +77,7 @@ from logstore.segment import (
     blob_checksum,
     build_footer,
     encode_frame_header,
-    parse_index,
-    parse_trailer,
+    read_footer,
     scan_frames,
 )
 
@@ -89,6 +88,7 @@ logger = logging.getLogger(__name__)
 OPEN, SEALED, UPLOADED, EVICTED = "open", "sealed", "uploaded", "evicted"
 
 _REC = struct.Struct(">QQQQQ")
+_DAMAGED_HINT = "swiftlog verify lists it; what its writer uploaded is still read from the cold tier"  # a CorruptIndexError's
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
 _MAX_MAP = 1 << 40
@@ -233,7 +233,7 @@ class _EnvHandle:
                 size, need = os.path.getsize(path / "data.mdb"), (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
                 if size < need:
                     raise CorruptIndexError(f"the LMDB index of {path.parent} is truncated: {size} bytes, its pages need {need}",
-                                            hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier")  # fmt: skip
+                                            hint=_DAMAGED_HINT)  # fmt: skip
             # stale reader slots of dead processes would pin old pages forever
             self.env.reader_check()
             self.rw = _RWLock()
@@ -269,9 +269,6 @@ def _release_env(h: _EnvHandle) -> None:
             h.env.close()
 
 
-_INDEX_ENTRY = 43  # a footer index entry: key (19) | offset | length | xxh3
-
-
 def _not_the_segment(path: Path, m: SegmentMeta) -> str | None:
     """Why the sealed segment file at ``path`` is not the one ``m`` describes (its size, or a record
     of its footer in another channel), or None when it is (or is gone). GC deletes only the file
@@ -281,13 +278,11 @@ def _not_the_segment(path: Path, m: SegmentMeta) -> str | None:
         size = path.stat().st_size
         if size != m.file_size:
             return f"{size} bytes, the index says {m.file_size}"
-        with open(path, "rb") as f:
-            f.seek(size - TRAILER_SIZE)
-            off, n, csum = parse_trailer(f.read(TRAILER_SIZE), str(path))
-            if off + n * _INDEX_ENTRY + TRAILER_SIZE != size:
-                return "its trailer does not describe its footer"
-            f.seek(off)
-            entries = parse_index(f.read(n * _INDEX_ENTRY), n, csum, str(path))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _, entries = read_footer(fd, size, str(path))
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return None
     except (OSError, SwiftlogError) as e:
@@ -357,7 +352,7 @@ class HotTier:
                 os.close(self._lock_fd)
             if not owner:  # a reader creates nothing: an index it cannot open is damaged (or not one)
                 raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be opened: {e}",
-                                        hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier") from e  # fmt: skip
+                                        hint=_DAMAGED_HINT) from e  # fmt: skip
             raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
         self.env = self._handle.env
         self._rw = self._handle.rw
@@ -397,8 +392,7 @@ class HotTier:
                         yield txn
                     except (lmdb.Error, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
                         self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
-                        raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}",
-                                                hint="swiftlog verify lists it; what its writer uploaded is still read from the cold tier") from e  # fmt: skip
+                        raise CorruptIndexError(self.damaged, hint=_DAMAGED_HINT) from e
                     finally:
                         txn.abort()
                     return
@@ -1039,8 +1033,7 @@ def _read_orphan(path: Path) -> tuple[list[tuple[IndexEntry, int]], int, int, bo
         entries: list[IndexEntry] = []
         if size >= FILE_HEADER_SIZE + TRAILER_SIZE:
             try:
-                index_offset, n, csum = parse_trailer(os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE), path.name)
-                entries = parse_index(os.pread(fd, size - TRAILER_SIZE - index_offset, index_offset), n, csum, path.name)
+                index_offset, entries = read_footer(fd, size, path.name)
                 sealed, end = True, index_offset
             except CorruptRecordError:
                 sealed = False

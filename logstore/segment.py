@@ -44,6 +44,8 @@ __all__ = [
     "build_footer",
     "parse_trailer",
     "parse_index",
+    "read_footer",
+    "INDEX_ENTRY_SIZE",
 ]
 
 MAGIC = b"SWLSEG\x00\x01"
@@ -57,6 +59,7 @@ FRAME_MAGIC = b"SWRF"
 FRAME_HEADER_SIZE = _FRAME.size + _FRAME_CRC.size  # 43
 
 _ENTRY = struct.Struct(">19sQQQ")
+INDEX_ENTRY_SIZE = _ENTRY.size  # 43
 _TRAILER = struct.Struct(">QQQ8s")
 END_MAGIC = b"SWLEND01"
 TRAILER_SIZE = _TRAILER.size  # 32
@@ -210,14 +213,26 @@ def build_footer(entries: list[IndexEntry], index_offset: int) -> bytes:
     return index + trailer
 
 
-def parse_trailer(trailer: bytes, where: str) -> tuple[int, int, int]:
-    """(index_offset, n_entries, index_checksum) from a sealed segment's last TRAILER_SIZE bytes."""
+def parse_trailer(trailer: bytes, where: str, size: int | None = None) -> tuple[int, int, int]:
+    """(index_offset, n_entries, index_checksum) from a sealed segment's last TRAILER_SIZE bytes.
+    With the segment's ``size``, the index must end where the trailer begins (a damaged trailer
+    would otherwise ask its reader for any number of bytes). Raises CorruptRecordError."""
     if len(trailer) != TRAILER_SIZE:
         raise CorruptRecordError(f"segment {where}: short trailer ({len(trailer)} bytes)", key=where)
     index_offset, n, csum, magic = _TRAILER.unpack(trailer)
     if magic != END_MAGIC:
         raise CorruptRecordError(f"segment {where}: bad trailer magic (not sealed or corrupt)", key=where)
+    if size is not None and index_offset + n * INDEX_ENTRY_SIZE + TRAILER_SIZE != size:
+        raise CorruptRecordError(f"segment {where}: damaged trailer (an index of {n} entries at offset {index_offset} does not end where "
+                                 f"the trailer of the {size}-byte object begins)", key=where)  # fmt: skip
     return index_offset, n, csum
+
+
+def read_footer(fd: int, size: int, where: str) -> tuple[int, list[IndexEntry]]:
+    """(index_offset, entries) of the sealed segment file open as ``fd`` of ``size`` bytes, from its
+    footer (checked as :func:`parse_trailer` and :func:`parse_index` do). Raises CorruptRecordError."""
+    index_offset, n, csum = parse_trailer(os.pread(fd, TRAILER_SIZE, max(0, size - TRAILER_SIZE)), where, size)
+    return index_offset, parse_index(os.pread(fd, n * INDEX_ENTRY_SIZE, index_offset), n, csum, where)
 
 
 def parse_index(index: bytes, n: int, checksum: int, where: str) -> list[IndexEntry]:

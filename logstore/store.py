@@ -58,9 +58,9 @@ from logstore.errors import (
 )
 from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
-from logstore.segment import TRAILER_SIZE, BlobStream, blob_checksum, parse_index, parse_trailer
+from logstore.segment import INDEX_ENTRY_SIZE, TRAILER_SIZE, BlobStream, blob_checksum, parse_index, parse_trailer
 
-__all__ = ["StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
+__all__ = ["check_portable_json", "StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,28 @@ def _group_watermarks(wm: dict[int, int], groups: Any) -> dict[int, int]:
                 out[k] = low
         first += n
     return out
+
+
+def check_portable_json(obj: Any) -> None:
+    """Raise ValueError unless ``obj`` serialises to JSON that every reader decodes: JSON types,
+    finite numbers, valid Unicode (a lone surrogate is stored by ``json.dumps`` but fails as UTF-8)."""
+    try:
+        json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
+        raise ValueError(str(e)) from e
+
+
+def _open_reader(directory: Path) -> HotTier:
+    """Another writer's hot tier opened to read, its index walked once (``check_readable``): a
+    damaged index is left out when it is opened, not met in every later listing. Raises StoreError
+    (CorruptIndexError for a damaged, truncated or missing index)."""
+    reader = HotTier(directory, owner=False)
+    try:
+        reader.check_readable()
+    except CorruptIndexError:
+        reader.close()
+        raise
+    return reader
 
 
 _FENCED_HINT = "its records stay in its hot tier; stop its process (its stage was replaced)"
@@ -685,17 +707,10 @@ class LogStore:
                     bad = self._unreadable.get(d.name)
                     if d.name not in self._readers and (bad is None or now - bad[1] > 10.0) and (d / "index").is_dir():
                         try:
-                            reader = HotTier(d, owner=False)
+                            reader = _open_reader(d)
                         except StoreError as e:
-                            logger.warning("cannot open hot tier %s: %s", d, e)
-                            self._unreadable[d.name] = (str(e), now)
-                            continue
-                        try:
-                            reader.check_readable()  # a damaged index is left out here, not met in every later listing
-                        except CorruptIndexError as e:
                             logger.warning("leaving out hot tier %s: %s", d, e)
                             self._unreadable[d.name] = (str(e), now)
-                            reader.close()
                             continue
                         self._unreadable.pop(d.name, None)
                         self._readers[d.name] = reader
@@ -776,11 +791,8 @@ class LogStore:
                 self._footers.move_to_end(name)
                 return self._footers[name]
         trailer = self.cold.read_range(name, -TRAILER_SIZE, TRAILER_SIZE)
-        off, n, csum = parse_trailer(trailer, name)
-        if off < 0 or off + n * 43 + TRAILER_SIZE != size:
-            raise CorruptRecordError(f"segment {name}: damaged trailer (an index of {n} entries at offset {off} does not end where the "
-                                     f"trailer of the {size}-byte object begins)", key=name)  # fmt: skip
-        index = self.cold.read_range(name, off, n * 43) if n else b""
+        off, n, csum = parse_trailer(trailer, name, size)
+        index = self.cold.read_range(name, off, n * INDEX_ENTRY_SIZE) if n else b""
         entries = {e.key.encode(): e for e in parse_index(index, n, csum, name)}
         with self._lock:
             self._footers[name] = entries
@@ -1124,8 +1136,8 @@ class LogStore:
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0 or isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ConfigError(f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}")
         try:  # stored as JSON and served as UTF-8: a lone surrogate or a NaN would be stored, then break every read of the list
-            json.dumps(meta or {}, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
+            check_portable_json(meta or {})
+        except ValueError as e:
             raise ConfigError(f"checkpoint meta of stage {stage} iteration {iteration} is not portable JSON: {e}",
                               hint="strings must be valid Unicode, numbers finite, values JSON types") from e
         info = CheckpointInfo(stage, iteration, uri, time.time(), dict(meta or {}))
@@ -1387,13 +1399,10 @@ class LogStore:
                         rep.problems.append({"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)})
                 if len(rep.problems) == before:  # every record intact: the commit marker must still describe the object
                     try:
-                        marker = self.cold.segment_info(seg.name)
-                    except SwiftlogError:
-                        marker = None
-                    if marker is None or marker.size != len(data) or marker.checksum != blob_checksum(data):
-                        rep.problems.append({"tier": "cold", "key": "", "where": seg.name,
-                                             "error": "the object does not match its commit marker (size or checksum): the marker is damaged"})  # fmt: skip
-                        if marker is None:  # gone since it was read: a GC, perhaps
+                        self.cold.check_marker(seg.name, data)
+                    except SwiftlogError as e:
+                        rep.problems.append({"tier": "cold", "key": "", "where": seg.name, "error": f"{e} (size or checksum): the marker is damaged"})
+                        if not isinstance(e, CorruptRecordError):  # gone since it was read: a GC, perhaps
                             may_be_gc.append((rep.problems[-1], seg.channel.owner, seg.hi))
                 if progress is not None:
                     progress("cold", i + 1, len(segs))

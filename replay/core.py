@@ -198,6 +198,22 @@ class ReplayReport:
         return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
 
     @property
+    def unverified_reason(self) -> str:
+        """Why the replay is not :attr:`verified`, in words (the first reason that applies)."""
+        first = self.first_mismatch
+        if first is not None:
+            return (f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
+                    "and loss what the training used, and deterministic?")  # fmt: skip
+        if self.sends_generated == 0:
+            return "the replay made no boundary send to check (nothing was replayed, or the stage sends nothing across a logged boundary)"
+        if self.digests_missing:
+            return (f"{len(self.digests_missing)} of its {self.sends_generated} sends have no digest in the logs to check them against "
+                    f"(first: {self.digests_missing[0]})")  # fmt: skip
+        if self.stop_iteration - 1 in self.unknown_steps:
+            return f"its last iteration ({self.stop_iteration - 1}) was replayed with another stage's META: its optimizer step is unproven"
+        return f"{self.digests_checked} of its {self.sends_generated} sends were checked"
+
+    @property
     def first_mismatch(self) -> dict[str, Any] | None:
         """The first diverging send in (iteration, micro-batch, channel, part) order, or None."""
         bad = self.digest_mismatches + self.record_mismatches

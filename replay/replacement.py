@@ -49,7 +49,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError, ReplayOrderError, ReplayReport
+from replay.core import ReplayError, ReplayOrderError
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
@@ -338,7 +338,7 @@ def recover_stage(
                 except Exception:
                     logger.debug("closing a source failed", exc_info=True)
         if not res.verified:
-            raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {_unverified(res.report)}")
+            raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {res.report.unverified_reason}")
         if res.states is not None:
             mine = next(st for st in res.states if st.stage == stage)
             st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
@@ -498,18 +498,3 @@ def report_fallback(
     store.set(keys.fallback(generation), reason)
     store.set(keys.wake(generation), "fallback")
 
-
-def _unverified(rep: ReplayReport) -> str:
-    """Why a finished replay is not "verified", in words (the first reason that applies)."""
-    first = rep.first_mismatch
-    if first is not None:
-        return (f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
-                "and loss what the training used, and deterministic?")  # fmt: skip
-    if rep.sends_generated == 0:
-        return "the replay made no boundary send to check (nothing was replayed, or the stage sends nothing across a logged boundary)"
-    if rep.digests_missing:
-        return (f"{len(rep.digests_missing)} of its {rep.sends_generated} sends have no digest in the logs to check them against "
-                f"(first: {rep.digests_missing[0]})")  # fmt: skip
-    if rep.stop_iteration - 1 in rep.unknown_steps:
-        return f"its last iteration ({rep.stop_iteration - 1}) was replayed with another stage's META: its optimizer step is unproven"
-    return f"{rep.digests_checked} of its {rep.sends_generated} sends were checked"

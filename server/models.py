@@ -8,10 +8,11 @@ Conventions: sizes are bytes; iteration ranges in summaries are inclusive (``fir
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+from logstore.store import check_portable_json
 
 __all__ = [
     "ErrorDetail",
@@ -238,8 +239,8 @@ class CheckpointRequest(_Model):
         """Stored as JSON and served as UTF-8: a lone surrogate or a non-finite number is refused here (it used to be
         stored, then break every later read of the checkpoint list)."""
         try:
-            json.dumps(v, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError) as e:
+            check_portable_json(v)
+        except ValueError as e:
             raise ValueError(f"meta is not portable JSON: {e}") from e
         return v
     force: StrictBool = Field(

@@ -38,7 +38,7 @@ from logstore import codec
 from logstore.errors import CodecError, ColdTierError, ColdTierUnavailableError, SwiftlogError
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
-from logstore.store import LogStore, RecordInfo, StoreConfig, list_runs, writers_under
+from logstore.store import LogStore, RecordInfo, StoreConfig, check_portable_json, list_runs, writers_under
 from server.errors import BadRequestError, NoColdTierError, RunNotFoundError
 from server.models import (
     ChannelSummary,
@@ -131,8 +131,8 @@ def tensor_stats(t: torch.Tensor) -> TensorStats:
 def _checkpoint(c: Any) -> Checkpoint:
     meta = c.meta
     try:  # a registration older than the check on portable JSON may hold a lone surrogate: served, not a 500 on every list
-        json.dumps(meta, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError):
+        check_portable_json(meta)
+    except ValueError:
         meta = {"unreadable_meta": json.dumps(meta, ensure_ascii=True, default=repr)}
     return Checkpoint(stage=c.stage, iteration=c.iteration, uri=c.uri, registered_at=c.registered_at, meta=meta)
 

@@ -604,7 +604,9 @@ def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     send could be checked, or the last step is unproven", which did not say which. Now it names the
     one reason that applies."""
     from replay.core import ReplayReport
-    from replay.replacement import _unverified
+
+    def _unverified(r: ReplayReport) -> str:
+        return r.unverified_reason
 
     def rep(**kw: Any) -> ReplayReport:
         return ReplayReport(stages=[1], start_iteration=4, stop_iteration=6, **kw)

@@ -625,9 +625,9 @@ class SwiftlogClient:
         """Amend committed ``iteration``'s META (``doc``) with ``fields``: a second record (micro-batch
         1; fields amended before are kept) shipped like the META, and the decision store's copy
         replaced with the document so amended. Raises what the store client raises."""
-        base = self._amendment if self._committed is not None and self._committed[0] == iteration and self._amendment else {}
-        amendment = {**base, **fields, "iteration": iteration}
-        if self._committed is not None and self._committed[0] == iteration:
+        latest = self._committed is not None and self._committed[0] == iteration
+        amendment = {**((latest and self._amendment) or {}), **fields, "iteration": iteration}
+        if latest:
             self._amendment = amendment
         stage = self.config.stage
         self.writer.submit(Channel.meta(stage), iteration, 1, [encode_meta(amendment)])

@@ -310,11 +310,16 @@ def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
     older releases (2.11 on a GPU machine here) put a ``_RootArgPlaceholder`` with no ``buffer``
     and no ``is_root_arg`` in its place, and an ``i.is_root_arg`` there failed every forward's
     hook (the activation digests went missing and no replay could verify)."""
+    return [buf for _, buf in _received(recv_infos)]
+
+
+def _received(recv_infos: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
+    """(receive info, its buffer) of each part received (see :func:`_received_buffers`)."""
     out = []
     for info in recv_infos:
         buf = getattr(info, "buffer", None)
         if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
-            out.append(buf)
+            out.append((info, buf))
     return out
 
 
@@ -324,12 +329,9 @@ def _received_requires_grad(stage: PipelineStage, recv_infos: Sequence[Any]) -> 
     part's declared metadata (``tensor_meta.requires_grad``, 2.13) and whether the stage runs a
     backward; releases without that metadata set it on the buffer when they create it."""
     out = []
-    for info in recv_infos:
-        buf = getattr(info, "buffer", None)
-        if isinstance(buf, torch.Tensor) and not getattr(info, "is_root_arg", False):
-            meta = getattr(info, "tensor_meta", None)
-            declared = getattr(meta, "requires_grad", None)
-            out.append(bool(declared and getattr(stage, "has_backward", True)) if declared is not None else bool(buf.requires_grad))
+    for info, buf in _received(recv_infos):
+        declared = getattr(getattr(info, "tensor_meta", None), "requires_grad", None)
+        out.append(bool(declared and getattr(stage, "has_backward", True)) if declared is not None else bool(buf.requires_grad))
     return out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,7 +22,7 @@ from server.cli._common import (
     print_json,
 )
 from server.errors import EXIT_PROBLEMS, EXIT_UNAVAILABLE
-from server.models import VerifyResult
+from server.models import FlushResult, VerifyResult
 
 __all__ = ["register"]
 
@@ -124,7 +124,7 @@ def flush(
         raise typer.Exit(EXIT_PROBLEMS)
 
 
-def _print_flush(rep: Any) -> None:
+def _print_flush(rep: FlushResult) -> None:
     for w, why in rep.skipped_writers.items():
         err_console.print(f"[yellow]skipped writer {w}:[/] {why}")
     console.print(f"uploaded {rep.uploaded_segments} segment(s) ({human_bytes(rep.uploaded_bytes)}); "
