@@ -85,7 +85,7 @@ from trainer_client.determinism import (
     num_threads,
     seed_micro_batch,
 )
-from trainer_client.digest import tensor_digest
+from trainer_client.digest import grad_digest_changes, grad_digests, tensor_digest
 from trainer_client.meta import hparam_changes, optimizer_hparams
 
 __all__ = [
@@ -135,6 +135,14 @@ class StageState:
         return cls(checkpoint.stage, module, optimizer, lr_scheduler, checkpoint)
 
 
+def _grad_mismatch_text(g: dict[str, Any]) -> str:
+    params = list(g.get("params") or [])
+    names = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
+    return (f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
+            "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
+            "data-parallel replicas, a write through .data, a gradient hook outside the stage), or the replacement's stage differs")  # fmt: skip
+
+
 def _key_order(text: str) -> tuple[int, int, str, int]:
     k = RecordKey.parse(text)
     return (k.iteration, k.micro_batch, k.channel.name, k.part)
@@ -148,7 +156,10 @@ class ReplayReport:
     ``digests_checked``: regenerated sends compared with a receiver's digest; ``digest_mismatches``
     / ``digests_missing``: record keys (as strings) that differed / had no digest.
     ``records_checked`` / ``record_mismatches``: the same against the sender's own logged records
-    (``compare_logged=True``). ``sends``: regenerated boundary sends (``keep_sends=True``).
+    (``compare_logged=True``). ``steps_checked`` / ``grad_mismatches``: optimizer steps whose
+    gradients were compared with the digests the live stage put into META (``grad_digests``: a
+    CPU stage's gradients as its optimizer step used them), and those that differed
+    (``{"stage", "iteration", "params"}``: what changed the live gradients is not repeated). ``sends``: regenerated boundary sends (``keep_sends=True``).
     ``losses``: last stage's per-micro-batch losses per iteration, in the order they were
     computed; ``loss_micro_batches`` the matching micro-batch numbers.
     ``fetch_seconds``: time spent reading/decoding records (on the compute thread or the prefetch
@@ -167,6 +178,8 @@ class ReplayReport:
     digests_missing: list[str] = field(default_factory=list)
     records_checked: int = 0
     record_mismatches: list[str] = field(default_factory=list)
+    steps_checked: int = 0
+    grad_mismatches: list[dict[str, Any]] = field(default_factory=list)
     losses: dict[int, list[float]] = field(default_factory=dict)
     loss_micro_batches: dict[int, list[int]] = field(default_factory=dict)
     sends: dict[RecordKey, torch.Tensor] = field(default_factory=dict)
@@ -182,13 +195,14 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        """No mismatch and no missing digest."""
-        return not (self.digest_mismatches or self.record_mismatches or self.digests_missing)
+        """No mismatch (of a send or of a step's gradients) and no missing digest."""
+        return not (self.digest_mismatches or self.record_mismatches or self.digests_missing or self.grad_mismatches)
 
     @property
     def verified(self) -> bool:
         """True only if every regenerated boundary send was checked against a digest and matched,
-        and the last iteration's optimizer step (which no later send checks) was replayed from the
+        every optimizer step whose live gradients META describes used the same ones, and the last
+        iteration's optimizer step (which no later send checks) was replayed from the
         stage's own META: with another stage's stand-in, its clip norms and rates are unknown. A
         replay of no iteration (the checkpoint is at the target already) is verified: its result is
         the durable checkpoint itself."""
@@ -201,6 +215,9 @@ class ReplayReport:
     def unverified_reason(self) -> str:
         """Why the replay is not :attr:`verified`, in words (the first reason that applies)."""
         first = self.first_mismatch
+        grads = self.grad_mismatches[0] if self.grad_mismatches else None
+        if grads is not None and (first is None or grads["iteration"] < first["iteration"]):
+            return _grad_mismatch_text(grads)
         if first is not None:
             return (f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
                     "and loss what the training used, and deterministic?")  # fmt: skip
@@ -223,7 +240,14 @@ class ReplayReport:
         return {"key": str(k), "iteration": k.iteration, "micro_batch": k.micro_batch, "channel": k.channel.name, "part": k.part}
 
     def raise_for_mismatch(self) -> None:
-        """Raise ReplayMismatchError if any regenerated send differs from the log."""
+        """Raise ReplayMismatchError if any regenerated send differs from the log, or an optimizer
+        step's gradients from the live one's."""
+        grads = self.grad_mismatches[0] if self.grad_mismatches else None
+        first = self.first_mismatch
+        if grads is not None and (first is None or grads["iteration"] < first["iteration"]):
+            raise ReplayMismatchError(f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
+                                      hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_; "
+                                           "a collective on them or a write through .data is not replayed")  # fmt: skip
         if self.digest_mismatches or self.record_mismatches:
             first = self.first_mismatch
             assert first is not None
@@ -248,6 +272,10 @@ class ReplayReport:
         self.sends_generated += other.sends_generated
         self.digests_checked += other.digests_checked
         self.records_checked += other.records_checked
+        self.steps_checked = max(self.steps_checked, other.steps_checked)  # every worker steps identically
+        seen = {(g["stage"], g["iteration"]) for g in self.grad_mismatches}
+        self.grad_mismatches.extend(g for g in other.grad_mismatches if (g["stage"], g["iteration"]) not in seen)
+        self.grad_mismatches.sort(key=lambda g: (g["iteration"], g["stage"]))
         for mine, theirs in ((self.digest_mismatches, other.digest_mismatches), (self.digests_missing, other.digests_missing),
                              (self.record_mismatches, other.record_mismatches)):  # fmt: skip
             mine.extend(theirs)
@@ -281,6 +309,8 @@ class ReplayReport:
             "records_checked": self.records_checked,
             "record_mismatches": list(self.record_mismatches),
             "first_mismatch": self.first_mismatch,
+            "steps_checked": self.steps_checked,
+            "grad_mismatches": [dict(g) for g in self.grad_mismatches],
             "losses": {str(k): list(v) for k, v in self.losses.items()},
             "loss_micro_batches": {str(k): list(v) for k, v in self.loss_micro_batches.items()},
             "warnings": list(self.warnings),
@@ -297,13 +327,14 @@ class ReplayReport:
     def from_dict(cls, d: dict[str, Any]) -> ReplayReport:
         """Inverse of :meth:`to_dict` (without ``sends``)."""
         r = cls(list(d["stages"]), int(d["start_iteration"]), int(d["stop_iteration"]))
-        for name in ("micro_batches", "sends_generated", "digests_checked", "records_checked", "iterations_done", "records_fetched"):
+        for name in ("micro_batches", "sends_generated", "digests_checked", "records_checked", "iterations_done", "records_fetched", "steps_checked"):
             setattr(r, name, int(d.get(name, 0)))
         for name in ("fetch_seconds", "compute_seconds", "reduce_seconds", "step_seconds", "seconds"):
             setattr(r, name, float(d.get(name, 0.0)))
         r.digest_mismatches = list(d.get("digest_mismatches", []))
         r.digests_missing = list(d.get("digests_missing", []))
         r.record_mismatches = list(d.get("record_mismatches", []))
+        r.grad_mismatches = [dict(g) for g in d.get("grad_mismatches", [])]
         r.losses = {int(k): list(v) for k, v in d.get("losses", {}).items()}
         r.loss_micro_batches = {int(k): list(v) for k, v in d.get("loss_micro_batches", {}).items()}
         r.warnings = list(d.get("warnings", []))
@@ -325,6 +356,9 @@ class ReplayHooks:
     before_step(iteration, scale): called after the last backward, before gradients are divided
         by ``scale`` and the optimizers step (e.g. to all-reduce the gradients).
     verify(iteration) -> whether to check this iteration's sends (default: all iterations).
+    verify_step(iteration) -> whether to check the gradients of this iteration's optimizer step
+        against META's ``grad_digests`` (default: as ``verify``; a replay that sums the gradients
+        in another order than the live stage says no).
     shadow_forwards(iteration) -> whether this process also runs the forwards of the micro-batches
         ``select`` left out, for their effect on module buffers (BatchNorm's running statistics):
         every forward then runs in the live forward order, so the buffers evolve as in the live
@@ -343,6 +377,7 @@ class ReplayHooks:
     after_backward: Callable[[int, int], None] | None = None
     before_step: Callable[[int, int], None] | None = None
     verify: Callable[[int], bool] | None = None
+    verify_step: Callable[[int], bool] | None = None
     shadow_forwards: Callable[[int], bool] | None = None
     claim: Callable[[int], int | None] | None = None
     likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
@@ -538,6 +573,12 @@ class _Context:
     def checks(self, it: int) -> bool:
         """Whether the sends of iteration ``it`` are checked at all (hooks may restrict it)."""
         return self.hooks.verify is None or bool(self.hooks.verify(it))
+
+    def checks_step(self, it: int) -> bool:
+        """Whether iteration ``it``'s optimizer step is checked against META's gradient digests."""
+        if not self.verify:
+            return False
+        return self.checks(it) if self.hooks.verify_step is None else bool(self.hooks.verify_step(it))
 
 
 @dataclass(slots=True)
@@ -862,6 +903,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             _clip_as_logged(st, it, clip, dev)
         meta = plan.metas.get(st.stage)
         _check_hyperparameters(st, it, meta)
+        if meta and meta.get("grad_digests") is not None and ctx.checks_step(it):
+            _check_grad_digests(st, it, meta["grad_digests"], report)
         sched_steps = _live_steps(st, it, meta)
         st.optimizer.step()
         for _ in range(sched_steps if st.lr_scheduler is not None else 0):
@@ -922,6 +965,20 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
                       hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
                            "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
                            "scheduler differs cannot be replayed")  # fmt: skip
+
+
+def _check_grad_digests(st: StageState, it: int, live: list[str | None], report: ReplayReport) -> None:
+    """Compare the gradients the replay's optimizer is about to step with (scaled and clipped as
+    logged) with the digests of those the live step used (META ``grad_digests``); a difference is
+    recorded in ``report.grad_mismatches`` (the replay is then not verified). Gradients on
+    another device than the CPU are not hashed (and the client hashed none there)."""
+    mine = grad_digests(st.module)
+    if mine is None:
+        return
+    report.steps_checked += 1
+    changed = grad_digest_changes([n for n, _ in st.module.named_parameters()], live, mine)
+    if changed:
+        report.grad_mismatches.append({"stage": st.stage, "iteration": it, "params": changed})
 
 
 def _step_scheduler(st: StageState, it: int) -> None:

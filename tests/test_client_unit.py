@@ -1197,6 +1197,61 @@ def test_a_grad_scaler_step_is_seen_although_its_unscale_leaves_the_version_coun
                      num_stages=1, stop_iteration=3, loss_fn=_mse)  # fmt: skip
 
 
+def test_gradients_changed_without_their_version_counters_after_the_commit_stop_the_replay(tmp_path, single_rank_group):
+    """A collective on the gradients (an all_reduce of tied weights) or a write through ``.data``
+    between ``commit`` and the optimizer step leaves the version counters alone, and the last
+    iteration's step was replayed without it and said "verified". META now holds the digests of the
+    gradients at the commit (``grad_digests``); the step's pre-hook compares them, amends META and
+    reports it, and the replay stops at that step naming the parameters."""
+
+    def halve_through_data(it: int, opt: torch.optim.Optimizer) -> None:
+        if it == 3:
+            for p in opt.param_groups[0]["params"]:
+                p.grad.data.mul_(0.5)  # what a gloo all_reduce does to the version counter: nothing
+
+    client, report, uri, _ = _run_with_scheduler(tmp_path, "dataw", None, halve_through_data)
+    faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
+    assert len(faults) == 1 and faults[0].iteration == 3 and "without touching their version counters" in faults[0].message, report.logging_faults
+    logs = LogStore.open(tmp_path / "store", "dataw")
+    committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    assert len(committed["grad_digests"]) == 2 and all(isinstance(d, str) and len(d) == 16 for d in committed["grad_digests"])
+    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))["grads_changed"] == ["lin.weight", "lin.bias"]
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop changed gradients .*without touching their version counters"):
+        _replay_with_scheduler(tmp_path, "dataw", uri, 4)
+    rep, _ = _replay_with_scheduler(tmp_path, "dataw", uri, 3)
+    assert rep.ok and rep.steps_checked == 2 and rep.grad_mismatches == []  # (one stage: no send to verify)
+
+
+def test_gradients_changed_before_the_commit_outside_the_replay_make_it_unverified(tmp_path, single_rank_group):
+    """Gradients changed between the schedule's step and the commit by what a replay does not
+    repeat (a data-parallel or tied-weight all_reduce, a hook, a ``.data`` write): the commit's
+    digests are of the changed gradients, and the replay's own differ at that very step, the last
+    one included, where no later send could show it. The report names the iteration and the
+    parameters, is not verified, and ``raise_for_mismatch`` says why."""
+
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+        _plain_step(client, mod, opt, it, g)
+        if it == 3:
+            mod.lin.bias.grad.data.add_(1e-3)
+
+    client = SwiftlogClient(ClientConfig(run_id="before", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    uri = _train_one_stage(client, mod, opt, step=step)
+    assert client.close().ok  # nothing the live stage could see
+    logs = LogStore.open(tmp_path / "store", "before")
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    assert rep.first_mismatch is None and rep.steps_checked == 3
+    assert rep.grad_mismatches == [{"stage": 0, "iteration": 3, "params": ["lin.bias"]}] and not rep.ok
+    assert "stage 0 iteration 3: the gradients the optimizer step used differ from the live step's (lin.bias)" in rep.unverified_reason
+    with pytest.raises(ReplayMismatchError, match=r"iteration 3: the gradients the optimizer step used differ .*a collective"):
+        rep.raise_for_mismatch()
+    again = ReplayReport.from_dict(rep.to_dict())
+    assert again.grad_mismatches == rep.grad_mismatches and again.steps_checked == 3 and not again.verified
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

@@ -81,6 +81,7 @@ def test_sequential_replay_of_every_stage_is_bit_exact(any_run, tmp_path):
         rep = res.report
         sends = (k < NUM_STAGES - 1) + (k > 0)
         assert res.verified and rep.verified and rep.first_mismatch is None
+        assert rep.steps_checked == ITERS - CKPT and rep.grad_mismatches == []  # every step's gradients are the live ones
         assert rep.sends_generated == rep.digests_checked == sends * (ITERS - CKPT) * n_mb
         assert rep.micro_batches == (ITERS - CKPT) * n_mb and rep.iterations_done == ITERS - CKPT and rep.warnings == []
         if k == NUM_STAGES - 1:

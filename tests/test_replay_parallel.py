@@ -210,6 +210,7 @@ def test_exact_parallel_replay_is_bit_identical_to_sequential(workers, run_name,
     assert par.states is None and par.verified and b.extra["recovered"]["workers"] == workers and b.extra["recovered"]["exact"]
     r, s = par.report, seq.report
     assert (r.micro_batches, r.sends_generated, r.digests_checked) == (s.micro_batches, s.sends_generated, s.digests_checked)
+    assert r.steps_checked == s.steps_checked == ITERS - CKPT and r.grad_mismatches == []  # the chain's sums are the live step's gradients
     assert r.losses == s.losses and r.loss_micro_batches == s.loss_micro_batches
     assert [p.done for p in seen] == list(range(1, ITERS - CKPT + 1)) and seen[-1].workers == workers
     assert par.replay_seconds > 0 and par.setup_seconds > 0 and par.seconds >= par.replay_seconds
@@ -264,6 +265,7 @@ def test_approximate_parallel_replay_stays_within_the_stated_bound(workers, f1b_
     n_mb = f1b_run.gpt.n_microbatches
     r = par.report
     assert r.digests_checked == 2 * n_mb and r.digest_mismatches == [] and r.sends_generated == 2 * n_mb * (ITERS - CKPT)
+    assert r.steps_checked == 0 and r.grad_mismatches == []  # its sums have other bits than the live step's by design
     assert not par.verified and any("approximate" in w for w in r.warnings)
 
 

@@ -36,6 +36,7 @@ from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
+from trainer_client.digest import grad_digest_changes, grad_digests
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
@@ -190,6 +191,7 @@ class SwiftlogClient:
         self._step_hook: Any = None  # its step pre-hook's handle
         self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
         self._grad_versions: list[int] | None = None  # the stage's gradients' version counters after the schedule's step
+        self._commit_digests: list[str | None] | None = None  # their digests at the last commit (META grad_digests)
         self._lr_scheduler: weakref.ref[Any] | None = None  # the tracked one (META "sched_epoch"; track_lr_scheduler)
         self._committed: tuple[int, dict[str, Any]] | None = None  # the last committed iteration and its META (amendments merged)
         self._amendment: dict[str, Any] | None = None  # what has been amended in that META (its micro-batch 1 record)
@@ -448,6 +450,7 @@ class SwiftlogClient:
         own = self._own_channels()
         self._step_expect = None
         if rec.enabled:
+            self._commit_digests = grad_digests(self.stage_module)  # what the coming step should use; a replay checks its own
             doc = self._meta(iteration)
             meta = encode_meta(doc)
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
@@ -518,13 +521,18 @@ class SwiftlogClient:
             lrs, hparams = self._learning_rates(), optimizer_hparams(opt)
             grads = self._grads_changed(versions)
             scaled = _stepped_by_grad_scaler(opt, kwargs)
+            how = "a GradScaler unscaled them" if scaled else "torch's clip_grad_norm_, a manual scaling"
             if scaled and not grads:  # its unscale kernel leaves the version counters alone
                 grads = [n for n, p in (self.stage_module.named_parameters() if self.stage_module is not None else []) if p.grad is not None]
+            if not grads and doc.get("grad_digests") is not None and self.stage_module is not None:  # what leaves the counters alone
+                now = grad_digests(self.stage_module)
+                if now is not None:
+                    grads = grad_digest_changes([n for n, _ in self.stage_module.named_parameters()], doc["grad_digests"], now)
+                    how = "without touching their version counters: a collective such as dist.all_reduce, a write through .data"
             if lrs == doc["lrs"] and hparams == doc["hparams"] and not grads:
                 return
             changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
             if grads:
-                how = "a GradScaler unscaled them" if scaled else "torch's clip_grad_norm_, a manual scaling"
                 changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
                                f"the schedule's backward other than by client.clip_grad_norm_ ({how})")  # fmt: skip
             changed = changed or ["the optimizer's hyperparameters"]
@@ -929,6 +937,7 @@ class SwiftlogClient:
             "input_consts": dict(rec.input_consts),
             "recv_requires_grad": rec.recv_requires_grad,
             "grad_clip": list(self._grad_clips),
+            "grad_digests": self._commit_digests,
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
             "sched_epoch": self._sched_epoch(),

@@ -19,7 +19,10 @@ module's ``parameters()`` or null for all; absent in older records: no clipping)
 group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
 client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any), ``hparams`` (each
 param group's other hyperparameters at commit, :func:`optimizer_hparams`; absent in older records),
-``changed_after_commit`` and ``grads_changed`` (only in an amended META: what the step used that
+``grad_digests`` (the xxh3 of each parameter gradient of the stage at the commit, in
+``parameters()`` order, as 16 hex digits, null for a parameter without one; null as a whole when
+the gradients are not on the CPU; absent in older records: the replay compares its own before
+each step), ``changed_after_commit`` and ``grads_changed`` (only in an amended META: what the step used that
 differed from the document as committed, and the parameters whose gradients were changed after the
 schedule's backward other than by ``client.clip_grad_norm_``; see below), ``autocast`` (the
 ``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
@@ -35,8 +38,8 @@ things, which a replay does not load by itself: the error names it; else null).
 An optimizer step that runs with other learning rates or hyperparameters than its iteration's META
 says (set between ``commit`` and ``optimizer.step()``), or on gradients changed in place after the
 schedule's backward other than by ``client.clip_grad_norm_`` (seen by their version counters:
-torch's clip, a manual scaling; and a GradScaler's step, recognised as such; not a collective
-or a ``.data`` write),
+torch's clip, a manual scaling; and a GradScaler's step, recognised as such; on CPU also a
+collective or a ``.data`` write, by the gradients' digests against ``grad_digests``),
 is amended: the client writes a second record, micro-batch 1 of the same channel and iteration,
 holding ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found them,
 and replaces the decision store's copy with the document so amended. A replay reads both
