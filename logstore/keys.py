@@ -79,6 +79,7 @@ class Kind(enum.IntEnum):
     TARGET = 3
     META = 4
     DIGEST = 5
+    REDUCED = 6  # a stage's gradients as a collective left them (client.all_reduce_grads_): one record per call, a part per parameter
 
     @property
     def short(self) -> str:
@@ -92,8 +93,10 @@ _SHORT = {
     Kind.TARGET: "target",
     Kind.META: "meta",
     Kind.DIGEST: "digest",
+    Kind.REDUCED: "reduced",
 }
 _FROM_SHORT = {v: k for k, v in _SHORT.items()}
+_OWN_KINDS = (Kind.INPUT, Kind.TARGET, Kind.META, Kind.REDUCED)  # channels of one stage: src == dst
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -118,7 +121,7 @@ class Channel:
             raise InvalidKeyError(f"activation channel must go src -> src+1, got {self.src}->{self.dst}")
         if k is Kind.GRADIENT and self.dst != self.src - 1:
             raise InvalidKeyError(f"gradient channel must go src -> src-1, got {self.src}->{self.dst}")
-        if k in (Kind.INPUT, Kind.TARGET, Kind.META) and self.src != self.dst:
+        if k in _OWN_KINDS and self.src != self.dst:
             raise InvalidKeyError(f"{k.short} channel belongs to one stage, got {self.src}->{self.dst}")
         if k is Kind.DIGEST and abs(self.src - self.dst) != 1:
             raise InvalidKeyError(f"digest channel must join neighbours, got {self.src}->{self.dst}")
@@ -148,6 +151,10 @@ class Channel:
     def digest(cls, src: int, dst: int) -> Channel:
         return cls(Kind.DIGEST, src, dst)
 
+    @classmethod
+    def reduced(cls, stage: int) -> Channel:
+        return cls(Kind.REDUCED, stage, stage)
+
     # -- properties -----------------------------------------------------------------------
     @property
     def owner(self) -> int:
@@ -164,7 +171,7 @@ class Channel:
     @property
     def name(self) -> str:
         """Stable path-safe name, e.g. ``act_0_1``, ``grad_2_1``, ``input_0``, ``digest_1_2``."""
-        if self.kind in (Kind.INPUT, Kind.TARGET, Kind.META):
+        if self.kind in _OWN_KINDS:
             return f"{self.kind.short}_{self.src}"
         return f"{self.kind.short}_{self.src}_{self.dst}"
 
@@ -179,9 +186,9 @@ class Channel:
         except (KeyError, ValueError):
             raise InvalidKeyError(
                 f"invalid channel {text!r}",
-                hint="write e.g. act_0_1, grad_2_1, input_0, target_3, meta_2 or digest_1_2",
+                hint="write e.g. act_0_1, grad_2_1, input_0, target_3, meta_2, digest_1_2 or reduced_0",
             ) from None
-        if len(nums) == 1 and kind in (Kind.INPUT, Kind.TARGET, Kind.META):
+        if len(nums) == 1 and kind in _OWN_KINDS:
             return cls(kind, nums[0], nums[0])
         if len(nums) == 2:
             return cls(kind, nums[0], nums[1])

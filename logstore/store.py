@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 _COLD_SEG_RE = re.compile(r"^(?P<lo>\d{12})-(?P<hi>\d{12})\.(?P<writer>[A-Za-z0-9._-]+)\.(?P<seg>\d{10})\.seg$")
 
 
-_PRECIOUS_KINDS = frozenset({Kind.INPUT, Kind.TARGET, Kind.META})
+_PRECIOUS_KINDS = frozenset({Kind.INPUT, Kind.TARGET, Kind.META, Kind.REDUCED})
 
 
 def _precious(channel: str, first: set[str]) -> bool:

@@ -131,12 +131,15 @@ def replay_command(
         print(json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2), flush=True)
     else:
         for r in results:
-            state = "verified" if r.verified else ("DIVERGED at " + json.dumps(r.first_mismatch) if r.first_mismatch else "NOT verified")
+            state = "verified" if r.verified else "NOT verified"
+            if r.report.diverged:
+                first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
+                state = f"DIVERGED: {r.report.unverified_reason}{first}"
             typer.echo(f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
                        f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
-            if r.first_mismatch and output:
+            if r.report.diverged and output:
                 typer.echo(f"  nothing written to {output}: the replayed state is wrong (check --model / --model-arg / --loss against the training run)")
             for w in r.report.warnings:
                 typer.echo(f"  warning: {w}")

@@ -138,6 +138,9 @@ class StageState:
 def _grad_mismatch_text(g: dict[str, Any]) -> str:
     params = list(g.get("params") or [])
     names = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
+    if g.get("at"):
+        return (f"stage {g['stage']} iteration {g['iteration']}: the gradients {g['at']} differ from the live ones ({names}): the "
+                "replacement's stage, its inputs or the loop between the schedule's step and that call differ from the live ones")  # fmt: skip
     return (f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
             "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
             "data-parallel replicas, a write through .data, a gradient hook outside the stage), or the replacement's stage differs")  # fmt: skip
@@ -210,6 +213,12 @@ class ReplayReport:
             return self.ok
         last_unchecked = self.stop_iteration - 1 in self.unknown_steps
         return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
+
+    @property
+    def diverged(self) -> bool:
+        """A regenerated send, or the gradients of a replayed optimizer step, differ from the live
+        ones: the replayed state is wrong (not merely unproven)."""
+        return bool(self.digest_mismatches or self.record_mismatches or self.grad_mismatches)
 
     @property
     def unverified_reason(self) -> str:
@@ -899,9 +908,12 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             for p in st.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(plan.scale)
-        for clip in plan.logged(st.stage, "grad_clip") or ():
-            _clip_as_logged(st, it, clip, dev)
         meta = plan.metas.get(st.stage)
+        for kind, op in _grad_ops(meta):  # the live clip_grad_norm_ / all_reduce_grads_ calls, in their order
+            if kind == "clip":
+                _clip_as_logged(st, it, op, dev)
+            else:
+                _reduce_as_logged(ctx, st, it, op, report)
         _check_hyperparameters(st, it, meta)
         if meta and meta.get("grad_digests") is not None and ctx.checks_step(it):
             _check_grad_digests(st, it, meta["grad_digests"], report)
@@ -1022,6 +1034,53 @@ def _live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
                           "iteration is not logged (the stage died before its next iteration began)",
                           hint="recover from the checkpoint; a loop that steps both once per iteration needs no count")  # fmt: skip
     return 1
+
+
+def _grad_ops(meta: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The live loop's ``clip_grad_norm_`` ("clip") and ``all_reduce_grads_`` ("reduce"; with its
+    call number as ``"call"``) calls of META, in the order they were made (their ``seq``; records
+    without one: the clips in their order)."""
+    if not meta:
+        return []
+    ops: list[tuple[int, int, str, dict[str, Any]]] = []
+    for j, c in enumerate(meta.get("grad_clip") or ()):
+        ops.append((int(c.get("seq", j)), j, "clip", c))
+    for j, r in enumerate(meta.get("grad_reduce") or ()):
+        ops.append((int(r.get("seq", 0)), j, "reduce", {**r, "call": j}))
+    ops.sort(key=lambda o: (o[0], o[1]))
+    return [(kind, op) for _, _, kind, op in ops]
+
+
+def _reduce_as_logged(ctx: _Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:
+    """Repeat one live ``client.all_reduce_grads_`` call: check the replay's own gradients of its
+    parameters against the digests taken before the live reduction (META ``pre``, CPU; a difference
+    goes into ``report.grad_mismatches``), then put the logged reduced gradients in their place
+    (record ``reduced_{stage}`` / iteration / call, a part per parameter). Raises
+    ReplayInputMissingError when the record is missing, ReplayError when it does not fit."""
+    params = list(st.module.parameters())
+    names = [n for n, _ in st.module.named_parameters()]
+    call = int(op["call"])
+    try:
+        chosen = [params[i] for i in op["params"]]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ReplayError(f"stage {st.stage} iteration {it}: META's grad_reduce entry {op!r} does not fit the stage's {len(params)} parameters ({e})") from e
+    for p in chosen:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    pre = op.get("pre")
+    if pre is not None and ctx.checks_step(it) and all(p.grad.device.type == "cpu" for p in chosen):
+        mine = [f"{tensor_digest(p.grad):016x}" for p in chosen]
+        changed = grad_digest_changes([names[i] for i in op["params"]], pre, mine)
+        if changed:
+            report.grad_mismatches.append({"stage": st.stage, "iteration": it, "params": changed, "at": f"before all_reduce_grads_ call {call}"})
+    logged = ctx.reader.require_parts(Channel.reduced(st.stage), it, call)
+    if len(logged) != len(chosen) or any(t.shape != p.shape or t.dtype != p.grad.dtype for t, p in zip(logged, chosen, strict=False)):
+        raise ReplayError(f"stage {st.stage} iteration {it}: the logged reduced gradients of all_reduce_grads_ call {call} "
+                          f"({[(tuple(t.shape), str(t.dtype)) for t in logged]}) do not fit its parameters "
+                          f"({[(tuple(p.shape), str(p.grad.dtype)) for p in chosen]})")  # fmt: skip
+    with torch.no_grad():
+        for p, t in zip(chosen, logged, strict=True):
+            p.grad.copy_(t)
 
 
 def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.device) -> None:

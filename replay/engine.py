@@ -461,13 +461,13 @@ def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayRe
     Returns stage -> URI ({} when ``job.output`` is None). The checkpoint's ``extra["recovered"]``
     records where it came from and whether the replay was verified (False also when digests were
     missing or verification was off). Never writes the state of a replay that diverged (a
-    regenerated send differed from the log: the state is wrong), so it cannot be loaded as, or
-    overwrite, a recovered checkpoint: returns {} (the states stay in the result).
+    regenerated send or a step's gradients differed from the live ones: the state is wrong), so it
+    cannot be loaded as, or overwrite, a recovered checkpoint: returns {} (the states stay in the result).
     """
     if not job.output:
         return {}
-    if report.first_mismatch is not None:
-        logger.error("replay run=%s stages=%s diverged at %s: no checkpoint written to %s", job.run, job.stages, report.first_mismatch["key"], job.output)
+    if report.diverged:
+        logger.error("replay run=%s stages=%s diverged (%s): no checkpoint written to %s", job.run, job.stages, report.unverified_reason, job.output)
         return {}
     out = {}
     for st in states:
@@ -686,8 +686,8 @@ def _log_outcome(res: ReplayResult) -> None:
     r = res.report
     if r.verified:
         logger.info("replay run=%s stages=%s verified: %d sends matched their digests (%.2f s)", res.job.run, r.stages, r.digests_checked, res.seconds)
-    elif r.first_mismatch is not None:
-        logger.error("replay run=%s stages=%s DIVERGED: first mismatch %s", res.job.run, r.stages, r.first_mismatch)
+    elif r.diverged:
+        logger.error("replay run=%s stages=%s DIVERGED: %s", res.job.run, r.stages, r.unverified_reason)
     else:
         logger.warning("replay run=%s stages=%s not verified: %d of %d sends checked, %d digests missing", res.job.run, r.stages,
                        r.digests_checked, r.sends_generated, len(r.digests_missing))  # fmt: skip

@@ -651,6 +651,7 @@ class _Planner:
                             u.missing.append(key)
                         if g is not None and len(u.gaps) < _MAX_LISTED:
                             u.gaps.append(g)
+        reduced = self._reduced_channels(u, c, stop, gap_index)  # what the stages' all_reduce_grads_ calls left, where they made some
         newest = u.newest_checkpoint
         collected = newest is not None and c < newest and (u.missing or any("no stage has a META" in r for r in u.reasons))
         if collected:
@@ -695,12 +696,41 @@ class _Planner:
             u.warnings.append("some digests of the unit's sends are missing: the replay cannot be fully verified")
         # where to fetch from
         failed_writers = {f"stage{k}" for k in self.failed}
-        self._fetch_items(u, [(ch, "input") for ch in chans["inputs"]] + [(ch, "meta") for ch in sorted(meta_chans)]
+        self._fetch_items(u, [(ch, "input") for ch in [*chans["inputs"], *reduced]] + [(ch, "meta") for ch in sorted(meta_chans)]
                           + [(ch, "verify") for ch in chans["verify"]], c, stop, failed_writers)  # fmt: skip
         if self.check_records and not u.reasons:
-            self._check_records(u, [*chans["inputs"], *sorted(meta_chans), *chans["verify"]], c, stop)  # what the replay reads, all of it
+            self._check_records(u, [*chans["inputs"], *reduced, *sorted(meta_chans), *chans["verify"]], c, stop)  # what the replay reads, all of it
         u.possible = not u.reasons
         self._estimate(u, S)
+
+    def _reduced_channels(self, u: ReplayUnit, c: int, stop: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]) -> list[Channel]:
+        """The ``reduced_{stage}`` channels of the unit's stages whose META lists
+        ``all_reduce_grads_`` calls in [c, stop); a call's record missing is added to ``u.missing``
+        (and its gap, if one was recorded), with a reason."""
+        chans: list[Channel] = []
+        first_missing = None
+        for k in u.stages:
+            ch = Channel.reduced(k)
+            for it in range(c, stop):
+                calls = (self._meta(k, it) or {}).get("grad_reduce") or [] if it in self._index(Channel.meta(k), c) else []
+                if not calls:
+                    continue
+                if ch not in chans:
+                    chans.append(ch)
+                have = self._index(ch, c).get(it, {})
+                for call in range(len(calls)):
+                    if call not in have:
+                        key = f"{ch.name}/it{it}/mb{call}/p0"
+                        first_missing = first_missing or key
+                        if len(u.missing) < _MAX_LISTED:
+                            u.missing.append(key)
+                        g = gap_index.get((ch.name, it, call))
+                        if g is not None and len(u.gaps) < _MAX_LISTED:
+                            u.gaps.append(g)
+        if first_missing is not None:
+            u.reasons.append(f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a stage's own records "
+                             "outlive its node only in the run's cold tier)")  # fmt: skip
+        return chans
 
     def _cold_views(self) -> list[tuple[int, LogStore]]:
         """(store index, cold-only view) for every store with a cold tier: a record listed hot on a

@@ -13,7 +13,8 @@ from logstore.testing.s3servers import MotoServer
 from tests._client_mp import run_pipeline
 from tests._replay_helpers import CKPT, ITERS, Run, file_run
 
-__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run", "recompute_bn_run", "recompute_bn_gpipe_run"]
+__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run", "recompute_bn_run", "recompute_bn_gpipe_run", "tied_run",
+           "raw_tied_run"]
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +70,19 @@ def clip_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def autocast_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """1F1B with every schedule step under torch.autocast (CPU, bfloat16)."""
     return file_run(tmp_path_factory.mktemp("autocast"), "autocast", "1f1b", extra=["--autocast", "bf16"])
+
+
+@pytest.fixture(scope="session")
+def tied_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """1F1B with the first stage's embedding tied to the last stage's head: their gradients summed
+    over the two stages by client.all_reduce_grads_ each iteration, then clipped to a global norm."""
+    return file_run(tmp_path_factory.mktemp("tied"), "tied", "1f1b", extra=["--tie-embeddings", "client", "--clip-grad-norm", "0.05"])
+
+
+@pytest.fixture(scope="session")
+def raw_tied_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The same tie summed by a plain dist.all_reduce, which no replay can repeat."""
+    return file_run(tmp_path_factory.mktemp("raw-tied"), "raw-tied", "gpipe", extra=["--tie-embeddings", "raw"])
 
 
 @pytest.fixture(scope="session")

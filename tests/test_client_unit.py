@@ -1252,6 +1252,52 @@ def test_gradients_changed_before_the_commit_outside_the_replay_make_it_unverifi
     assert again.grad_mismatches == rep.grad_mismatches and again.steps_checked == 3 and not again.verified
 
 
+def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, single_rank_group):
+    """``client.all_reduce_grads_`` between the schedule's step and the commit: META lists the call
+    (its place among the clips, the parameters, the digests before it), the reduced gradients are
+    a record per call, and the replay checks its own gradients against those digests, puts the
+    logged ones in their place and clips after it as the live loop did. Misuse is named."""
+
+    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+        _plain_step(client, mod, opt, it, g)
+        client.clip_grad_norm_(mod.parameters(), 10.0)
+        if it == 3:
+            mod.lin.bias.grad.data.add_(1e-3)  # before the reduction: in its digests, not in a replay's gradients
+        client.all_reduce_grads_([mod.lin.bias, mod.lin.weight], average=True)  # a world of one: the values stay
+        client.clip_grad_norm_(mod.parameters(), 0.01)
+        with pytest.raises(ValueError, match=r"parameters \[0\] .*are not parameters of the stage's module"):
+            client.all_reduce_grads_([torch.nn.Parameter(torch.zeros(2))])
+        with pytest.raises(ValueError, match="no parameters given"):
+            client.all_reduce_grads_([])
+
+    client = SwiftlogClient(ClientConfig(run_id="reduce", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    with pytest.raises(RuntimeError, match=r"all_reduce_grads_ belongs between client.step\(it\) and client.commit\(it\)"):
+        client.all_reduce_grads_([torch.nn.Parameter(torch.zeros(2))])
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    uri = _train_one_stage(client, mod, opt, step=step)
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "reduce")
+    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    (call,) = meta["grad_reduce"]
+    assert [c["seq"] for c in meta["grad_clip"]] == [0, 2] and call["seq"] == 1 and call["params"] == [1, 0] and call["world"] == 1
+    assert call["average"] is True and len(call["pre"]) == 2
+    bias, weight = logs.get(RecordKey(Channel.reduced(0), 2, 0, 0)), logs.get(RecordKey(Channel.reduced(0), 2, 0, 1))
+    assert bias.shape == mod.lin.bias.shape and weight.shape == mod.lin.weight.shape
+
+    def again(stop: int) -> tuple[Any, torch.nn.Module]:
+        fresh = _Masked()
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+        return replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=stop, loss_fn=_mse), fresh
+
+    rep, fresh = again(3)
+    assert rep.ok and rep.steps_checked == 2
+    rep, fresh = again(4)  # the logged sum replaces the replay's own gradients: the state is the live one, but the inputs to the call differed
+    assert _same_state(fresh, mod) and rep.steps_checked == 3
+    assert rep.grad_mismatches == [{"stage": 0, "iteration": 3, "params": ["lin.bias"], "at": "before all_reduce_grads_ call 0"}] and rep.diverged
+    assert "stage 0 iteration 3: the gradients before all_reduce_grads_ call 0 differ from the live ones (lin.bias)" in rep.unverified_reason
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

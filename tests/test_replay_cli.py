@@ -128,7 +128,7 @@ def test_a_diverged_replay_writes_nothing(f1b_run, tmp_path):
     out = tmp_path / "out"
     r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(out), "--model-arg", "dropout=0.3"))
     assert r.exit_code == 1, r.output
-    assert "DIVERGED at" in r.stdout and '"channel": "act_1_2"' in r.stdout and f"nothing written to {out}" in r.stdout
+    assert "DIVERGED: " in r.stdout and '"channel": "act_1_2"' in r.stdout and f"nothing written to {out}" in r.stdout
     assert not out.exists()
 
 

@@ -617,3 +617,49 @@ def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     missing = _unverified(rep(sends_generated=4, digests_checked=2, digests_missing=["grad_1_0/it4/mb0/p0", "grad_1_0/it4/mb1/p0"]))
     assert "2 of its 4 sends have no digest in the logs to check them against (first: grad_1_0/it4/mb0/p0)" in missing
     assert "its last iteration (5) was replayed with another stage's META" in _unverified(rep(sends_generated=4, digests_checked=4, unknown_steps=[5]))
+
+
+def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reduction(tied_run, tmp_path):
+    """The first stage's embedding and the last stage's head are one weight: each iteration their
+    gradients are summed over the two stages (``client.all_reduce_grads_``) and then clipped to the
+    global norm. A replay of either has only its own half; it checks that half against the digests
+    taken before the reduction, puts the logged sum in its place, clips as logged: bit-exact and
+    verified, alone and over two workers. The plan fetches the reduced records; without them it
+    says what is missing and the replay names the record."""
+    n_reduced = ITERS - CKPT
+    for k in (0, NUM_STAGES - 1):
+        res = replay(_job(tied_run, k, tmp_path / f"s{k}"))
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, k), tied_run.results[k]) == [], f"stage {k}"
+        assert res.report.steps_checked == n_reduced and res.report.grad_mismatches == []
+    par = replay(_job(tied_run, 0, tmp_path / "par", workers=2))
+    assert par.verified and checkpoint_vs_live(checkpoint_of(par, 0), tied_run.results[0]) == []
+    with tied_run.store() as st:
+        assert len(st.keys(Channel.reduced(0))) == ITERS - CKPT  # one call per iteration, one part (the embedding); older ones GC-ed
+        plan = plan_recovery(st, [0])
+    assert plan.possible and any(f.channel == "reduced_0" and f.purpose == "input" for f in plan.units[0].fetch), plan.units[0].fetch
+    _, cold = copy_run_files(tied_run, tmp_path / "copy")
+    for p in (Path(cold[len("file://"):]) / tied_run.run_id / "segments" / "reduced_0").glob("*"):
+        p.unlink()
+    src = SourceSpec(kind="cold", location=cold)
+    with LogStore.open(tmp_path / "empty-root", tied_run.run_id, cold_url=cold) as st:
+        plan = plan_recovery(st, [0])
+    assert not plan.possible and plan.units[0].missing[0] == f"reduced_0/it{CKPT}/mb0/p0", plan.units[0].missing
+    assert any("all_reduce_grads_" in r for r in plan.reasons), plan.reasons
+    with pytest.raises(ReplayInputMissingError) as ei:
+        replay(_job(tied_run, 0, tmp_path / "missing", sources=[src]))
+    assert str(ei.value.key) == f"reduced_0/it{CKPT}/mb0/p0"
+
+
+def test_a_plain_all_reduce_of_tied_weights_makes_the_replay_unverified(raw_tied_run, tmp_path):
+    """The same tie summed by ``dist.all_reduce`` outside the client: nothing the replay can repeat.
+    The gradient digests in META show it at the first replayed step (the last one too, where no
+    later send could): not verified, naming the stage, iteration and parameter; never written."""
+    k = NUM_STAGES - 1
+    res = replay(_job(raw_tied_run, k, tmp_path))
+    assert not res.verified and res.outputs == {}
+    assert res.report.grad_mismatches[0] == {"stage": k, "iteration": CKPT, "params": ["head.weight"]}
+    assert f"stage {k} iteration {CKPT}: the gradients the optimizer step used differ from the live step's (head.weight)" in res.report.unverified_reason
+    job = _job(raw_tied_run, k, tmp_path / "last")
+    last = replay(job.replace(stop_iteration=CKPT + 1))
+    assert not last.verified and [g["iteration"] for g in last.report.grad_mismatches] == [CKPT] and last.report.first_mismatch is None
+    assert last.outputs == {} and not (tmp_path / "last" / "out").exists()  # its sends all matched, but its state is wrong

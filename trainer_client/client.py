@@ -36,7 +36,7 @@ from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
-from trainer_client.digest import grad_digest_changes, grad_digests
+from trainer_client.digest import grad_digest_changes, grad_digests, tensor_digest
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
@@ -187,6 +187,8 @@ class SwiftlogClient:
         self._iteration: int | None = None
         self._step_t0: float | None = None
         self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
+        self._grad_reduces: list[dict[str, Any]] = []  # its all_reduce_grads_ calls (META "grad_reduce"; records reduced_{stage})
+        self._grad_ops = 0  # calls of either in the current iteration (their "seq": the replay repeats them in this order)
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the tracked one (META "lrs", "hparams"; track_optimizer)
         self._step_hook: Any = None  # its step pre-hook's handle
         self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
@@ -331,6 +333,8 @@ class SwiftlogClient:
         self._iteration = iteration
         self._step_t0 = time.perf_counter()
         self._grad_clips = []
+        self._grad_reduces = []
+        self._grad_ops = 0
         self._own_sealed = None
         self.recorder.begin(iteration)
 
@@ -414,7 +418,9 @@ class SwiftlogClient:
             total = part if inf else part.pow(1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
+        self._grad_ops += 1
         self._grad_clips.append({
+            "seq": self._grad_ops - 1,
             "max_norm": float(max_norm),
             "total_norm": float(total),  # a float32 / bf16 value is exact as a Python float (and in JSON)
             "dtype": str(total.dtype).removeprefix("torch."),
@@ -424,6 +430,60 @@ class SwiftlogClient:
         if self._grad_versions is not None:  # a change the replay repeats
             self._grad_versions = self._grad_snapshot()
         return total
+
+    def all_reduce_grads_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        *,
+        group: dist.ProcessGroup | None = None,
+        average: bool = False,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        """``dist.all_reduce`` (sum) of the parameters' gradients over ``group``, in place, which a
+        replay repeats exactly: the reduced gradients are logged (channel ``reduced_{stage}``, one
+        record per call, a part per parameter, shipped off the node before the commit completes,
+        like the first stage's inputs), and the replay puts them in place of its own at the same
+        point. For weights tied across stages (an embedding shared by the first and the last
+        stage) or any other gradient sum over ranks the replay could not recompute alone.
+
+        Call it between the schedule's step and ``commit(iteration)``, on every rank of ``group``
+        (default: the world) in the same order with the same parameters' shapes (a collective);
+        ``client.clip_grad_norm_`` calls before and after it are replayed in their order.
+        ``average``: divide the sum by the group's size. A parameter without a gradient takes part
+        with zeros (and has them as its gradient afterwards). ``parameters`` must belong to the
+        stage's module (``module``, default: the one given to :meth:`pipeline_stage`); on CPU, META
+        also records the digests of the gradients before the reduction, so the replay checks its
+        own. Raises ValueError for a parameter not in the module, RuntimeError outside an
+        iteration or after its commit. Never changes a gradient other than by the reduction.
+        """
+        if self._iteration is None or self._step_t0 is None:
+            raise RuntimeError("all_reduce_grads_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
+        mod = module if module is not None else self.stage_module
+        if mod is None:
+            raise ValueError("all_reduce_grads_ needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        index = {id(p): i for i, p in enumerate(mod.parameters())}
+        missing = [i for i, p in enumerate(params) if id(p) not in index]
+        if missing:
+            raise ValueError(f"all_reduce_grads_: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+        if not params:
+            raise ValueError("all_reduce_grads_: no parameters given")
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        pre = [f"{tensor_digest(g):016x}" for g in grads] if all(g.device.type == "cpu" for g in grads) else None
+        reduced = _all_reduce_flat(grads, group, average)
+        for g, r in zip(grads, reduced, strict=True):
+            g.copy_(r)
+        self._grad_ops += 1
+        call = len(self._grad_reduces)
+        self._grad_reduces.append({"seq": self._grad_ops - 1, "params": [index[id(p)] for p in params], "average": bool(average),
+                                   "world": dist.get_world_size(group), "pre": pre})  # fmt: skip
+        if self.recorder.enabled:
+            self.writer.submit(Channel.reduced(self.config.stage), self._iteration, call, reduced)  # `reduced` is ours alone: no copy
+        if self._grad_versions is not None:  # a change the replay repeats
+            self._grad_versions = self._grad_snapshot()
 
     def commit(self, iteration: int) -> CommitReport:
         """Finish ``iteration``'s logs and, with a decision store, agree with every stage to apply it.
@@ -460,7 +520,7 @@ class SwiftlogClient:
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
         if sealed is not None and own and self.config.ship_wait is not None:
             # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
-            early = self._own_sealed if rec.data_count == rec.data_sealed_at else None
+            early = self._own_sealed if rec.data_count == rec.data_sealed_at and not self._grad_reduces else None
             self._wait_shipped(iteration, own, early or sealed, self.config.ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
@@ -657,9 +717,12 @@ class SwiftlogClient:
     def _own_channels(self) -> list[Channel]:
         """What this stage logged this iteration that no other stage has and a replay of it needs:
         stage 0's inputs, the last stage's targets, another stage's keyword inputs of the step."""
+        own = list(self._own_data)
         if not self.config.is_first and self.recorder.input_kwargs:
-            return [*self._own_data, Channel.input(self.config.stage)]
-        return self._own_data
+            own.append(Channel.input(self.config.stage))
+        if self._grad_reduces:
+            own.append(Channel.reduced(self.config.stage))
+        return own
 
     def _wait_shipped(self, iteration: int, own: list[Channel], sealed: threading.Event, timeout: float) -> None:
         """Before this stage reports ``iteration`` done: wait until its data of it (``own``) is
@@ -937,6 +1000,7 @@ class SwiftlogClient:
             "input_consts": dict(rec.input_consts),
             "recv_requires_grad": rec.recv_requires_grad,
             "grad_clip": list(self._grad_clips),
+            "grad_reduce": list(self._grad_reduces),
             "grad_digests": self._commit_digests,
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
@@ -949,6 +1013,26 @@ class SwiftlogClient:
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,
             "time": time.time(),
         }
+
+
+def _all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, average: bool) -> list[torch.Tensor]:
+    """The sums of ``grads`` over ``group`` (divided by its size with ``average``), as new tensors:
+    one all_reduce per dtype and device over the gradients laid end to end."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.dtype, g.device), []).append(i)
+    for idx in by_kind.values():
+        flat = torch.cat([grads[i].detach().reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat.div_(dist.get_world_size(group))
+        off = 0
+        for i in idx:
+            n = grads[i].numel()
+            out[i] = flat[off : off + n].view_as(grads[i])
+            off += n
+    return [t for t in out if t is not None]
 
 
 def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
     a("--recompute", action="store_true", help="activation recomputation (torch.utils.checkpoint around each block)")
     a("--clip-grad-norm", type=float, default=None, help="clip gradients to this global norm (over all stages) before each step")
+    a("--tie-embeddings", choices=["client", "raw"], default=None,
+      help="tie the first stage's token embedding to the last stage's head weight (equal at the start, their gradients summed "
+           "over the two stages each iteration, before the clip): 'client' through client.all_reduce_grads_ (logged and "
+           "replayed), 'raw' with a plain dist.all_reduce (not replayable: a replay of either stage is not verified)")
     a("--autocast", default="none", choices=["none", "bf16"], help="run each schedule step under torch.autocast (bf16 on the stage's device)")
     # logging
     a("--no-logging", action="store_true")
@@ -163,18 +167,39 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
                      mlp_norm=args.mlp_norm, recompute=args.recompute)  # fmt: skip
 
 
-def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch.nn.Module, data: SyntheticTokens, it: int, losses: list) -> None:
+def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch.nn.Module, data: SyntheticTokens, it: int, losses: list,
+                  tie: tuple[torch.Tensor, Any] | None = None) -> None:  # fmt: skip
     """Iteration ``it``'s schedule step as the example scripts run it (shared with train_resilient):
     under bf16 autocast with ``--autocast bf16``, on the data source's batch or the synthetic one,
-    then with ``--clip-grad-norm`` the clip to the global norm over the current process group's stages."""
+    then the tied weight's gradient summed over its two stages (``tie``: the weight and the group,
+    see :func:`tie_embeddings`), then with ``--clip-grad-norm`` the clip to the global norm over
+    the current process group's stages."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
         if args.data_source:
             client.step(it, losses=losses)
         else:
             x, y = data(it)
             client.step(it, x, target=y, losses=losses)
+    if tie is not None:
+        weight, group = tie
+        if args.tie_embeddings == "client":
+            client.all_reduce_grads_([weight], group=group)
+        else:
+            dist.all_reduce(weight.grad, group=group)
     if args.clip_grad_norm is not None:
         client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
+
+
+def tie_embeddings(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[torch.Tensor, Any] | None:
+    """Tie the first stage's token embedding to the last stage's head weight (both vocab x hidden):
+    every rank creates the two stages' process group (a collective), and the head starts from the
+    embedding's values. Returns (the weight, the group) on those two stages, None elsewhere."""
+    group = dist.new_group([0, num_stages - 1])
+    if stage not in (0, num_stages - 1):
+        return None
+    weight = model.tok.weight if stage == 0 else model.head.weight
+    dist.broadcast(weight.detach(), src=0, group=group)
+    return weight, group
 
 
 def config_from_args(args: argparse.Namespace) -> ClientConfig:
@@ -209,6 +234,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
     client = SwiftlogClient(config, commit_store=None if args.no_commit else store, data_source=data if args.data_source else None)
     model = build_stage_module(cfg, k, S, seed=args.seed)
+    tie = tie_embeddings(model, k, S) if args.tie_embeddings else None
     optimizer = make_optimizer(model)
     lr_scheduler = make_lr_scheduler(optimizer)
     inp, out = example_io(cfg, k, S)
@@ -240,7 +266,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         logged.append(client.recorder.enabled)
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
-        step_and_clip(args, client, model, data, it, losses)
+        step_and_clip(args, client, model, data, it, losses, tie)
         try:
             client.commit(it)
         except IterationAbortedError:
