@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback
 from tests._recovery_helpers import assert_same_as, run
@@ -171,6 +172,20 @@ def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_or
     r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra, replay_workers=2)
     _check_recovered(r, [1], 3)
     assert "replaying alone" in r.outputs["stage1-g1"], r.outputs["stage1-g1"][-3000:]
+    assert_same_as(r, ref)
+
+
+def test_weights_tied_across_stages_recover_in_place_bit_for_bit(tmp_path: Path) -> None:
+    """The first stage's embedding is tied to the last stage's head (their gradients summed over
+    the two stages by ``client.all_reduce_grads_`` every iteration, then clipped to the global
+    norm). The first stage dies in a backward: its replacement replays with the sums its
+    predecessor logged (from the cold tier: its node is gone), checks its own half of each, and the
+    job, its tie group made again in the new generation, ends bit-exact with a failure-free run."""
+    extra = ("--data-source", "--tie-embeddings", "client", "--clip-grad-norm", "0.05")
+    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    r = run(tmp_path / "kill", "1f1b", [KillSpec(0, 3, 1, "backward")], extra=extra)
+    _check_recovered(r, [0], 3)
+    assert torch.equal(r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"])  # still one weight
     assert_same_as(r, ref)
 
 

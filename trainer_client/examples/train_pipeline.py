@@ -190,15 +190,17 @@ def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch
         client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
 
 
-def tie_embeddings(model: torch.nn.Module, stage: int, num_stages: int) -> tuple[torch.Tensor, Any] | None:
+def tie_embeddings(model: torch.nn.Module, stage: int, num_stages: int, *, sync: bool = True) -> tuple[torch.Tensor, Any] | None:
     """Tie the first stage's token embedding to the last stage's head weight (both vocab x hidden):
-    every rank creates the two stages' process group (a collective), and the head starts from the
+    every rank of the current process group creates the two stages' group (a collective: again
+    after every re-formation), and with ``sync`` (a fresh start) the head starts from the
     embedding's values. Returns (the weight, the group) on those two stages, None elsewhere."""
     group = dist.new_group([0, num_stages - 1])
     if stage not in (0, num_stages - 1):
         return None
     weight = model.tok.weight if stage == 0 else model.head.weight
-    dist.broadcast(weight.detach(), src=0, group=group)
+    if sync:
+        dist.broadcast(weight.detach(), src=0, group=group)
     return weight, group
 
 

@@ -52,7 +52,7 @@ from trainer_client.examples.gpt import (
     make_optimizer,
 )
 from trainer_client.examples.train_pipeline import build_parser as _base_parser
-from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip
+from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
@@ -241,7 +241,13 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         threading.Thread(target=die_once_reported, name="kill-when-recovering", daemon=True).start()
 
+    tie: list[Any] = [None]  # (weight, group) of the tied embedding, made again in every generation's process group
+    built = [False]
+
     def rebuild() -> None:
+        if args.tie_embeddings:  # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+            tie[0] = tie_embeddings(model, k, S, sync=not built[0] and start == 0 and generation == 0 and not args.replacement)
+        built[0] = True
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
         client.schedule(
             stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn
@@ -271,7 +277,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     def forward_backward(it: int) -> None:
         losses.clear()
         armed[0] = kill is not None and it >= kill[0]
-        step_and_clip(args, client, model, data, it, losses)
+        step_and_clip(args, client, model, data, it, losses, tie[0])
         if kill is not None and kill[2] == "commit" and kill[0] == it:
             _kill(store, keys, k)
 
