@@ -143,7 +143,8 @@ def _grad_mismatch_text(g: dict[str, Any]) -> str:
                 "replacement's stage, its inputs or the loop between the schedule's step and that call differ from the live ones")  # fmt: skip
     return (f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
             "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
-            "data-parallel replicas, a write through .data, a gradient hook outside the stage), or the replacement's stage differs")  # fmt: skip
+            "data-parallel replicas: sum through client.all_reduce_grads_, which a replay repeats; a write through .data; a gradient "
+            "hook outside the stage), or the replacement's stage differs")  # fmt: skip
 
 
 def _key_order(text: str) -> tuple[int, int, str, int]:
@@ -255,7 +256,7 @@ class ReplayReport:
         first = self.first_mismatch
         if grads is not None and (first is None or grads["iteration"] < first["iteration"]):
             raise ReplayMismatchError(f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
-                                      hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_; "
+                                      hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ and client.all_reduce_grads_; "
                                            "a collective on them or a write through .data is not replayed")  # fmt: skip
         if self.digest_mismatches or self.record_mismatches:
             first = self.first_mismatch
@@ -964,7 +965,7 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
     if meta.get("grads_changed"):
         raise ReplayError(f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
                           f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
-                          hint="clip through client.clip_grad_norm_; a GradScaler (fp16) or another change of the gradients before the "
+                          hint="clip through client.clip_grad_norm_, sum over ranks through client.all_reduce_grads_; a GradScaler (fp16) or another change of the gradients before the "
                                "optimizer step cannot be replayed")  # fmt: skip
     live_lrs, live_hp = meta.get("lrs"), meta.get("hparams")
     diff = hparam_changes(live_lrs, live_hp, None if live_lrs is None else [float(g["lr"]) for g in st.optimizer.param_groups],

@@ -594,12 +594,12 @@ class SwiftlogClient:
             changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
             if grads:
                 changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
-                               f"the schedule's backward other than by client.clip_grad_norm_ ({how})")  # fmt: skip
+                               f"the schedule's backward other than by client.clip_grad_norm_ or client.all_reduce_grads_ ({how})")  # fmt: skip
             changed = changed or ["the optimizer's hyperparameters"]
             self._amend(it, doc, {"lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads})
             self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step is not what its META says: {'; '.join(changed)}; "
                                    "a replay of this iteration stops there (recovery falls back to the checkpoint): change hyperparameters "
-                                   "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_",
+                                   "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_ and client.all_reduce_grads_",
                                    iteration=it)  # fmt: skip
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
