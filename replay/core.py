@@ -86,7 +86,7 @@ from trainer_client.determinism import (
     seed_micro_batch,
 )
 from trainer_client.digest import grad_digest_changes, grad_digests, tensor_digest
-from trainer_client.meta import hparam_changes, optimizer_hparams
+from trainer_client.meta import decode_meta, hparam_changes, optimizer_hparams
 
 __all__ = [
     "ReplayError",
@@ -545,6 +545,9 @@ def replay_stages(
                 reader.discard(it)  # records fetched ahead for micro-batches another worker claimed
             if on_iteration is not None:
                 on_iteration(it, report)
+        if stop_iteration > start_iteration:
+            for st in states:
+                _check_next_rates(st, stop_iteration, reader)
     finally:
         if pf is not None:
             pf.close()
@@ -992,6 +995,29 @@ def _check_grad_digests(st: StageState, it: int, live: list[str | None], report:
     changed = grad_digest_changes([n for n, _ in st.module.named_parameters()], live, mine)
     if changed:
         report.grad_mismatches.append({"stage": st.stage, "iteration": it, "params": changed})
+
+
+def _check_next_rates(st: StageState, stop: int, reader: LogReader) -> None:
+    """After the last replayed step: where the stage's META of iteration ``stop`` is in the logs (a
+    replay to a target below the newest logged iteration, or a commit its stage made before dying),
+    its learning rates and hyperparameters are what the replay's last scheduler step must have
+    produced; raises ReplayError naming the difference otherwise (a stage factory whose scheduler
+    computes other rates, e.g. another lambda: no later step of this replay would show it)."""
+    key = RecordKey(Channel.meta(st.stage), stop, 0)  # the document as committed (an amendment says what a later change made)
+    try:
+        meta = decode_meta(reader.get(key)) if reader.has(key) else None
+    except (SwiftlogError, ValueError):
+        return
+    if not meta or meta.get("lrs") is None:
+        return
+    live_hp = meta.get("hparams")
+    diff = hparam_changes(meta.get("lrs"), live_hp, [float(g["lr"]) for g in st.optimizer.param_groups],
+                          None if live_hp is None else optimizer_hparams(st.optimizer))  # fmt: skip
+    if diff:
+        raise ReplayError(f"stage {st.stage}: after the replay's last step, its optimizer has other values than the live one had for "
+                          f"iteration {stop}: {'; '.join(diff)} (live -> replay)",
+                          hint="the replacement's lr scheduler computes other learning rates than the live one: build it with the "
+                               "training's class, arguments and functions (a LambdaLR's lambda)")  # fmt: skip
 
 
 def _step_scheduler(st: StageState, it: int) -> None:

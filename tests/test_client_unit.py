@@ -1298,6 +1298,41 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
     assert "stage 0 iteration 3: the gradients before all_reduce_grads_ call 0 differ from the live ones (lin.bias)" in rep.unverified_reason
 
 
+def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path, single_rank_group):
+    """A stage factory that builds another lr scheduler than the training's (a StepLR for a
+    LambdaLR) took the checkpoint's state without a word (torch loads any state dict) and a replay
+    of one iteration said "verified": every stage diverged after it (a QA check). The checkpoint
+    names its classes and the load refuses another class, or (older checkpoints) a state with
+    other fields; the same class computing other rates (another lambda) is caught after the last
+    replayed step wherever the next iteration's META is in the logs."""
+    client = SwiftlogClient(ClientConfig(run_id="sched", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    uri = _train_one_stage(client, mod, opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e)))
+    assert client.close().ok
+    logs = LogStore.open(tmp_path / "store", "sched")
+
+    def state(make_sched: Callable[[torch.optim.Optimizer], Any], ck: Any = None) -> StageState:
+        fresh = _Masked()
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+        return StageState.from_checkpoint(ck or load_checkpoint(uri), fresh, fopt, make_sched(fopt))
+
+    assert load_checkpoint(uri).classes == {"optimizer": "SGD", "lr_scheduler": "LambdaLR"}
+    with pytest.raises(CheckpointError, match=r"was saved from a LambdaLR lr scheduler, not the StepLR it is loaded into"):
+        state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+    with pytest.raises(CheckpointError, match=r"was saved from a SGD optimizer, not the AdamW"):
+        StageState.from_checkpoint(load_checkpoint(uri), (m := _Masked()), torch.optim.AdamW(m.parameters()))
+    older = load_checkpoint(uri)
+    older.classes = {}
+    with pytest.raises(CheckpointError, match=r"its lr scheduler state does not fit the lr scheduler StepLR: fields \['lr_lambdas'\] only in"):
+        state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), older)
+    other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
+    with pytest.raises(ReplayError, match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of"):
+        replay_stage(other_lambda, LogReader(logs), num_stages=1, stop_iteration=2, loss_fn=_mse)
+    assert replay_stage(state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e))), LogReader(logs), num_stages=1,
+                        stop_iteration=2, loss_fn=_mse).ok  # fmt: skip
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

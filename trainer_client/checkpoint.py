@@ -49,7 +49,9 @@ class Checkpoint:
     """Everything a replay of one stage needs to start from iteration ``iteration``.
 
     ``model``/``optimizer``/``lr_scheduler`` are state dicts (``optimizer``/``lr_scheduler`` may be
-    None). ``uri`` is where it was read from or written to.
+    None). ``classes``: the class names of the optimizer and lr scheduler they were taken from
+    (``{"optimizer": "AdamW", "lr_scheduler": "LambdaLR"}``; empty in older checkpoints).
+    ``uri`` is where it was read from or written to.
     """
 
     run_id: str
@@ -63,6 +65,7 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
     uri: str | None = None
     saved_at: float = 0.0
+    classes: dict[str, str] = field(default_factory=dict)
 
     def apply(
         self,
@@ -76,7 +79,9 @@ class Checkpoint:
         tensor cloned), so applying the same Checkpoint twice gives two independent states. Raises
         CheckpointError if the checkpoint lacks a state the caller asks to load, or when a state does
         not fit the object it is loaded into (another model's parameters, another optimizer's
-        parameter groups), naming which.
+        parameter groups, an optimizer or lr scheduler of another class than the one saved, or a
+        scheduler whose state has other fields), naming which. Torch's own loaders take any state
+        dict: a StepLR loaded with a LambdaLR's state goes on with the wrong schedule silently.
         """
         what = f"checkpoint {self.uri} of stage {self.stage} (iteration {self.iteration})"
         try:
@@ -87,6 +92,7 @@ class Checkpoint:
         if optimizer is not None:
             if self.optimizer is None:
                 raise CheckpointError(f"{what} has no optimizer state")
+            self._check_class("optimizer", optimizer, what)
             try:
                 optimizer.load_state_dict(_copy_state(self.optimizer))
             except (ValueError, KeyError, RuntimeError) as e:
@@ -95,7 +101,20 @@ class Checkpoint:
         if lr_scheduler is not None:
             if self.lr_scheduler is None:
                 raise CheckpointError(f"{what} has no lr scheduler state")
+            self._check_class("lr_scheduler", lr_scheduler, what)
+            theirs, mine = set(self.lr_scheduler), set(lr_scheduler.state_dict())
+            if theirs != mine:
+                raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {type(lr_scheduler).__name__}: fields "
+                                      f"{sorted(theirs - mine)} only in the checkpoint, {sorted(mine - theirs)} only in the scheduler",
+                                      hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
             lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
+
+    def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
+        saved = self.classes.get(what_obj)
+        if saved is not None and saved != type(obj).__name__:
+            label = what_obj.replace("_", " ")
+            raise CheckpointError(f"{what} was saved from a {saved} {label}, not the {type(obj).__name__} it is loaded into",
+                                  hint=f"build the {label} the training used (the same class and arguments)")  # fmt: skip
 
 
 def _copy_state(obj: Any) -> Any:
@@ -146,6 +165,7 @@ def save_checkpoint(
         "model": model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+        "classes": {name: type(obj).__name__ for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if obj is not None},
         "extra": dict(extra or {}),
         "saved_at": time.time(),
     }
@@ -227,6 +247,7 @@ def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, 
         extra=state["extra"],
         uri=uri,
         saved_at=state["saved_at"],
+        classes={str(k): str(v) for k, v in (state.get("classes") or {}).items()},
     )
 
 
