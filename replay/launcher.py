@@ -27,6 +27,7 @@ running: on timeout everything still alive is killed and the result says ``timed
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing.connection
 import os
@@ -220,8 +221,8 @@ def run_with_failures(
     gen = 0
     fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
     abandoned: str | None = None  # an in-place recovery given up because of a death during it
-    raised: dict[int, str] = {}  # stage -> the error its last process exited with (rc > 0: it raised, no signal)
-    error: str | None = None  # the same error raised again by a stage's replacement: a bug, not a machine failure
+    raised: dict[int, dict[str, str]] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
+    error: str | None = None  # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
 
     def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
         root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
@@ -295,6 +296,11 @@ def run_with_failures(
             if all(rc == 0 for rc in states.values()):
                 break
             dead = [k for k, rc in states.items() if rc not in (None, 0)]
+            bug = _script_bug(states, {k: (n, logs[n]) for k, n in current.items()}, raised)
+            if bug is not None:
+                error = bug
+                timeline.append({"t": time.time(), "what": "give_up", "reason": error})
+                break
             if gen > 0 and store.check([keys.fallback(gen - 1)]) and fallback is None:
                 fallback = _s(store.get(keys.fallback(gen - 1)))
                 timeline.append(
@@ -314,13 +320,10 @@ def run_with_failures(
                         "rc": rc,
                     }
                 )
-                line = _last_error(logs[name]) if rc is not None and rc > 0 else None
-                if line is not None and raised.get(k) == line:
-                    error = f"stage {k} raised the same error again after its replacement ({line}): a bug in the script, not a machine failure"
-                    timeline.append({"t": time.time(), "what": "give_up", "reason": error})
-                    break
-                if line is not None:
-                    raised[k] = line
+                for j in dead:  # remembered: the same error from a later process of the stage is a bug (_script_bug)
+                    line = _last_error(logs[current[j]]) if states[j] > 0 else None
+                    if line is not None:
+                        raised.setdefault(j, {})[current[j]] = line
                 if gen >= max_restarts:
                     timeline.append(
                         {
@@ -418,8 +421,30 @@ def run_with_failures(
     return run
 
 
+def _script_bug(states: dict[int, int | None], logs: dict[int, tuple[str, str]], raised: dict[int, dict[str, str]]) -> str | None:
+    """Whether the stages' exits show a bug in the training script rather than a machine failure:
+    a stage's process raised the error an earlier process of the same stage raised (its
+    replacement, or its restart after a rollback, met it again), or every stage's process exited
+    raising an error (none was killed), two of them the same one (machines do not fail alike, all
+    at once). ``logs``: stage -> (its current process's name, log path); ``raised``: stage ->
+    {process name: the error it raised} of earlier exits. Returns the reason, or None."""
+    lines = {k: _last_error(logs[k][1]) for k, rc in states.items() if rc is not None and rc > 0}
+    for k, line in lines.items():
+        if line is not None and any(n != logs[k][0] and old == line for n, old in raised.get(k, {}).items()):
+            return f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not a machine failure"
+    if len(states) > 1 and all(rc is not None and rc > 0 for rc in states.values()):
+        seen = [line for line in lines.values() if line is not None]
+        for line in seen:
+            if seen.count(line) > 1:
+                return (f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, not a machine "
+                        "failure (no stage was killed)")  # fmt: skip
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
 def _last_error(log_path: str) -> str | None:
-    """The last line of a traceback's exception in a stage's log (``Type: message``), or None."""
+    """The last line of a traceback's exception in a stage's log (``Type: message``), or None.
+    Asked only of exited processes, whose logs no longer change (cached)."""
     try:
         with open(log_path, errors="replace") as f:
             lines = [ln.rstrip() for ln in f.readlines()[-200:]]

@@ -351,3 +351,19 @@ def test_a_stage_that_raises_the_same_error_again_is_not_replaced_in_a_loop(tmp_
     assert r.error is not None and "stage 1 raised the same error again" in r.error and "RuntimeError: a bug in stage 1's own code" in r.error, r.describe()
     assert [e["name"] for e in r.timeline if e["what"] == "start" and e["stage"] == 1] == ["stage1-g0", "stage1-g1"]
     assert "error=stage 1 raised" in r.describe()
+
+
+def test_a_bug_every_stage_meets_ends_the_run_at_once(tmp_path):
+    """A QA check: a script every stage of which raised the same error as it started (a forgotten
+    set-up call) was taken for machine failures: replacements, a rollback for want of survivors,
+    and more generations, the cause in no result field. Every stage raising, the same error twice
+    and none killed, is a bug, and so is a process raising what an earlier one of its stage
+    raised: the run ends without a rollback, naming it."""
+    from replay.launcher import run_with_failures
+
+    r = run_with_failures(["--iters", "3", "--ckpt-at", "0"], run_id="bugs", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path / 'ckpt'}",
+                          num_stages=3, timeout_s=120, script="tests._raising_everywhere")  # fmt: skip
+    assert not r.ok and not r.timed_out and r.fallback is None
+    assert r.error is not None and "a bug in the script" in r.error and "call client.schedule(...)" in r.error, r.describe()
+    # the exits seen at once, or the first one's replacement raising it again: never a rollback
+    assert not [e for e in r.timeline if e["what"] == "rollback"] and len([e for e in r.timeline if e["what"] == "start"]) <= 6, r.timeline

@@ -346,7 +346,8 @@ class SwiftlogClient:
         batch of ``iteration`` is fetched from it. Returns what ``schedule.step`` returns.
         """
         if self._schedule is None:
-            raise RuntimeError("call client.schedule(...) before client.step(...)")
+            raise RuntimeError("call client.schedule(...) before client.step(...) (under a ResilientLoop: the loop calls your rebuild(), which "
+                               "builds them, in loop.join() or in loop.run() without joined=True)")
         if self._stepped is not None and self._stepped == iteration:
             raise RuntimeError(
                 f"client.step({iteration}) again before client.commit({iteration}): a replay repeats exactly one schedule step per "
