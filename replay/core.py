@@ -965,6 +965,13 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
     and every later state would differ."""
     if not meta:
         return
+    if meta.get("grads_carried"):
+        carried = list(meta["grads_carried"])
+        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop did not zero the gradients after the previous optimizer step, so this "
+                          f"iteration's backward added to them ({', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}); a replay "
+                          "starts every iteration from no gradients",
+                          hint="call optimizer.zero_grad() after each optimizer step (a run accumulating across iterations is recovered "
+                               "from its checkpoint)")  # fmt: skip
     if meta.get("grads_changed"):
         raise ReplayError(f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
                           f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",

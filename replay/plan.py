@@ -397,6 +397,10 @@ class _Planner:
         stepping irregularly whose count after the last iteration never reached META."""
         for it in range(c, stop):
             for k in stages:
+                carried = (self._meta(k, it) or {}).get("grads_carried") if it in self._index(Channel.meta(k), c) else None
+                if carried:
+                    return [f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous optimizer step "
+                            f"({', '.join(carried[:3])}...): a replay, which starts every iteration from no gradients, stops there"]  # fmt: skip
                 if 1 in self._index(Channel.meta(k), c).get(it, {}):
                     am = self._meta_record(k, it, 1) or {}
                     if am.get("changed_after_commit") or am.get("grads_changed") or not am:

@@ -1333,6 +1333,47 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
                         stop_iteration=2, loss_fn=_mse).ok  # fmt: skip
 
 
+def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_path, single_rank_group):
+    """A loop that forgot ``optimizer.zero_grad()`` after a step: the next backward adds to the
+    gradients the step used, which a replay (starting each iteration from none) cannot repeat; the
+    replay said only that gradients differed "by a collective or a .data write". The client sees
+    the stepped gradients untouched at the next schedule step (a ``grads_not_zeroed`` fault, META
+    ``grads_carried``), and the plan and the replay stop there naming it. Zeroing in place counts."""
+    client = SwiftlogClient(ClientConfig(run_id="nozero", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
+    uri = ""
+    for it in range(4):
+        if it == 1:
+            uri = client.checkpoint(1, mod, opt)
+        _plain_step(client, mod, opt, it, torch.Generator().manual_seed(it))
+        client.commit(it)
+        opt.step()
+        if it != 2:  # forgotten once
+            opt.zero_grad(set_to_none=it != 1)  # in place after iteration 1
+    assert client.close().drained  # not "ok": a fault was reported (by commit(3))
+    faults = [f for f in client.writer.recent_faults() if f.kind == "grads_not_zeroed"]
+    assert len(faults) == 1 and "lin.weight, lin.bias" in faults[0].message and "optimizer.zero_grad()" in faults[0].message, client.writer.recent_faults()
+    logs = LogStore.open(tmp_path / "store", "nozero")
+    metas = {it: trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in (2, 3)}
+    assert metas[2]["grads_carried"] == [] and metas[3]["grads_carried"] == ["lin.weight", "lin.bias"]
+    from replay import plan_recovery
+
+    plan = plan_recovery(logs, [0])
+    assert not plan.possible and any("stage 0 iteration 3: the live loop did not zero the gradients" in r for r in plan.reasons), plan.reasons
+
+    def again(stop: int) -> Any:
+        fresh = _Masked()
+        fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+        return replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=stop, loss_fn=_mse)
+
+    assert again(3).ok
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop did not zero the gradients after the previous optimizer step"):
+        again(4)
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

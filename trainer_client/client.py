@@ -199,8 +199,11 @@ class SwiftlogClient:
         self._amendment: dict[str, Any] | None = None  # what has been amended in that META (its micro-batch 1 record)
         self._apply_checked: int | None = None  # the last iteration whose optimizer / scheduler steps were counted
         self._apply_irregular: int | None = None  # the first iteration not followed by exactly one of each (META "apply_irregular")
+        self._warned_carried = False  # grads_not_zeroed reported (once)
         self._stepped: int | None = None  # the iteration whose schedule step finished and is not yet committed or aborted
         self._early_step: int | None = None  # an iteration whose optimizer step came before its commit
+        self._stepped_grads: list[tuple[Any, int] | None] | None = None  # each gradient at the last optimizer step (weakref, version)
+        self._carried: list[str] = []  # parameters whose gradients the current iteration's schedule step added to, not zeroed
         self._declared_inputs: list[list[Any]] | None = None  # [dtype, shape] of each part input_args declare (None: not given)
         self._decl_checked = False  # input_args compared with what the stage before declares it sends
         self._commits = 0
@@ -335,6 +338,7 @@ class SwiftlogClient:
         self._grad_clips = []
         self._grad_reduces = []
         self._grad_ops = 0
+        self._carried = []
         self._own_sealed = None
         self.recorder.begin(iteration)
 
@@ -357,7 +361,9 @@ class SwiftlogClient:
         self._check_apply(iteration)
         if not self._decl_checked:
             self._check_declaration()
+        carried = self._grads_carried()
         self.begin_iteration(iteration)
+        self._carried = carried
         c = self.config
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
             inputs, target = self.data_source(iteration)
@@ -573,6 +579,8 @@ class SwiftlogClient:
         schedule's step (version counters; a GradScaler's step). Never raises."""
         expect, self._step_expect = self._step_expect, None
         versions, self._grad_versions = self._grad_versions, None
+        if self._optimizer is not None and self._optimizer() is opt and self.stage_module is not None:  # seen again at the next step()
+            self._stepped_grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.stage_module.parameters()]
         if expect is None and self._stepped is not None:  # stepped before its commit (not the documented order): counted all the same
             self._early_step = self._stepped
         if expect is None or self._optimizer is None or self._optimizer() is not opt:
@@ -961,6 +969,30 @@ class SwiftlogClient:
         mod = self.stage_module
         return None if mod is None else [-1 if p.grad is None else p.grad._version for p in mod.parameters()]
 
+    def _grads_carried(self) -> list[str]:
+        """Before a schedule step: the stage's parameters whose gradient is still the one the last
+        optimizer step used, untouched (the loop did not zero the gradients: this step adds to
+        them, which a replay, starting from None, does not); reported as a ``grads_not_zeroed``
+        fault once, and the iteration's META says so (``grads_carried``). Only with a tracked
+        optimizer. Never raises."""
+        snap, self._stepped_grads = self._stepped_grads, None
+        mod = self.stage_module
+        if snap is None or mod is None:
+            return []
+        try:
+            carried = [n for (n, p), s in zip(mod.named_parameters(), snap, strict=False)
+                       if s is not None and p.grad is not None and s[0]() is p.grad and p.grad._version == s[1]]  # fmt: skip
+        except Exception as e:
+            self.writer.note_fault("hook", f"gradient zeroing check: {type(e).__name__}: {e}")
+            return []
+        if carried and not self._warned_carried:
+            self._warned_carried = True
+            self.writer.note_fault("grads_not_zeroed", f"the gradients of {len(carried)} parameter(s) ({', '.join(carried[:3])}"
+                                   f"{', ...' if len(carried) > 3 else ''}) were not zeroed after the last optimizer step: this step adds to "
+                                   "them, which a replay does not repeat (call optimizer.zero_grad() after each step); a replay of such an "
+                                   "iteration stops there")  # fmt: skip
+        return carried
+
     def _grads_changed(self, versions: list[int] | None) -> list[str]:
         """Names of the stage's parameters whose gradient changed in place (or was replaced) since
         ``versions`` was taken. Sees what bumps a version counter (torch's in-place ops); not a
@@ -1003,6 +1035,7 @@ class SwiftlogClient:
             "grad_clip": list(self._grad_clips),
             "grad_reduce": list(self._grad_reduces),
             "grad_digests": self._commit_digests,
+            "grads_carried": list(self._carried),
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
             "sched_epoch": self._sched_epoch(),

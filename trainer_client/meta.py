@@ -19,7 +19,12 @@ module's ``parameters()`` or null for all; absent in older records: no clipping)
 group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
 client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any), ``hparams`` (each
 param group's other hyperparameters at commit, :func:`optimizer_hparams`; absent in older records),
-``grad_digests`` (the xxh3 of each parameter gradient of the stage at the commit, in
+``grads_carried`` (the parameters whose gradient the previous optimizer step had used and nothing
+zeroed before this iteration's schedule step added to it: the loop forgot ``zero_grad``; a replay
+stops there; absent in older records), ``grad_reduce`` (the iteration's ``client.all_reduce_grads_``
+calls in order: ``seq`` (the place among them and the ``grad_clip`` calls, which carry one too),
+``params`` (positions in ``parameters()``), ``average``, ``world``, ``pre`` (the gradients' digests
+before the reduction, on CPU, else null)), ``grad_digests`` (the xxh3 of each parameter gradient of the stage at the commit, in
 ``parameters()`` order, as 16 hex digits, null for a parameter without one; null as a whole when
 the gradients are not on the CPU; absent in older records: the replay compares its own before
 each step), ``changed_after_commit`` and ``grads_changed`` (only in an amended META: what the step used that
