@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,15 @@ def replay_command(
     if os.getcwd() not in sys.path and "" not in sys.path:  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
         sys.path.insert(0, os.getcwd())
     model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
+    if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
+        from replay.core import load_object
+
+        try:
+            load_object(loss)
+        except ValueError as e:
+            raise fail(f"--loss: {e}") from None
+    if output and not plan_only:
+        _check_writable_output(output)
     try:
         plan, specs = _plan(run, stage, root or [], server or [], token, cold_url, opts, target_iteration, bandwidth_mbps, workers, check_records)
         if plan_only or not plan.possible:
@@ -146,6 +156,29 @@ def replay_command(
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
 
 
+def _check_writable_output(output: str) -> None:
+    """A local ``--output`` must be a directory, or one this process can create, where it can create
+    files (checked before a replay that would fail only when it writes: a probe file is created
+    and removed in the deepest existing directory of the path; nothing else is created). Remote
+    URLs are left to the replay."""
+    import tempfile
+
+    if "://" in output and not output.startswith("file://"):
+        return
+    path = os.path.abspath(output[len("file://"):] if output.startswith("file://") else output)
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is not a directory")
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".swiftlog-probe-"):
+            pass
+    except OSError as e:
+        raise fail(f"--output {output!r} is not a directory swiftlog can write in: {e.strerror or e}",
+                   hint="give a writable directory (or a URL) for the recovered checkpoints") from None  # fmt: skip
+
+
 def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str) -> list[Any]:
     """Each job with the META documents its stages have in the commit store at ``address`` as its
     first source. Raises a CLI failure naming the address when it cannot be reached."""
@@ -158,11 +191,15 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise fail(f"--commit-store {address!r} is not HOST:PORT")
+    hint = "the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay with the META the logs hold"
+    try:  # a plain connection first: torch's store client prints its C++ stack to stderr when it cannot connect
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise fail(f"cannot reach the commit store at {address}: {e.strerror or e}", code=EXIT_UNAVAILABLE, hint=hint) from None
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
     except Exception as e:  # DistNetworkError / RuntimeError / TimeoutError from the store client
-        raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE,
-                   hint="the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay with the META the logs hold") from None  # fmt: skip
+        raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE, hint=hint) from None
     out = []
     for job, unit in zip(jobs, plan.units, strict=True):
         metas = SourceSpec.from_commit_store(store, prefix, job.stages, range(unit.checkpoint_iteration, job.stop_iteration), where=f"the commit store {address}")

@@ -53,6 +53,13 @@ def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path)
     assert r.exit_code == 2 and "outside the pipeline" in r.output
     r = runner.invoke(app, ["replay", "--run", "x", "-s", "1", "--plan-only"], env={"SWIFTLOG_ROOT": "", "SWIFTLOG_COLD_URL": ""})
     assert r.exit_code == 2 and "no log source" in r.output
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(blocker / "out")))  # refused before the replay, not when writing
+    assert r.exit_code == 2 and "--output" in r.output and "is not a directory swiftlog can write in" in r.output, r.output
+    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path / "o"), "--loss", "tests._replay_helpers:no_such_loss"))
+    assert r.exit_code == 2 and "--loss" in r.output and "no_such_loss" in r.output, r.output  # stage 1 needs no loss: named all the same
+    blocker.unlink()
     r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path), "--device", "gpu0"))
     assert r.exit_code == 2 and "'gpu0' is not a torch device" in r.output
     r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path), "--device", "cuda", "-w", "2"))
@@ -98,7 +105,7 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
     assert r.exit_code == 0 and "verified" in r.stdout and "warning" not in r.stdout, r.output
     assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "c"), "--commit-store", f"127.0.0.1:{free_port()}"])
-    assert r.exit_code == 4 and "cannot reach the commit store" in r.output
+    assert r.exit_code == 4 and "cannot reach the commit store" in r.output and "frame #" not in r.output
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "c"), "--commit-store", "nowhere"])
     assert r.exit_code == 2 and "is not HOST:PORT" in r.output
 
