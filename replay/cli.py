@@ -150,7 +150,9 @@ def replay_command(
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
             if r.report.diverged and output:
-                typer.echo(f"  nothing written to {output}: the replayed state is wrong (check --model / --model-arg / --loss against the training run)")
+                why = ("what changed the live gradients is not replayed" if r.report.grad_mismatches and not r.first_mismatch
+                       else "check --model / --model-arg / --loss against the training run")  # fmt: skip
+                typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
             for w in r.report.warnings:
                 typer.echo(f"  warning: {w}")
     raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)

@@ -298,6 +298,7 @@ class _Planner:
         self._views: list[tuple[int, LogStore]] | None = None
         self._hot_views: list[LogStore] = []
         self._channel_set: set[Channel] | None = None
+        self._unlisted: list[str] = []  # every source failed to list its channels (the reasons): nothing is known of the logs
         self._metas: dict[tuple[int, int], dict[str, Any] | None] = {}
 
     def close(self) -> None:
@@ -338,11 +339,15 @@ class _Planner:
 
     def _channels(self) -> set[Channel]:
         found: set[Channel] = set()
+        failures = []
         for s in self.stores:
             try:
                 found.update(s.channels())
             except SwiftlogError as e:
-                self.warnings.append(f"listing channels of {self._describe(s)} failed: {e}")
+                failures.append(f"listing channels of {self._describe(s)} failed: {e}")
+        self.warnings.extend(failures)
+        if self.stores and len(failures) == len(self.stores):  # knowing nothing of the logs is no plan of zero iterations
+            self._unlisted = failures
         return found
 
     def _gaps(self) -> list[dict[str, Any]]:
@@ -467,6 +472,9 @@ class _Planner:
                                      f"the failed stage(s) there (pass --target-iteration to see what is missing)")  # fmt: skip
         for u in units:
             self._finish(u, target, gaps, S)
+            if self._unlisted:
+                u.reasons.insert(0, f"no source could list the run's logs: {self._unlisted[0]}")
+                u.possible = False
         possible = all(u.possible for u in units)
         reasons = [f"stages {u.stages}: {r}" for u in units for r in u.reasons]
         fallback = self._fallback(ckpts, S, target)
@@ -510,6 +518,8 @@ class _Planner:
                 if isinstance(n, int) and n > 0:
                     return n
         stages = {c.src for c in channels} | {c.dst for c in channels} | set(ckpts)
+        if not stages and self._unlisted:
+            raise ValueError(f"run {self.run!r}: no source could be read: {self._unlisted[0]}")
         if not stages:
             raise ValueError(f"run {self.run!r}: no checkpoint and no record in any of the given stores "
                              "(is the run id right, and are these the nodes' store roots or the run's cold tier?)")  # fmt: skip

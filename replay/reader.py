@@ -245,7 +245,8 @@ class LogReader:
         if not keys:
             key = RecordKey(channel, iteration, micro_batch)
             own = channel.kind in (Kind.INPUT, Kind.TARGET, Kind.REDUCED)  # logged by the stage itself: its node and the cold tier had them
-            hint = ("a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: give it (--cold-url)"
+            hint = ("a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: give it (--cold-url); "
+                    "if it was given, the record never reached it (shipping off, or the node died first)"
                     if own else "the sender's logs are incomplete: replay from an older checkpoint or recover the group")  # fmt: skip
             raise ReplayInputMissingError(f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}", key=key, hint=hint)
         return [self.get(k) for k in keys]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from logstore.keys import Kind
 from logstore.store import check_portable_json
 
 __all__ = [
@@ -50,7 +51,8 @@ MAX_STAGE = 0xFFFF
 # Iterations the API accepts: the largest integer a JSON number (an IEEE double in most clients)
 # holds exactly. Keys go to 2**63-1, but beyond 2**53 JSON clients silently round.
 MAX_API_ITERATION = 2**53 - 1
-KindName = Literal["activation", "gradient", "input", "target", "meta", "digest"]
+KIND_NAMES = tuple(k.name.lower() for k in Kind)  # "activation", "gradient", ..., "reduced": every channel kind the store has
+KindName = Literal[KIND_NAMES]  # type: ignore[valid-type]
 
 
 class _Model(BaseModel):

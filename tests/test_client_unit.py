@@ -1374,6 +1374,25 @@ def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_
         again(4)
 
 
+def test_reductions_and_clips_name_parameters_by_their_place_in_the_stage_module(tmp_path, single_rank_group):
+    """A QA check: ``all_reduce_grads_(..., module=model.head)`` recorded positions in the
+    submodule, which the replay looked up in the whole stage (the sum went to another parameter,
+    or the shapes clashed); and with ``average=True`` a rank outside the group (torch's all_reduce
+    does nothing there) divided by its "size", -1, negating its gradients."""
+    client = SwiftlogClient(ClientConfig(run_id="pos", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 5))
+    client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client.begin_iteration(0)
+    mod[1].bias.grad = torch.ones(5)
+    with pytest.raises(ValueError, match=r"this rank \(0\) is not a member of the group given"):
+        client.all_reduce_grads_([mod[1].bias], group=dist.GroupMember.NON_GROUP_MEMBER, average=True)
+    assert torch.equal(mod[1].bias.grad, torch.ones(5))
+    client.all_reduce_grads_([mod[1].bias], module=mod[1], average=True)
+    client.clip_grad_norm_([mod[1].bias], 1.0, module=mod[1])
+    assert client._grad_reduces[-1]["params"] == [3] and client._grad_clips[-1]["params"] == [3]
+    client.close()
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

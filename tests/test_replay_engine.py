@@ -9,7 +9,9 @@ a corrupt or missing record fails naming it; a perturbed model is caught at its 
 from __future__ import annotations
 
 import copy
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -446,6 +448,12 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
     with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     assert ei.value.retryable and "unavailable" in str(ei.value)
+    # every source unlistable: no plan of zero iterations "verified" (a QA check: a node server answering 500), but why not
+    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(ValueError, match=r"no source could be read: listing channels of"):
+        plan_recovery([src], [1])
+    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src:  # the checkpoints known, the logs not
+        plan = plan_recovery([src], [1], num_stages=NUM_STAGES)
+    assert not plan.possible and plan.units[0].reasons[0].startswith("no source could list the run's logs: listing channels of"), plan.reasons
 
 
 def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path):
@@ -633,6 +641,11 @@ def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reducti
         assert res.report.steps_checked == n_reduced and res.report.grad_mismatches == []
     par = replay(_job(tied_run, 0, tmp_path / "par", workers=2))
     assert par.verified and checkpoint_vs_live(checkpoint_of(par, 0), tied_run.results[0]) == []
+    with ServerProcess(Path(tied_run.root), cold_url=tied_run.cold_url) as srv:  # the node server lists and serves reduced_* too
+        with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/v1/runs/{tied_run.run_id}", headers=srv.headers())) as resp:
+            assert "reduced_0" in {c["name"] for c in json.load(resp)["channels"]}
+        res = replay(_job(tied_run, 0, tmp_path / "srv", sources=[SourceSpec.parse(srv.url)]))
+        assert res.verified and res.report.iterations_done == ITERS - CKPT and checkpoint_vs_live(checkpoint_of(res, 0), tied_run.results[0]) == []
     with tied_run.store() as st:
         assert len(st.keys(Channel.reduced(0))) == ITERS - CKPT  # one call per iteration, one part (the embedding); older ones GC-ed
         plan = plan_recovery(st, [0])

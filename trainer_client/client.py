@@ -399,8 +399,8 @@ class SwiftlogClient:
         Call it after the schedule's step and before ``commit(iteration)``. ``group``: the norm is
         taken over the gradients of every rank of this process group (e.g. all the pipeline's
         stages: the global norm, each rank's ``norm ** norm_type`` summed, or the max for inf);
-        None: over ``parameters`` only. ``parameters`` must belong to the stage's module
-        (``module``, default: the one given to :meth:`pipeline_stage`). The norm it used goes into
+        None: over ``parameters`` only. ``parameters`` must belong to the stage's module (the one
+        given to :meth:`pipeline_stage`; ``module`` only without one, a hand-written runtime's). The norm it used goes into
         the iteration's META record, so the replay clips with the same norm, bit for bit, without
         the other stages' gradients. Several calls in one iteration are replayed in order.
         Raises ValueError for a parameter not in the module, RuntimeError when called outside an
@@ -408,21 +408,15 @@ class SwiftlogClient:
         """
         if self._iteration is None or self._step_t0 is None:
             raise RuntimeError("clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
-        mod = module if module is not None else self.stage_module
-        if mod is None:
-            raise ValueError("clip_grad_norm_ needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        index = {id(p): i for i, p in enumerate(mod.parameters())}
-        missing = [i for i, p in enumerate(params) if id(p) not in index]
-        if missing:
-            raise ValueError(f"clip_grad_norm_: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+        index = self._param_positions("clip_grad_norm_", params, module)
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        if group is not None:
+        if group is not None:  # in float64: every rank's part has one dtype whatever its parameters' (a float64 stage among float32 ones)
             inf = norm_type == float("inf")
-            part = total if inf else total.pow(norm_type)
+            part = (total if inf else total.pow(norm_type)).to(torch.float64)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-            total = part if inf else part.pow(1.0 / norm_type)
+            total = (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
         self._grad_ops += 1
@@ -458,23 +452,19 @@ class SwiftlogClient:
         ``client.clip_grad_norm_`` calls before and after it are replayed in their order.
         ``average``: divide the sum by the group's size. A parameter without a gradient takes part
         with zeros (and has them as its gradient afterwards). ``parameters`` must belong to the
-        stage's module (``module``, default: the one given to :meth:`pipeline_stage`); on CPU, META
-        also records the digests of the gradients before the reduction, so the replay checks its
-        own. Raises ValueError for a parameter not in the module, RuntimeError outside an
-        iteration or after its commit. Never changes a gradient other than by the reduction.
+        stage's module (the one given to :meth:`pipeline_stage`; ``module`` only without one); on
+        CPU, META also records the digests of the gradients before the reduction, so the replay
+        checks its own. Raises ValueError for a parameter not in the module or a rank outside
+        ``group``, RuntimeError outside an iteration or after its commit. Never changes a gradient other than by the reduction.
         """
         if self._iteration is None or self._step_t0 is None:
             raise RuntimeError("all_reduce_grads_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
-        mod = module if module is not None else self.stage_module
-        if mod is None:
-            raise ValueError("all_reduce_grads_ needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        index = {id(p): i for i, p in enumerate(mod.parameters())}
-        missing = [i for i, p in enumerate(params) if id(p) not in index]
-        if missing:
-            raise ValueError(f"all_reduce_grads_: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+        index = self._param_positions("all_reduce_grads_", params, module)
         if not params:
             raise ValueError("all_reduce_grads_: no parameters given")
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"all_reduce_grads_: this rank ({dist.get_rank()}) is not a member of the group given; call it on the group's ranks only")
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -491,6 +481,19 @@ class SwiftlogClient:
             self.writer.submit(Channel.reduced(self.config.stage), self._iteration, call, reduced)  # `reduced` is ours alone: no copy
         if self._grad_versions is not None:  # a change the replay repeats
             self._grad_versions = self._grad_snapshot()
+
+    def _param_positions(self, what: str, params: Sequence[torch.Tensor], module: torch.nn.Module | None) -> dict[int, int]:
+        """id -> position in the stage module's ``parameters()`` (the order a replay's stage has;
+        ``module`` only when the client has no stage module, a hand-written runtime's), of every
+        parameter of the stage; raises ValueError naming ``params`` not among them."""
+        mod = self.stage_module if self.stage_module is not None else module
+        if mod is None:
+            raise ValueError(f"{what} needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
+        index = {id(p): i for i, p in enumerate(mod.parameters())}
+        missing = [i for i, p in enumerate(params) if id(p) not in index]
+        if missing:
+            raise ValueError(f"{what}: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+        return index
 
     def commit(self, iteration: int) -> CommitReport:
         """Finish ``iteration``'s logs and, with a decision store, agree with every stage to apply it.

@@ -29,11 +29,11 @@ from server.cli._common import (
     print_json,
 )
 from server.errors import EXIT_UNAVAILABLE, EXIT_USAGE
-from server.models import RecordDetail, RecordEntry, RecordPage, RunSummary
+from server.models import KIND_NAMES, RecordDetail, RecordEntry, RecordPage, RunSummary
 
 __all__ = ["register"]
 
-_KINDS = ["activation", "gradient", "input", "target", "meta", "digest"]
+_KINDS = list(KIND_NAMES)
 
 
 def _it_range(lo: int | None, hi: int | None) -> str:

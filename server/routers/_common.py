@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import Path, Request
 
+from logstore.keys import Kind
 from server.models import ErrorResponse
 from server.node import Node
 
@@ -16,8 +17,9 @@ API_PREFIX = "/v1"  # set on each router (not at include time) so every route kn
 # logstore.keys.validate_name as a regular expression without look-arounds: starts with a letter
 # or digit, then [A-Za-z0-9._-] with no two dots in a row; at most 128 characters (maxLength).
 RUN_PATTERN = r"^[A-Za-z0-9](?:\.?[A-Za-z0-9_-])*\.?$"
-CHANNEL_PATTERN = r"^(act|grad|input|target|meta|digest)_[0-9]{1,5}(_[0-9]{1,5})?$"
-KEY_PATTERN = r"^(act|grad|input|target|meta|digest)_[0-9]{1,5}(_[0-9]{1,5})?/it[0-9]{1,19}(/mb[0-9]{1,10})?(/p[0-9]{1,5})?$"
+_SHORTS = "|".join(k.short for k in Kind)  # act|grad|input|target|meta|digest|reduced
+CHANNEL_PATTERN = rf"^({_SHORTS})_[0-9]{{1,5}}(_[0-9]{{1,5}})?$"
+KEY_PATTERN = rf"^({_SHORTS})_[0-9]{{1,5}}(_[0-9]{{1,5}})?/it[0-9]{{1,19}}(/mb[0-9]{{1,10}})?(/p[0-9]{{1,5}})?$"
 
 RunId = Annotated[
     str,
