@@ -925,6 +925,8 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         st.optimizer.step()
         for _ in range(sched_steps if st.lr_scheduler is not None else 0):
             _step_scheduler(st, it)
+        if sched_steps == 1 and st.lr_scheduler is not None and meta and meta.get("sched_next") is not None:
+            _check_scheduled_rates(st, it, meta["sched_next"])
         st.optimizer.zero_grad(set_to_none=True)
     report.step_seconds += time.perf_counter() - t_step
     report.micro_batches += len(plan.mine)
@@ -1025,6 +1027,20 @@ def _check_next_rates(st: StageState, stop: int, reader: LogReader) -> None:
                           f"iteration {stop}: {'; '.join(diff)} (live -> replay)",
                           hint="the replacement's lr scheduler computes other learning rates than the live one: build it with the "
                                "training's class, arguments and functions (a LambdaLR's lambda)")  # fmt: skip
+
+
+def _check_scheduled_rates(st: StageState, it: int, live_next: list[float]) -> None:
+    """After the scheduler step that follows iteration ``it``'s optimizer step: the rates must be
+    those the live scheduler's formula gave for its next epoch (META ``sched_next``: a LambdaLR's
+    or MultiplicativeLR's, whose functions the checkpoint cannot carry); raises ReplayError
+    naming them otherwise (a replacement factory with another lambda or other arguments to it,
+    which, after the last replayed iteration, nothing else would show)."""
+    mine = [float(g["lr"]) for g in st.optimizer.param_groups]
+    if mine != [float(x) for x in live_next]:
+        raise ReplayError(f"stage {st.stage} iteration {it}: after the step, the lr scheduler {type(st.lr_scheduler).__name__} set the learning "
+                          f"rates {mine} where the live one set {list(live_next)}",
+                          hint="the replacement's stage factory builds its scheduler with another function or other arguments to it "
+                               "(e.g. a schedule's length) than the training: pass the training's (--model-arg)")  # fmt: skip
 
 
 def _step_scheduler(st: StageState, it: int) -> None:

@@ -1327,8 +1327,32 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     with pytest.raises(CheckpointError, match=r"its lr scheduler state does not fit the lr scheduler StepLR: fields \['lr_lambdas'\] only in"):
         state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), older)
     other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
-    with pytest.raises(ReplayError, match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of"):
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR set the learning rates \[0.025\] where the live"):
         replay_stage(other_lambda, LogReader(logs), num_stages=1, stop_iteration=2, loss_fn=_mse)
+    # the same lambda until the last replayed step (whose next META no stage wrote): caught by the formula META carries
+    late = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e) if e < 4 else 0.5))
+    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: after the step, the lr scheduler LambdaLR set"):
+        replay_stage(late, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    assert meta["sched_next"] == [0.05 * (1.0 / (1 + 4))]  # base_lr * lambda(epoch), as the scheduler computes it
+    # where the next META is logged and the formula is not (an older record), the rates are compared with it
+    plain = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
+    metas = {RecordKey(Channel.meta(0), it, 0): trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in range(1, 4)}
+
+    class _OlderMeta:  # the logs, with META documents as an older client wrote them (no sched_next)
+        def get(self, key: RecordKey) -> torch.Tensor:
+            if key in metas:
+                return trainer_client.encode_meta({k: v for k, v in metas[key].items() if k != "sched_next"})
+            return logs.get(key)
+
+        def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
+            return logs.keys(channel, it_lo, it_hi)
+
+        def gaps(self) -> list[dict[str, Any]]:
+            return logs.gaps()
+
+    with pytest.raises(ReplayError, match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of"):
+        replay_stage(plain, LogReader(_OlderMeta()), num_stages=1, stop_iteration=2, loss_fn=_mse)
     assert replay_stage(state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e))), LogReader(logs), num_stages=1,
                         stop_iteration=2, loss_fn=_mse).ok  # fmt: skip
 

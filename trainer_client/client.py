@@ -661,6 +661,24 @@ class SwiftlogClient:
         if lr_scheduler is not None and isinstance(getattr(lr_scheduler, "last_epoch", None), int):
             self._lr_scheduler = weakref.ref(lr_scheduler)
 
+    def _sched_next(self) -> list[float] | None:
+        """The learning rates the tracked scheduler's next step will set, where they come from
+        functions its state does not hold (a ``LambdaLR`` / ``MultiplicativeLR``: another lambda in a
+        replacement's factory goes unseen by the checkpoint): each group's rate for ``last_epoch + 1``
+        by the scheduler's own formula. None for other schedulers (their state determines the
+        step) and when it cannot be computed. Never steps or changes the scheduler."""
+        sch = self._lr_scheduler() if self._lr_scheduler is not None else None
+        lr_sched = torch.optim.lr_scheduler
+        if not isinstance(sch, (lr_sched.LambdaLR, lr_sched.MultiplicativeLR)) or not isinstance(sch.last_epoch, int):
+            return None
+        try:
+            e = sch.last_epoch + 1
+            if isinstance(sch, lr_sched.LambdaLR):
+                return [float(base * f(e)) for f, base in zip(sch.lr_lambdas, sch.base_lrs, strict=True)]
+            return [float(g["lr"] * f(e)) for f, g in zip(sch.lr_lambdas, sch.optimizer.param_groups, strict=True)]
+        except Exception:  # a lambda that fails here fails in the live step too: not ours to report
+            return None
+
     def _sched_epoch(self) -> int | None:
         """The tracked lr scheduler's ``last_epoch`` now; None without one."""
         sch = self._lr_scheduler() if self._lr_scheduler is not None else None
@@ -1042,6 +1060,7 @@ class SwiftlogClient:
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
             "sched_epoch": self._sched_epoch(),
+            "sched_next": self._sched_next(),
             "apply_irregular": self._apply_irregular,
             "autocast": rec.autocast,
             "autocast_varies": rec.autocast_varies,
