@@ -114,6 +114,8 @@ def replay_command(
                               output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
         if commit_store:
             jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
+        # the unit with the last stage first: what it alone needs (the loss function) fails before another unit wrote its checkpoints
+        jobs.sort(key=lambda j: j.stages[-1] != j.num_stages - 1)
         results = []
         for job in jobs:
             last = [0.0]

@@ -222,6 +222,8 @@ def run_with_failures(
     fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
     abandoned: str | None = None  # an in-place recovery given up because of a death during it
     raised: dict[int, dict[str, str]] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
+    stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
+    exited: set[str] = set()  # those whose exit was looked at
     error: str | None = None  # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
 
     def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
@@ -239,6 +241,7 @@ def run_with_failures(
             timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
             return
         current[k] = name
+        stage_of[name] = k
         timeline.append(
             {
                 "t": time.time(),
@@ -296,6 +299,12 @@ def run_with_failures(
             if all(rc == 0 for rc in states.values()):
                 break
             dead = [k for k, rc in states.items() if rc not in (None, 0)]
+            for n, j in stage_of.items():  # every exit, also those a settle or a rollback took over: the errors a later process may repeat
+                if n not in exited and (rc_n := procs[n].poll()) is not None:
+                    exited.add(n)
+                    line = _last_error(logs[n]) if rc_n > 0 else None
+                    if line is not None:
+                        raised.setdefault(j, {})[n] = line
             bug = _script_bug(states, {k: (n, logs[n]) for k, n in current.items()}, raised)
             if bug is not None:
                 error = bug
@@ -320,10 +329,6 @@ def run_with_failures(
                         "rc": rc,
                     }
                 )
-                for j in dead:  # remembered: the same error from a later process of the stage is a bug (_script_bug)
-                    line = _last_error(logs[current[j]]) if states[j] > 0 else None
-                    if line is not None:
-                        raised.setdefault(j, {})[current[j]] = line
                 if gen >= max_restarts:
                     timeline.append(
                         {

@@ -469,7 +469,7 @@ class _Planner:
             if target is not None and committed >= target:  # the default target hides what the survivors did after it
                 self.warnings.append(f"the default target is the last iteration the replay's inputs are complete for ({target}), but stages "
                                      f"committed up to iteration {committed}: if the survivors stand past {target}, this plan does not bring "
-                                     f"the failed stage(s) there (pass --target-iteration to see what is missing)")  # fmt: skip
+                                     f"the failed stage(s) there (swiftlog replay --plan-only -t ITERATION shows what is missing)")  # fmt: skip
         for u in units:
             self._finish(u, target, gaps, S)
             if self._unlisted:

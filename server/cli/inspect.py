@@ -182,7 +182,7 @@ def _print_summary(s: RunSummary) -> None:
     elif "gaps" in s.incomplete:
         console.print("gaps: unknown (the cold tier cannot be read)")
     else:
-        console.print("gaps: none")
+        console.print("gaps: none (no record was noted as dropped; `swiftlog verify` or `swiftlog replay --plan-only` find missing ones)")
     if s.incomplete:
         console.print(f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them (cold tier unreachable)")
 
