@@ -300,7 +300,10 @@ def recover_stage(
                         data_source=data_source, loss=loss, workers=workers, n_microbatches=n_microbatches,
                         scale_grads=True if n_microbatches else None, threads=threads)  # fmt: skip
         if ck_it == resume:  # nothing to replay: the checkpoint is the state
-            mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
+            try:
+                mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
+            except (ReplayError, CheckpointError) as e:  # a factory that does not fit the checkpoint: the same fallback as a replay's
+                raise ReplacementFallback(f"loading stage {stage}'s checkpoint at {ck_it} (nothing to replay) failed: {e}") from e
             return RecoveredStage(mine.module, mine.optimizer, mine.lr_scheduler, resume, ck_it, ck_uri, True, 0, 0, 0,
                                   {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint

@@ -1417,6 +1417,62 @@ def test_reductions_and_clips_name_parameters_by_their_place_in_the_stage_module
     client.close()
 
 
+def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_client(tmp_path, single_rank_group):
+    """A QA check: a SequentialLR (LinearLR then CosineAnnealingLR) loaded into a factory's
+    SequentialLR of LinearLR then ExponentialLR took the state and recovered "verified" with a wrong
+    state; a ChainedScheduler with its parts swapped raised a bare KeyError from torch. Checkpoints
+    name a composite's parts and a load compares each; the rates a torch scheduler's next step sets
+    (found by stepping it and putting it back) go into META, and stepping it so changes nothing."""
+    sched_mod = torch.optim.lr_scheduler
+
+    def seq(o: torch.optim.Optimizer, second: Callable[[torch.optim.Optimizer], Any]) -> Any:
+        return sched_mod.SequentialLR(o, [sched_mod.LinearLR(o, start_factor=0.5, total_iters=2), second(o)], milestones=[2])
+
+    client = SwiftlogClient(ClientConfig(run_id="seq", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    mod = _Masked()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
+    uri = _train_one_stage(client, mod, opt, sched=seq(opt, lambda o: sched_mod.LambdaLR(o, lambda e: 1.0 / (1 + e))))
+    assert client.close().ok
+    ck = load_checkpoint(uri)
+    assert ck.classes["lr_scheduler"] == "SequentialLR[LinearLR,LambdaLR]"
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"saved from a SequentialLR\[LinearLR,LambdaLR\] lr scheduler, not the SequentialLR\[LinearLR,ExponentialLR\]"):
+        StageState.from_checkpoint(ck, fresh, fopt, seq(fopt, lambda o: sched_mod.ExponentialLR(o, 0.9)))
+    ck.classes = {}  # an older checkpoint: the parts' fields are compared
+    with pytest.raises(CheckpointError, match=r"fields \['lr_lambdas'\] only in the checkpoint, \['gamma'\] only in the scheduler \(its scheduler 1\)"):
+        StageState.from_checkpoint(ck, fresh, fopt, seq(fopt, lambda o: sched_mod.ExponentialLR(o, 0.9)))
+    # the parts' classes agree but the inner lambda does not: the step's rates differ from those META carries
+    logs = LogStore.open(tmp_path / "store", "seq")
+    fresh = _Masked()
+    fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    st = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
+    with pytest.raises(ReplayError, match=r"stage 0 iteration \d: after the step, the lr scheduler SequentialLR set the learning rates"):
+        replay_stage(st, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    # stepping a scheduler for META and putting it back leaves it as it was, OneCycleLR's momentum included
+    for make in (lambda o: seq(o, lambda o2: sched_mod.CosineAnnealingLR(o2, 5)), lambda o: sched_mod.OneCycleLR(o, max_lr=0.1, total_steps=10),
+                 lambda o: sched_mod.ChainedScheduler([sched_mod.ExponentialLR(o, 0.9), sched_mod.LambdaLR(o, lambda e: 0.9**e)])):  # fmt: skip
+        a_opt, b_opt = (torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.05, momentum=0.9) for _ in range(2))
+        a, b = make(a_opt), make(b_opt)
+        probe = SwiftlogClient(ClientConfig(run_id="probe", stage=0, num_stages=1, store_root=str(tmp_path / "probe"), seed=9, enabled=False))
+        probe.track_lr_scheduler(a)
+        for _ in range(4):
+            nxt = probe._sched_next()
+            a_opt.step(), b_opt.step()
+            a.step(), b.step()
+            assert nxt == [g["lr"] for g in a_opt.param_groups] == [g["lr"] for g in b_opt.param_groups]
+            assert [g["momentum"] for g in a_opt.param_groups] == [g["momentum"] for g in b_opt.param_groups]
+            assert repr(a.state_dict()) == repr(b.state_dict())
+        probe.close()
+    # parts swapped: torch's own load fails; named, not a KeyError
+    c_opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.05)
+    chained = sched_mod.ChainedScheduler([sched_mod.ExponentialLR(c_opt, 0.9), sched_mod.LambdaLR(c_opt, lambda e: 1.0)])
+    swapped = sched_mod.ChainedScheduler([sched_mod.LambdaLR(c_opt, lambda e: 1.0), sched_mod.ExponentialLR(c_opt, 0.9)])
+    bad = trainer_client.checkpoint.Checkpoint("r", 0, 1, 0, 1, torch.nn.Linear(2, 2).state_dict(), lr_scheduler=chained.state_dict())
+    with pytest.raises(CheckpointError, match=r"lr scheduler"):
+        bad.apply(torch.nn.Linear(2, 2), None, swapped)
+
+
 def test_a_scheduler_that_cycles_other_hyperparameters_replays_exactly(tmp_path, single_rank_group):
     _, report, uri, live = _run_with_scheduler(tmp_path, "cycle", None, lambda it, opt: None)
     assert report.ok and report.logging_faults == []

@@ -102,19 +102,51 @@ class Checkpoint:
             if self.lr_scheduler is None:
                 raise CheckpointError(f"{what} has no lr scheduler state")
             self._check_class("lr_scheduler", lr_scheduler, what)
-            theirs, mine = set(self.lr_scheduler), set(lr_scheduler.state_dict())
-            if theirs != mine:
-                raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {type(lr_scheduler).__name__}: fields "
-                                      f"{sorted(theirs - mine)} only in the checkpoint, {sorted(mine - theirs)} only in the scheduler",
+            diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
+            if diff:
+                raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
                                       hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
-            lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
+            try:
+                lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+                raise CheckpointError(f"{what}: its lr scheduler state does not load into the lr scheduler {class_name(lr_scheduler)}: "
+                                      f"{type(e).__name__}: {e}", hint="build the lr scheduler the training used (the same class and arguments)") from None  # fmt: skip
 
     def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
         saved = self.classes.get(what_obj)
-        if saved is not None and saved != type(obj).__name__:
+        if saved is not None and saved != class_name(obj):
             label = what_obj.replace("_", " ")
-            raise CheckpointError(f"{what} was saved from a {saved} {label}, not the {type(obj).__name__} it is loaded into",
+            raise CheckpointError(f"{what} was saved from a {saved} {label}, not the {class_name(obj)} it is loaded into",
                                   hint=f"build the {label} the training used (the same class and arguments)")  # fmt: skip
+
+
+def class_name(obj: Any) -> str:
+    """The class name of an optimizer or lr scheduler, with those of a composite scheduler's parts
+    (``SequentialLR``, ``ChainedScheduler``): ``"SequentialLR[LinearLR,CosineAnnealingLR]"``."""
+    name = type(obj).__name__
+    inner = getattr(obj, "_schedulers", None)
+    if isinstance(inner, (list, tuple)) and inner:
+        name += "[" + ",".join(class_name(s) for s in inner) + "]"
+    return name
+
+
+def _state_fields_differ(saved: Any, mine: Any, where: str = "") -> str | None:
+    """Where two scheduler state dicts have other fields (a composite's parts compared in turn), in
+    words; None when they have the same."""
+    if not (isinstance(saved, dict) and isinstance(mine, dict)):
+        return None
+    a, b = set(saved), set(mine)
+    if a != b:
+        return f"fields {sorted(a - b)} only in the checkpoint, {sorted(b - a)} only in the scheduler{where}"
+    parts_a, parts_b = saved.get("_schedulers"), mine.get("_schedulers")
+    if isinstance(parts_a, (list, tuple)) and isinstance(parts_b, (list, tuple)):
+        if len(parts_a) != len(parts_b):
+            return f"{len(parts_a)} schedulers chained in the checkpoint, {len(parts_b)} in the scheduler{where}"
+        for i, (x, y) in enumerate(zip(parts_a, parts_b, strict=True)):
+            d = _state_fields_differ(x, y, f" (its scheduler {i}{where.replace(' (', ', ').rstrip(')')})" if where else f" (its scheduler {i})")
+            if d:
+                return d
+    return None
 
 
 def _copy_state(obj: Any) -> Any:
@@ -165,7 +197,7 @@ def save_checkpoint(
         "model": model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-        "classes": {name: type(obj).__name__ for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if obj is not None},
+        "classes": {name: class_name(obj) for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if obj is not None},
         "extra": dict(extra or {}),
         "saved_at": time.time(),
     }

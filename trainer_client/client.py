@@ -13,6 +13,7 @@ says: discard the iteration) and :class:`CheckpointError` when a checkpoint cann
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -20,6 +21,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -656,34 +658,47 @@ class SwiftlogClient:
         (``sched_epoch``), and when the loop does not step it exactly once between two iterations
         (a scheduler stepped per epoch), the next :meth:`step` amends the previous iteration's META
         with the number of steps made, which a replay then repeats. :meth:`checkpoint` calls it
-        (and ``ResilientLoop`` when given one); one scheduler per client (the last one given).
-        Never steps or changes the scheduler."""
-        if lr_scheduler is not None and isinstance(getattr(lr_scheduler, "last_epoch", None), int):
+        (and ``ResilientLoop`` when given one); one scheduler per client (the last one given). A
+        composite without a ``last_epoch`` of its own (``ChainedScheduler``) is counted by its first
+        part's. Never changes the scheduler (:meth:`_sched_next` steps it and puts it back)."""
+        if lr_scheduler is not None and _last_epoch(lr_scheduler) is not None:
             self._lr_scheduler = weakref.ref(lr_scheduler)
 
     def _sched_next(self) -> list[float] | None:
-        """The learning rates the tracked scheduler's next step will set, where they come from
-        functions its state does not hold (a ``LambdaLR`` / ``MultiplicativeLR``: another lambda in a
-        replacement's factory goes unseen by the checkpoint): each group's rate for ``last_epoch + 1``
-        by the scheduler's own formula. None for other schedulers (their state determines the
-        step) and when it cannot be computed. Never steps or changes the scheduler."""
+        """The learning rates the tracked scheduler's next step will set: it is stepped once and put
+        back as it was (its state dict, the param groups' values), warnings silenced. A replay
+        checks its own step against them (META ``sched_next``): a replacement factory's scheduler
+        of the same class whose function or parts differ (a LambdaLR's lambda, a SequentialLR's
+        inner scheduler) is otherwise unseen after the last replayed step. Only torch's own
+        schedulers (composites of them too): a custom class's step may have effects beyond its
+        state. None without one, for others, and when the step fails (ReduceLROnPlateau)."""
         sch = self._lr_scheduler() if self._lr_scheduler is not None else None
-        lr_sched = torch.optim.lr_scheduler
-        if not isinstance(sch, (lr_sched.LambdaLR, lr_sched.MultiplicativeLR)) or not isinstance(sch.last_epoch, int):
+        if sch is None or not _torch_scheduler(sch):
             return None
+        opt = sch.optimizer
+        groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                  for g in opt.param_groups]  # fmt: skip
+        state = copy.deepcopy(sch.state_dict())
         try:
-            e = sch.last_epoch + 1
-            if isinstance(sch, lr_sched.LambdaLR):
-                return [float(base * f(e)) for f, base in zip(sch.lr_lambdas, sch.base_lrs, strict=True)]
-            return [float(g["lr"] * f(e)) for f, g in zip(sch.lr_lambdas, sch.optimizer.param_groups, strict=True)]
-        except Exception:  # a lambda that fails here fails in the live step too: not ours to report
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sch.step()
+            return [float(g["lr"]) for g in opt.param_groups]
+        except Exception:  # a step that needs arguments: not ours to report
             return None
+        finally:
+            sch.load_state_dict(state)
+            for g, saved in zip(opt.param_groups, groups, strict=True):
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
+                        g[k].copy_(v)
+                    else:
+                        g[k] = v
 
     def _sched_epoch(self) -> int | None:
         """The tracked lr scheduler's ``last_epoch`` now; None without one."""
         sch = self._lr_scheduler() if self._lr_scheduler is not None else None
-        epoch = getattr(sch, "last_epoch", None)
-        return epoch if isinstance(epoch, int) else None
+        return None if sch is None else _last_epoch(sch)
 
     def _check_apply(self, iteration: int) -> None:
         """Before the schedule step of ``iteration``: count the optimizer and lr-scheduler steps
@@ -1089,6 +1104,24 @@ def _all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | N
             out[i] = flat[off : off + n].view_as(grads[i])
             off += n
     return [t for t in out if t is not None]
+
+
+def _last_epoch(sch: Any) -> int | None:
+    """A scheduler's ``last_epoch``, or its first part's for a composite without one; None if neither is an int."""
+    epoch = getattr(sch, "last_epoch", None)
+    if isinstance(epoch, int):
+        return epoch
+    inner = getattr(sch, "_schedulers", None)
+    return _last_epoch(inner[0]) if isinstance(inner, (list, tuple)) and inner else None
+
+
+def _torch_scheduler(sch: Any) -> bool:
+    """Whether ``sch`` is one of torch's own lr schedulers (a composite's parts too), whose step
+    changes nothing but its state and the optimizer's param groups."""
+    if type(sch).__module__ != "torch.optim.lr_scheduler" or not hasattr(sch, "optimizer"):
+        return False
+    inner = getattr(sch, "_schedulers", None)
+    return all(_torch_scheduler(s) for s in inner) if isinstance(inner, (list, tuple)) else True
 
 
 def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:

@@ -12,9 +12,10 @@ stage logged under ``input_{stage}``, in this order; on stage 0 after the positi
 records), ``recv_requires_grad`` (per received part, whether the stage's forward got it as a leaf
 requiring grad: what ``input_args`` declared; null on the first stage; absent in older records:
 every float part did), ``sched_epoch`` (the ``last_epoch`` of the lr scheduler the client tracks,
-at commit; null without one), ``sched_next`` (for a tracked ``LambdaLR`` / ``MultiplicativeLR``, whose
-functions no checkpoint holds: each group's learning rate its next step will set, by its formula;
-else null; absent in older records), ``apply_irregular`` (the first iteration after which the client saw
+at commit; null without one), ``sched_next`` (for a tracked torch lr scheduler, composites of them too:
+each group's learning rate its next step will set, found by stepping it once and putting it back;
+what no checkpoint holds, a LambdaLR's function, a SequentialLR's parts, shows there; null for
+other schedulers; absent in older records), ``apply_irregular`` (the first iteration after which the client saw
 other than one optimizer and one scheduler step, or null), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
 order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
 module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
