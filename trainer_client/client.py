@@ -675,10 +675,13 @@ class SwiftlogClient:
         sch = self._lr_scheduler() if self._lr_scheduler is not None else None
         if sch is None or not _torch_scheduler(sch):
             return None
-        opt = sch.optimizer
-        groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                  for g in opt.param_groups]  # fmt: skip
-        state = copy.deepcopy(sch.state_dict())
+        try:
+            opt = sch.optimizer
+            groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                      for g in opt.param_groups]  # fmt: skip
+            state = copy.deepcopy(sch.state_dict())
+        except Exception:  # a state that does not copy: no prediction, nothing touched
+            return None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -687,13 +690,16 @@ class SwiftlogClient:
         except Exception:  # a step that needs arguments: not ours to report
             return None
         finally:
-            sch.load_state_dict(state)
-            for g, saved in zip(opt.param_groups, groups, strict=True):
-                for k, v in saved.items():
-                    if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
-                        g[k].copy_(v)
-                    else:
-                        g[k] = v
+            try:
+                sch.load_state_dict(state)
+                for g, saved in zip(opt.param_groups, groups, strict=True):
+                    for k, v in saved.items():
+                        if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
+                            g[k].copy_(v)
+                        else:
+                            g[k] = v
+            except Exception as e:  # never seen with torch's schedulers; said loudly, since the live schedule may have moved
+                self.writer.note_fault("hook", f"putting the lr scheduler back after predicting its next rates failed: {type(e).__name__}: {e}")
 
     def _sched_epoch(self) -> int | None:
         """The tracked lr scheduler's ``last_epoch`` now; None without one."""
