@@ -1326,9 +1326,14 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     older.classes = {}
     with pytest.raises(CheckpointError, match=r"its lr scheduler state does not fit the lr scheduler StepLR: fields \['lr_lambdas'\] only in"):
         state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), older)
-    other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
+    unchecked = load_checkpoint(uri)
+    unchecked.sched_next = None  # an older checkpoint: the replay's first step shows it
+    other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
     with pytest.raises(ReplayError, match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR set the learning rates \[0.025\] where the live"):
         replay_stage(other_lambda, LogReader(logs), num_stages=1, stop_iteration=2, loss_fn=_mse)
+    # nothing to replay (a stage lost in its checkpoint's iteration): the load itself compares the next step's rates
+    with pytest.raises(CheckpointError, match=r"would set the learning rates \[0.025\] at its next step, the training's set \[0.0166"):
+        state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
     # the same lambda until the last replayed step (whose next META no stage wrote): caught by the formula META carries
     late = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e) if e < 4 else 0.5))
     with pytest.raises(ReplayError, match=r"stage 0 iteration 3: after the step, the lr scheduler LambdaLR set"):
@@ -1336,7 +1341,7 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
     assert meta["sched_next"] == [0.05 * (1.0 / (1 + 4))]  # base_lr * lambda(epoch), as the scheduler computes it
     # where the next META is logged and the formula is not (an older record), the rates are compared with it
-    plain = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
+    plain = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
     metas = {RecordKey(Channel.meta(0), it, 0): trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in range(1, 4)}
 
     class _OlderMeta:  # the logs, with META documents as an older client wrote them (no sched_next)
@@ -1446,7 +1451,11 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
     logs = LogStore.open(tmp_path / "store", "seq")
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-    st = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
+    with pytest.raises(CheckpointError, match=r"the lr scheduler SequentialLR\[LinearLR,LambdaLR\] loaded with its state would set the learning rates"):
+        StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
+    older = load_checkpoint(uri)
+    older.sched_next = None  # an older checkpoint: a replayed step shows it
+    st = StageState.from_checkpoint(older, fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
     with pytest.raises(ReplayError, match=r"stage 0 iteration \d: after the step, the lr scheduler SequentialLR set the learning rates"):
         replay_stage(st, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
     # stepping a scheduler for META and putting it back leaves it as it was, OneCycleLR's momentum included

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ import torch
 
 from trainer_client.errors import CheckpointError
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "checkpoint_uri", "FORMAT_VERSION"]
+__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "checkpoint_uri", "scheduler_next_rates", "class_name", "FORMAT_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class Checkpoint:
     ``model``/``optimizer``/``lr_scheduler`` are state dicts (``optimizer``/``lr_scheduler`` may be
     None). ``classes``: the class names of the optimizer and lr scheduler they were taken from
     (``{"optimizer": "AdamW", "lr_scheduler": "LambdaLR"}``; empty in older checkpoints).
+    ``sched_next``: the learning rates the scheduler's next step was to set
+    (:func:`scheduler_next_rates`; None for other schedulers and in older checkpoints).
     ``uri`` is where it was read from or written to.
     """
 
@@ -66,6 +69,7 @@ class Checkpoint:
     uri: str | None = None
     saved_at: float = 0.0
     classes: dict[str, str] = field(default_factory=dict)
+    sched_next: list[float] | None = None
 
     def apply(
         self,
@@ -111,6 +115,12 @@ class Checkpoint:
             except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
                 raise CheckpointError(f"{what}: its lr scheduler state does not load into the lr scheduler {class_name(lr_scheduler)}: "
                                       f"{type(e).__name__}: {e}", hint="build the lr scheduler the training used (the same class and arguments)") from None  # fmt: skip
+            if self.sched_next is not None:  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
+                mine = scheduler_next_rates(lr_scheduler)
+                if mine is not None and mine != [float(x) for x in self.sched_next]:
+                    raise CheckpointError(f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set the learning "
+                                          f"rates {mine} at its next step, the training's set {list(self.sched_next)}",
+                                          hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length)")  # fmt: skip
 
     def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
         saved = self.classes.get(what_obj)
@@ -118,6 +128,52 @@ class Checkpoint:
             label = what_obj.replace("_", " ")
             raise CheckpointError(f"{what} was saved from a {saved} {label}, not the {class_name(obj)} it is loaded into",
                                   hint=f"build the {label} the training used (the same class and arguments)")  # fmt: skip
+
+
+def _torch_scheduler(sch: Any) -> bool:
+    """Whether ``sch`` is one of torch's own lr schedulers (a composite's parts too), whose step
+    changes nothing but its state and the optimizer's param groups."""
+    if type(sch).__module__ != "torch.optim.lr_scheduler" or not hasattr(sch, "optimizer"):
+        return False
+    inner = getattr(sch, "_schedulers", None)
+    return all(_torch_scheduler(s) for s in inner) if isinstance(inner, (list, tuple)) else True
+
+
+def scheduler_next_rates(sch: Any) -> list[float] | None:
+    """The learning rates ``sch``'s next step will set: it is stepped once and put back as it was
+    (its state dict, the param groups' values), warnings silenced. What no state dict holds (a
+    LambdaLR's function, a composite's parts) shows in them: the client puts them into META
+    (``sched_next``) and checkpoints, and a replay or a checkpoint load compares its own. Only
+    torch's own schedulers (composites of them too): a custom class's step may have effects
+    beyond its state. None for others, and when the step fails (ReduceLROnPlateau needs a
+    metric). Never raises; a failed restore (never seen) is logged as an error."""
+    if not _torch_scheduler(sch):
+        return None
+    try:
+        opt = sch.optimizer
+        groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                  for g in opt.param_groups]  # fmt: skip
+        state = copy.deepcopy(sch.state_dict())
+    except Exception:  # a state that does not copy: no prediction, nothing touched
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sch.step()
+        return [float(g["lr"]) for g in opt.param_groups]
+    except Exception:  # a step that needs arguments: not ours to report
+        return None
+    finally:
+        try:
+            sch.load_state_dict(state)
+            for g, saved in zip(opt.param_groups, groups, strict=True):
+                for k, v in saved.items():
+                    if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
+                        g[k].copy_(v)
+                    else:
+                        g[k] = v
+        except Exception:
+            logger.exception("putting the lr scheduler %s back after predicting its next rates failed: the schedule may have moved", type(sch).__name__)
 
 
 def class_name(obj: Any) -> str:
@@ -198,6 +254,7 @@ def save_checkpoint(
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
         "classes": {name: class_name(obj) for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if obj is not None},
+        "sched_next": None if lr_scheduler is None else scheduler_next_rates(lr_scheduler),
         "extra": dict(extra or {}),
         "saved_at": time.time(),
     }
@@ -280,6 +337,7 @@ def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, 
         uri=uri,
         saved_at=state["saved_at"],
         classes={str(k): str(v) for k, v in (state.get("classes") or {}).items()},
+        sched_next=state.get("sched_next"),
     )
 
 

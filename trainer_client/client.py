@@ -13,7 +13,6 @@ says: discard the iteration) and :class:`CheckpointError` when a checkpoint cann
 
 from __future__ import annotations
 
-import copy
 import datetime
 import functools
 import json
@@ -21,7 +20,6 @@ import logging
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from logstore import Channel, LogStore, StoreConfig
 from logstore.errors import ConfigError, SwiftlogError
-from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
+from trainer_client.checkpoint import checkpoint_uri, save_checkpoint, scheduler_next_rates
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
@@ -665,41 +663,10 @@ class SwiftlogClient:
             self._lr_scheduler = weakref.ref(lr_scheduler)
 
     def _sched_next(self) -> list[float] | None:
-        """The learning rates the tracked scheduler's next step will set: it is stepped once and put
-        back as it was (its state dict, the param groups' values), warnings silenced. A replay
-        checks its own step against them (META ``sched_next``): a replacement factory's scheduler
-        of the same class whose function or parts differ (a LambdaLR's lambda, a SequentialLR's
-        inner scheduler) is otherwise unseen after the last replayed step. Only torch's own
-        schedulers (composites of them too): a custom class's step may have effects beyond its
-        state. None without one, for others, and when the step fails (ReduceLROnPlateau)."""
+        """The learning rates the tracked scheduler's next step will set (:func:`scheduler_next_rates`);
+        None without one."""
         sch = self._lr_scheduler() if self._lr_scheduler is not None else None
-        if sch is None or not _torch_scheduler(sch):
-            return None
-        try:
-            opt = sch.optimizer
-            groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                      for g in opt.param_groups]  # fmt: skip
-            state = copy.deepcopy(sch.state_dict())
-        except Exception:  # a state that does not copy: no prediction, nothing touched
-            return None
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                sch.step()
-            return [float(g["lr"]) for g in opt.param_groups]
-        except Exception:  # a step that needs arguments: not ours to report
-            return None
-        finally:
-            try:
-                sch.load_state_dict(state)
-                for g, saved in zip(opt.param_groups, groups, strict=True):
-                    for k, v in saved.items():
-                        if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
-                            g[k].copy_(v)
-                        else:
-                            g[k] = v
-            except Exception as e:  # never seen with torch's schedulers; said loudly, since the live schedule may have moved
-                self.writer.note_fault("hook", f"putting the lr scheduler back after predicting its next rates failed: {type(e).__name__}: {e}")
+        return None if sch is None else scheduler_next_rates(sch)
 
     def _sched_epoch(self) -> int | None:
         """The tracked lr scheduler's ``last_epoch`` now; None without one."""
@@ -1119,15 +1086,6 @@ def _last_epoch(sch: Any) -> int | None:
         return epoch
     inner = getattr(sch, "_schedulers", None)
     return _last_epoch(inner[0]) if isinstance(inner, (list, tuple)) and inner else None
-
-
-def _torch_scheduler(sch: Any) -> bool:
-    """Whether ``sch`` is one of torch's own lr schedulers (a composite's parts too), whose step
-    changes nothing but its state and the optimizer's param groups."""
-    if type(sch).__module__ != "torch.optim.lr_scheduler" or not hasattr(sch, "optimizer"):
-        return False
-    inner = getattr(sch, "_schedulers", None)
-    return all(_torch_scheduler(s) for s in inner) if isinstance(inner, (list, tuple)) else True
 
 
 def _stepped_by_grad_scaler(opt: torch.optim.Optimizer, kwargs: dict[str, Any]) -> bool:
