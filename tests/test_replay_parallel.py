@@ -255,7 +255,8 @@ def test_approximate_parallel_replay_stays_within_the_stated_bound(workers, f1b_
             err = (g_par - g_seq).abs()
             assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
             worst = max(worst, float(err.max()))
-    assert 0 < par.grad_error_bound and par.grad_error_bound >= max(float(b.max()) for b in dump["bound"] if b is not None)
+    # the dumped bounds are float32 products (rounded to nearest), the reported one the float64 product: equal within an ulp
+    assert 0 < par.grad_error_bound and par.grad_error_bound >= max(float(b.max()) for b in dump["bound"] if b is not None) * (1 - 2**-23)
     # the whole replay: within 2 C sum(lr) of the sequential one (loose), and in fact tiny
     ck = checkpoint_of(par, 2)
     diff = max(float((ck.model[n] - t).abs().max()) for n, t in seq_model.items())
