@@ -120,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     config = ClientConfig(run_id=args.run_id, stage=k, num_stages=S, seed=SEED, store_root=args.store_root, cold_url=args.cold_url,
                           checkpoint_url=args.checkpoint_url)  # fmt: skip
     if args.replay_helper_rank:
-        serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)
+        from logstore.errors import SwiftlogError
+
+        try:
+            serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)
+        except SwiftlogError as e:  # the replay is impossible (a ReplayError, a CheckpointError): the replacement reports the fallback
+            print(f"helper {args.replay_helper_rank}: {e}", flush=True)
+            return 3
         return 0
     t_main = time.time()
     generation, start, recovered = args.generation, 0, None
