@@ -1334,6 +1334,9 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     # nothing to replay (a stage lost in its checkpoint's iteration): the load itself compares the next step's rates
     with pytest.raises(CheckpointError, match=r"would set the learning rates \[0.025\] at its next step, the training's set \[0.0166"):
         state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
+    resumed = _Masked()  # a user resuming with another schedule on purpose
+    ropt = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+    load_checkpoint(uri).apply(resumed, ropt, torch.optim.lr_scheduler.StepLR(ropt, 1), strict=False)
     # the same lambda until the last replayed step (whose next META no stage wrote): caught by the formula META carries
     late = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e) if e < 4 else 0.5))
     with pytest.raises(ReplayError, match=r"stage 0 iteration 3: after the step, the lr scheduler LambdaLR set"):

@@ -76,6 +76,8 @@ class Checkpoint:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any | None = None,
+        *,
+        strict: bool = True,
     ) -> None:
         """Load this checkpoint into live objects; never aliases the checkpoint's tensors.
 
@@ -84,8 +86,11 @@ class Checkpoint:
         CheckpointError if the checkpoint lacks a state the caller asks to load, or when a state does
         not fit the object it is loaded into (another model's parameters, another optimizer's
         parameter groups, an optimizer or lr scheduler of another class than the one saved, or a
-        scheduler whose state has other fields), naming which. Torch's own loaders take any state
-        dict: a StepLR loaded with a LambdaLR's state goes on with the wrong schedule silently.
+        scheduler whose state has other fields, or whose next step would set other rates than the
+        saved one's, ``sched_next``), naming which. Torch's own loaders take any state dict: a StepLR
+        loaded with a LambdaLR's state goes on with the wrong schedule silently. ``strict=False``
+        skips the class, field and next-rate checks (resuming on purpose with another schedule);
+        a replay never does.
         """
         what = f"checkpoint {self.uri} of stage {self.stage} (iteration {self.iteration})"
         try:
@@ -96,7 +101,8 @@ class Checkpoint:
         if optimizer is not None:
             if self.optimizer is None:
                 raise CheckpointError(f"{what} has no optimizer state")
-            self._check_class("optimizer", optimizer, what)
+            if strict:
+                self._check_class("optimizer", optimizer, what)
             try:
                 optimizer.load_state_dict(_copy_state(self.optimizer))
             except (ValueError, KeyError, RuntimeError) as e:
@@ -105,8 +111,9 @@ class Checkpoint:
         if lr_scheduler is not None:
             if self.lr_scheduler is None:
                 raise CheckpointError(f"{what} has no lr scheduler state")
-            self._check_class("lr_scheduler", lr_scheduler, what)
-            diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
+            if strict:
+                self._check_class("lr_scheduler", lr_scheduler, what)
+            diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict()) if strict else None
             if diff:
                 raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
                                       hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
@@ -115,12 +122,13 @@ class Checkpoint:
             except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
                 raise CheckpointError(f"{what}: its lr scheduler state does not load into the lr scheduler {class_name(lr_scheduler)}: "
                                       f"{type(e).__name__}: {e}", hint="build the lr scheduler the training used (the same class and arguments)") from None  # fmt: skip
-            if self.sched_next is not None:  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
+            if strict and self.sched_next is not None:  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
                 mine = scheduler_next_rates(lr_scheduler)
                 if mine is not None and mine != [float(x) for x in self.sched_next]:
                     raise CheckpointError(f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set the learning "
                                           f"rates {mine} at its next step, the training's set {list(self.sched_next)}",
-                                          hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length)")  # fmt: skip
+                                          hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length); "
+                                               "to resume with another schedule on purpose: apply(..., strict=False)")  # fmt: skip
 
     def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
         saved = self.classes.get(what_obj)
