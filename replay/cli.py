@@ -167,9 +167,11 @@ def _check_writable_output(output: str) -> None:
     URLs are left to the replay."""
     import tempfile
 
-    if "://" in output and not output.startswith("file://"):
+    from trainer_client.checkpoint import _local_path  # where save_checkpoint writes for such a URI
+
+    path = _local_path(output)
+    if path is None:
         return
-    path = os.path.abspath(output[len("file://"):] if output.startswith("file://") else output)
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)

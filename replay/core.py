@@ -85,7 +85,7 @@ from trainer_client.determinism import (
     num_threads,
     seed_micro_batch,
 )
-from trainer_client.digest import grad_digest_changes, grad_digests, tensor_digest
+from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests, tensor_digest
 from trainer_client.meta import decode_meta, hparam_changes, optimizer_hparams
 
 __all__ = [
@@ -225,8 +225,8 @@ class ReplayReport:
     def unverified_reason(self) -> str:
         """Why the replay is not :attr:`verified`, in words (the first reason that applies)."""
         first = self.first_mismatch
-        grads = self.grad_mismatches[0] if self.grad_mismatches else None
-        if grads is not None and (first is None or grads["iteration"] < first["iteration"]):
+        grads = self._leading_grad_mismatch()
+        if grads is not None:
             return _grad_mismatch_text(grads)
         if first is not None:
             return (f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
@@ -240,6 +240,12 @@ class ReplayReport:
             return f"its last iteration ({self.stop_iteration - 1}) was replayed with another stage's META: its optimizer step is unproven"
         return f"{self.digests_checked} of its {self.sends_generated} sends were checked"
 
+    def _leading_grad_mismatch(self) -> dict[str, Any] | None:
+        """The first step whose gradients differed, when it comes before the first diverging send."""
+        grads = self.grad_mismatches[0] if self.grad_mismatches else None
+        first = self.first_mismatch
+        return grads if grads is not None and (first is None or grads["iteration"] < first["iteration"]) else None
+
     @property
     def first_mismatch(self) -> dict[str, Any] | None:
         """The first diverging send in (iteration, micro-batch, channel, part) order, or None."""
@@ -252,9 +258,8 @@ class ReplayReport:
     def raise_for_mismatch(self) -> None:
         """Raise ReplayMismatchError if any regenerated send differs from the log, or an optimizer
         step's gradients from the live one's."""
-        grads = self.grad_mismatches[0] if self.grad_mismatches else None
-        first = self.first_mismatch
-        if grads is not None and (first is None or grads["iteration"] < first["iteration"]):
+        grads = self._leading_grad_mismatch()
+        if grads is not None:
             raise ReplayMismatchError(f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
                                       hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ and client.all_reduce_grads_; "
                                            "a collective on them or a write through .data is not replayed")  # fmt: skip
@@ -1118,8 +1123,8 @@ def _reduce_as_logged(ctx: _Context, st: StageState, it: int, op: dict[str, Any]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     pre = op.get("pre")
-    if pre is not None and ctx.checks_step(it) and all(p.grad.device.type == "cpu" for p in chosen):
-        mine = [f"{tensor_digest(p.grad):016x}" for p in chosen]
+    mine = hex_digests([p.grad for p in chosen]) if pre is not None and ctx.checks_step(it) else None
+    if mine is not None:
         changed = grad_digest_changes([names[i] for i in op["params"]], pre, mine)
         if changed:
             report.grad_mismatches.append({"stage": st.stage, "iteration": it, "params": changed, "at": f"before all_reduce_grads_ call {call}"})

@@ -274,6 +274,18 @@ def plan_recovery(
         planner.close()
 
 
+def _note_missing(u: ReplayUnit, ch: Channel, it: int, mb: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]) -> str:
+    """Add record (``ch``, ``it``, ``mb``, part 0) to ``u.missing`` and its recorded gap, if any, to
+    ``u.gaps`` (each list up to its limit); returns the key as text."""
+    key = f"{ch.name}/it{it}/mb{mb}/p0"
+    if len(u.missing) < _MAX_LISTED:
+        u.missing.append(key)
+    g = gap_index.get((ch.name, it, mb))
+    if g is not None and len(u.gaps) < _MAX_LISTED:
+        u.gaps.append(g)
+    return key
+
+
 def _optional(ch: Channel, mbs: dict[int, set[int]]) -> bool:
     """A later stage's keyword inputs (``input_k``, k > 0) are needed only in iterations whose step
     passed some: none logged in an iteration means none were given, not that they are lost."""
@@ -383,6 +395,10 @@ class _Planner:
             self._metas[k] = self._meta_record(stage, it, 0)
         return self._metas[k]
 
+    def _own_meta(self, stage: int, it: int, lo: int) -> dict[str, Any]:
+        """``stage``'s own META document of ``it`` where a store lists it (from ``lo`` on), else {}."""
+        return (self._meta(stage, it) or {}) if it in self._index(Channel.meta(stage), lo) else {}
+
     def _meta_record(self, stage: int, it: int, micro_batch: int) -> dict[str, Any] | None:
         """A META record (micro-batch 0: the document; 1: its amendment) from the first store that
         has it intact, or None."""
@@ -402,7 +418,7 @@ class _Planner:
         stepping irregularly whose count after the last iteration never reached META."""
         for it in range(c, stop):
             for k in stages:
-                carried = (self._meta(k, it) or {}).get("grads_carried") if it in self._index(Channel.meta(k), c) else None
+                carried = self._own_meta(k, it, c).get("grads_carried")
                 if carried:
                     return [f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous optimizer step "
                             f"({', '.join(carried[:3])}...): a replay, which starts every iteration from no gradients, stops there"]  # fmt: skip
@@ -659,12 +675,7 @@ class _Planner:
                     continue
                 for mb in range(n):
                     if mb not in mbs:
-                        key = f"{ch.name}/it{it}/mb{mb}/p0"
-                        g = gap_index.get((ch.name, it, mb))
-                        if len(u.missing) < _MAX_LISTED:
-                            u.missing.append(key)
-                        if g is not None and len(u.gaps) < _MAX_LISTED:
-                            u.gaps.append(g)
+                        _note_missing(u, ch, it, mb, gap_index)
         reduced = self._reduced_channels(u, c, stop, gap_index)  # what the stages' all_reduce_grads_ calls left, where they made some
         newest = u.newest_checkpoint
         collected = newest is not None and c < newest and (u.missing or any("no stage has a META" in r for r in u.reasons))
@@ -726,7 +737,7 @@ class _Planner:
         for k in u.stages:
             ch = Channel.reduced(k)
             for it in range(c, stop):
-                calls = (self._meta(k, it) or {}).get("grad_reduce") or [] if it in self._index(Channel.meta(k), c) else []
+                calls = self._own_meta(k, it, c).get("grad_reduce") or []
                 if not calls:
                     continue
                 if ch not in chans:
@@ -734,13 +745,7 @@ class _Planner:
                 have = self._index(ch, c).get(it, {})
                 for call in range(len(calls)):
                     if call not in have:
-                        key = f"{ch.name}/it{it}/mb{call}/p0"
-                        first_missing = first_missing or key
-                        if len(u.missing) < _MAX_LISTED:
-                            u.missing.append(key)
-                        g = gap_index.get((ch.name, it, call))
-                        if g is not None and len(u.gaps) < _MAX_LISTED:
-                            u.gaps.append(g)
+                        first_missing = first_missing or _note_missing(u, ch, it, call, gap_index)
         if first_missing is not None:
             u.reasons.append(f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a stage's own records "
                              "outlive its node only in the run's cold tier)")  # fmt: skip

@@ -113,10 +113,10 @@ class Checkpoint:
                 raise CheckpointError(f"{what} has no lr scheduler state")
             if strict:
                 self._check_class("lr_scheduler", lr_scheduler, what)
-            diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict()) if strict else None
-            if diff:
-                raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
-                                      hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
+                diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
+                if diff:
+                    raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
+                                          hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
             try:
                 lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
             except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
@@ -159,9 +159,8 @@ def scheduler_next_rates(sch: Any) -> list[float] | None:
         return None
     try:
         opt = sch.optimizer
-        groups = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                  for g in opt.param_groups]  # fmt: skip
-        state = copy.deepcopy(sch.state_dict())
+        groups = [_copy_state({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups]
+        state = _copy_state(sch.state_dict())
     except Exception:  # a state that does not copy: no prediction, nothing touched
         return None
     try:

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from trainer_client.checkpoint import checkpoint_uri, save_checkpoint, scheduler
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
-from trainer_client.digest import grad_digest_changes, grad_digests, tensor_digest
+from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
@@ -188,12 +188,10 @@ class SwiftlogClient:
         self._step_t0: float | None = None
         self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
         self._grad_reduces: list[dict[str, Any]] = []  # its all_reduce_grads_ calls (META "grad_reduce"; records reduced_{stage})
-        self._grad_ops = 0  # calls of either in the current iteration (their "seq": the replay repeats them in this order)
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the tracked one (META "lrs", "hparams"; track_optimizer)
         self._step_hook: Any = None  # its step pre-hook's handle
         self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
         self._grad_versions: list[int] | None = None  # the stage's gradients' version counters after the schedule's step
-        self._commit_digests: list[str | None] | None = None  # their digests at the last commit (META grad_digests)
         self._lr_scheduler: weakref.ref[Any] | None = None  # the tracked one (META "sched_epoch"; track_lr_scheduler)
         self._committed: tuple[int, dict[str, Any]] | None = None  # the last committed iteration and its META (amendments merged)
         self._amendment: dict[str, Any] | None = None  # what has been amended in that META (its micro-batch 1 record)
@@ -337,7 +335,6 @@ class SwiftlogClient:
         self._step_t0 = time.perf_counter()
         self._grad_clips = []
         self._grad_reduces = []
-        self._grad_ops = 0
         self._carried = []
         self._own_sealed = None
         self.recorder.begin(iteration)
@@ -419,9 +416,8 @@ class SwiftlogClient:
             total = (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
-        self._grad_ops += 1
         self._grad_clips.append({
-            "seq": self._grad_ops - 1,
+            "seq": self._grad_op_seq(),
             "max_norm": float(max_norm),
             "total_norm": float(total),  # a float32 / bf16 value is exact as a Python float (and in JSON)
             "dtype": str(total.dtype).removeprefix("torch."),
@@ -469,18 +465,22 @@ class SwiftlogClient:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        pre = [f"{tensor_digest(g):016x}" for g in grads] if all(g.device.type == "cpu" for g in grads) else None
+        pre = hex_digests(grads)
         reduced = _all_reduce_flat(grads, group, average)
         for g, r in zip(grads, reduced, strict=True):
             g.copy_(r)
-        self._grad_ops += 1
         call = len(self._grad_reduces)
-        self._grad_reduces.append({"seq": self._grad_ops - 1, "params": [index[id(p)] for p in params], "average": bool(average),
+        self._grad_reduces.append({"seq": self._grad_op_seq(), "params": [index[id(p)] for p in params], "average": bool(average),
                                    "world": dist.get_world_size(group), "pre": pre})  # fmt: skip
         if self.recorder.enabled:
             self.writer.submit(Channel.reduced(self.config.stage), self._iteration, call, reduced)  # `reduced` is ours alone: no copy
         if self._grad_versions is not None:  # a change the replay repeats
             self._grad_versions = self._grad_snapshot()
+
+    def _grad_op_seq(self) -> int:
+        """The place of the next clip_grad_norm_ / all_reduce_grads_ call among the iteration's ones
+        (META ``seq``: the replay repeats them in this order)."""
+        return len(self._grad_clips) + len(self._grad_reduces)
 
     def _param_positions(self, what: str, params: Sequence[torch.Tensor], module: torch.nn.Module | None) -> dict[int, int]:
         """id -> position in the stage module's ``parameters()`` (the order a replay's stage has;
@@ -520,7 +520,6 @@ class SwiftlogClient:
         own = self._own_channels()
         self._step_expect = None
         if rec.enabled:
-            self._commit_digests = grad_digests(self.stage_module)  # what the coming step should use; a replay checks its own
             doc = self._meta(iteration)
             meta = encode_meta(doc)
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
@@ -1043,7 +1042,7 @@ class SwiftlogClient:
             "recv_requires_grad": rec.recv_requires_grad,
             "grad_clip": list(self._grad_clips),
             "grad_reduce": list(self._grad_reduces),
-            "grad_digests": self._commit_digests,
+            "grad_digests": grad_digests(self.stage_module),  # what the coming step should use; a replay checks its own
             "grads_carried": list(self._carried),
             "lrs": self._learning_rates(),
             "hparams": self._hparams(),
@@ -1076,7 +1075,7 @@ def _all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | N
             n = grads[i].numel()
             out[i] = flat[off : off + n].view_as(grads[i])
             off += n
-    return [t for t in out if t is not None]
+    return cast("list[torch.Tensor]", out)  # every index is in one of the groups
 
 
 def _last_epoch(sch: Any) -> int | None:

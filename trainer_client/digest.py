@@ -23,7 +23,7 @@ import torch
 
 from logstore import codec
 
-__all__ = ["tensor_digest", "digest_record", "digest_from_record", "grad_digests", "grad_digest_changes"]
+__all__ = ["tensor_digest", "digest_record", "digest_from_record", "hex_digests", "grad_digests", "grad_digest_changes"]
 
 _U64 = 2**64
 
@@ -52,23 +52,25 @@ def digest_from_record(t: torch.Tensor) -> int:
     return int(t.reshape(-1)[0].item()) % _U64
 
 
-def grad_digests(module: torch.nn.Module | None) -> list[str | None] | None:
-    """The digest of each parameter's ``.grad`` of ``module`` (in ``parameters()`` order) as 16 hex
-    digits (JSON-safe), None for a parameter without one; None as a whole when there is no module
-    or a gradient is not on the CPU (hashing it would synchronise with the device). About 20 GB/s
-    of gradient bytes on one core. Never changes the gradients."""
-    if module is None:
-        return None
+def hex_digests(tensors: Sequence[torch.Tensor | None]) -> list[str | None] | None:
+    """The digest of each tensor as 16 hex digits (JSON-safe), None for a missing one; None as a
+    whole when one is not a dense CPU tensor (hashing it would synchronise with the device). About
+    20 GB/s on one core."""
     out: list[str | None] = []
-    for p in module.parameters():
-        g = p.grad
-        if g is None:
+    for t in tensors:
+        if t is None:
             out.append(None)
-        elif g.device.type != "cpu" or g.is_sparse:
+        elif t.device.type != "cpu" or t.is_sparse:
             return None
         else:
-            out.append(f"{tensor_digest(g):016x}")
+            out.append(f"{tensor_digest(t):016x}")
     return out
+
+
+def grad_digests(module: torch.nn.Module | None) -> list[str | None] | None:
+    """:func:`hex_digests` of each parameter's ``.grad`` of ``module`` (in ``parameters()`` order);
+    None without a module. Never changes the gradients."""
+    return None if module is None else hex_digests([p.grad for p in module.parameters()])
 
 
 def grad_digest_changes(names: Sequence[str], before: Sequence[str | None], after: Sequence[str | None]) -> list[str]:
