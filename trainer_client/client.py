@@ -161,6 +161,7 @@ class SwiftlogClient:
             codec=config.codec,
             max_queue_bytes=config.max_queue_bytes,
             overflow=config.overflow,
+            overflow_wait_s=config.overflow_wait.total_seconds(),
             encode_threads=config.encode_threads,
             batch_records=config.write_batch_records,
             batch_bytes=config.write_batch_bytes,

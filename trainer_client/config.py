@@ -21,8 +21,9 @@ from logstore.errors import ConfigError, InvalidNameError
 __all__ = ["ClientConfig", "OVERFLOW_POLICIES", "group_starts"]
 
 MiB = 1 << 20
-#: "wait": block the training thread until the writer frees memory (counted and timed);
-#: "gap": drop the record and mark the gap in the store (counted).
+#: "wait": block the training thread until the writer frees memory (counted and timed; at most
+#: ``ClientConfig.overflow_wait``, then as "gap"); "gap": drop the record and mark the gap in the
+#: store (counted).
 OVERFLOW_POLICIES = ("wait", "gap")
 _CODECS = ("auto", "planes", "zstd", "raw")
 
@@ -97,6 +98,9 @@ class ClientConfig:
             when the queue is empty. On a GPU, hold at least 4-8 micro-batches of the stage's
             sends and receives (``docs/gpu.md``).
         overflow: what happens when the bound is hit: "wait" (default) or "gap".
+        overflow_wait: the longest one "wait" at the bound blocks the training thread (default
+            10 s). Then the record is dropped as a gap, an "overflow_timeout" fault says so, and
+            records that do not fit are dropped without waiting until the writer moves again.
         codec: record codec, "auto" (default), "planes", "zstd" or "raw".
         encode_threads: background threads that encode records; 0 = encode on the writer thread.
             Encoding is extra CPU load on the node: size it to spare cores. None (default): chosen
@@ -142,6 +146,7 @@ class ClientConfig:
     enabled: bool = True
     max_queue_bytes: int = 256 * MiB
     overflow: str = "wait"
+    overflow_wait: timedelta = timedelta(seconds=10)
     codec: str = "auto"
     encode_threads: int | None = None
     write_batch_records: int = 64
@@ -187,6 +192,9 @@ class ClientConfig:
             self.logging_groups = tuple(groups)
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if not isinstance(self.overflow_wait, timedelta) or self.overflow_wait <= timedelta(0):
+            raise ConfigError(f"overflow_wait must be a positive timedelta, got {self.overflow_wait!r}",
+                              hint="e.g. timedelta(seconds=10); a hung store must not stop training for good")  # fmt: skip
         if self.codec not in _CODECS:
             raise ConfigError(f"codec must be one of {_CODECS}, got {self.codec!r}")
         for name, lo in (("max_queue_bytes", 1), ("write_batch_records", 1), ("write_batch_bytes", 1), ("segment_iters", 1)):

@@ -30,8 +30,11 @@ starts), and at the latest after one second.
 
 Memory bound: bytes of queued records (raw size; pinned buffers on GPU) are reserved at submit and
 released once written or dropped. When a submit would exceed ``max_queue_bytes`` the policy is
-explicit: ``"wait"`` blocks until enough is freed (counted and timed in stats), ``"gap"`` drops
-the record and marks a gap in the store (counted). Digest records (8 bytes) and gap markers are
+explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait_s`` (counted and
+timed in stats), ``"gap"`` drops the record and marks a gap in the store (counted). A wait that
+times out drops the record as a gap too (an "overflow_timeout" fault); until the writer frees
+memory again, later records that do not fit are dropped without waiting, so a hung store costs
+the training thread one wait, not one per record. Digest records (8 bytes) and gap markers are
 never dropped and not bounded. A record larger than the bound is admitted when the queue is empty.
 
 Faults (encode errors, ``StoreFullError``, a closed store, anything unexpected) never reach the
@@ -39,8 +42,9 @@ training thread: the affected records become gaps (``store.record_gap``) when po
 fault is counted and kept for :meth:`AsyncLogWriter.take_faults`. The writer thread survives any
 bad item.
 
-Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", and in
-:meth:`drain`/:meth:`close`); reorders records; writes from more than one thread.
+Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", for at
+most ``overflow_wait_s`` at a time, and in :meth:`drain`/:meth:`close`); reorders records; writes
+from more than one thread.
 """
 
 from __future__ import annotations
@@ -112,9 +116,10 @@ class WriterStats:
     records_dropped: int = 0
     bytes_dropped: int = 0
     gaps_recorded: int = 0
-    overflow_drops: int = 0
+    overflow_drops: int = 0  # records dropped at the bound ("gap", a wait timed out, or the writer is stuck)
     overflow_waits: int = 0
     overflow_wait_s: float = 0.0
+    overflow_timeouts: int = 0  # waits that ended after overflow_wait_s without room: the record became a gap
     queue_bytes: int = 0
     queue_peak_bytes: int = 0
     queue_items: int = 0
@@ -208,6 +213,7 @@ class AsyncLogWriter:
         codec: record codec for ``codec.encode_tensor``.
         max_queue_bytes: memory bound of queued records, see the module docstring.
         overflow: "wait" or "gap".
+        overflow_wait_s: the longest one "wait" at the bound blocks the caller, in seconds (> 0).
         encode_threads: encode pool size; 0 encodes on the writer thread; None chooses at the first
             record (:func:`auto_encode_threads`: 1 for CPU tensors, up to 4 for CUDA ones).
         batch_records / batch_bytes: most records / encoded bytes per ``put_encoded`` call.
@@ -221,6 +227,7 @@ class AsyncLogWriter:
         codec: str = "auto",
         max_queue_bytes: int = 256 << 20,
         overflow: str = "wait",
+        overflow_wait_s: float = 10.0,
         encode_threads: int | None = 1,
         batch_records: int = 64,
         batch_bytes: int = 16 << 20,
@@ -230,6 +237,10 @@ class AsyncLogWriter:
         self._codec = codec
         self._max = max_queue_bytes
         self._overflow = overflow
+        if not overflow_wait_s > 0:
+            raise ValueError(f"overflow_wait_s must be > 0 seconds, got {overflow_wait_s!r}")
+        self._wait_s = float(overflow_wait_s)
+        self._stalled = False  # a wait at the bound timed out and the writer has finished nothing since
         self._batch_records = batch_records
         self._batch_bytes = batch_bytes
         self._cv = threading.Condition()
@@ -460,29 +471,56 @@ class AsyncLogWriter:
                 st.bytes_dropped += nbytes
                 self._fault_locked("closed", "submit after close", channel, iteration, micro_batch)
                 return False
-            if not force and st.queue_bytes > 0 and st.queue_bytes + nbytes > self._max:
-                if self._overflow == "gap":
-                    st.overflow_drops += 1
-                    st.records_dropped += 1
-                    st.bytes_dropped += nbytes
-                    self._fault_locked("overflow", f"queue full ({st.queue_bytes} + {nbytes} > {self._max} bytes): record dropped", channel, iteration, micro_batch)
-                    drop = True
-                else:
-                    drop = False
-                    st.overflow_waits += 1
-                    t0 = time.perf_counter()
-                    self._cv.notify_all()  # the writer may be sleeping below its wake threshold
-                    while st.queue_bytes > 0 and st.queue_bytes + nbytes > self._max and not self._closing:
-                        self._cv.wait(0.5)
-                    st.overflow_wait_s += time.perf_counter() - t0
-            else:
-                drop = False
-            if not drop:
+
+            def fits() -> bool:
+                return force or st.queue_bytes == 0 or st.queue_bytes + nbytes <= self._max
+
+            full = f"queue full ({st.queue_bytes} + {nbytes} > {self._max} bytes)"
+            why = self._room(fits, full, channel, iteration, micro_batch)
+            if why is None:
                 st.queue_bytes += nbytes
                 st.queue_peak_bytes = max(st.queue_peak_bytes, st.queue_bytes)
                 return True
-        self.gap(channel, iteration, micro_batch, f"overflow: queue bound {self._max} bytes reached")
+            st.overflow_drops += 1
+            st.records_dropped += 1
+            st.bytes_dropped += nbytes
+        self.gap(channel, iteration, micro_batch, f"overflow: {why}")
         return False
+
+    def _room(
+        self, fits: Callable[[], bool], full: str, channel: Channel, iteration: int, micro_batch: int
+    ) -> str | None:
+        """With ``self._cv`` held: None when ``fits()`` (at once, or after a wait under "wait");
+        otherwise why not, recorded as a fault. A wait lasts at most ``overflow_wait_s``; after one
+        timed out, none starts until the writer finishes an item."""
+        st = self._stats
+        if fits():
+            return None
+        if self._overflow == "gap":
+            self._fault_locked("overflow", f"{full}: record dropped", channel, iteration, micro_batch)
+            return full
+        if self._stalled:
+            why = f"{full}, and the writer has finished nothing since a wait timed out"
+            self._fault_locked("overflow", f"{why}: record dropped without waiting", channel, iteration, micro_batch)
+            return why
+        st.overflow_waits += 1
+        t0 = time.perf_counter()
+        deadline = t0 + self._wait_s
+        self._cv.notify_all()  # the writer may be sleeping below its wake threshold
+        while not fits() and not self._closing:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._cv.wait(min(left, 0.5))
+        st.overflow_wait_s += time.perf_counter() - t0
+        if fits() or self._closing:  # a closing writer drops what is still queued (close)
+            return None
+        self._stalled = True
+        st.overflow_timeouts += 1
+        why = f"{full} after waiting {self._wait_s:g} s (overflow_wait) for the writer to free memory"
+        said = f"{why}: record dropped; until the writer finishes an item, what does not fit is dropped at once"
+        self._fault_locked("overflow_timeout", said, channel, iteration, micro_batch)
+        return why
 
     def _release(self, nbytes: int) -> None:
         with self._cv:
@@ -696,6 +734,7 @@ class AsyncLogWriter:
             self._busy -= 1
             if item.kind == "rec":
                 self._stats.queue_bytes -= item.nbytes
+            self._stalled = False  # the writer moves again: waiting at the bound makes sense again
             self._cv.notify_all()
 
     def _fault(self, kind: str, message: str, channel: Channel | None = None, iteration: int | None = None, micro_batch: int | None = None) -> None:
