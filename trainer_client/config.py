@@ -95,7 +95,8 @@ class ClientConfig:
     Asynchronous writer
         max_queue_bytes: bound on bytes held by queued, not yet written records (default 256
             MiB; pinned host memory on GPU). A single record larger than the bound is admitted
-            when the queue is empty. On a GPU, hold at least 4-8 micro-batches of the stage's
+            when the queue is empty. The received buffers held until hashed have a bound of their
+            own of the same size (``trainer_client.writer``). On a GPU, hold at least 4-8 micro-batches of the stage's
             sends and receives (``docs/gpu.md``).
         overflow: what happens when the bound is hit: "wait" (default) or "gap".
         overflow_wait: the longest one "wait" at the bound blocks the training thread (default

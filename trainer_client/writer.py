@@ -34,8 +34,14 @@ explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait_s
 timed in stats), ``"gap"`` drops the record and marks a gap in the store (counted). A wait that
 times out drops the record as a gap too (an "overflow_timeout" fault); until the writer frees
 memory again, later records that do not fit are dropped without waiting, so a hung store costs
-the training thread one wait, not one per record. Digest records (8 bytes) and gap markers are
-never dropped and not bounded. A record larger than the bound is admitted when the queue is empty.
+the training thread one wait, not one per record. A record larger than the bound is admitted
+when the queue is empty.
+
+Digest work has a bound of its own, also ``max_queue_bytes``: the received buffers held until
+they are hashed (references on CPU, pinned copies on GPU). A buffer is let go as soon as it is
+hashed. Beyond the bound a CPU buffer is hashed on the spot by the training thread (nothing is
+lost); a GPU buffer follows the overflow policy, and its digest dropped is a recorded gap.
+Digest records themselves (8 bytes) and gap markers are never dropped.
 
 Faults (encode errors, ``StoreFullError``, a closed store, anything unexpected) never reach the
 training thread: the affected records become gaps (``store.record_gap``) when possible, and every
@@ -43,8 +49,8 @@ fault is counted and kept for :meth:`AsyncLogWriter.take_faults`. The writer thr
 bad item.
 
 Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", for at
-most ``overflow_wait_s`` at a time, and in :meth:`drain`/:meth:`close`); reorders records; writes
-from more than one thread.
+most ``overflow_wait_s`` at a time, and in :meth:`drain`/:meth:`close`); keeps a received buffer
+after hashing it; reorders records; writes from more than one thread.
 """
 
 from __future__ import annotations
@@ -123,6 +129,10 @@ class WriterStats:
     queue_bytes: int = 0
     queue_peak_bytes: int = 0
     queue_items: int = 0
+    digest_bytes: int = 0  # received buffers held until hashed (references on CPU, pinned copies on GPU)
+    digest_peak_bytes: int = 0
+    digests_hashed_at_bound: int = 0  # CPU buffers hashed at submit because digest_bytes was at the bound
+    digest_gaps: int = 0  # GPU buffers whose digest was dropped at the bound (each a recorded gap)
     encode_threads: int = 0  # the encode pool's size (0: encoding on the writer thread, or not chosen yet)
     pinned_bytes: int = 0  # pinned host memory held for device-to-host copies now (in flight or kept for reuse, at most max_queue_bytes free)
     faults: int = 0
@@ -186,7 +196,7 @@ class _PinnedPool:
 
 class _Item:
     __slots__ = ("kind", "channel", "iteration", "micro_batch", "tensors", "nparts", "events", "pinned", "hash_only",
-                 "digests", "nbytes", "fn", "reason", "future")  # fmt: skip
+                 "digests", "nbytes", "held", "fn", "reason", "future")  # fmt: skip
 
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "rec" | "mark" | "gap"
@@ -199,7 +209,8 @@ class _Item:
         self.pinned = False
         self.hash_only = False  # a digest record: store the digests, not the tensors
         self.digests: list[int] | None = None  # computed at submit (CPU) or by the encoder (staged CUDA copies)
-        self.nbytes = 0
+        self.nbytes = 0  # reserved in queue_bytes (records)
+        self.held = 0  # counted in digest_bytes (digest records, until their buffers are let go)
         self.fn: Callable[[], None] | None = None
         self.reason = ""
         self.future: Future | None = None
@@ -211,7 +222,8 @@ class AsyncLogWriter:
     Args:
         store: a LogStore opened with a writer name (the writer thread is its only appender).
         codec: record codec for ``codec.encode_tensor``.
-        max_queue_bytes: memory bound of queued records, see the module docstring.
+        max_queue_bytes: memory bound of queued records, and of received buffers held for hashing;
+            see the module docstring.
         overflow: "wait" or "gap".
         overflow_wait_s: the longest one "wait" at the bound blocks the caller, in seconds (> 0).
         encode_threads: encode pool size; 0 encodes on the writer thread; None chooses at the first
@@ -241,6 +253,7 @@ class AsyncLogWriter:
             raise ValueError(f"overflow_wait_s must be > 0 seconds, got {overflow_wait_s!r}")
         self._wait_s = float(overflow_wait_s)
         self._stalled = False  # a wait at the bound timed out and the writer has finished nothing since
+        self._waiting = 0  # callers waiting for room at a bound (a release wakes them, never the idle writer)
         self._batch_records = batch_records
         self._batch_bytes = batch_bytes
         self._cv = threading.Condition()
@@ -323,29 +336,38 @@ class AsyncLogWriter:
         the encode pool; the caller promises not to modify them before its next
         :meth:`settle_digests` call. CUDA tensors are copied to pinned memory on a side stream and
         hashed by the writer, and the current stream waits for that copy, so a later receive
-        cannot overwrite the buffer before it was read. Digest records are never dropped; never
-        raises.
+        cannot overwrite the buffer before it was read. A buffer is let go once hashed. Beyond
+        the digest bound (module docstring) a CPU buffer is hashed now and a CUDA buffer follows
+        the overflow policy (its digest dropped is a recorded gap). Never raises.
         """
         t0 = time.perf_counter()
+        item = _Item("rec")
         try:
-            item = _Item("rec")
             item.channel, item.iteration, item.micro_batch = channel, iteration, micro_batch
             item.hash_only = True
-            if any(t.device.type != "cpu" for t in tensors):
+            on_cpu = all(t.device.type == "cpu" for t in tensors)
+            if not on_cpu or defer:
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                held = self._hold_digest(nbytes, channel, iteration, micro_batch, can_hash_now=on_cpu)
+                if not held and not on_cpu:
+                    return  # dropped at the bound: a gap is queued
+                item.held = nbytes if held else 0
+            if not on_cpu:
                 self._stage(item, tensors, copy=True, order_current_stream=True)
-                item.nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
-                self._reserve(item.nbytes, channel, iteration, micro_batch, force=True)
-            elif defer:
+            elif item.held:
                 item.tensors = list(tensors)
                 item.nparts = len(item.tensors)
                 self._unsettled.append(item)
             else:
+                if defer:
+                    self._stats.digests_hashed_at_bound += len(tensors)
                 item.digests = [tensor_digest(t) for t in tensors]
                 item.nparts = len(item.digests)
             with self._cv:
                 self._stats.digests_submitted += len(tensors)
                 self._queue.append(item)
         except Exception as e:
+            self._release_digest(item)
             self._fault("encode", f"digest failed: {type(e).__name__}: {e}", channel, iteration, micro_batch)
         finally:
             self._stats.digest_s += time.perf_counter() - t0
@@ -371,16 +393,23 @@ class AsyncLogWriter:
                     except Exception as e:  # the pool will meet the same error and drop the record
                         self._fault("encode", f"digest failed: {type(e).__name__}: {e}", item.channel, item.iteration, item.micro_batch)
                         item.digests = []
+                        item.tensors = []
+                        self._release_digest(item)
         finally:
             self._stats.digest_s += time.perf_counter() - t0
 
     def _hash_deferred(self, item: _Item) -> bool:
-        """Compute ``item.digests`` unless someone already did; True if this call hashed."""
+        """Compute ``item.digests`` unless someone already did; True if this call hashed. A CPU
+        item's buffers are let go once hashed (pinned copies go back to their pool after encoding)."""
         with self._hash_lock:
             if item.digests is not None:
                 return False
             item.digests = [tensor_digest(t) for t in item.tensors]
-            return True
+            if not item.pinned:
+                item.tensors = []
+        if not item.pinned:
+            self._release_digest(item)
+        return True
 
     def kick(self) -> None:
         """Wake the writer now (e.g. at the end of an iteration) instead of at the next threshold."""
@@ -463,7 +492,7 @@ class AsyncLogWriter:
         return ok
 
     # ================================================================ internals: training side
-    def _reserve(self, nbytes: int, channel: Channel, iteration: int, micro_batch: int, force: bool = False) -> bool:
+    def _reserve(self, nbytes: int, channel: Channel, iteration: int, micro_batch: int) -> bool:
         with self._cv:
             st = self._stats
             if self._closing:
@@ -473,7 +502,7 @@ class AsyncLogWriter:
                 return False
 
             def fits() -> bool:
-                return force or st.queue_bytes == 0 or st.queue_bytes + nbytes <= self._max
+                return st.queue_bytes == 0 or st.queue_bytes + nbytes <= self._max
 
             full = f"queue full ({st.queue_bytes} + {nbytes} > {self._max} bytes)"
             why = self._room(fits, full, channel, iteration, micro_batch)
@@ -484,6 +513,31 @@ class AsyncLogWriter:
             st.overflow_drops += 1
             st.records_dropped += 1
             st.bytes_dropped += nbytes
+        self.gap(channel, iteration, micro_batch, f"overflow: {why}")
+        return False
+
+    def _hold_digest(self, nbytes: int, channel: Channel, iteration: int, micro_batch: int, can_hash_now: bool) -> bool:
+        """Count ``nbytes`` of received buffers in ``digest_bytes`` if the digest bound allows (or
+        after a wait under "wait"); False otherwise: a CPU buffer is then hashed now, and for any
+        other a gap is queued."""
+        with self._cv:
+            st = self._stats
+
+            def fits() -> bool:
+                return st.digest_bytes == 0 or st.digest_bytes + nbytes <= self._max
+
+            if fits():
+                why = None
+            elif can_hash_now:  # hashing a CPU buffer costs less than waiting for room
+                return False
+            else:
+                why = self._room(fits, f"digest buffers full ({st.digest_bytes} + {nbytes} > {self._max} bytes)",
+                                 channel, iteration, micro_batch)  # fmt: skip
+            if why is None:
+                st.digest_bytes += nbytes
+                st.digest_peak_bytes = max(st.digest_peak_bytes, st.digest_bytes)
+                return True
+            st.digest_gaps += 1
         self.gap(channel, iteration, micro_batch, f"overflow: {why}")
         return False
 
@@ -507,11 +561,15 @@ class AsyncLogWriter:
         t0 = time.perf_counter()
         deadline = t0 + self._wait_s
         self._cv.notify_all()  # the writer may be sleeping below its wake threshold
-        while not fits() and not self._closing:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            self._cv.wait(min(left, 0.5))
+        self._waiting += 1
+        try:
+            while not fits() and not self._closing:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 0.5))
+        finally:
+            self._waiting -= 1
         st.overflow_wait_s += time.perf_counter() - t0
         if fits() or self._closing:  # a closing writer drops what is still queued (close)
             return None
@@ -521,6 +579,15 @@ class AsyncLogWriter:
         said = f"{why}: record dropped; until the writer finishes an item, what does not fit is dropped at once"
         self._fault_locked("overflow_timeout", said, channel, iteration, micro_batch)
         return why
+
+    def _release_digest(self, item: _Item) -> None:
+        """Stop counting ``item``'s received buffers in ``digest_bytes`` (idempotent)."""
+        if item.held:
+            with self._cv:
+                self._stats.digest_bytes -= item.held
+                item.held = 0
+                if self._waiting:
+                    self._cv.notify_all()
 
     def _release(self, nbytes: int) -> None:
         with self._cv:
@@ -658,6 +725,7 @@ class AsyncLogWriter:
             if item.pinned:
                 for t in item.tensors:
                     self._pinned.put(t)
+                self._release_digest(item)
             with self._cv:
                 self._stats.encode_s += time.perf_counter() - t0
                 self._stats.encode_cpu_s += time.thread_time() - c0
@@ -673,6 +741,7 @@ class AsyncLogWriter:
             return None
         finally:
             item.tensors = []  # let the tensors go as soon as they are encoded
+            self._release_digest(item)
 
     def _write(self, batch: list[tuple[_Item, list[bytes]]]) -> None:
         rows = [rec for _, recs in batch for rec in recs]
@@ -713,6 +782,8 @@ class AsyncLogWriter:
             self._fault("marker", f"{type(e).__name__}: {e}")
 
     def _drop(self, item: _Item, reason: str) -> None:
+        item.tensors = []
+        self._release_digest(item)
         with self._cv:
             self._stats.records_dropped += item.nparts
             self._stats.bytes_dropped += item.nbytes
