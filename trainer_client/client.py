@@ -6,7 +6,8 @@ writer, the capture state of the :class:`LoggingPipelineStage` it builds, the co
 
 Per iteration the script calls ``step`` (or ``begin_iteration`` + ``schedule.step``), then
 ``commit`` before the optimizer step. Logging faults never raise: ``commit``, ``flush`` and
-``close`` report them, ``stats()`` counts them. What does raise: misuse (wrong iteration,
+``close`` report them, ``stats()`` counts them, and with ``ClientConfig.metrics_port`` a
+Prometheus endpoint serves the counts (``trainer_client.metrics``). What does raise: misuse (wrong iteration,
 unsupported schedule, bad config), :class:`IterationAbortedError` from ``commit`` (the protocol
 says: discard the iteration) and :class:`CheckpointError` when a checkpoint cannot be written.
 """
@@ -40,6 +41,7 @@ from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
+from trainer_client.metrics import MetricsExporter
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter, Fault
 
@@ -135,6 +137,19 @@ class SwiftlogClient:
     """
 
     def __init__(self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None) -> None:
+        self.metrics: MetricsExporter | None = None  # bound first: a port in use fails before anything is opened
+        if config.metrics_port is not None:
+            labels = {"run": config.run_id, "stage": str(config.stage), "writer": str(config.writer)}
+            self.metrics = MetricsExporter(functools.partial(_stats_of, weakref.ref(self)), labels,
+                                           host=config.metrics_host, port=config.metrics_port)  # fmt: skip
+        try:
+            self._open(config, commit_store, data_source)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+
+    def _open(self, config: ClientConfig, commit_store: dist.Store | None, data_source: DataSource | None) -> None:
         self.config = config
         self.data_source = data_source
         if not config.log_data and data_source is None:
@@ -219,6 +234,7 @@ class SwiftlogClient:
         self._ship_lag_noted = 0.0  # time.monotonic() of the last "ship_lag" fault
         self._own_sealed: threading.Event | None = None  # set once this iteration's inputs / targets are written and sealed
         self._ship_wait_s = 0.0
+        self._ready = True  # built: a metrics scrape may read the stats
 
     # ================================================================ building the pipeline
     def pipeline_stage(
@@ -877,7 +893,11 @@ class SwiftlogClient:
                 "skipped_send_bytes": rec.skipped_send_bytes,
                 "skipped_send_records": rec.skipped_send_records,
             },
-            "commit": {"commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s, "ship_wait_s": self._ship_wait_s},
+            "commit": {
+                "commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s,
+                "ship_wait_s": self._ship_wait_s, "ship_lagging": self._ship_lagging,
+                "ship_lag_since": self._ship_lag_since if self._ship_lagging else None,
+            },  # fmt: skip
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
                 "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
@@ -953,7 +973,14 @@ class SwiftlogClient:
             self._step_hook = None
         if faults or error:
             logger.warning("stage %d: closed with %d logging fault(s)%s", self.config.stage, len(faults), f"; {error}" if error else "")
+        if self.metrics is not None:
+            self.metrics.close()
         return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of this client's Prometheus endpoint (``/metrics``); None when it is off."""
+        return None if self.metrics is None else self.metrics.address
 
     def __enter__(self) -> SwiftlogClient:
         return self
@@ -1057,6 +1084,12 @@ class SwiftlogClient:
             "step_s": None if self._step_t0 is None else time.perf_counter() - self._step_t0,
             "time": time.time(),
         }
+
+
+def _stats_of(client: weakref.ref[SwiftlogClient]) -> dict[str, Any] | None:
+    """The stats of ``client`` for a metrics scrape; None once it is gone or not yet built."""
+    c = client()
+    return c.stats() if c is not None and getattr(c, "_ready", False) else None
 
 
 def _all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, average: bool) -> list[torch.Tensor]:

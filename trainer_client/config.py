@@ -111,6 +111,15 @@ class ClientConfig:
         write_batch_records: at most this many records per store transaction (default 64).
         write_batch_bytes: at most about this many encoded bytes per transaction (default 16 MiB).
 
+    Metrics
+        metrics_port: serve this client's counters (``stats()``) to Prometheus at
+            ``http://{metrics_host}:{metrics_port}/metrics``, read at scrape time
+            (``trainer_client.metrics``). None (default): off. 0: any free port
+            (``SwiftlogClient.metrics_address`` says which). One port per rank, e.g. a base port
+            plus the stage.
+        metrics_host: the address the exporter listens on (default ``127.0.0.1``, loopback only;
+            ``0.0.0.0`` lets a Prometheus server on another host scrape it).
+
     Commit and maintenance
         commit_timeout: how long ``commit`` waits for every stage (default 120 s); on timeout
             the iteration is aborted for everyone.
@@ -152,6 +161,8 @@ class ClientConfig:
     encode_threads: int | None = None
     write_batch_records: int = 64
     write_batch_bytes: int = 16 * MiB
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     commit_timeout: timedelta = timedelta(seconds=120)
     commit_prefix: str | None = None
     gc_after_checkpoint: bool = True
@@ -214,6 +225,12 @@ class ClientConfig:
             raise ConfigError(f"ship_lag_report must be a non-negative timedelta, got {self.ship_lag_report!r}")
         if not isinstance(self.commit_timeout, timedelta) or self.commit_timeout <= timedelta(0):
             raise ConfigError(f"commit_timeout must be a positive timedelta, got {self.commit_timeout!r}")
+        if self.metrics_port is not None and (not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}",
+                              hint="None turns the exporter off; 0 takes any free port")  # fmt: skip
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}",
+                              hint="e.g. 127.0.0.1")  # fmt: skip
         if self.commit_prefix is None:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
             self.commit_prefix = f"swiftlog/{self.run_id}" + (f"/restart{restart}" if restart not in ("", "0") else "")
