@@ -19,8 +19,9 @@ Sub-databases:
 Durability modes (``durability``):
 - ``"process"`` (default): a put returns after the frame was written (page cache) and the index
   transaction committed without fsync. Survives the death of the writing process (SIGKILL,
-  OOM); a power loss or kernel crash can lose the last records and roll the index back to a
-  consistent earlier state.
+  OOM). A power loss or kernel crash can lose the last records (file pages and index pages
+  reach the disk independently); the next open names what is lost (gaps) and never serves
+  wrong bytes (see crash consistency).
 - ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns.
 
 The environment is opened without ``writemap``: a commit writes its pages with write() calls, so
@@ -31,8 +32,10 @@ bench's hot-ingest round). LMDB's copy-on-write tree
 keeps a killed writer's uncommitted pages unreachable either way.
 
 Crash consistency: frames are written before the index entry that points to them commits, so
-an acknowledged record is always complete. On open, the writer truncates every open segment to
-the end recorded in the index (dropping frames whose commit never happened) and seals it.
+an acknowledged record is always complete after a process death. On open, the writer
+truncates every open segment to the end recorded in the index (dropping frames whose
+commit never happened) and seals it. After a power loss: an open segment file shorter than that
+end keeps its whole frames, and each record acknowledged past them is recorded as a gap.
 
 Never: holds an LMDB transaction across user code; returns bytes it did not checksum.
 """
@@ -200,6 +203,15 @@ class _RWLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+
+def _gap_entry(key: RecordKey, reason: str) -> tuple[bytes, bytes]:
+    """(meta key, value) of the gap document of ``key``'s record: one per (channel, iteration,
+    micro-batch), the form ``LogStore.gaps`` reads."""
+    name = f"gap/{key.channel.name}/{key.iteration:012d}-{key.micro_batch:06d}"
+    doc = {"channel": key.channel.name, "iteration": key.iteration, "micro_batch": key.micro_batch,
+           "reason": reason, "at": time.time()}  # fmt: skip
+    return b"doc/" + name.encode(), json.dumps(doc, sort_keys=True).encode()
 
 
 def _nearly_full(path: Path, below: int = 1 << 20) -> bool:
@@ -439,10 +451,13 @@ class HotTier:
 
     # ------------------------------------------------------------------ writer side
     def _recover(self) -> None:
-        """Truncate open segments to their acknowledged end and seal them (owner only). A
-        segment file without a segment header (a creation the full disk refused) is moved
-        aside, named; new segments are numbered past every file present, so none is ever
-        overwritten (an index lost or replaced starts numbering at 1)."""
+        """Truncate open segments to their acknowledged end and seal them (owner only). An open
+        segment file shorter than its acknowledged end (a power loss under durability "process"
+        kept the index's pages but not the file's last ones) keeps its whole frames; each record
+        the index acknowledged past them is dropped and recorded as a gap. A segment file without a
+        segment header (a creation the full disk refused) is moved aside, named; new segments are
+        numbered past every file present, so none is ever overwritten (an index lost or replaced
+        starts numbering at 1)."""
         self._adopt_orphans()
         self._number_past_files()
         for meta in self.segments():
@@ -454,8 +469,9 @@ class HotTier:
                 with open(path, "rb") as f:
                     headed = f.read(len(MAGIC)) == MAGIC
             except FileNotFoundError:
-                logger.warning("hot tier %s: open segment %d lost its file; dropping its index entries", self.dir, meta.id)
-                self._drop_segment_entries(meta.id)
+                logger.warning("hot tier %s: open segment %d lost its file; dropping its index entries (recorded as "
+                               "gaps)", self.dir, meta.id)  # fmt: skip
+                self._drop_segment_entries(meta.id, f"lost: the file of open segment {meta.id} is gone")
                 continue
             except OSError as e:
                 raise translate_os_error(e, f"reading segment {path}") from e
@@ -463,8 +479,13 @@ class HotTier:
                 aside = path.with_name(path.name + ".unreadable")
                 os.replace(path, aside)
                 logger.warning("hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
-                               "disk): moved to %s, its index entries dropped", self.dir, path, size, aside.name)  # fmt: skip
-                self._drop_segment_entries(meta.id)
+                               "disk): moved to %s, its index entries dropped (recorded as gaps)",
+                               self.dir, path, size, aside.name)  # fmt: skip
+                why = f"lost: open segment file {path.name} had no header (moved to {aside.name})"
+                self._drop_segment_entries(meta.id, why)
+                continue
+            if size < meta.end:
+                self._cut_torn(meta, path, size)
                 continue
             if size > meta.end:
                 try:
@@ -480,6 +501,65 @@ class HotTier:
                 logger.info("hot tier %s: truncating segment %d from %d to acknowledged end %d", self.dir, meta.id, size, meta.end)
                 os.truncate(path, meta.end)
             self._seal(meta.id)
+
+    def _cut_torn(self, meta: SegmentMeta, path: Path, size: int) -> None:
+        """Open segment ``meta`` whose file ``path`` has only ``size`` bytes of its acknowledged
+        ``meta.end``: keep the whole frames, drop (as gaps) the index entries of the records past
+        them, then seal it with the frames kept. A record whose last frame is lost is never served
+        from an earlier frame of the same key."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            frames: list[IndexEntry] = []
+            try:
+                frames.extend(scan_frames(fd, size))
+            except CorruptRecordError:
+                pass  # a torn frame: what precedes it is whole
+            end = frames[-1].offset + frames[-1].length if frames else FILE_HEADER_SIZE
+            os.ftruncate(fd, end)
+            if self.durability == "fsync":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        reason = (f"torn: segment file {path.name} ends at {size} bytes, before the {meta.end} its index acknowledged "
+                  "(a power loss under durability 'process'?)")  # fmt: skip
+
+        def fn(txn: lmdb.Transaction) -> list[RecordKey]:
+            m = self._get_seg(txn, meta.id)
+            assert m is not None
+            lo, hi = channel_range(m.chan, m.lo, m.hi + 1)
+            cur = txn.cursor(db=self._db_rec)
+            lost = []
+            if cur.set_range(lo):
+                for kb, v in cur.iternext():
+                    if kb >= hi:
+                        break
+                    seg_id, off, ln, _, raw_len = _REC.unpack(v)
+                    if seg_id == m.id and off + ln > end:
+                        lost.append((bytes(kb), ln, raw_len))
+            for kb, ln, raw_len in lost:
+                txn.delete(kb, db=self._db_rec)
+                m.live, m.live_bytes, m.raw_bytes = m.live - 1, m.live_bytes - ln, m.raw_bytes - raw_len
+                txn.put(*_gap_entry(RecordKey.decode(kb), reason), db=self._db_meta)
+            gone = {RecordKey.decode(kb) for kb, _, _ in lost}
+            kept[:] = [e for e in frames if e.key not in gone]
+            m.end = m.file_size = end
+            m.records = len(kept)
+            self._put_seg(txn, m)
+            return sorted(gone)
+
+        kept: list[IndexEntry] = []
+        lost = self._write(fn)
+        assert isinstance(lost, list)
+        logger.warning("hot tier %s: open segment %d's file ends at %d bytes, before its acknowledged end %d: kept %d "
+                       "whole frame(s), %d record(s) lost and recorded as gaps (%s)", self.dir, meta.id, size, meta.end,
+                       len(kept), len(lost), ", ".join(map(str, lost[:5])) + (", ..." * (len(lost) > 5)))  # fmt: skip
+        self._seal(meta.id, kept)
+
+    def record_gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
+        """Note in the index that the record (``channel``, ``iteration``, ``micro_batch``) was not
+        logged, or was lost (a ``gap/...`` document; ``LogStore.gaps`` lists them)."""
+        entry = _gap_entry(RecordKey(channel, iteration, micro_batch), reason)
+        self._write(lambda txn: txn.put(*entry, db=self._db_meta))
 
     def file_ids(self) -> list[int]:
         """Ids of the segment files present in ``segments/`` (sorted)."""
@@ -569,12 +649,17 @@ class HotTier:
             logger.warning("hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
                            "are numbered from %d", self.dir, len(orphans), orphans[0].name, top + 1)  # fmt: skip
 
-    def _drop_segment_entries(self, seg_id: int) -> None:
+    def _drop_segment_entries(self, seg_id: int, gap_reason: str | None = None) -> None:
+        """Remove a segment and its records from the index; with ``gap_reason`` (its records are
+        lost, not indexed again from elsewhere) each record is recorded as a gap."""
+
         def fn(txn: lmdb.Transaction) -> None:
             cur = txn.cursor(db=self._db_rec)
-            doomed = [k for k, v in cur if _REC.unpack(v)[0] == seg_id]
+            doomed = [bytes(k) for k, v in cur if _REC.unpack(v)[0] == seg_id]
             for k in doomed:
                 txn.delete(k, db=self._db_rec)
+                if gap_reason is not None:
+                    txn.put(*_gap_entry(RecordKey.decode(k), gap_reason), db=self._db_meta)
             txn.delete(_U64.pack(seg_id), db=self._db_seg)
 
         self._write(fn)

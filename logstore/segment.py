@@ -185,10 +185,14 @@ def _decode_frame_header(buf: bytes, where: str) -> tuple[bytes, int, int]:
 def scan_frames(fd: int, end: int | None = None) -> Iterator[IndexEntry]:
     """Yield the frames of a segment file open as ``fd``, in file order, reading headers only.
 
-    Stops at ``end`` (exclusive; default: file size) or at the first torn/corrupt header, which
-    it raises as CorruptRecordError. Never reads blob bytes.
+    Stops at ``end`` (exclusive; default: the file size; never past the file size: an index may
+    say more than a file kept after a power loss). A header cut short by that end is not a frame;
+    a corrupt header, or a blob running past the end, is raised as CorruptRecordError. Never reads
+    blob bytes.
     """
-    size = os.fstat(fd).st_size if end is None else end
+    size = os.fstat(fd).st_size
+    if end is not None:
+        size = min(size, end)
     head = os.pread(fd, FILE_HEADER_SIZE, 0)
     if head[:8] != MAGIC:
         raise CodecError("not a swiftlog segment file (bad magic)")

@@ -424,8 +424,7 @@ class LogStore:
         Written to the local index at once; the uploader ships it to the cold tier (never waits
         on the object store here, so a down cold tier cannot slow the caller).
         """
-        doc = {"channel": channel.name, "iteration": iteration, "micro_batch": micro_batch, "reason": reason, "at": time.time()}
-        self._writer_hot().put_doc(f"gap/{channel.name}/{iteration:012d}-{micro_batch:06d}", doc)
+        self._writer_hot().record_gap(channel, iteration, micro_batch, reason)
         self._wake.set()
 
     def _ship_gaps(self) -> None:

@@ -460,3 +460,78 @@ def test_a_logging_groups_records_stay_until_every_member_checkpointed_past_them
             w.get(RecordKey(tgt, 5, 0))
     with LogStore.open(tmp_path / "other", "r1", cold_url=cold) as r:  # the registrations in the cold tier say the same
         assert r.watermarks() == {1: 0, 2: 6, 3: 6} and float(r.get(RecordKey(tgt, 6, 0))[0]) == 6.0
+
+
+# ------------------------------------------------------------------ a writer reopening after a crash
+def _tensor(it: int, mb: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(it * 10 + mb))
+
+
+def _write_and_die(root: Path, iterations: int, **store_kw: object) -> None:
+    """A writer process logs ACT x ``iterations`` x 2 micro-batches and dies by SIGKILL: its open
+    segment stays open, as a crash leaves it."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from logstore import LogStore, Channel, RecordKey
+        s = LogStore.open({str(root)!r}, "run1", writer="stage0", **{store_kw!r})
+        for it in range({iterations}):
+            g = [torch.Generator().manual_seed(it * 10 + mb) for mb in range(2)]
+            s.put_many([(RecordKey(Channel.activation(0), it, mb), torch.randn(16, 32, generator=g[mb]))
+                        for mb in range(2)])
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+
+
+def _open_segment_of(root: Path, key: RecordKey) -> tuple[Path, int, int]:
+    """(file, blob offset, blob length) of ``key`` in the writer's open segment, from its index."""
+    from logstore.hot import OPEN, HotTier
+
+    hot = HotTier(root / "run1" / "stage0", owner=False)
+    try:
+        loc = hot.lookup(key)
+        assert loc is not None and loc.segment.state == OPEN
+        return hot.seg_path(loc.segment.id), loc.offset, loc.length
+    finally:
+        hot.close()
+
+
+@pytest.mark.parametrize("cut", ["frame-header", "two-frames"])
+def test_a_writer_reopens_a_segment_shorter_than_its_index_says_and_records_the_loss_as_gaps(
+    tmp_path: Path, cut: str
+) -> None:
+    """Power loss after the index pages reached disk but not the segment's last pages (or a file cut
+    inside the last acknowledged frame header): the writer's reopen died with a bare struct.error.
+    It now drops what is torn, records each lost record as a gap, and goes on."""
+    from logstore.segment import FRAME_HEADER_SIZE
+
+    root = tmp_path / "node"
+    _write_and_die(root, 6, segment_iters=4)  # iterations 4, 5 in the open segment
+    last = RecordKey(ACT, 5, 1)
+    path, off, _ = _open_segment_of(root, last)
+    if cut == "frame-header":  # inside the last frame's header
+        lost = [last]
+        os.truncate(path, off - FRAME_HEADER_SIZE + 20)
+    else:  # inside the blob of the frame before it: two records lost
+        lost = [RecordKey(ACT, 5, 0), last]
+        _, off0, len0 = _open_segment_of(root, lost[0])
+        os.truncate(path, off0 + len0 // 2)
+    s = LogStore.open(root, "run1", writer="stage0", segment_iters=4)
+    kept = [RecordKey(ACT, it, mb) for it in range(6) for mb in range(2) if RecordKey(ACT, it, mb) not in lost]
+    assert s.keys() == kept
+    for k in kept:
+        assert torch.equal(s.get(k), _tensor(k.iteration, k.micro_batch))
+    for k in lost:
+        with pytest.raises(RecordNotFoundError):
+            s.get(k)
+    gaps = s.gaps()
+    assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in gaps] == [(ACT.name, k.iteration, k.micro_batch)
+                                                                                for k in lost]  # fmt: skip
+    assert all("torn" in g["reason"] for g in gaps), gaps
+    s.put(RecordKey(ACT, 6, 0), _tensor(6, 0))  # logging goes on
+    s.close()
+    with LogStore.open(root, "run1") as r:
+        assert r.verify().ok and len(r.keys()) == len(kept) + 1
