@@ -20,8 +20,8 @@ Durability modes (``durability``):
 - ``"process"`` (default): a put returns after the frame was written (page cache) and the index
   transaction committed without fsync. Survives the death of the writing process (SIGKILL,
   OOM). A power loss or kernel crash can lose the last records (file pages and index pages
-  reach the disk independently); the next open names what is lost (gaps) and never serves
-  wrong bytes (see crash consistency).
+  reach the disk independently) and can damage the index; the next open names what is lost
+  (gaps) and never serves wrong bytes (see crash consistency).
 - ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns.
 
 The environment is opened without ``writemap``: a commit writes its pages with write() calls, so
@@ -32,10 +32,12 @@ bench's hot-ingest round). LMDB's copy-on-write tree
 keeps a killed writer's uncommitted pages unreachable either way.
 
 Crash consistency: frames are written before the index entry that points to them commits, so
-an acknowledged record is always complete after a process death. On open, the writer
-truncates every open segment to the end recorded in the index (dropping frames whose
+an acknowledged record is always complete after a process death. On open, the writer walks its
+index, truncates every open segment to the end recorded in the index (dropping frames whose
 commit never happened) and seals it. After a power loss: an open segment file shorter than that
-end keeps its whole frames, and each record acknowledged past them is recorded as a gap.
+end keeps its whole frames, and each record acknowledged past them is recorded as a gap; an
+index that cannot be read is moved aside (``index.damaged-<time>``, kept) and the segment files
+are re-indexed (a frame cut short that names its record is a gap).
 
 Never: holds an LMDB transaction across user code; returns bytes it did not checksum.
 """
@@ -52,6 +54,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lmdb
@@ -91,7 +94,9 @@ logger = logging.getLogger(__name__)
 OPEN, SEALED, UPLOADED, EVICTED = "open", "sealed", "uploaded", "evicted"
 
 _REC = struct.Struct(">QQQQQ")
+_DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)  # what LMDB says of damaged pages
 _DAMAGED_HINT = "swiftlog verify lists it; what its writer uploaded is still read from the cold tier"  # a CorruptIndexError's
+_OWN_DAMAGED_HINT = "reopen the store: its writer then re-indexes its segment files"
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
 _MAX_MAP = 1 << 40
@@ -241,7 +246,7 @@ class _EnvHandle:
             readahead=False, max_readers=512, lock=True, writemap=False, create=create,
         )
         try:
-            if not create:
+            if (path / "data.mdb").is_file():  # a read through the map past the file's end is a SIGBUS
                 size, need = os.path.getsize(path / "data.mdb"), (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
                 if size < need:
                     raise CorruptIndexError(f"the LMDB index of {path.parent} is truncated: {size} bytes, its pages need {need}",
@@ -277,8 +282,53 @@ def _release_env(h: _EnvHandle) -> None:
     with _ENVS_LOCK:
         h.refs -= 1
         if h.refs <= 0 and h.pid == os.getpid():
-            _ENVS.pop(str(h.path), None)
+            if _ENVS.get(str(h.path)) is h:
+                del _ENVS[str(h.path)]
             h.env.close()
+
+
+def _forget_env(h: _EnvHandle) -> None:
+    """Release ``h`` and never hand it out again: its directory is being replaced (another holder
+    in this process keeps it until it releases it)."""
+    with _ENVS_LOCK:
+        if _ENVS.get(str(h.path)) is h:
+            del _ENVS[str(h.path)]
+    _release_env(h)
+
+
+def _salvage_docs(path: Path) -> dict[bytes, bytes]:
+    """The documents (``doc/...`` entries: gaps, checkpoint registrations) still readable in the
+    damaged index at ``path``, best effort: what a damaged page hides is left behind. Opens it
+    read-only, and only when its file holds all its pages (reading past the end is a SIGBUS)."""
+    out: dict[bytes, bytes] = {}
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, create=False, max_dbs=4, subdir=True, readahead=False)
+    except lmdb.Error:
+        return out
+    try:
+        if os.path.getsize(path / "data.mdb") < (env.info()["last_pgno"] + 1) * env.stat()["psize"]:
+            return out
+        db = env.open_db(b"meta", create=False)
+        with env.begin(db=db) as txn:
+            for k, v in txn.cursor():
+                if k.startswith(b"doc/"):
+                    k[4:].decode()
+                    json.loads(v)
+                    out[bytes(k)] = bytes(v)
+    except (lmdb.Error, OSError, UnicodeDecodeError, ValueError):
+        pass
+    finally:
+        env.close()
+    return out
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make the creation, rename or deletion of an entry of directory ``d`` durable."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _not_the_segment(path: Path, m: SegmentMeta) -> str | None:
@@ -339,6 +389,9 @@ class HotTier:
         self._active: dict[str, _Open] = {}  # channel name -> its open segment (owner only)
         self._closed = False
         self._lock_fd: int | None = None
+        self._map_size = map_size
+        self._handle: _EnvHandle | None = None
+        damaged: str | None = None  # why the owner's own index cannot be used
         try:
             if owner:
                 self._seg_dir.mkdir(parents=True, exist_ok=True)
@@ -354,7 +407,12 @@ class HotTier:
                     ) from None
             elif not (self.dir / "index").is_dir():
                 raise StoreError(f"no hot tier at {self.dir}")
-            self._handle = _open_env(self.dir / "index", durability == "fsync", map_size, create=owner)
+            try:
+                self._attach(_open_env(self.dir / "index", durability == "fsync", map_size, create=owner))
+            except (*_DAMAGE, CorruptIndexError) as e:
+                if not owner:
+                    raise
+                damaged = f"it cannot be opened: {type(e).__name__}: {e}"
         except OSError as e:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -366,15 +424,58 @@ class HotTier:
                 raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be opened: {e}",
                                         hint=_DAMAGED_HINT) from e  # fmt: skip
             raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
-        self.env = self._handle.env
-        self._rw = self._handle.rw
-        self._db_rec = self._handle.db_rec
-        self._db_seg = self._handle.db_seg
-        self._db_meta = self._handle.db_meta
         if owner:
-            self._recover()
-            opened = time.time()
-            self._write(lambda txn: txn.put(b"incarnation", _F64.pack(opened), db=self._db_meta))
+            try:
+                if damaged is None:
+                    try:
+                        self.check_readable()  # a damaged page anywhere is found now, not in some later put
+                        self._recover()
+                    except CorruptIndexError as e:
+                        damaged = e.message
+                if damaged is not None:
+                    self._replace_damaged_index(damaged)
+                opened = time.time()
+                self._write(lambda txn: txn.put(b"incarnation", _F64.pack(opened), db=self._db_meta))
+            except BaseException:
+                self.close()
+                raise
+
+    def _attach(self, handle: _EnvHandle) -> None:
+        self._handle = handle
+        self.env = handle.env
+        self._rw = handle.rw
+        self._db_rec = handle.db_rec
+        self._db_seg = handle.db_seg
+        self._db_meta = handle.db_meta
+
+    def _replace_damaged_index(self, why: str) -> None:
+        """The owner's own index is damaged (``why``): move it aside, kept for a post-mortem, start a
+        fresh one with the documents (gaps, checkpoint registrations) still readable in the old one,
+        and re-index every segment file from its footer or frames (``_recover``). Records in no
+        file here (evicted: they are in the cold tier) are no longer in this index."""
+        if self._handle is not None:
+            _forget_env(self._handle)
+            self._handle = None
+        index = self.dir / "index"
+        docs = _salvage_docs(index)
+        aside = self.dir / f"index.damaged-{datetime.now(UTC):%Y%m%dT%H%M%S.%fZ}"
+        try:
+            os.replace(index, aside)
+            _fsync_dir(self.dir)
+        except OSError as e:
+            raise translate_os_error(e, f"moving the damaged LMDB index of {self.dir} aside") from e
+        self.damaged = None
+        try:
+            self._attach(_open_env(index, self.durability == "fsync", self._map_size, create=True))
+        except lmdb.Error as e:
+            raise StoreError(f"creating a new LMDB index for {self.dir}: {e}") from e
+        if docs:
+            self._write(lambda txn: [txn.put(k, v, db=self._db_meta) for k, v in docs.items()])
+        self._recover()
+        logger.warning("hot tier %s: its LMDB index is damaged (%s): moved aside to %s (kept for a post-mortem); "
+                       "re-indexed %d segment file(s) from their footers and frames, kept %d document(s) (gaps, "
+                       "checkpoint registrations)",
+                       self.dir, why, aside.name, len(self.segments()), len(docs))  # fmt: skip
 
     def incarnation(self) -> float:
         """When the writer of this hot tier last opened it as its owner (time.time(); 0.0 if never
@@ -434,6 +535,9 @@ class HotTier:
                     self.env.set_mapsize(0)
             except lmdb.DiskError as e:
                 raise StoreFullError(f"LMDB index of {self.dir}: {e}") from e
+            except (*_DAMAGE, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
+                self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
+                raise CorruptIndexError(self.damaged, hint=_OWN_DAMAGED_HINT if self.owner else _DAMAGED_HINT) from e
             except lmdb.Error as e:  # a commit's page writes on a full disk end as EIO ("Input/output error"): ask the disk
                 if any(m in str(e) for m in ("No space left", "File too large", "Disk quota exceeded")) or _nearly_full(self.dir):
                     raise StoreFullError(f"LMDB index of {self.dir}: disk full ({e})", hint="free space under the store root or run GC after a checkpoint") from e
@@ -584,16 +688,20 @@ class HotTier:
         for path in self.orphan_files():
             self._adopt_file(path)
 
-    def _adopt_file(self, path: Path, known: tuple[list[tuple[IndexEntry, int]], int, int, bool] | None = None) -> bool:
+    def _adopt_file(self, path: Path, known: _Orphan | None = None) -> bool:
         """Index the segment file ``path`` (not in the index) from its footer or frames; False
-        (with a warning) when it cannot be read that way."""
+        (with a warning) when it cannot be read that way. A last frame cut short whose header names
+        its record is recorded as a gap: nothing says whether it had been acknowledged."""
         seg_id = int(path.name[:-4])
         try:
-            entries, end, size, sealed = known if known is not None else _read_orphan(path)
+            entries, end, size, sealed, torn = known if known is not None else _read_orphan(path)
         except (SwiftlogError, OSError) as e:
             logger.warning("hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is", self.dir, path.name, e)
             return False
         names = {e.key.channel.name for e, _ in entries}
+        if not names and torn is not None:  # its one frame is cut short: kept as it is, its record lost
+            self.record_gap(torn.channel, torn.iteration, torn.micro_batch,
+                            f"torn: the only frame of segment file {path.name} is cut short")  # fmt: skip
         if len(names) != 1:
             logger.warning("hot tier %s: segment file %s is not in the index and holds %s: kept as it is", self.dir, path.name,
                            "no record" if not names else f"several channels {sorted(names)}")  # fmt: skip
@@ -607,8 +715,14 @@ class HotTier:
             assert m is not None
             m.state, m.file_size = (SEALED, size) if sealed else (OPEN, end)
             self._put_seg(txn, m)
+            if torn is not None:
+                why = f"torn: the last frame of segment file {path.name}, re-indexed without its index, is cut short"
+                txn.put(*_gap_entry(torn, why), db=self._db_meta)
 
         self._write(fn)
+        if torn is not None:
+            logger.warning("hot tier %s: segment file %s ends inside the frame of %s: recorded as a gap",
+                           self.dir, path.name, torn)  # fmt: skip
         logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
                        self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
         return True
@@ -1102,19 +1216,25 @@ class HotTier:
                 os.close(cur.fd)
             self._active.clear()
             self._closed = True
-            _release_env(self._handle)
+            if self._handle is not None:
+                _release_env(self._handle)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
 
 
-def _read_orphan(path: Path) -> tuple[list[tuple[IndexEntry, int]], int, int, bool]:
-    """(entries with their raw lengths, end of the frames, file size, sealed) of a segment file read
-    without an index: the footer of a sealed file, else its frames up to the last whole one."""
+_Orphan = tuple[list[tuple[IndexEntry, int]], int, int, bool, "RecordKey | None"]
+
+
+def _read_orphan(path: Path) -> _Orphan:
+    """(entries with their raw lengths, end of the frames, file size, sealed, torn) of a segment
+    file read without an index: the footer of a sealed file, else its frames up to the last whole
+    one; ``torn`` is the key of a last frame cut short whose header still names it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         sealed = False
+        torn: RecordKey | None = None
         entries: list[IndexEntry] = []
         if size >= FILE_HEADER_SIZE + TRAILER_SIZE:
             try:
@@ -1126,8 +1246,8 @@ def _read_orphan(path: Path) -> tuple[list[tuple[IndexEntry, int]], int, int, bo
             try:
                 for e in scan_frames(fd):
                     entries.append(e)
-            except CorruptRecordError:
-                pass  # a torn last frame: what precedes it is whole
+            except CorruptRecordError as e:  # a torn last frame: what precedes it is whole
+                torn = e.context.get("torn")
             end = entries[-1].offset + entries[-1].length if entries else FILE_HEADER_SIZE
         out = []
         for e in entries:
@@ -1140,6 +1260,6 @@ def _read_orphan(path: Path) -> tuple[list[tuple[IndexEntry, int]], int, int, bo
                 except SwiftlogError:  # not a tensor record (the hot tier stores any blob): its stored size
                     raw = e.length
             out.append((e, raw))
-        return out, end, size, sealed
+        return out, end, size, sealed, torn
     finally:
         os.close(fd)

@@ -187,7 +187,8 @@ def scan_frames(fd: int, end: int | None = None) -> Iterator[IndexEntry]:
 
     Stops at ``end`` (exclusive; default: the file size; never past the file size: an index may
     say more than a file kept after a power loss). A header cut short by that end is not a frame;
-    a corrupt header, or a blob running past the end, is raised as CorruptRecordError. Never reads
+    a corrupt header, or a blob running past the end, is raised as CorruptRecordError (a torn
+    frame's key, when its header is intact, is in the error's ``context["torn"]``). Never reads
     blob bytes.
     """
     size = os.fstat(fd).st_size
@@ -205,7 +206,8 @@ def scan_frames(fd: int, end: int | None = None) -> Iterator[IndexEntry]:
         key_bytes, blob_len, checksum = _decode_frame_header(buf, f"offset {pos}")
         off = pos + FRAME_HEADER_SIZE
         if off + blob_len > size:
-            raise CorruptRecordError(f"torn frame at offset {pos}: blob runs past end {size}", key=f"offset {pos}")
+            raise CorruptRecordError(f"torn frame at offset {pos}: blob runs past end {size}", key=f"offset {pos}",
+                                     torn=RecordKey.decode(key_bytes))  # fmt: skip
         yield IndexEntry(RecordKey.decode(key_bytes), off, blob_len, checksum)
         pos = off + blob_len
 

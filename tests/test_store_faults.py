@@ -467,14 +467,18 @@ def _tensor(it: int, mb: int) -> torch.Tensor:
     return torch.randn(16, 32, generator=torch.Generator().manual_seed(it * 10 + mb))
 
 
-def _write_and_die(root: Path, iterations: int, **store_kw: object) -> None:
+def _write_and_die(root: Path, iterations: int, docs: bool = False, **store_kw: object) -> None:
     """A writer process logs ACT x ``iterations`` x 2 micro-batches and dies by SIGKILL: its open
-    segment stays open, as a crash leaves it."""
+    segment stays open, as a crash leaves it. ``docs``: it first records a gap (ACT, 99, 0) and
+    registers a checkpoint of stage 3 at 7."""
     code = textwrap.dedent(
         f"""
         import os, signal, torch
         from logstore import LogStore, Channel, RecordKey
         s = LogStore.open({str(root)!r}, "run1", writer="stage0", **{store_kw!r})
+        if {docs!r}:
+            s.record_gap(Channel.activation(0), 99, 0, "queue full")
+            s.register_checkpoint(3, 7)
         for it in range({iterations}):
             g = [torch.Generator().manual_seed(it * 10 + mb) for mb in range(2)]
             s.put_many([(RecordKey(Channel.activation(0), it, mb), torch.randn(16, 32, generator=g[mb]))
@@ -532,6 +536,51 @@ def test_a_writer_reopens_a_segment_shorter_than_its_index_says_and_records_the_
                                                                                 for k in lost]  # fmt: skip
     assert all("torn" in g["reason"] for g in gaps), gaps
     s.put(RecordKey(ACT, 6, 0), _tensor(6, 0))  # logging goes on
+    s.close()
+    with LogStore.open(root, "run1") as r:
+        assert r.verify().ok and len(r.keys()) == len(kept) + 1
+
+
+@pytest.mark.parametrize("page", ["records", "segments"])
+def test_a_writer_whose_own_index_is_damaged_re_indexes_its_segment_files(tmp_path: Path, page: str, caplog) -> None:
+    """A flipped page in a writer's own LMDB index: its reopen failed with MDB_CORRUPTED and no hint,
+    so the training process could not start. The writer now moves the damaged index aside (kept, for
+    a post-mortem), re-indexes its segment files, keeps the documents still readable (a gap, a
+    checkpoint registration), and records the torn record of its open segment (cut inside its blob:
+    the frame header still names it) as a gap."""
+    import struct
+
+    import lmdb
+
+    root = tmp_path / "node"
+    _write_and_die(root, 6, docs=True, segment_iters=4)
+    torn = RecordKey(ACT, 5, 1)
+    path, off, ln = _open_segment_of(root, torn)
+    os.truncate(path, off + ln // 2)
+    index = root / "run1" / "stage0" / "index"
+    env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=4)  # compacted: no stale copy of a page is left
+    (tmp_path / "compact").mkdir()
+    env.copy(str(tmp_path / "compact"), compact=True)
+    psize = env.stat()["psize"]
+    env.close()
+    raw = bytearray((tmp_path / "compact" / "data.mdb").read_bytes())
+    needle = RecordKey(ACT, 2, 0).encode() if page == "records" else f'[1,"{ACT.name}"'.encode()  # a key; segment 1
+    pages = {i // psize for i in range(len(raw)) if raw[i : i + len(needle)] == needle}
+    assert len(pages) == 1
+    struct.pack_into("<H", raw, pages.pop() * psize + 10, 0)  # its flags: a page of the wrong type (MDB_CORRUPTED)
+    (index / "data.mdb").write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="logstore.hot"):
+        s = LogStore.open(root, "run1", writer="stage0", segment_iters=4)
+    kept = [RecordKey(ACT, it, mb) for it in range(6) for mb in range(2) if (it, mb) != (5, 1)]
+    assert s.keys() == kept
+    for k in kept:
+        assert torch.equal(s.get(k), _tensor(k.iteration, k.micro_batch))
+    assert "is damaged" in caplog.text and "re-indexed" in caplog.text, caplog.text
+    aside = [p.name for p in (root / "run1" / "stage0").iterdir() if p.name.startswith("index.damaged-")]
+    assert len(aside) == 1 and aside[0] in caplog.text
+    assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in s.gaps()] == [(ACT.name, 5, 1), (ACT.name, 99, 0)]
+    assert [(c.stage, c.iteration) for c in s.checkpoints()] == [(3, 7)]
+    s.put(RecordKey(ACT, 6, 0), _tensor(6, 0))
     s.close()
     with LogStore.open(root, "run1") as r:
         assert r.verify().ok and len(r.keys()) == len(kept) + 1
