@@ -37,7 +37,8 @@ index, truncates every open segment to the end recorded in the index (dropping f
 commit never happened) and seals it. After a power loss: an open segment file shorter than that
 end keeps its whole frames, and each record acknowledged past them is recorded as a gap; an
 index that cannot be read is moved aside (``index.damaged-<time>``, kept) and the segment files
-are re-indexed (a frame cut short that names its record is a gap).
+are re-indexed (a frame cut short that names its record is a gap). Every read compares the
+frame header (key, length, checksum) with the index entry and the bytes with the checksum.
 
 Never: holds an LMDB transaction across user code; returns bytes it did not checksum.
 """
@@ -82,6 +83,7 @@ from logstore.segment import (
     IndexEntry,
     blob_checksum,
     build_footer,
+    check_frame_header,
     encode_frame_header,
     read_footer,
     scan_frames,
@@ -143,7 +145,8 @@ _SEG_FIELDS = [f.name for f in fields(SegmentMeta)]
 
 @dataclass(frozen=True, slots=True)
 class Location:
-    """Where a record's blob is: a segment of one writer, at an offset."""
+    """Where a record's blob is: a segment of one writer, at an offset. ``key``: the record the
+    index says is there (a read checks it against the frame header)."""
 
     writer: str
     segment: SegmentMeta
@@ -151,6 +154,7 @@ class Location:
     length: int
     checksum: int
     raw_len: int
+    key: RecordKey | None = None
 
 
 @dataclass(slots=True)
@@ -1021,12 +1025,13 @@ class HotTier:
             meta = self._get_seg(txn, seg_id)
         if meta is None:
             return None
-        return Location(self.writer, meta, off, ln, cs, raw_len)
+        return Location(self.writer, meta, off, ln, cs, raw_len, key)
 
     def read_local(self, loc: Location) -> bytes | None:
-        """The blob at ``loc`` from the local segment file, checksum-verified; None if the file is
-        gone. A file that cannot be read (EIO, EACCES, not a file) is a CorruptRecordError like a
-        checksum mismatch: the caller reads another copy or reports it, never a bare OSError."""
+        """The blob at ``loc`` from the local segment file, checksum-verified, and (``loc.key``
+        given) under the key its frame header names; None if the file is gone. A file that cannot
+        be read (EIO, EACCES, not a file) is a CorruptRecordError like a checksum mismatch: the
+        caller reads another copy or reports it, never a bare OSError."""
         path = self.seg_path(loc.segment.id)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -1035,11 +1040,15 @@ class HotTier:
         except OSError as e:
             raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
         try:
+            head = os.pread(fd, FRAME_HEADER_SIZE, loc.offset - FRAME_HEADER_SIZE) if loc.key is not None else b""
             blob = os.pread(fd, loc.length, loc.offset)
         except OSError as e:
             raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
         finally:
             os.close(fd)
+        if loc.key is not None:
+            where = f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}"
+            check_frame_header(head, loc.key, loc.length, loc.checksum, where)
         if len(blob) != loc.length or blob_checksum(blob) != loc.checksum:
             raise CorruptRecordError(
                 f"corrupt record in hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}",
@@ -1057,8 +1066,17 @@ class HotTier:
             return None
         except OSError as e:
             raise CorruptRecordError(f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier {self.dir}: {e.strerror or e}", key=key) from e
-        return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size,
-                                  f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}")  # fmt: skip
+        where = f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}"
+        try:
+            head = os.pread(fd, FRAME_HEADER_SIZE, loc.offset - FRAME_HEADER_SIZE)
+            check_frame_header(head, key, loc.length, loc.checksum, where)
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise CorruptRecordError(f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier "
+                                         f"{self.dir}: {e.strerror or e}", key=key) from e  # fmt: skip
+            raise
+        return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size, where)
 
     def keys(
         self,
@@ -1098,7 +1116,8 @@ class HotTier:
                     seg_cache[seg_id] = self._get_seg(txn, seg_id)
                 meta = seg_cache[seg_id]
                 if meta is not None:
-                    out.append((RecordKey.decode(kb), Location(self.writer, meta, off, ln, cs, raw_len)))
+                    k = RecordKey.decode(kb)
+                    out.append((k, Location(self.writer, meta, off, ln, cs, raw_len, k)))
                     if limit is not None and len(out) >= limit:
                         break
         return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from logstore.errors import CodecError, CorruptRecordError
+from logstore.errors import CodecError, CorruptRecordError, SwiftlogError
 from logstore.keys import KEY_SIZE, RecordKey
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "TRAILER_SIZE",
     "IndexEntry",
     "blob_checksum",
+    "check_frame_header",
     "encode_frame_header",
     "scan_frames",
     "build_footer",
@@ -172,6 +173,30 @@ class IndexEntry:
 def encode_frame_header(key_bytes: bytes, blob_len: int, checksum: int) -> bytes:
     head = _FRAME.pack(FRAME_MAGIC, key_bytes, blob_len, checksum)
     return head + _FRAME_CRC.pack(zlib.crc32(head))
+
+
+def check_frame_header(buf: bytes, key: RecordKey, length: int, checksum: int, where: str) -> None:
+    """Raise CorruptRecordError unless ``buf``, the FRAME_HEADER_SIZE bytes before a blob, is an
+    intact frame header (magic, CRC) for ``key`` with that blob length and checksum: an index entry
+    whose key or location was damaged would otherwise serve another record's intact bytes."""
+    if len(buf) != FRAME_HEADER_SIZE:
+        raise CorruptRecordError(f"record {key} in {where}: its frame header is cut short ({len(buf)} bytes)", key=key)
+    try:
+        key_bytes, blob_len, cs = _decode_frame_header(buf, where)
+    except CorruptRecordError:
+        raise CorruptRecordError(f"record {key} in {where}: no intact frame header before it (a damaged index entry "
+                                 "or file)", key=key) from None  # fmt: skip
+    if key_bytes != key.encode():
+        try:
+            held = str(RecordKey.decode(key_bytes))
+        except SwiftlogError:
+            held = f"undecodable key bytes {key_bytes.hex()}"
+        raise CorruptRecordError(f"record {key} in {where}: the index names it, but the frame there holds {held} "
+                                 "(a damaged index key)", key=key)  # fmt: skip
+    if blob_len != length or cs != checksum:
+        raise CorruptRecordError(f"record {key} in {where}: the index entry ({length} bytes, checksum {checksum:#x}) "
+                                 f"does not match its frame ({blob_len} bytes, checksum {cs:#x}): a damaged index "
+                                 "entry", key=key)  # fmt: skip
 
 
 def _decode_frame_header(buf: bytes, where: str) -> tuple[bytes, int, int]:

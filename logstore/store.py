@@ -58,7 +58,16 @@ from logstore.errors import (
 )
 from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
 from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
-from logstore.segment import INDEX_ENTRY_SIZE, TRAILER_SIZE, BlobStream, blob_checksum, parse_index, parse_trailer
+from logstore.segment import (
+    FRAME_HEADER_SIZE,
+    INDEX_ENTRY_SIZE,
+    TRAILER_SIZE,
+    BlobStream,
+    blob_checksum,
+    check_frame_header,
+    parse_index,
+    parse_trailer,
+)
 
 __all__ = ["check_portable_json", "StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
 
@@ -533,11 +542,23 @@ class LogStore:
         try:
             blob = hot.read_local(loc)
         except CorruptRecordError as e:
+            if isinstance(e.key, RecordKey):  # its frame header is not the index's (a damaged index entry): say so
+                raise CorruptRecordError(f"corrupt {e.message}", key=key) from e
             raise CorruptRecordError(f"corrupt record {key} in hot tier ({hot.dir}): checksum mismatch", key=key) from e
         if blob is None and loc.segment.cold_name and self.cold is not None:
-            blob = self.cold.read_range(loc.segment.cold_name, loc.offset, loc.length)
-            if blob_checksum(blob) != loc.checksum:
-                raise CorruptRecordError(f"corrupt record {key} in cold object {loc.segment.cold_name}", key=key)
+            blob = self._cold_read(loc.segment.cold_name, key, loc.offset, loc.length, loc.checksum)
+        return blob
+
+    def _cold_read(self, name: str, key: RecordKey, offset: int, length: int, checksum: int) -> bytes:
+        """The blob of ``key`` at ``offset`` of cold object ``name``, read with its frame header
+        (one range read): both checked, the header against the key, length and checksum expected,
+        the bytes against the checksum. Raises CorruptRecordError naming the key and the object."""
+        assert self.cold is not None
+        data = self.cold.read_range(name, offset - FRAME_HEADER_SIZE, length + FRAME_HEADER_SIZE)
+        check_frame_header(data[:FRAME_HEADER_SIZE], key, length, checksum, f"cold object {name} at offset {offset}")
+        blob = data[FRAME_HEADER_SIZE:]
+        if len(blob) != length or blob_checksum(blob) != checksum:
+            raise CorruptRecordError(f"corrupt record {key} in cold object {name}: checksum mismatch", key=key)
         return blob
 
     def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *, hot_only: bool = False) -> list[RecordKey]:
@@ -807,10 +828,7 @@ class LogStore:
                 e = self._footer(seg.name, seg.size).get(kb)
                 if e is None:
                     continue
-                blob = self.cold.read_range(seg.name, e.offset, e.length)
-                if blob_checksum(blob) != e.checksum:
-                    raise CorruptRecordError(f"corrupt record {key} in cold object {seg.name}: checksum mismatch", key=key)
-                return blob
+                return self._cold_read(seg.name, key, e.offset, e.length, e.checksum)
         return None
 
     # ================================================================== upload
@@ -1390,6 +1408,9 @@ class LogStore:
                 for e in entries_c:
                     blob = data[e.offset : e.offset + e.length]
                     try:
+                        head = data[max(0, e.offset - FRAME_HEADER_SIZE) : e.offset]
+                        where = f"cold object {seg.name} at offset {e.offset}"
+                        check_frame_header(head, e.key, e.length, e.checksum, where)
                         if blob_checksum(blob) != e.checksum:
                             raise CorruptRecordError(f"corrupt record {e.key} in cold object {seg.name}: checksum mismatch", key=e.key)
                         codec.verify_blob(blob, key=e.key)

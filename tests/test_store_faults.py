@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import RecordNotFoundError, StoreFullError
+from logstore.errors import CorruptRecordError, RecordNotFoundError, StoreFullError
 
 ACT = Channel.activation(0)
 
@@ -584,3 +584,34 @@ def test_a_writer_whose_own_index_is_damaged_re_indexes_its_segment_files(tmp_pa
     s.close()
     with LogStore.open(root, "run1") as r:
         assert r.verify().ok and len(r.keys()) == len(kept) + 1
+
+
+def test_a_damaged_index_key_is_never_served_under_the_wrong_key(tmp_path: Path) -> None:
+    """A flipped byte in a key of a writer's LMDB index turned p0 into p1: verify said ok, and
+    get(p1) returned the bytes logged as p0 (``swiftlog show .../p1`` exited 0). The frame header
+    holds the true key (under its CRC): reads and verify compare it with the index's."""
+    from server.testing import subprocess_env
+
+    root = tmp_path / "node"
+    p0, p1 = RecordKey(ACT, 1, 0, part=0), RecordKey(ACT, 1, 0, part=1)
+    with LogStore.open(root, "run1", writer="stage0") as s:
+        s.put_many([(RecordKey(ACT, it, mb), _tensor(it, mb)) for it in range(3) for mb in range(2)])
+    data = root / "run1" / "stage0" / "index" / "data.mdb"
+    raw = data.read_bytes()
+    assert raw.count(p0.encode()) >= 1 and p1.encode() not in raw
+    data.write_bytes(raw.replace(p0.encode(), p1.encode()))
+    r = LogStore.open(root, "run1")
+    assert p1 in r.keys()  # what the damaged index says
+    with pytest.raises(CorruptRecordError, match=r"act_0_1/it1/mb0/p1 .*the frame there holds act_0_1/it1/mb0/p0"):
+        r.get_blob(p1)
+    with pytest.raises(CorruptRecordError, match=r"act_0_1/it1/mb0/p1"):
+        b"".join(r.open_blob(p1))
+    rep = r.verify()
+    assert [p["key"] for p in rep.problems] == [str(p1)], rep.problems
+    assert "frame there holds" in rep.problems[0]["error"]
+    assert torch.equal(r.get(RecordKey(ACT, 1, 1)), _tensor(1, 1))  # the others intact
+    r.close()
+    show = subprocess.run([sys.executable, "-m", "server.cli", "show", str(p1), "--root", str(root), "--run", "run1"],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())  # fmt: skip
+    assert show.returncode == 1 and "act_0_1/it1/mb0/p1" in show.stderr, (show.stdout, show.stderr)
+    assert "Traceback" not in show.stderr
