@@ -22,7 +22,8 @@ Durability modes (``durability``):
   OOM). A power loss or kernel crash can lose the last records (file pages and index pages
   reach the disk independently) and can damage the index; the next open names what is lost
   (gaps) and never serves wrong bytes (see crash consistency).
-- ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns.
+- ``"fsync"``: segment data is fdatasync'ed and the LMDB commit is synced before a put returns;
+  ``segments/`` is synced after a segment file is created or deleted.
 
 The environment is opened without ``writemap``: a commit writes its pages with write() calls, so
 a full disk is an error the writer reports (StoreFullError; logging degrades, training goes on),
@@ -557,6 +558,15 @@ class HotTier:
     def seg_path(self, seg_id: int) -> Path:
         return self._seg_dir / f"{seg_id:010d}.seg"
 
+    def _sync_dir(self) -> None:
+        """With durability "fsync", make the creation or deletion of a segment file durable (the
+        file's own fdatasync does not cover its name in ``segments/``)."""
+        if self.durability == "fsync":
+            try:
+                _fsync_dir(self._seg_dir)
+            except OSError as e:
+                raise translate_os_error(e, f"syncing {self._seg_dir}") from e
+
     # ------------------------------------------------------------------ writer side
     def _recover(self) -> None:
         """Truncate open segments to their acknowledged end and seal them (owner only). An open
@@ -589,6 +599,7 @@ class HotTier:
                 logger.warning("hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
                                "disk): moved to %s, its index entries dropped (recorded as gaps)",
                                self.dir, path, size, aside.name)  # fmt: skip
+                self._sync_dir()
                 why = f"lost: open segment file {path.name} had no header (moved to {aside.name})"
                 self._drop_segment_entries(meta.id, why)
                 continue
@@ -797,6 +808,11 @@ class HotTier:
             os.pwrite(fd, FILE_HEADER, 0)
         except OSError as e:
             raise translate_os_error(e, f"creating segment {path}") from e
+        try:
+            self._sync_dir()
+        except StoreError:
+            os.close(fd)
+            raise
         return _Open(meta.id, fd, iteration, FILE_HEADER_SIZE)
 
     def _active_for(self, key: RecordKey, batch: _Batch) -> _Open:
@@ -985,6 +1001,7 @@ class HotTier:
         m = self._write(fn)
         if m is not None and state == EVICTED:
             self.seg_path(seg_id).unlink(missing_ok=True)
+            self._sync_dir()
         return m
 
     # ------------------------------------------------------------------ reading
@@ -1187,6 +1204,7 @@ class HotTier:
                 why = _not_the_segment(path, m)
                 if why is None:
                     path.unlink(missing_ok=True)
+                    self._sync_dir()
                 else:  # an index that is not this directory's (copied over it?): its garbage is not these files
                     logger.warning("GC of %s: kept segment file %s: %s", self.dir, path, why)
                 dead_segments.append(m)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from logstore.errors import CorruptRecordError, StoreError
-from logstore.hot import OPEN, SEALED, HotTier
+from logstore.hot import EVICTED, OPEN, SEALED, HotTier
 from logstore.keys import Channel, RecordKey
 
 ACT = Channel.activation(0)
@@ -272,3 +272,42 @@ def test_an_older_copy_of_the_index_loses_no_acknowledged_record(tmp_path: Path,
     for key, blob in [(RecordKey(ACT, 2, mb), _blob(20 + mb)) for mb in range(4)] + [(RecordKey(ACT, 4, 0), _blob(40))]:
         assert h.read_local(h.lookup(key)) == blob, key
     h.close()
+
+
+def test_fsync_durability_syncs_the_segments_directory_after_creating_or_deleting_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """durability="fsync" synced segment data and index commits but never the ``segments/``
+    directory: after a power loss a new segment file's name (and with it every record the index
+    acknowledged in it) could be gone, and a deleted one back. The real fsyncs are watched here,
+    by the path of the descriptor each one is given."""
+    d = tmp_path / "r" / "w"
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def watched(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched)
+    seg_dir = str(d / "segments")
+    h = HotTier(d, owner=True, durability="fsync", segment_iters=1)
+    synced.clear()
+    h.append([(RecordKey(ACT, 0, 0), _blob(0), 1000)])  # creates segment 1
+    assert seg_dir in synced
+    synced.clear()
+    h.append([(RecordKey(ACT, 1, 0), _blob(1), 1000)])  # seals 1, creates 2
+    assert seg_dir in synced
+    synced.clear()
+    _, dead = h.gc({1: 1}, dry_run=False)  # stage 1 receives act_0_1: segment 1 is garbage, its file deleted
+    assert [m.id for m in dead] == [1] and not h.seg_path(1).exists() and seg_dir in synced
+    h.append([(RecordKey(ACT, 2, 0), _blob(2), 1000)])  # seals 2
+    synced.clear()
+    h.set_state(2, EVICTED)  # (uploaded) its file deleted
+    assert not h.seg_path(2).exists() and seg_dir in synced
+    h.close()
+    synced.clear()
+    p = HotTier(d, owner=True, durability="process", segment_iters=1)  # the default never syncs
+    p.append([(RecordKey(ACT, 5, 0), _blob(5), 1000)])
+    assert synced == []
+    p.close()
