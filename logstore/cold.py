@@ -26,7 +26,7 @@ What is promised:
 - No partial object is ever visible under a segment name (file: rename; s3: one PUT or a
   completed multipart upload). A crash mid-upload leaves at most an uncommitted object or an
   in-progress multipart upload / temp file, which a re-put overwrites and
-  :meth:`ColdTier.abort_stale_uploads` reclaims.
+  :meth:`ColdTier.abort_stale_uploads` reclaims (:meth:`ColdTier.remove_uncommitted` the objects).
 - ``put_segment`` is idempotent: re-putting identical bytes under a committed name is a no-op.
 - Deletes remove the marker first, then the object; not-found counts as success.
 - Backend errors are translated at this boundary (``raise ... from e``): unreachable / timeouts
@@ -505,6 +505,42 @@ class ColdTier:
         cutoff = datetime.now(UTC) - older_than
         return self._backend.abort_stale(prefix, cutoff)
 
+    def remove_uncommitted(self, older_than: timedelta, prefix: str = "", *, dry_run: bool = False) -> dict[str, int]:
+        """Delete the objects under ``prefix`` that have no commit marker and were last written more
+        than ``older_than`` ago: what a crashed upload (the object, never its marker) or a crash
+        between :meth:`delete_segment`'s two deletes leaves. Younger ones may be uploads under way.
+
+        Returns ``{name: size}`` of what was deleted (with ``dry_run``: what would be). Each object is
+        checked again right before its delete (no marker yet, not rewritten since), so an upload
+        that commits meanwhile keeps it. Never touches documents, markers, temporaries or anything
+        with a marker.
+        """
+        self._check_open()
+        if not isinstance(older_than, timedelta):
+            raise TypeError(f"older_than must be a datetime.timedelta, not {type(older_than).__name__}")
+        prefix = _validate_prefix(prefix)
+        cutoff = datetime.now(UTC) - older_than
+        listing = {k: v for k, v in self._backend.list_modified(prefix).items() if not k.startswith(DOCS_PREFIX)}
+        out: dict[str, int] = {}
+        for name, (size, modified) in sorted(listing.items()):
+            if name.endswith(MARKER_SUFFIX) or name + MARKER_SUFFIX in listing or modified > cutoff:
+                continue
+            try:
+                _validate_segment_name(name)
+            except InvalidNameError:
+                continue
+            if not dry_run:
+                if self._backend.size(name + MARKER_SUFFIX) is not None:
+                    continue  # committed since the listing
+                now = self._backend.modified(name)
+                if now is None or now > cutoff:
+                    continue  # gone, or written again (an upload under way)
+                self._backend.delete(name)
+                logger.info("cold tier %s: removed %s, left without a commit marker since %s",
+                            self.url, name, modified.isoformat())  # fmt: skip
+            out[name] = size
+        return out
+
     def health(self) -> None:
         """Return if the tier is reachable and usable; else raise ColdTierUnavailableError
         (or ColdTierError when the store refuses us, e.g. bad credentials or no such bucket)."""
@@ -593,6 +629,17 @@ class _Backend(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
         """{key: size} of every object whose key starts with ``prefix`` (temporaries excluded)."""
+        ...
+
+    @abc.abstractmethod
+    def list_modified(self, prefix: str) -> dict[str, tuple[int, datetime]]:
+        """{key: (size, last written, UTC)} of every object whose key starts with ``prefix``
+        (temporaries excluded)."""
+        ...
+
+    @abc.abstractmethod
+    def modified(self, key: str) -> datetime | None:
+        """When the object was last written (UTC), or None if there is no object."""
         ...
 
     @abc.abstractmethod
@@ -744,17 +791,30 @@ class _LocalBackend(_Backend):
             raise _local_error(e, self._what("list", prefix)) from e
 
     def list(self, prefix: str) -> dict[str, int]:
+        return {k: size for k, (size, _) in self.list_modified(prefix).items()}
+
+    def list_modified(self, prefix: str) -> dict[str, tuple[int, datetime]]:
         out = {}
         for path, key, is_temp in self._walk(prefix):
             if is_temp:
                 continue
             try:
-                out[key] = path.stat().st_size
+                st = path.stat()
             except FileNotFoundError:
                 continue  # deleted while listing
             except OSError as e:
                 raise _local_error(e, self._what("list", prefix), key=key) from e
+            out[key] = (st.st_size, datetime.fromtimestamp(st.st_mtime, UTC))
         return out
+
+    def modified(self, key: str) -> datetime | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise _local_error(e, self._what("stat", key), key=key) from e
+        return datetime.fromtimestamp(st.st_mtime, UTC) if stat.S_ISREG(st.st_mode) else None
 
     def abort_stale(self, prefix: str, cutoff: datetime) -> list[str]:
         out = []
@@ -809,6 +869,11 @@ def _local_error(e: OSError, what: str, *, key: str | None = None) -> StoreError
             f"{what}: {e.strerror or e}", key=key, hint="free space on / repair the cold tier's filesystem; retry later"
         )
     return ColdTierError(f"{what}: {e.strerror or e}", key=key, hint="check the cold tier directory's permissions")
+
+
+def _utc(t: datetime) -> datetime:
+    """``t`` with a time zone (S3 clients give UTC; a naive value is taken as UTC)."""
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def _fsync_dir(d: Path) -> None:
@@ -1202,10 +1267,25 @@ class _S3Backend(_Backend):
         self._run(go)
 
     def list(self, prefix: str) -> dict[str, int]:
+        return {k: size for k, (size, _) in self.list_modified(prefix).items()}
+
+    def modified(self, key: str) -> datetime | None:
+        full = self._key(key)
+
+        async def go(fs: Any) -> datetime | None:
+            try:
+                r = await self._call(fs, "head", key, lambda c: c.head_object(Bucket=self.bucket, Key=full))
+            except RecordNotFoundError:
+                return None
+            return _utc(r["LastModified"])
+
+        return self._run(go)
+
+    def list_modified(self, prefix: str) -> dict[str, tuple[int, datetime]]:
         full = self._key(prefix)
 
-        async def go(fs: Any) -> dict[str, int]:
-            out: dict[str, int] = {}
+        async def go(fs: Any) -> dict[str, tuple[int, datetime]]:
+            out: dict[str, tuple[int, datetime]] = {}
             token = None
             while True:
                 kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
@@ -1216,7 +1296,9 @@ class _S3Backend(_Backend):
                     k = obj["Key"]
                     if k.endswith("/"):
                         continue  # directory placeholders some servers keep
-                    out[self._rel(k)] = int(obj.get("Size", 0))
+                    t = obj.get("LastModified")
+                    t = _utc(t) if isinstance(t, datetime) else datetime.now(UTC)  # (left out: never stale)
+                    out[self._rel(k)] = (int(obj.get("Size", 0)), t)
                 if not page.get("IsTruncated"):
                     return out
                 token = page.get("NextContinuationToken")

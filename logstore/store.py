@@ -1231,7 +1231,9 @@ class LogStore:
 
         Idempotent; safe while writers append (open segments are never removed). ``dry_run``
         lists what would be deleted without deleting. Nothing at or above a watermark is touched.
-        Also aborts multipart uploads older than ``stale_upload_age``.
+        Also aborts multipart uploads older than ``stale_upload_age``, and removes cold objects
+        left without a commit marker for longer than that (counted and listed with the cold
+        segments deleted).
         """
         wm = self.watermarks()
         rep = GcReport(dry_run=dry_run, watermarks=wm)
@@ -1250,6 +1252,13 @@ class LogStore:
                     rep.segments.append(seg.name)
                     if not dry_run:
                         self.cold.delete_segment(seg.name)
+            # objects left without a marker (a crashed upload, a crash between a delete's marker and object)
+            age = self.config.stale_upload_age
+            stale = self.cold.remove_uncommitted(age, prefix=f"{self.run}/segments/", dry_run=dry_run)
+            for name, size in stale.items():
+                rep.cold_segments += 1
+                rep.cold_bytes += size
+                rep.segments.append(name)
             if not dry_run:
                 rep.aborted_uploads = self.cold.abort_stale_uploads(self.config.stale_upload_age, prefix=f"{self.run}/")
                 with self._lock:

@@ -138,6 +138,32 @@ def test_marker_last_uncommitted_object_not_listed(cold_env: ColdEnv, cold_tier:
     assert cold_tier.read("r/swapped", verify=True) == b"abc"
 
 
+def test_objects_without_a_marker_are_removed_once_older_than_the_given_age(
+    cold_env: ColdEnv, cold_tier: ColdTier
+) -> None:
+    """What a crashed upload (the object, no marker) or a crash between delete_segment's marker and
+    object deletes leaves was never reclaimed: invisible to listings, it stayed forever. Such an
+    object is removed once it is older than the age given (younger: an upload may be under way);
+    committed segments, documents and other prefixes are never touched."""
+    committed = cold_tier.put_segment("r/segs/a.seg", b"committed", meta={})
+    cold_env.raw_put("r/segs/crashed.seg", b"crashed upload")
+    cold_tier.put_segment("r/segs/half-deleted.seg", b"half deleted", meta={})
+    cold_env.raw_delete("r/segs/half-deleted.seg.commit")  # delete_segment's first step, then a crash
+    cold_env.raw_put("other/segs/x.seg", b"another prefix")
+    cold_tier.put_doc("r/segs/doc.json", {"a": 1})
+    assert cold_tier.remove_uncommitted(timedelta(hours=1), prefix="r/") == {}  # young: kept
+    orphans = {"r/segs/crashed.seg": 14, "r/segs/half-deleted.seg": 12}
+    assert cold_tier.remove_uncommitted(timedelta(0), prefix="r/", dry_run=True) == orphans
+    assert all(cold_env.object_exists(n) for n in orphans)
+    assert cold_tier.remove_uncommitted(timedelta(0), prefix="r/") == orphans
+    assert not any(cold_env.object_exists(n) for n in orphans)
+    assert cold_tier.list_segments() == [committed] and cold_tier.read("r/segs/a.seg", verify=True) == b"committed"
+    assert cold_env.object_exists("other/segs/x.seg") and cold_tier.get_doc("r/segs/doc.json") == {"a": 1}
+    assert cold_tier.remove_uncommitted(timedelta(0), prefix="r/") == {}  # idempotent
+    with pytest.raises(TypeError, match="timedelta"):
+        cold_tier.remove_uncommitted(3600, prefix="r/")  # type: ignore[arg-type]
+
+
 def test_large_segment_goes_multipart(cold_env: ColdEnv, cold_tier: ColdTier, tmp_path: Path) -> None:
     size = 2 * cold_env.part_size + 123_457  # 3 parts: 5 MiB, 5 MiB, the rest
     assert size > cold_env.multipart_threshold

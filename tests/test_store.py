@@ -581,3 +581,39 @@ def test_verify_checks_each_cold_object_against_its_commit_marker(tmp_path: Path
     problems = r.verify().problems
     assert any(p["tier"] == "cold" and "does not match its commit marker" in p["error"] for p in problems), problems
     r.close()
+
+
+def test_gc_removes_cold_objects_left_without_a_marker_once_older_than_the_stale_upload_age(
+    tmp_path: Path, cold_backend, cold_env
+) -> None:
+    """The cold tier leaked objects without a marker: a crashed upload's, or one whose marker GC had
+    deleted when it crashed (before the object). GC removes them once older than stale_upload_age
+    (younger ones may be uploads under way), counts them with the cold segments it deleted, and
+    never touches a committed segment."""
+    from datetime import timedelta
+
+    s = _open(tmp_path / "node", cold_backend)
+    _fill(s, range(6))
+    s.flush()
+    s.register_checkpoint(2, 2)  # ACT below 2 is garbage: GC deletes its cold segment, marker first
+    doomed, size = next((seg.name, seg.size) for seg in s._cold_segments(ACT, refresh=True) if seg.hi < 2)
+    cold_env.raw_delete(doomed + ".commit")  # ... and crashed before the object
+    crashed = f"run1/segments/{ACT.name}/000000000006-000000000007.stage1.0000000099.seg"
+    cold_env.raw_put(crashed, b"the first bytes of an upload that never finished")
+    rep = s.gc()
+    assert rep.cold_segments == 0 and all(cold_env.object_exists(n) for n in (doomed, crashed))  # young: kept
+    old = _open(tmp_path / "node", cold_backend, writer=None, stale_upload_age=timedelta(0))
+    dry = old.gc(dry_run=True)
+    assert sorted(dry.segments) == sorted([doomed, crashed]) and dry.cold_segments == 2
+    assert dry.cold_bytes == size + len(b"the first bytes of an upload that never finished")
+    assert all(cold_env.object_exists(n) for n in (doomed, crashed))
+    rep = old.gc()
+    assert sorted(rep.segments) == sorted([doomed, crashed])
+    assert not any(cold_env.object_exists(n) for n in (doomed, crashed))
+    assert old.gc().segments == []
+    for it in range(2, 6):  # what is live is untouched, in both tiers
+        assert torch.equal(old.get(RecordKey(ACT, it, 1)), _t(it, 1))
+    assert len(old.keys(GRAD)) == 12 and old.verify().ok
+    old.close()
+    s.close()
+
