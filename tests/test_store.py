@@ -617,3 +617,38 @@ def test_gc_removes_cold_objects_left_without_a_marker_once_older_than_the_stale
     old.close()
     s.close()
 
+
+
+@pytest.mark.parametrize("evict", [True, False], ids=["hot-evicted", "hot-kept"])
+def test_gc_with_watermarks_inside_segments_keeps_every_record_at_or_above_them(
+    tmp_path: Path, cold_backend, evict: bool
+) -> None:
+    """Cold GC was tested only with watermarks on segment edges: deleting every cold segment that
+    merely starts below the watermark (``seg.lo < w``) passed, and deleted live iterations 6-7 of
+    a 4-iteration segment at a checkpoint at 6. Each tier is checked on its own, with watermarks
+    inside segments: every record at or above the watermark survives, every one below is gone."""
+    url, opts, _ = cold_backend
+    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=url, cold_options=opts, segment_iters=4,
+                      hot_max_bytes=1 if evict else None)  # fmt: skip
+    _fill(s, range(12))  # ACT (owner 2) and GRAD (owner 1): segments of iterations 0-3, 4-7, 8-11
+    s.flush()
+    assert ({m.state for m in s.hot.segments()} == {EVICTED}) == evict
+    for w in (1, 2, 5, 6, 7, 9, 11):
+        s.register_checkpoint(2, w)
+        s.gc()
+        cold_only = LogStore.open(tmp_path / "other-node", "run1", cold_url=url, cold_options=opts)
+        tiers = [("cold", cold_only)]
+        if not evict:
+            tiers.append(("hot", LogStore.open(tmp_path / "node", "run1")))  # no cold tier: the hot tier alone
+        for tier, r in tiers:
+            assert r.keys(ACT) == [RecordKey(ACT, it, mb) for it in range(w, 12) for mb in range(2)], (tier, w)
+            for it in range(w, 12):
+                for mb in range(2):
+                    assert torch.equal(r.get(RecordKey(ACT, it, mb)), _t(it, mb)), (tier, w, it, mb)
+            assert len(r.keys(GRAD)) == 24, (tier, w)  # stage 1 has no checkpoint: nothing of it is garbage
+            r.close()
+        cold = [(seg.lo, seg.hi) for seg in s._cold_segments(ACT, refresh=True)]
+        assert cold == [(lo, lo + 3) for lo in (0, 4, 8) if lo + 3 >= w], (w, cold)
+        if not evict:
+            assert sorted((m.lo, m.hi) for m in s.hot.segments() if m.channel == ACT.name) == cold, w
+    s.close()
