@@ -652,3 +652,28 @@ def test_gc_with_watermarks_inside_segments_keeps_every_record_at_or_above_them(
         if not evict:
             assert sorted((m.lo, m.hi) for m in s.hot.segments() if m.channel == ACT.name) == cold, w
     s.close()
+
+
+def test_a_corrupt_record_whose_only_copy_is_cold_is_never_returned(tmp_path: Path, cold_backend, cold_env) -> None:
+    """Skipping the checksum of cold reads went unnoticed: get() still failed (the codec's own
+    checksum), but get_blob, what a download and a replay fetch serve, returned the corrupt bytes.
+    Both cold read paths refuse them, naming the key and the object: a writer's node whose hot copy
+    was evicted (its index knows where the record is) and a node without any hot copy."""
+    s = _open(tmp_path / "node", cold_backend, hot_max_bytes=1)
+    _fill(s, range(2))
+    s.flush()
+    key, other = RecordKey(GRAD, 1, 0), RecordKey(GRAD, 1, 1)
+    loc = s.hot.lookup(key)
+    assert loc.segment.state == EVICTED
+    data = bytearray(s.cold.read(loc.segment.cold_name))
+    data[loc.offset + loc.length // 2] ^= 0x04  # marker untouched: the object keeps its size
+    cold_env.raw_put(loc.segment.cold_name, bytes(data))
+    r = _open(tmp_path / "empty-node", cold_backend, writer=None)
+    name = loc.segment.cold_name
+    for store in (s, r):
+        for read in (store.get_blob, lambda k, st=store: b"".join(st.open_blob(k)), store.get):
+            with pytest.raises(CorruptRecordError, match=rf"corrupt record {key} in cold object {name}"):
+                read(key)
+        assert torch.equal(store.get(other), _t(1, 1, torch.bfloat16))  # its neighbour in the object is intact
+    r.close()
+    s.close()

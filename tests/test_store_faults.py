@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from logstore import Channel, LogStore, RecordKey
+from logstore import Channel, LogStore, RecordKey, codec
 from logstore.errors import CorruptRecordError, RecordNotFoundError, StoreFullError
+from server.testing import sample_tensor
 
 ACT = Channel.activation(0)
+
+pytest_plugins = ["server.pytest_fixtures"]
 
 
 def _t(it: int, mb: int) -> torch.Tensor:
@@ -615,3 +618,41 @@ def test_a_damaged_index_key_is_never_served_under_the_wrong_key(tmp_path: Path)
                           capture_output=True, text=True, timeout=120, env=subprocess_env())  # fmt: skip
     assert show.returncode == 1 and "act_0_1/it1/mb0/p1" in show.stderr, (show.stdout, show.stderr)
     assert "Traceback" not in show.stderr
+
+
+def test_the_api_and_the_cli_refuse_a_corrupt_record_whose_only_copy_is_cold(store_copy, tmp_path: Path) -> None:
+    """No test read a corrupt record whose only copy is cold through the admin API or the CLI:
+    skipping the cold checksum let ``GET .../raw`` serve the corrupt bytes (200, with their own
+    checksum in the header), and ``swiftlog export`` refused them only by the codec's second check,
+    without naming the corrupt copy. Stage 3's hot copies are evicted here: ``swiftlog export``
+    exits 1 naming the key and the object, and writes nothing; the raw download answers 409."""
+    import httpx
+
+    from logstore.hot import EVICTED, HotTier
+    from server.testing import ServerProcess
+    from tests.test_cli_commands import swiftlog
+
+    key, other = RecordKey(Channel.gradient(3), 2, 1), RecordKey(Channel.gradient(3), 2, 0)
+    hot = HotTier(store_copy.root / store_copy.run / "stage3", owner=False)
+    loc = hot.lookup(key)
+    hot.close()
+    assert loc.segment.state == EVICTED and loc.segment.cold_name
+    obj = store_copy.cold_dir / loc.segment.cold_name
+    data = bytearray(obj.read_bytes())
+    data[loc.offset + loc.length // 2] ^= 0x08
+    obj.write_bytes(bytes(data))
+    out = tmp_path / "x.pt"
+    p = swiftlog("export", str(key), "--root", store_copy.root, "--run", store_copy.run,
+                 "--cold-url", store_copy.cold_url, "-o", out)  # fmt: skip
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    assert f"corrupt record {key} in cold object {loc.segment.cold_name}" in p.stderr, p.stderr
+    assert not out.exists()
+    server = ServerProcess(store_copy.root, cold_url=store_copy.cold_url)
+    with server as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        bad = c.get(f"/v1/runs/{store_copy.run}/records/{key}/raw")
+        assert bad.status_code == 409, (bad.status_code, bad.content[:200])
+        assert bad.json()["error"]["code"] == "corrupt_record"
+        assert f"{key} in cold object {loc.segment.cold_name}" in bad.json()["error"]["message"]
+        good = c.get(f"/v1/runs/{store_copy.run}/records/{other}/raw")
+        assert good.status_code == 200
+        assert torch.equal(codec.decode_tensor(good.content), sample_tensor(other.channel, 2, 0))
