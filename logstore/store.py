@@ -27,7 +27,6 @@ watermark; returns bytes that fail their checksum.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -43,6 +42,16 @@ from typing import Any, NamedTuple
 import torch
 
 from logstore import codec
+from logstore.checkpoints import (
+    CheckpointInfo,
+    check_meta,
+    check_portable_json,
+    cold_name,
+    hot_name,
+    parse_cold_name,
+    parse_doc,
+    parse_hot_name,
+)
 from logstore.cold import ColdTier
 from logstore.errors import (
     ColdTierUnavailableError,
@@ -69,7 +78,10 @@ from logstore.segment import (
     parse_trailer,
 )
 
-__all__ = ["check_portable_json", "StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport", "CheckpointInfo", "RecordInfo", "list_runs"]
+__all__ = [
+    "check_portable_json", "check_meta", "StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport",
+    "CheckpointInfo", "UnregisterPreview", "RecordInfo", "list_runs",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +127,6 @@ def _group_watermarks(wm: dict[int, int], groups: Any) -> dict[int, int]:
                 out[k] = low
         first += n
     return out
-
-
-def check_portable_json(obj: Any) -> None:
-    """Raise ValueError unless ``obj`` serialises to JSON that every reader decodes: JSON types,
-    finite numbers, valid Unicode (a lone surrogate is stored by ``json.dumps`` but fails as UTF-8)."""
-    try:
-        json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as e:  # UnicodeEncodeError is a ValueError
-        raise ValueError(str(e)) from e
 
 
 def _open_reader(directory: Path) -> HotTier:
@@ -212,15 +215,6 @@ class Encoded(NamedTuple):
     checksum: int
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointInfo:
-    stage: int
-    iteration: int
-    uri: str | None = None
-    registered_at: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
 @dataclass(slots=True)
 class GcReport:
     dry_run: bool
@@ -236,6 +230,24 @@ class GcReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class UnregisterPreview:
+    """What withdrawing one registration does (``LogStore.preview_unregister``).
+
+    checkpoint: the registration. watermarks_before / watermarks_after: every stage's watermark
+    with it and without it (groups applied). gc_before / gc_after: what a GC would delete with
+    the registrations as they are, and once it is gone (dry runs; whatever the first holds beyond
+    the second is what the remaining registrations keep). Records a GC already deleted are not
+    brought back by unregistering.
+    """
+
+    checkpoint: CheckpointInfo
+    watermarks_before: dict[int, int]
+    watermarks_after: dict[int, int]
+    gc_before: GcReport
+    gc_after: GcReport
 
 
 @dataclass(slots=True)
@@ -328,6 +340,8 @@ class LogStore:
         self._wm_cache: dict[int, int] = {}  # stage -> its newest registered checkpoint (raw: groups applied on the way out)
         self._wm_groups: Any = None  # the logging groups the newest registration named
         self._wm_at = 0.0
+        self._ckpt_warned: set[str] = set()  # registration documents warned about (once each)
+        self._ckpt_problems: list[dict[str, str]] = []  # registration documents left out by the last checkpoints()
         self._upload_stats = {"uploaded_segments": 0, "uploaded_bytes": 0, "errors": 0}
         self._last_error: tuple[float, str] | None = None
         self._backlog_bytes = 0
@@ -1148,22 +1162,26 @@ class LogStore:
 
         From now on records received by ``stage`` below ``iteration`` are garbage (deleted by
         the next ``gc``). Written to the cold tier (shared by every node) when configured, and to
-        the local index. Raises ColdTierUnavailableError if the cold tier cannot record it.
+        the local index. Raises ConfigError for a meta that is not a small JSON object of portable
+        JSON (``logstore.checkpoints.check_meta``), ColdTierUnavailableError if the cold tier
+        cannot record it.
         """
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0 or isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ConfigError(f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}")
-        try:  # stored as JSON and served as UTF-8: a lone surrogate or a NaN would be stored, then break every read of the list
-            check_portable_json(meta or {})
+        try:  # stored as JSON, served as UTF-8: a lone surrogate, a NaN or a deep nest would break every later read
+            check_meta({} if meta is None else meta)
         except ValueError as e:
-            raise ConfigError(f"checkpoint meta of stage {stage} iteration {iteration} is not portable JSON: {e}",
-                              hint="strings must be valid Unicode, numbers finite, values JSON types") from e
+            raise ConfigError(
+                f"checkpoint meta of stage {stage} iteration {iteration} is not portable JSON within the limits: {e}",
+                hint="meta must be a small JSON object: valid Unicode, finite numbers, a few levels deep",
+            ) from e
         info = CheckpointInfo(stage, iteration, uri, time.time(), dict(meta or {}))
         doc = asdict(info)
         if self.cold is not None:
-            self.cold.put_doc(f"{self.run}/checkpoints/stage{stage:05d}/{iteration:012d}.json", doc)
+            self.cold.put_doc(cold_name(self.run, stage, iteration), doc)
         hots = [self.hot] if self.hot is not None else self._hot_tiers()[:1]
         for hot in hots:
-            hot.put_doc(f"ckpt/stage{stage:05d}/{iteration:012d}", doc)
+            hot.put_doc(hot_name(stage, iteration), doc)
         with self._lock:
             if iteration > self._wm_cache.get(stage, -1):
                 self._wm_cache[stage] = iteration
@@ -1171,46 +1189,110 @@ class LogStore:
                 self._wm_groups = info.meta["logging_groups"]
         return info
 
-    def unregister_checkpoint(self, stage: int, iteration: int) -> None:
-        """Forget the registration of ``stage``'s checkpoint at ``iteration`` (its file is about to
-        be deleted: no plan may start from it), in the cold tier first, then in this node's hot
-        tiers. Never lowers a watermark (GC already used it; the newer registrations stand).
-        Raises ColdTierUnavailableError if the cold tier cannot forget it."""
+    def unregister_checkpoint(self, stage: int, iteration: int) -> CheckpointInfo | None:
+        """Withdraw the registration of ``stage``'s checkpoint at ``iteration``: in the cold tier
+        first, then in every hot index of this node. Returns it, or None when it was not
+        registered. No plan starts from it any more; when it was the stage's newest, the
+        watermark falls back to the newest one left (records a GC already deleted stay deleted).
+        Raises ColdTierUnavailableError if the cold tier cannot forget it (nothing is changed
+        here then)."""
+        found = next((c for c in self.checkpoints() if (c.stage, c.iteration) == (stage, iteration)), None)
         if self.cold is not None:
-            self.cold.delete_doc(f"{self.run}/checkpoints/stage{stage:05d}/{iteration:012d}.json")
-        for hot in [self.hot] if self.hot is not None else []:
-            hot.delete_doc(f"ckpt/stage{stage:05d}/{iteration:012d}")
+            self.cold.delete_doc(cold_name(self.run, stage, iteration))
+        for hot in self._hot_tiers():
+            hot.delete_doc(hot_name(stage, iteration))
+        with self._lock:
+            self._wm_cache.pop(stage, None)
+            self._wm_at = 0.0  # the next watermarks() reads the registrations again
+        return found
+
+    def preview_unregister(self, stage: int, iteration: int) -> UnregisterPreview | None:
+        """What :meth:`unregister_checkpoint` would do, changing nothing: the registration, every
+        watermark with and without it, and a GC dry run of each. None when it is not registered.
+        Raises like :meth:`checkpoints` and :meth:`gc`."""
+        cps = self.checkpoints()
+        found = next((c for c in cps if (c.stage, c.iteration) == (stage, iteration)), None)
+        if found is None:
+            return None
+        before = self._watermarks_of(cps)
+        after = self._watermarks_of([c for c in cps if c is not found])
+        gc_before, gc_after = self.gc(dry_run=True, watermarks=before), self.gc(dry_run=True, watermarks=after)
+        return UnregisterPreview(found, before, after, gc_before, gc_after)
 
     def checkpoints(self, *, hot_only: bool = False) -> list[CheckpointInfo]:
         """Every registered checkpoint (cold tier and local), sorted by (stage, iteration). Raises
         ColdTierUnavailableError when the cold tier cannot be listed; ``hot_only``: those
-        registered through this node's hot tiers only (what it knows without the object store)."""
+        registered through this node's hot tiers only (what it knows without the object store).
+
+        A document whose content disagrees with its name, or that is not a registration, is left
+        out with a warning (``verify`` lists it); unknown fields are ignored with a warning."""
         found: dict[tuple[int, int], CheckpointInfo] = {}
+        problems: list[dict[str, str]] = []
         for hot in self._hot_tiers():
-            for d in hot.docs("ckpt/").values():
-                found[(d["stage"], d["iteration"])] = CheckpointInfo(**d)
+            for name, d in hot.docs("ckpt/").items():
+                info = self._registration(f"{name} in {hot.dir}", "hot", parse_hot_name(name), d, problems)
+                if info is not None:
+                    found[(info.stage, info.iteration)] = info
         if self.cold is not None and not hot_only:
             for name in self.cold.list_docs(f"{self.run}/checkpoints/"):
                 d = self.cold.get_doc(name)
                 if d:
-                    found[(d["stage"], d["iteration"])] = CheckpointInfo(**d)
+                    info = self._registration(name, "cold", parse_cold_name(name), d, problems)
+                    if info is not None:
+                        found[(info.stage, info.iteration)] = info
+        with self._lock:
+            self._ckpt_problems = problems
         return [found[k] for k in sorted(found)]
+
+    def _registration(self, where: str, tier: str, named: tuple[int, int] | None, doc: Any,
+                      problems: list[dict[str, str]]) -> CheckpointInfo | None:  # fmt: skip
+        """One registration document read by :meth:`checkpoints`: parsed, or None (noted in
+        ``problems`` and warned about once) when it cannot be trusted."""
+        try:
+            info, unknown = parse_doc(where, named, doc)
+        except CorruptRecordError as e:
+            problems.append({"tier": tier, "key": "", "where": where, "error": e.message})
+            self._warn_once(where, e.message)
+            return None
+        if unknown:
+            fields = ", ".join(unknown)
+            self._warn_once(where + "#fields", f"checkpoint registration {where}: unknown field(s) {fields} ignored")
+        return info
+
+    def _warn_once(self, what: str, message: str) -> None:
+        with self._lock:
+            if what in self._ckpt_warned:
+                return
+            self._ckpt_warned.add(what)
+        logger.warning("run %s: %s", self.run, message)
+
+    @staticmethod
+    def _newest(cps: list[CheckpointInfo]) -> tuple[dict[int, int], Any]:
+        """Each stage's newest registered iteration, and the logging groups of the newest registration naming any."""
+        wm: dict[int, int] = {}
+        groups = None
+        for c in sorted(cps, key=lambda c: c.registered_at):
+            wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
+            groups = c.meta.get("logging_groups") or groups
+        return wm, groups
+
+    @classmethod
+    def _watermarks_of(cls, cps: list[CheckpointInfo]) -> dict[int, int]:
+        """The watermarks the registrations ``cps`` make (groups applied)."""
+        return _group_watermarks(*cls._newest(cps))
 
     def watermarks(self, max_age: float = 0.0) -> dict[int, int]:
         """stage -> the iteration below which what the stage received is garbage: its newest durable
         checkpoint; for a stage of a logging group (registrations whose meta names
         ``logging_groups``, e.g. [2, 2]), the oldest of its members' newest checkpoints, since the
-        group is replayed together from the checkpoint every member has. ``max_age`` allows a
-        cached answer."""
+        group is replayed together from the checkpoint every member has. The registrations as they
+        stand decide: an unregistered one lowers the watermark in every process that reads them
+        again. ``max_age`` allows a cached answer."""
         with self._lock:
             if max_age and time.monotonic() - self._wm_at < max_age:
                 return _group_watermarks(self._wm_cache, self._wm_groups)
-        wm: dict[int, int] = {}
-        groups = None
         try:
-            for c in sorted(self.checkpoints(), key=lambda c: c.registered_at):
-                wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
-                groups = c.meta.get("logging_groups") or groups
+            wm, groups = self._newest(self.checkpoints())
         except SwiftlogError as e:
             if max_age:  # a read path: fall back to what we knew, and ask again only after max_age
                 self._note_error(e)
@@ -1219,23 +1301,24 @@ class LogStore:
                     return _group_watermarks(self._wm_cache, self._wm_groups)
             raise
         with self._lock:
-            for s, it in self._wm_cache.items():
-                wm[s] = max(wm.get(s, 0), it)
             self._wm_cache = dict(wm)
-            self._wm_groups = groups or self._wm_groups
+            self._wm_groups = groups
             self._wm_at = time.monotonic()
             return _group_watermarks(wm, self._wm_groups)
 
-    def gc(self, *, dry_run: bool = False) -> GcReport:
+    def gc(self, *, dry_run: bool = False, watermarks: dict[int, int] | None = None) -> GcReport:
         """Delete every record received by a stage below that stage's watermark, in both tiers.
 
         Idempotent; safe while writers append (open segments are never removed). ``dry_run``
         lists what would be deleted without deleting. Nothing at or above a watermark is touched.
         Also aborts multipart uploads older than ``stale_upload_age``, and removes cold objects
         left without a commit marker for longer than that (counted and listed with the cold
-        segments deleted).
+        segments deleted). ``watermarks`` (dry runs only): plan with these instead of the
+        registered ones (what a change of registrations would do).
         """
-        wm = self.watermarks()
+        if watermarks is not None and not dry_run:
+            raise ConfigError("gc(watermarks=...) is a dry run only", hint="a GC deletes by the registered checkpoints")
+        wm = self.watermarks() if watermarks is None else dict(watermarks)
         rep = GcReport(dry_run=dry_run, watermarks=wm)
         for hot in self._hot_tiers():
             keys, segs = hot.gc(wm, dry_run=dry_run)
@@ -1376,6 +1459,12 @@ class LogStore:
                 except SwiftlogError as e:
                     rep.problems.append({"tier": "cold", "key": "", "where": str(getattr(e, "key", None) or self.config.cold_url or ""),
                                          "error": f"a registration document cannot be read: {e}"})  # fmt: skip
+        try:  # registration documents left out of the watermarks: not a registration, or content unlike the name
+            self.checkpoints(hot_only=self.cold is not None and committed is None)
+        except SwiftlogError:
+            pass  # listed above
+        else:
+            rep.problems.extend(dict(p) for p in self._ckpt_problems)
         wm = self.watermarks(max_age=2.0)
         entries = readable
         for i, (hot, k, loc) in enumerate(entries):
