@@ -4,7 +4,8 @@ Hierarchy (server-specific errors extend the log store's, see ``logstore.errors`
 
     SwiftlogError
     ├── StoreError
-    │   └── RunNotFoundError        no hot tier of that run under the node's root       404 / exit 3
+    │   ├── RunNotFoundError        no hot tier of that run under the node's root       404 / exit 3
+    │   └── CheckpointNotFoundError no such registration of the run                     404 / exit 3
     ├── BadRequestError (ValueError) a request that cannot be answered as asked         400 / exit 2
     ├── NoColdTierError             an operation that needs a cold tier, none configured 409 / exit 2
     ├── NotAvailableError           a feature whose package is not installed (replay/)   501 / exit 4
@@ -42,6 +43,7 @@ from logstore.errors import (
 
 __all__ = [
     "RunNotFoundError",
+    "CheckpointNotFoundError",
     "BadRequestError",
     "NoColdTierError",
     "NotAvailableError",
@@ -61,6 +63,10 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE = 0, 1, 2, 
 
 class RunNotFoundError(StoreError):
     """The run has no hot tier under this node's store root."""
+
+
+class CheckpointNotFoundError(StoreError):
+    """The run has no registration of that stage's checkpoint at that iteration."""
 
 
 class BadRequestError(SwiftlogError, ValueError):
@@ -110,6 +116,7 @@ class Problem:
 # (class, HTTP status, code, exit code); first match wins, so subclasses come first
 _TABLE: tuple[tuple[type[BaseException], int, str, int], ...] = (
     (RunNotFoundError, 404, "run_not_found", EXIT_NOT_FOUND),
+    (CheckpointNotFoundError, 404, "checkpoint_not_found", EXIT_NOT_FOUND),
     (RecordNotFoundError, 404, "record_not_found", EXIT_NOT_FOUND),
     (CorruptRecordError, 409, "corrupt_record", EXIT_PROBLEMS),
     (CorruptIndexError, 409, "corrupt_index", EXIT_PROBLEMS),

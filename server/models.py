@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from logstore.checkpoints import MAX_META_BYTES, MAX_META_DEPTH, check_meta
 from logstore.keys import Kind
-from logstore.store import check_portable_json
 
 __all__ = [
     "ErrorDetail",
@@ -37,6 +37,9 @@ __all__ = [
     "RecordDetail",
     "CheckpointRequest",
     "CheckpointList",
+    "UnregisterRequest",
+    "GcPreview",
+    "UnregisterResult",
     "GcRequest",
     "GcResult",
     "OpenSegment",
@@ -57,6 +60,14 @@ KindName = Literal[KIND_NAMES]  # type: ignore[valid-type]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _json_integer(v: Any) -> Any:
+    """A JSON number (598 or 598.0, as JSON Schema's "integer" allows), never a string or a boolean
+    (``"1"`` or ``true`` were taken as 1 on a request that makes logs garbage)."""
+    if isinstance(v, (bool, str)):
+        raise ValueError(f"must be a JSON integer, not {type(v).__name__}")
+    return v
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -224,26 +235,26 @@ class CheckpointRequest(_Model):
     iteration: int = Field(ge=0, le=MAX_API_ITERATION)
     uri: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$",
                             description="where the checkpoint is readable from a replacement (no control characters)")
-    meta: dict[str, Any] = Field(default_factory=dict, description="free-form, small (the request body is size-bounded); valid Unicode, finite numbers")
+    meta: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"free-form JSON object: valid Unicode, finite numbers, at most {MAX_META_DEPTH} levels deep "
+        f"and {MAX_META_BYTES} bytes",
+    )
 
     @field_validator("stage", "iteration", mode="before")
     @classmethod
     def _json_integer(cls, v: Any) -> Any:
-        """A JSON number (598 or 598.0, as JSON Schema's "integer" allows), never a string or a boolean
-        (``"1"`` or ``true`` were taken as 1 on a request that makes logs garbage)."""
-        if isinstance(v, (bool, str)):
-            raise ValueError(f"must be a JSON integer, not {type(v).__name__}")
-        return v
+        return _json_integer(v)
 
     @field_validator("meta")
     @classmethod
     def _portable(cls, v: dict[str, Any]) -> dict[str, Any]:
-        """Stored as JSON and served as UTF-8: a lone surrogate or a non-finite number is refused here (it used to be
-        stored, then break every later read of the checkpoint list)."""
+        """Stored as JSON and served as UTF-8: a lone surrogate, a non-finite number, a deep nest or a large document is
+        refused here (each used to be stored, then break every later read of the checkpoint list)."""
         try:
-            check_portable_json(v)
+            check_meta(v)
         except ValueError as e:
-            raise ValueError(f"meta is not portable JSON: {e}") from e
+            raise ValueError(f"meta is not portable JSON within the limits: {e}") from e
         return v
     force: StrictBool = Field(
         False,
@@ -256,6 +267,41 @@ class CheckpointList(_Model):
     run: str
     checkpoints: list[Checkpoint]
     watermarks: list[Watermark]
+
+
+class UnregisterRequest(_Model):
+    stage: int = Field(ge=0, le=MAX_STAGE)
+    iteration: int = Field(ge=0, le=MAX_API_ITERATION)
+    confirm: StrictBool = Field(False, description="false (default): preview only; true: withdraw the registration")
+
+    @field_validator("stage", "iteration", mode="before")
+    @classmethod
+    def _json_integer(cls, v: Any) -> Any:
+        return _json_integer(v)
+
+
+class GcPreview(_Model):
+    hot_records: int
+    hot_segments: int
+    hot_bytes: int
+    cold_segments: int
+    cold_bytes: int
+
+
+class UnregisterResult(_Model):
+    run: str
+    dry_run: bool = Field(description="true: a preview, nothing was changed")
+    checkpoint: Checkpoint = Field(description="the registration withdrawn (or that would be)")
+    watermarks_before: list[Watermark]
+    watermarks_after: list[Watermark] = Field(
+        description="once it is withdrawn: a stage's watermark falls back to its newest registration left"
+    )
+    gc_before: GcPreview = Field(description="what a GC would delete with the registrations as they are")
+    gc_after: GcPreview = Field(
+        description="what a GC would delete once it is withdrawn; "
+        "the rest of gc_before is what the remaining registrations keep"
+    )
+    notes: list[str] = Field(default_factory=list, description="what to know before (or after) confirming")
 
 
 class GcRequest(_Model):

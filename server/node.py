@@ -39,7 +39,7 @@ from logstore.errors import CodecError, ColdTierError, ColdTierUnavailableError,
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
 from logstore.store import LogStore, RecordInfo, StoreConfig, check_portable_json, list_runs, writers_under
-from server.errors import BadRequestError, NoColdTierError, RunNotFoundError
+from server.errors import BadRequestError, CheckpointNotFoundError, NoColdTierError, RunNotFoundError
 from server.models import (
     ChannelSummary,
     Checkpoint,
@@ -48,6 +48,7 @@ from server.models import (
     ColdTierSummary,
     FlushResult,
     Gap,
+    GcPreview,
     GcResult,
     HotTierSummary,
     OpenSegment,
@@ -61,6 +62,8 @@ from server.models import (
     SegmentStates,
     TensorStats,
     TierRange,
+    UnregisterRequest,
+    UnregisterResult,
     VerifyProblem,
     VerifyResult,
     Watermark,
@@ -590,6 +593,45 @@ class Node:
         finally:
             self._summaries.invalidate(run)
         return _checkpoint(c)
+
+    def unregister_checkpoint(self, run: str, req: UnregisterRequest) -> UnregisterResult:
+        """Preview (unless ``req.confirm``) or withdraw one registration: the watermarks and a GC
+        dry run with it and without it. CheckpointNotFoundError when it is not registered."""
+        st = self.store(run)
+        p = st.preview_unregister(req.stage, req.iteration)
+        if p is None:
+            raise CheckpointNotFoundError(
+                f"run {run!r} has no registration of stage {req.stage}'s checkpoint at iteration {req.iteration}",
+                key=f"stage{req.stage}/it{req.iteration}",
+                hint=f"`swiftlog stat --run {run}` lists the registrations",
+            )
+        if req.confirm:
+            try:
+                st.unregister_checkpoint(req.stage, req.iteration)
+            finally:
+                self._summaries.invalidate(run)
+        notes = []
+        old, new = p.watermarks_before.get(req.stage, 0), p.watermarks_after.get(req.stage, 0)
+        if new < old:
+            notes.append(
+                f"stage {req.stage}'s watermark falls from {old} to {new}: records it received in iterations "
+                f"{new}..{old - 1} that a GC already deleted are not brought back "
+                "(swiftlog plan says whether a replay can start there)"
+            )
+        if st.cold is None:
+            notes.append("no cold tier: the registration is withdrawn from this node's hot indexes only; "
+                         "a node that holds its own copy keeps it until unregistered there")  # fmt: skip
+
+        def preview(r: Any) -> GcPreview:
+            return GcPreview(hot_records=r.hot_records, hot_segments=r.hot_segments, hot_bytes=r.hot_bytes,
+                             cold_segments=r.cold_segments, cold_bytes=r.cold_bytes)  # fmt: skip
+
+        return UnregisterResult(
+            run=run, dry_run=not req.confirm, checkpoint=_checkpoint(p.checkpoint),
+            watermarks_before=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_before.items())],
+            watermarks_after=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_after.items())],
+            gc_before=preview(p.gc_before), gc_after=preview(p.gc_after), notes=notes,
+        )  # fmt: skip
 
     def _check_registration(self, run: str, req: CheckpointRequest) -> None:
         s = self.summary(run, fresh=True)  # the newest iteration may be seconds old

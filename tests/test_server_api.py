@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +16,7 @@ import xxhash
 
 from logstore import codec
 from logstore.keys import Channel, Kind, RecordKey
-from server.testing import ServerProcess, StoreFixture, sample_tensor, start_writer, stop_writer
+from server.testing import TOKEN, ServerProcess, StoreFixture, sample_tensor, start_writer, stop_writer, subprocess_env
 
 pytest_plugins = ["server.pytest_fixtures"]
 
@@ -172,7 +175,8 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
     expected = {
         ("get", "/v1/health"), ("get", "/v1/runs"), ("get", "/v1/runs/{run}"), ("get", "/v1/runs/{run}/records"),
         ("get", "/v1/runs/{run}/records/{key}"), ("get", "/v1/runs/{run}/records/{key}/raw"),
-        ("get", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/gc"),
+        ("get", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/checkpoints"),
+        ("post", "/v1/runs/{run}/checkpoints/unregister"), ("post", "/v1/runs/{run}/gc"),
         ("post", "/v1/runs/{run}/flush"), ("get", "/v1/runs/{run}/recovery-plan"), ("get", "/metrics"),
     }  # fmt: skip
     assert {(m, p) for p, ops in paths.items() for m in ops} == expected
@@ -308,3 +312,105 @@ def test_record_pages_list_the_hot_tier_while_the_object_store_is_unreachable(wr
         assert "only the hot tier is listed" in page["cold_error"] and "127.0.0.1" in page["cold_error"]
         fine = c.get("/v1/runs/run-a/records", params={"channel": "act_0_1", "limit": 5, "cursor": page["next_cursor"]})
         assert fine.status_code == 200 and fine.json()["records"]
+
+
+# ------------------------------------------------------------------------------------------ checkpoint registrations
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _swiftlog(*args: object) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "server.cli", *map(str, args)]
+    env = {**subprocess_env(), "COLUMNS": "200"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _deep(levels: int) -> dict:
+    meta: dict = {}
+    cur = meta
+    for _ in range(levels - 1):
+        cur["a"] = {}
+        cur = cur["a"]
+    return meta
+
+
+def _checkpoint_file(path: Path, stage: int, iteration: int, run: str = "run-a") -> str:
+    """A real checkpoint of ``stage`` at ``iteration`` (a tiny model), as a client writes it."""
+    from trainer_client.checkpoint import save_checkpoint
+
+    return save_checkpoint(
+        str(path), run_id=run, stage=stage, num_stages=4, iteration=iteration, seed=0, model=torch.nn.Linear(2, 2)
+    )
+
+
+def test_a_deep_checkpoint_meta_is_refused_and_one_stored_earlier_is_served(store_copy: StoreFixture) -> None:
+    """M4: a meta nested 400 deep was accepted and stored; from then on the run's summary and its
+    checkpoint list answered 500 and `swiftlog stat --json` printed a traceback. Depth and size are
+    refused (422, naming the limit); a registration stored that way earlier is served, its meta
+    replaced by a note."""
+    from logstore.cold import ColdTier
+
+    uri = _checkpoint_file(store_copy.root.parent / "ck" / "2-4.pt", 2, 4)
+    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+        for meta, needle in ((_deep(400), "nested more than 16 levels deep"), ({"x": "y" * 20_000}, "more than 16384")):
+            r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": uri, "meta": meta})
+            assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
+        assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
+        with ColdTier(store_copy.cold_url) as cold:  # what an earlier version stored
+            cold.put_doc(
+                "run-a/checkpoints/stage00002/000000000004.json",
+                {"stage": 2, "iteration": 4, "uri": uri, "registered_at": 1.0, "meta": _deep(400)},
+            )
+        cps = c.get("/v1/runs/run-a/checkpoints")
+        assert cps.status_code == 200, cps.text
+        assert "nested more than 16 levels deep" in cps.json()["checkpoints"][0]["meta"]["unreadable_meta"]
+        s = c.get("/v1/runs/run-a", params={"fresh": "true"})
+        assert s.status_code == 200 and s.json()["watermarks"] == [{"stage": 2, "iteration": 4}], s.text
+    p = _swiftlog("stat", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url, "--json")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert json.loads(p.stdout)["watermarks"] == [{"stage": 2, "iteration": 4}]
+
+
+def test_unregister_previews_then_withdraws_a_wrong_registration(store_copy: StoreFixture) -> None:
+    """M4/L4: a wrong registration could not be undone: the next GC deleted the logs below it in both
+    tiers. The API and the CLI withdraw one; without `confirm` they preview the effect (the
+    watermarks and a GC dry run with it and without it) and change nothing."""
+    uri4 = _checkpoint_file(store_copy.root.parent / "ck" / "2-4.pt", 2, 4)
+    base = ("--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)
+    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+        assert c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": uri4}).status_code == 201
+        wrong = {"stage": 2, "iteration": 7, "uri": "s3://elsewhere/ckpt/2/7.pt", "force": True}
+        assert c.post("/v1/runs/run-a/checkpoints", json=wrong).status_code == 201
+        assert c.get("/v1/runs/run-a/records/act_1_2/it5/mb0").status_code == 404  # garbage now
+        r = c.post("/v1/runs/run-a/checkpoints/unregister", json={"stage": 2, "iteration": 7})
+        assert r.status_code == 200, r.text
+        p = r.json()
+        assert p["dry_run"] is True and p["checkpoint"]["uri"] == "s3://elsewhere/ckpt/2/7.pt"
+        assert p["watermarks_before"] == [{"stage": 2, "iteration": 7}]
+        assert p["watermarks_after"] == [{"stage": 2, "iteration": 4}]
+        assert p["gc_before"]["hot_records"] > p["gc_after"]["hot_records"] > 0
+        assert "falls from 7 to 4" in p["notes"][0]
+        unchanged = c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"]
+        assert [x["iteration"] for x in unchanged] == [4, 7]
+        cli = _swiftlog("unregister", *base, "--stage", "2", "--iteration", "7", "--json")
+        assert cli.returncode == 0 and json.loads(cli.stdout) == p, (cli.stdout, cli.stderr[-2000:])
+        done = c.post("/v1/runs/run-a/checkpoints/unregister", json={"stage": 2, "iteration": 7, "confirm": True})
+        assert done.status_code == 200 and done.json()["dry_run"] is False, done.text
+        cps = c.get("/v1/runs/run-a/checkpoints").json()
+        assert [x["iteration"] for x in cps["checkpoints"]] == [4]
+        assert cps["watermarks"] == [{"stage": 2, "iteration": 4}]
+        assert c.get("/v1/runs/run-a/records/act_1_2/it5/mb0").status_code == 200  # not garbage any more
+        r = c.post("/v1/runs/run-a/checkpoints/unregister", json={"stage": 2, "iteration": 7})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "checkpoint_not_found", r.text
+        for bad in ({"stage": 2, "iteration": 4, "confirm": "yes"}, {"stage": "2", "iteration": 4}, {"stage": 2}):
+            assert c.post("/v1/runs/run-a/checkpoints/unregister", json=bad).status_code == 422, bad
+        anonymous = httpx.post(srv.url + "/v1/runs/run-a/checkpoints/unregister", json={"stage": 2, "iteration": 4})
+        assert anonymous.status_code == 401
+    cli = _swiftlog("unregister", *base, "--stage", "2", "--iteration", "4", "--confirm")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert "withdrew the registration of stage 2 at iteration 4" in cli.stdout and "stage 2 @ 4 -> none" in cli.stdout
+    cli = _swiftlog("unregister", *base, "--stage", "2", "--iteration", "4")
+    assert cli.returncode == 3, cli.stderr
+    assert "has no registration of stage 2's checkpoint at iteration 4" in cli.stderr
+

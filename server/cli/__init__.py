@@ -3,7 +3,7 @@
 One module per subcommand group (litestream's layout)::
 
     inspect.py     ls, stat, show, export
-    maintain.py    verify, gc, flush
+    maintain.py    verify, gc, flush, unregister
     recover.py     plan
     serve.py       serve
     demo.py        demo

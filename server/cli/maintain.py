@@ -1,4 +1,5 @@
-"""Maintenance subcommands: ``verify`` (every checksum), ``gc`` (dry run unless --confirm), ``flush``."""
+"""Maintenance subcommands: ``verify`` (every checksum), ``gc`` (dry run unless --confirm), ``flush``,
+``unregister`` (withdraw a checkpoint registration; a preview unless --confirm)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from server.cli._common import (
     print_json,
 )
 from server.errors import EXIT_PROBLEMS, EXIT_UNAVAILABLE
-from server.models import FlushResult, VerifyResult
+from server.models import FlushResult, UnregisterRequest, UnregisterResult, VerifyResult
 
 __all__ = ["register"]
 
@@ -124,6 +125,47 @@ def flush(
         raise typer.Exit(EXIT_PROBLEMS)
 
 
+def unregister(
+    root: RootOpt,
+    run: RunOpt,
+    stage: Annotated[int, typer.Option("--stage", "-s", min=0, help="the checkpoint's stage")],
+    iteration: Annotated[int, typer.Option("--iteration", "-i", min=0, help="the checkpoint's iteration")],
+    confirm: Annotated[bool, typer.Option("--confirm", help="really withdraw it (default: preview)")] = False,
+    cold_url: ColdUrlOpt = None,
+    cold_option: ColdOptionOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Withdraw a checkpoint registration (one made by mistake). Previews the effect unless --confirm: the watermarks
+    with it and without it, and what a GC would delete in each case."""
+    with handle_errors():
+        req = UnregisterRequest(stage=stage, iteration=iteration, confirm=confirm)
+        rep = make_node(root, cold_url, cold_option).unregister_checkpoint(run, req)
+    if json_out:
+        print_json(rep)
+        return
+    _print_unregister(rep)
+
+
+def _print_unregister(rep: UnregisterResult) -> None:
+    c = rep.checkpoint
+    verb = "would withdraw" if rep.dry_run else "withdrew"
+    console.print(f"{verb} the registration of stage {c.stage} at iteration {c.iteration} ({c.uri or 'no uri'})")
+
+    def wm(ws: list) -> str:
+        return ", ".join(f"stage {w.stage} @ {w.iteration}" for w in ws) or "none"
+
+    console.print(f"watermarks: {wm(rep.watermarks_before)} -> {wm(rep.watermarks_after)}")
+    for label, g in (("GC with it", rep.gc_before), ("GC without it", rep.gc_after)):
+        console.print(
+            f"{label}: {g.hot_records} hot record(s) ({human_bytes(g.hot_bytes)}), "
+            f"{g.cold_segments} cold segment(s) ({human_bytes(g.cold_bytes)})"
+        )
+    for n in rep.notes:
+        err_console.print(f"[yellow]note:[/] {n}")
+    if rep.dry_run:
+        console.print("preview: nothing was changed; pass --confirm to withdraw it")
+
+
 def _print_flush(rep: FlushResult) -> None:
     for w, why in rep.skipped_writers.items():
         err_console.print(f"[yellow]skipped writer {w}:[/] {why}")
@@ -142,3 +184,4 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
     app.command("gc")(gc)
     app.command("flush")(flush)
+    app.command("unregister")(unregister)
