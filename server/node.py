@@ -580,11 +580,13 @@ class Node:
         )
 
     def register_checkpoint(self, run: str, req: CheckpointRequest) -> Checkpoint:
-        """Record a durable checkpoint (the caller vouches that it is readable by a replacement).
+        """Record a durable checkpoint.
 
         Unless ``req.force``, refuses (BadRequestError) what is surely a mistake, since it would
         make logs garbage: a stage beyond every stage the run's channels name, an iteration beyond
-        one past the last iteration logged in any tier, a local ``uri`` that does not exist here."""
+        one past the last iteration logged in any tier, no ``uri``, or a ``uri`` that this node
+        cannot read as a checkpoint of that run, stage and iteration (local paths and file://;
+        s3:// with the cold tier's options; other schemes are not fetched)."""
         st = self.store(run)
         if not req.force:
             self._check_registration(run, req)
@@ -643,17 +645,57 @@ class Node:
         if last is not None and req.iteration > last + 1:
             raise BadRequestError(f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
                                   f"record stage {req.stage} received garbage", hint='check the iteration; pass "force": true to register it anyway')  # fmt: skip
-        scheme = req.uri.split("://", 1)[0] if req.uri and "://" in req.uri else None
+        if req.uri is None:
+            raise BadRequestError(
+                f"a registration of stage {req.stage} at iteration {req.iteration} without a uri cannot be checked",
+                hint='give the uri the checkpoint was saved to; pass "force": true to register it anyway',
+            )
+        self._check_checkpoint_file(run, req.stage, req.iteration, req.uri)
+
+    def _check_checkpoint_file(self, run: str, stage: int, iteration: int, uri: str) -> None:
+        """BadRequestError unless ``uri`` is a swiftlog checkpoint of ``run``'s ``stage`` at ``iteration``:
+        read here (a local path or file://, or s3:// with the cold tier's options), by its pickle alone.
+        A missing file and a file of another kind get the same answer: the check reveals no file."""
+        scheme = uri.split("://", 1)[0] if "://" in uri else None
+        unchecked = 'pass "force": true to register it unchecked'
         if scheme is not None and scheme != scheme.lower():
-            raise BadRequestError(f"checkpoint uri {req.uri!r}: the scheme must be lower case (fsspec does not know {scheme!r})",
-                                  hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...")  # fmt: skip
-        local = req.uri[len("file://"):] if scheme == "file" else (req.uri if req.uri and scheme is None else None)
+            raise BadRequestError(
+                f"checkpoint uri {uri!r}: the scheme must be lower case (fsspec does not know {scheme!r})",
+                hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...",
+            )
+        local = uri[len("file://") :] if scheme == "file" else (uri if scheme is None else None)
         if local is not None and not os.path.isabs(local):
-            raise BadRequestError(f"checkpoint uri {req.uri!r} is a relative path: it would be read relative to whichever process reads it",
-                                  hint="give an absolute path (file:///abs/path/it000000000005.pt) or a URL")  # fmt: skip
-        if local is not None and not os.path.isfile(local):
-            raise BadRequestError(f"checkpoint uri {req.uri!r} is not a file on this node",
-                                  hint='register a checkpoint once it is durable; pass "force": true if it is readable elsewhere')  # fmt: skip
+            raise BadRequestError(
+                f"checkpoint uri {uri!r} is a relative path: it would be read relative to whichever process reads it",
+                hint="give an absolute path (file:///abs/path/it000000000005.pt) or a URL",
+            )
+        options: dict[str, Any] = {}
+        if scheme in ("s3", "s3a"):
+            if not (self.cold_url or "").startswith(("s3://", "s3a://")):
+                raise BadRequestError(
+                    f"checkpoint uri {uri!r} cannot be checked: no S3 cold tier here whose credentials read it",
+                    hint=unchecked,
+                )
+            options = self.cold_options
+        elif local is None:
+            raise BadRequestError(
+                f"checkpoint uri {uri!r} cannot be checked: the server reads checkpoints from local paths, file:// "
+                f"and s3:// only (it never fetches {scheme}:// URLs)",
+                hint=unchecked,
+            )
+        from trainer_client.checkpoint import read_identity  # (only for registrations)
+
+        try:
+            ident = read_identity(uri, storage_options=options)
+        except SwiftlogError:
+            ident = None
+        if ident is None or (ident.run_id, ident.stage, ident.iteration) != (run, stage, iteration):
+            raise BadRequestError(
+                f"checkpoint uri {uri!r} is not a readable swiftlog checkpoint of run {run!r}, stage {stage}, "
+                f"iteration {iteration}",
+                hint="register a checkpoint once it is durable, with the uri save_checkpoint returned; "
+                'pass "force": true if it is readable elsewhere',
+            )
 
     def gc(self, run: str, *, confirm: bool = False) -> GcResult:
         """Garbage below the watermarks: reported (dry run) unless ``confirm``, then deleted."""

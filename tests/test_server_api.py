@@ -414,3 +414,67 @@ def test_unregister_previews_then_withdraws_a_wrong_registration(store_copy: Sto
     assert cli.returncode == 3, cli.stderr
     assert "has no registration of stage 2's checkpoint at iteration 4" in cli.stderr
 
+
+def test_registration_reads_the_checkpoint_it_names_and_reveals_no_file(store_copy: StoreFixture, moto_server) -> None:
+    """L4: registration trusted the caller: a local uri was only checked for existence (the answer
+    told whether any path on the node exists), s3:// and http:// were not checked at all, so a
+    wrong registration made logs garbage. Now the server reads what the uri names (its pickle
+    alone) and registers it only when it is a checkpoint of that run, stage and iteration; a
+    missing file and a file of another kind get the same answer."""
+    import uuid
+
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    s3 = moto_server.url(prefix)
+    env = {"SWIFTLOG_COLD_OPTIONS": json.dumps(moto_server.storage_options)}
+    ck = store_copy.root.parent / "ck"
+    good = _checkpoint_file(ck / "2-4.pt", 2, 4)
+    other_stage = _checkpoint_file(ck / "1-4.pt", 1, 4)
+    other_run = _checkpoint_file(ck / "x-2-4.pt", 2, 4, run="run-b")
+    remote = f"{s3}/ck/2-5.pt"
+    from trainer_client.checkpoint import save_checkpoint
+
+    kw = {"run_id": "run-a", "num_stages": 4, "seed": 0, "model": torch.nn.Linear(2, 2)}
+    save_checkpoint(remote, stage=2, iteration=5, storage_options=moto_server.storage_options, **kw)
+    (ck / "notes.txt").write_text("not a checkpoint")
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url=s3, env=env) as srv,
+        httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c,
+    ):
+
+        def post(body: dict) -> httpx.Response:
+            return c.post("/v1/runs/run-a/checkpoints", json=body)
+
+        refusals = {}
+        for uri in (
+            (ck / "missing.pt").as_uri(),
+            (ck / "notes.txt").as_uri(),
+            str(ck / "notes.txt"),
+            other_stage,
+            other_run,
+            f"{s3}/ck/missing.pt",
+        ):
+            r = post({"stage": 2, "iteration": 4, "uri": uri})
+            assert r.status_code == 400, (uri, r.text)
+            refusals[uri] = r.json()["error"]["message"].replace(repr(uri), "URI")
+        assert set(refusals.values()) == {
+            "checkpoint uri URI is not a readable swiftlog checkpoint of run 'run-a', stage 2, iteration 4"
+        }, refusals
+        for body, needle in (
+            ({"stage": 2, "iteration": 4}, "without a uri cannot be checked"),
+            ({"stage": 2, "iteration": 4, "uri": "http://127.0.0.1:1/ck.pt"}, "never fetches http:// URLs"),
+        ):
+            r = post(body)
+            assert (
+                r.status_code == 400
+                and needle in r.json()["error"]["message"]
+                and '"force": true' in r.json()["error"]["hint"]
+            ), r.text
+        assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
+        assert post({"stage": 2, "iteration": 4, "uri": good}).status_code == 201
+        assert post({"stage": 2, "iteration": 5, "uri": remote}).status_code == 201
+        assert post({"stage": 1, "iteration": 4, "uri": "http://127.0.0.1:1/ck.pt", "force": True}).status_code == 201
+        assert [(x["stage"], x["iteration"]) for x in c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"]] == [
+            (1, 4),
+            (2, 4),
+            (2, 5),
+        ]

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from logstore.errors import ConfigError
 from logstore.keys import Channel, RecordKey
@@ -17,6 +18,7 @@ from logstore.testing import free_port
 from server.settings import Settings
 from server.testing import TOKEN, ServerProcess, StoreFixture, start_writer, stop_writer, subprocess_env
 from tests._replay_helpers import corrupt_hot_record
+from trainer_client.checkpoint import save_checkpoint
 
 pytest_plugins = ["server.pytest_fixtures"]
 
@@ -216,13 +218,15 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
         # what would make logs garbage for nothing is refused, naming it (a stage or iteration beyond the logs, a missing file)
         for bad, needle in (({"stage": 9, "iteration": 4}, "stage 9 is beyond the stages of run 'run-a' (its channels name stages 0..5)"),
                             ({"stage": 1, "iteration": 2**53 - 1}, "beyond the logs of run 'run-a' (last logged iteration"),
-                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"}, "'file:///nonexistent/2/4' is not a file on this node")):  # fmt: skip
+                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"},
+                             "'file:///nonexistent/2/4' is not a readable swiftlog checkpoint")):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)  # (also a directory, an upper-case scheme: below)
             assert r.status_code == 400 and needle in r.json()["error"]["message"] and '"force": true' in r.json()["error"]["hint"], r.text
         for bad in ({"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()}, {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"},
                     {"stage": 2, "iteration": 4, "uri": "../../etc/passwd"}):  # fmt: skip
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)
-            assert r.status_code == 400 and ("is not a file" in r.text or "must be lower case" in r.text or "is a relative path" in r.text), r.text
+            needles = ("is not a readable swiftlog checkpoint", "must be lower case", "is a relative path")
+            assert r.status_code == 400 and any(n in r.text for n in needles), r.text
         # QA checks: a lone surrogate in meta was stored, then broke every list of the run's checkpoints (500);
         # a string, a bool or a fractional stage / iteration, an empty uri and a NaN were taken as they came
         for body in ('{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}', '{"stage": "2", "iteration": 4}', '{"stage": true, "iteration": 4}',
@@ -231,7 +235,8 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
             assert r.status_code == 422, (body, r.text)
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
         ckpt = store_copy.root.parent / "ckpt-2-4.pt"
-        ckpt.write_bytes(b"a checkpoint")
+        model = torch.nn.Linear(2, 2)
+        save_checkpoint(str(ckpt), run_id="run-a", stage=2, num_stages=6, iteration=4, seed=0, model=model)
         r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": ckpt.as_uri(), "meta": {"step": 4}})
         assert r.status_code == 201 and r.json()["iteration"] == 4
         cps = c.get("/v1/runs/run-a/checkpoints").json()

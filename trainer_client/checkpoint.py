@@ -19,7 +19,11 @@ Reading (:func:`load_checkpoint`) returns a :class:`Checkpoint`; :meth:`Checkpoi
 into live objects with a copy of the optimizer and scheduler state (every tensor cloned), because
 ``Optimizer.load_state_dict`` keeps references to the tensors it is given.
 
-Never: leaves a partial file under the final name; loads pickled code (``weights_only=True``).
+Identity (:func:`read_identity`): the run, stage and iteration a checkpoint file says it holds, read
+from its pickle alone (no tensor data), so a registration can be checked against the file it names.
+
+Never: leaves a partial file under the final name; loads pickled code (``weights_only=True``;
+:func:`read_identity` calls nothing a pickle names).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import copy
 import io
 import logging
 import os
+import pickle
 import secrets
 import time
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +44,10 @@ import torch
 
 from trainer_client.errors import CheckpointError
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "checkpoint_uri", "scheduler_next_rates", "class_name", "FORMAT_VERSION"]
+__all__ = [
+    "Checkpoint", "CheckpointIdentity", "save_checkpoint", "load_checkpoint", "read_identity", "checkpoint_uri",
+    "scheduler_next_rates", "class_name", "FORMAT_VERSION",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +355,83 @@ def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, 
         classes={str(k): str(v) for k, v in (state.get("classes") or {}).items()},
         sched_next=state.get("sched_next"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointIdentity:
+    """What a checkpoint file says it is: the run, the stage, the iteration (iterations applied)."""
+
+    run_id: str
+    stage: int
+    num_stages: int
+    iteration: int
+
+
+class _Opaque:
+    """Stands for anything a pickle names (a tensor, a class): built and filled without running any code."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _IdentityUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's top-level fields: every global the pickle names becomes an :class:`_Opaque`, every
+    tensor storage None, so nothing is imported or called and no tensor data is read."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Opaque
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+_MAX_IDENTITY_PICKLE = 64 << 20  # the pickle of a checkpoint holds no tensor bytes: a few MiB at most
+
+
+def read_identity(uri: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointIdentity:
+    """The identity of the checkpoint at ``uri`` (path, ``file://`` or fsspec URL), read from the
+    pickle of its ``torch.save`` archive: a few ranged reads, no tensor data. Raises
+    CheckpointError when it cannot be read or is not a swiftlog checkpoint; the message is the
+    same for a missing file and for a file of another kind."""
+    try:
+        local = _local_path(uri)
+        if local is not None:
+            f: Any = open(local, "rb")
+        else:
+            import fsspec
+
+            f = fsspec.open(uri, "rb", **(storage_options or {})).open()
+        with f, zipfile.ZipFile(f) as z:
+            member = next(n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1)
+            if z.getinfo(member).file_size > _MAX_IDENTITY_PICKLE:
+                raise ValueError("its pickle is too large")
+            state = _IdentityUnpickler(io.BytesIO(z.read(member))).load()
+        fields = (state["format"], state["run_id"], state["stage"], state["num_stages"], state["iteration"])
+    except Exception as e:  # noqa: BLE001 - missing, unreadable, not a zip archive, not a checkpoint: one answer
+        raise _not_a_checkpoint(uri) from e
+    fmt, run_id, stage, num_stages, iteration = fields
+    if fmt != FORMAT_VERSION or not isinstance(run_id, str) or any(type(v) is not int for v in fields[2:]):
+        raise _not_a_checkpoint(uri)
+    return CheckpointIdentity(run_id, stage, num_stages, iteration)
+
+
+def _not_a_checkpoint(uri: str) -> CheckpointError:
+    return CheckpointError(f"{uri} is not a readable swiftlog checkpoint", hint="give the uri save_checkpoint returned")
 
 
 def _local_path(uri: str) -> str | None:
