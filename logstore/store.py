@@ -1206,6 +1206,22 @@ class LogStore:
             self._wm_at = 0.0  # the next watermarks() reads the registrations again
         return found
 
+    def adopt_registration(self, doc: dict[str, Any]) -> CheckpointInfo:
+        """Record another node's registration ``doc`` (as :meth:`register_checkpoint` stored it) in
+        this node's hot index, as it is: what a node without a cold tier learns through the commit
+        store, so that its GC frees what that stage received from here. Never written to the cold
+        tier. Raises CorruptRecordError for a document that is not a registration, StoreError
+        without a hot tier to write to."""
+        named = (doc.get("stage"), doc.get("iteration")) if isinstance(doc, dict) else None
+        info, _ = parse_doc("a registration from another node", named, doc)  # type: ignore[arg-type]
+        hots = [self.hot] if self.hot is not None else self._hot_tiers()[:1]
+        if not hots:
+            raise StoreError(f"run {self.run!r}: no hot index on this node to record a registration in")
+        hots[0].put_doc(hot_name(info.stage, info.iteration), asdict(info))
+        with self._lock:
+            self._wm_at = 0.0
+        return info
+
     def preview_unregister(self, stage: int, iteration: int) -> UnregisterPreview | None:
         """What :meth:`unregister_checkpoint` would do, changing nothing: the registration, every
         watermark with and without it, and a GC dry run of each. None when it is not registered.

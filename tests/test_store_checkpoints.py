@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from logstore import Channel, LogStore, RecordKey
+from logstore import Channel, Kind, LogStore, RecordKey
 from logstore.errors import ConfigError, RecordNotFoundError
 from logstore.hot import HotTier
 
@@ -167,3 +167,55 @@ def test_checkpoint_meta_written_by_an_older_version_round_trips(tmp_path: Path)
             5.0,
             {"logging_groups": [2, 2]},
         )
+
+
+@pytest.mark.slow
+def test_without_a_cold_tier_every_node_learns_the_registrations_that_free_its_logs(tmp_path: Path) -> None:
+    """M7: without a cold tier a registration lived only in the registering node's index, so GC on
+    the node holding what that stage received (the sender's node) never freed it and the disk
+    filled. A real 4-stage pipeline, one store root per stage (four nodes), no cold tier: each
+    client publishes its registrations in the commit store and takes the others' before its GC,
+    so every node frees exactly what lies below the receivers' checkpoints."""
+    from tests._client_mp import NUM_STAGES, run_pipeline
+
+    roots = {k: tmp_path / f"node{k}" for k in range(NUM_STAGES)}
+    per_stage = {k: ["--store-root", str(roots[k]), "--checkpoint-url", (tmp_path / "ckpt").as_uri()] for k in roots}
+    run = run_pipeline(tmp_path, "m7", schedule="gpipe", iters=6, ckpt_at="4", cold=False, per_stage=per_stage)
+    for k, root in roots.items():
+        with LogStore.open(root, run.run_id) as s:
+            assert s.watermarks() == dict.fromkeys(range(NUM_STAGES), 4), (k, s.checkpoints())
+            held = {(key.channel.name, key.iteration) for key in s.keys()}
+            sent = [c for c in s.channels() if c.kind in (Kind.ACTIVATION, Kind.GRADIENT)]
+            assert sent and all(c.src == k for c in sent), (k, sent)  # a node holds what its stage sent
+            for ch in sent:  # owned by the receiver: below its checkpoint, gone from this node's disk
+                left = sorted(it for name, it in held if name == ch.name)
+                assert left == [4, 5], (k, ch.name, left)
+            for w in s.writers():
+                h = HotTier(root / run.run_id / w, owner=False)
+                try:
+                    assert sorted({key.iteration for key, _ in h.keys()}) == [4, 5], (k, w)
+                finally:
+                    h.close()
+
+
+def test_a_client_says_when_its_registrations_cannot_reach_other_nodes(tmp_path: Path, caplog) -> None:
+    """M7: with neither a cold tier nor a commit store, nothing carries a registration to the nodes
+    holding what the stage received: the client says so when it starts, instead of letting the
+    disks fill in silence. With a commit store it publishes there (a real TCPStore on loopback)."""
+    from trainer_client import ClientConfig, SwiftlogClient
+    from trainer_client.commit import SharedRegistrations, loopback_store
+
+    cfg = ClientConfig(run_id="r", stage=1, num_stages=2, store_root=str(tmp_path / "a"))
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client"):
+        SwiftlogClient(cfg).close()
+    assert "no cold tier and no commit store" in caplog.text and "never free it" in caplog.text
+    caplog.clear()
+    store = loopback_store()
+    cfg = ClientConfig(run_id="r", stage=1, num_stages=2, store_root=str(tmp_path / "b"))
+    with caplog.at_level(logging.WARNING, logger="trainer_client.client"):
+        client = SwiftlogClient(cfg, commit_store=store)
+    client.checkpoint(3, torch.nn.Linear(2, 2))
+    client.close()
+    assert "no commit store" not in caplog.text
+    (doc,) = SharedRegistrations(store, prefix="swiftlog/r", stage=0, num_stages=2).others()
+    assert (doc["stage"], doc["iteration"]) == (1, 3) and doc["uri"].endswith("it000000000003.pt")

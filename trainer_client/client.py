@@ -34,7 +34,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from logstore import Channel, LogStore, StoreConfig
 from logstore.errors import ConfigError, SwiftlogError
 from trainer_client.checkpoint import checkpoint_uri, save_checkpoint, scheduler_next_rates
-from trainer_client.commit import CommitCoordinator, CommitResult
+from trainer_client.commit import CommitCoordinator, CommitResult, SharedRegistrations
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fingerprint, seed_micro_batch
 from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests
@@ -193,9 +193,19 @@ class SwiftlogClient:
                 timeout=config.commit_timeout,
             )
         ck_base = config.resolved_checkpoint_url()
+        shared = None
+        if commit_store is not None:
+            prefix = config.commit_prefix or f"swiftlog/{config.run_id}"
+            shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
+        elif config.cold_url is None and config.num_stages > 1:
+            logger.warning(
+                "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
+                "node's store root only, so nodes holding what it received never free it",
+                config.stage,
+            )
         self._maint = CheckpointMaintenance(
             self.store, self.writer, name, keep=config.keep_checkpoints, own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
-            storage_options=config.checkpoint_options(),
+            storage_options=config.checkpoint_options(), shared=shared,
         )  # fmt: skip
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None

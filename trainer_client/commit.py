@@ -27,6 +27,10 @@ after the fact, lost the last iterations. :meth:`CommitCoordinator.forget_metas`
 META keys below its checkpoint (the same rule as the log GC); the lowest key that may remain is
 kept in the store too (``.../meta/{stage}/floor``), so a replacement deletes its predecessor's.
 
+Checkpoint registrations in the store (:class:`SharedRegistrations`): each stage puts its newest
+registration under ``{prefix}/ckpt/{stage}``; a node without a cold tier learns the others' there
+(its GC frees what they received from its stage only once it knows their checkpoints).
+
 Waiting polls the store with a short exponential backoff (0.1 ms to 5 ms), two cheap requests
 per poll. Never: decides anything locally, retries a decided iteration, or raises anything but
 :class:`IterationAbortedError` / :class:`CommitStoreError` from ``commit``.
@@ -34,6 +38,7 @@ per poll. Never: decides anything locally, retries a decided iteration, or raise
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -41,12 +46,16 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from trainer_client.errors import CommitStoreError, IterationAbortedError
 
-__all__ = ["CommitCoordinator", "CommitResult", "COMMIT", "ABORT", "meta_key", "stored_metas", "loopback_store", "gloo_on_loopback"]
+__all__ = [
+    "CommitCoordinator", "CommitResult", "SharedRegistrations", "COMMIT", "ABORT", "meta_key", "stored_metas",
+    "loopback_store", "gloo_on_loopback",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +121,48 @@ def stored_metas(store: dist.Store, prefix: str, stage: int, iterations: range) 
     if store.check(keys):
         return {it: bytes(v) for it, v in zip(iterations, store.multi_get(keys), strict=True)}
     return {it: bytes(store.get(k)) for it, k in zip(iterations, keys, strict=True) if store.check([k])}
+
+
+class SharedRegistrations:
+    """The newest checkpoint registration of every stage, shared through the commit store.
+
+    Without a cold tier, a registration is written to the registering node's index only, while
+    what the stage received lies on the senders' nodes. Each stage publishes its registration
+    document (JSON) under ``{prefix}/ckpt/{stage}`` (:meth:`publish`); :meth:`others` reads those
+    of the other stages. Never waits for a key to appear; raises what the store client raises when
+    the store cannot be reached.
+    """
+
+    def __init__(self, store: dist.Store, *, prefix: str, stage: int, num_stages: int) -> None:
+        self.store = store
+        self.prefix = prefix.rstrip("/")
+        self.stage = stage
+        self.num_stages = num_stages
+
+    def key(self, stage: int) -> str:
+        return f"{self.prefix}/ckpt/{stage}"
+
+    def publish(self, doc: dict[str, Any]) -> None:
+        """Put this stage's registration ``doc`` (a newer one replaces it)."""
+        self.store.set(self.key(self.stage), json.dumps(doc, sort_keys=True))
+
+    def others(self) -> list[dict[str, Any]]:
+        """The registrations the other stages published (those that have one); a value that is
+        not a JSON object is skipped with a warning."""
+        out = []
+        for s in range(self.num_stages):
+            if s == self.stage or not self.store.check([self.key(s)]):
+                continue
+            raw = self.store.get(self.key(s))
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict):
+                out.append(doc)
+            else:
+                logger.warning("commit store key %s holds no registration document: skipped", self.key(s))
+        return out
 
 
 class CommitCoordinator:

@@ -7,8 +7,12 @@ background thread per client. GC after a checkpoint waits until the writer has w
 record submitted before the checkpoint (an event set by a writer marker), so that no record
 below the watermark is written after the GC that should have removed it.
 
-Never: raises into the caller (failures are writer faults of kind "checkpoint_register" or
-"gc"); deletes anything itself (the store decides what is garbage).
+Registrations also go through the commit store when there is one (``SharedRegistrations``):
+each is published there. Without a cold tier, the other stages' registrations are recorded in
+this node's index before each GC, so the GC frees what they received from this stage.
+
+Never: raises into the caller (failures are writer faults of kind "checkpoint_register",
+"checkpoint_share" or "gc"); deletes anything itself (the store decides what is garbage).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from logstore import LogStore
 from logstore.errors import ColdTierError, SwiftlogError
 from trainer_client.checkpoint import canonical_uri, remove_checkpoint
+from trainer_client.commit import SharedRegistrations
 from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["CheckpointMaintenance"]
@@ -41,8 +47,11 @@ class CheckpointMaintenance:
     """
 
     def __init__(self, store: LogStore, writer: AsyncLogWriter, name: str, *, keep: int | None = None,
-                 own_uri: Callable[[int, int], str] | None = None, storage_options: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 own_uri: Callable[[int, int], str] | None = None, storage_options: dict[str, Any] | None = None,
+                 shared: SharedRegistrations | None = None) -> None:  # fmt: skip
         self._store = store
+        self._shared = shared  # registrations through the commit store: published always, adopted without a cold tier
+        self._adopted: dict[int, int] = {}  # stage -> the newest iteration of its registration recorded here
         self._writer = writer
         self.keep = keep  # retention: this stage's newest ``keep`` checkpoints whose uri is own_uri(stage, iteration)
         self._own_uri = own_uri
@@ -115,8 +124,9 @@ class CheckpointMaintenance:
         delay = 0.2
         for attempt in range(attempts):
             try:
-                self._store.register_checkpoint(stage, iteration, uri=uri, meta=meta)
+                info = self._store.register_checkpoint(stage, iteration, uri=uri, meta=meta)
                 self.registered.append((stage, iteration, uri))
+                self._publish(asdict(info))
                 self._retire(stage)
                 return True
             except SwiftlogError as e:
@@ -171,7 +181,32 @@ class CheckpointMaintenance:
         if gc:
             self._gc()
 
+    def _publish(self, doc: dict[str, Any]) -> None:
+        """Put this stage's newest registration in the commit store; a failure is a fault."""
+        if self._shared is None:
+            return
+        try:
+            self._shared.publish(doc)
+        except Exception as e:  # noqa: BLE001 - the store client's errors: a fault, never into training
+            self._writer.note_fault("checkpoint_share", f"publishing in the commit store: {type(e).__name__}: {e}")
+
+    def _adopt(self) -> None:
+        """Without a cold tier: record in this node's index the other stages' registrations newer
+        than those recorded before (once each, so one an operator withdrew here stays withdrawn)."""
+        if self._shared is None or self._store.cold is not None:
+            return
+        try:
+            for doc in self._shared.others():
+                stage, iteration = doc.get("stage"), doc.get("iteration")
+                if isinstance(stage, int) and isinstance(iteration, int) and iteration > self._adopted.get(stage, -1):
+                    self._store.adopt_registration(doc)
+                    self._adopted[stage] = iteration
+        except Exception as e:  # noqa: BLE001 - a fault; the GC goes on with what this node knows
+            why = f"reading the commit store's registrations: {type(e).__name__}: {e}"
+            self._writer.note_fault("checkpoint_share", why)
+
     def _gc(self) -> None:
+        self._adopt()
         try:
             rep = self._store.gc()
         except SwiftlogError as e:
