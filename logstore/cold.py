@@ -12,9 +12,11 @@ Layout under the tier root (names are caller-chosen ``/``-separated paths, every
 :func:`logstore.keys.validate_name` name)::
 
     <name>                      a segment's bytes; immutable once committed
-    <name>.commit               its commit marker, written LAST: JSON {v, size, checksum
-                                (xxh3-64 of the bytes, as logstore.segment.blob_checksum),
-                                algo, created, meta}
+    <name>.commit               its commit marker, written LAST and only if none exists: JSON
+                                {v, size, checksum (xxh3-64 of the bytes, as
+                                logstore.segment.blob_checksum), algo, created, meta, tag (the
+                                object as the store reported it: ETag on s3, device and inode
+                                on file://)}
     _docs/<name>                small JSON documents (checkpoint registry, gaps)
     .<base>.tmp-<pid>-<hex>     file:// temporaries, never listed (abort_stale_uploads removes them)
 
@@ -28,6 +30,14 @@ What is promised:
   in-progress multipart upload / temp file, which a re-put overwrites and
   :meth:`ColdTier.abort_stale_uploads` reclaims (:meth:`ColdTier.remove_uncommitted` the objects).
 - ``put_segment`` is idempotent: re-putting identical bytes under a committed name is a no-op.
+- Of two uploaders of one name with different bytes (a stage thought dead and its replacement),
+  at most one commits: the marker is written conditionally (``If-None-Match: *`` on s3, a hard
+  link on file://) and both marker and object are read back. An object replaced after its
+  commit is caught by :meth:`ColdTier.confirm_segment`, which says whether a committed copy is
+  exactly given bytes (a writer drops its own copy only then); a re-put of the committed bytes
+  repairs it.
+  :meth:`ColdTier.fenced_writes` probes whether the store refuses a second conditional write
+  (some S3-compatible stores ignore the header).
 - Deletes remove the marker first, then the object; not-found counts as success.
 - Backend errors are translated at this boundary (``raise ... from e``): unreachable / timeouts
   / 5xx / throttling -> :class:`ColdTierUnavailableError` (retryable, after a bounded number of
@@ -38,14 +48,18 @@ What is promised:
   process).
 
 What is never done: reading or writing outside the tier root, listing an uncommitted segment,
-overwriting a committed segment with different bytes, loading a whole source file into memory
-for a multipart upload, and (for ``read``) checking the marker unless ``verify=True``.
+rewriting a committed marker for other bytes, writing over a committed object with other bytes
+once its marker was seen (two uploaders that both saw none race; the loser fails, and the
+winner's :meth:`ColdTier.confirm_segment` says so if the loser's object landed last), loading a
+whole source file into memory for a multipart upload, and (for ``read``) checking the marker
+unless ``verify=True``.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -92,6 +106,12 @@ _TMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-\d+-[0-9a-f]+$")
 _PREFIX_TAIL_RE = re.compile(r"^[A-Za-z0-9._-]*$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _MARKER_READ_CONCURRENCY = 16
+_PROBE_PREFIX = "_swiftlog-probe/"  # "_" starts no valid name: never a segment, a document or a listing of either
+_NOT_FENCED_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})  # hard links refused
+
+
+class _Exists(Exception):
+    """An exclusive write found the key taken (internal: put_segment and the probe handle it)."""
 
 Source = bytes | bytearray | memoryview | str | os.PathLike
 
@@ -104,7 +124,8 @@ class SegmentInfo:
 
     name: path relative to the tier root. size: bytes. checksum: xxh3-64 of the bytes
     (``logstore.segment.blob_checksum``). meta: the caller's dict given to ``put_segment``.
-    created: when the marker was written (UTC).
+    created: when the marker was written (UTC). tag: the object as the store reported it when it
+    was written (None in markers written before tags); not compared.
     """
 
     name: str
@@ -112,6 +133,7 @@ class SegmentInfo:
     checksum: int
     meta: dict[str, Any] = field(default_factory=dict)
     created: datetime = field(default_factory=lambda: datetime.now(UTC))
+    tag: str | None = field(default=None, compare=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,15 +320,21 @@ class ColdTier:
         # changes while its segment exists, so a listing re-reads only markers it has not seen
         self._marker_cache: dict[tuple[str, int, int], SegmentInfo] = {}
         self._marker_lock = threading.Lock()
+        self._fenced: bool | None = None  # fenced_writes(), once probed
 
     # -- segments -------------------------------------------------------------------------
     def put_segment(self, name: str, source: Source, *, meta: dict[str, Any]) -> SegmentInfo:
         """Store ``source`` (bytes or a local file path, streamed) as segment ``name``, then commit it.
 
-        The object is fully stored before its marker is written. If ``name`` is already committed
-        with the same size and checksum, nothing is uploaded and the stored info is returned; if
-        it is committed with different bytes, :class:`ColdTierError` is raised (segments are
-        immutable: delete first). An uncommitted object left by a crash is overwritten.
+        The object is fully stored before its marker is written. The marker names the object as
+        the store reported it (its tag) and is written only if none exists; then both are read
+        back. If ``name`` is already committed with the same size and checksum and its object is
+        the one the marker names, nothing is uploaded and the stored info is returned; if that
+        object was lost or replaced, it is stored again and the marker rewritten. Raises
+        :class:`SegmentClashError` when ``name`` is committed with different bytes (segments are
+        immutable: delete first), when another uploader commits it while this one writes, or when
+        the read-back finds another object or marker. An uncommitted object left by a crash is
+        overwritten.
         """
         self._check_open()
         name = _validate_segment_name(name)
@@ -318,35 +346,112 @@ class ColdTier:
             raise TypeError(f"meta for segment {name!r} is not JSON-serialisable: {e}") from None
         src = _Source(source)
         existing = self._read_marker(name)
-        if existing is not None:
-            size, checksum = src.checksum()
-            if size == existing.size and checksum == existing.checksum:
-                if self._backend.size(name) == size:
-                    logger.debug("cold put %s: already committed, skipped", name)
-                    return existing
-                # The marker outlived its object (deleted behind our back): store it again.
-                logger.warning("cold tier %s: committed %s lost its object; uploading it again", self.url, name)
-            else:
-                raise SegmentClashError(
-                    f"segment {name!r} in {self.url} is already committed with different bytes "
-                    f"(stored size {existing.size} checksum {existing.checksum:#x}, "
-                    f"new size {size} checksum {checksum:#x})",
-                    key=name,
-                    hint="segments are immutable; delete_segment() first if replacing it is intended",
-                )
-        size, checksum = self._backend.put_stream(name, src)
-        info = SegmentInfo(name=name, size=size, checksum=checksum, meta=dict(meta), created=datetime.now(UTC))
-        marker = {
-            "v": _MARKER_VERSION,
-            "size": size,
-            "checksum": checksum,
-            "algo": "xxh3_64",
-            "created": info.created.isoformat(),
-            "meta": info.meta,
-        }
-        self._backend.put_bytes(name + MARKER_SUFFIX, json.dumps(marker, sort_keys=True).encode())
+        if existing is None:
+            return self._write_and_commit(name, src, meta)
+        size, checksum = src.checksum()
+        if (size, checksum) != (existing.size, existing.checksum):
+            raise self._clash(name, existing, size, checksum)
+        if self._holds(name, existing):
+            logger.debug("cold put %s: already committed, skipped", name)
+            return existing
+        # The marker outlived its object (deleted, or replaced by another uploader's): store ours again.
+        logger.warning("cold tier %s: committed %s lost its object; uploading it again", self.url, name)
+        return self._write_and_commit(name, src, meta, repair=existing)
+
+    def _write_and_commit(
+        self, name: str, src: _Source, meta: dict[str, Any], repair: SegmentInfo | None = None
+    ) -> SegmentInfo:
+        """Write the object, then its marker (only if none exists, unless ``repair``: the committed
+        info of these same bytes), then read both back."""
+        size, checksum, tag = self._backend.put_stream(name, src)
+        if repair is not None:
+            info = dataclasses.replace(repair, tag=tag)
+            self._backend.put_bytes(name + MARKER_SUFFIX, _marker_bytes(info))  # the same bytes: only the tag changes
+        else:
+            info = SegmentInfo(name, size, checksum, dict(meta), datetime.now(UTC), tag=tag)
+            try:
+                self._backend.put_bytes(name + MARKER_SUFFIX, _marker_bytes(info), exclusive=True)
+            except _Exists:
+                other = self._read_marker(name)
+                if other is None or (other.size, other.checksum) != (size, checksum):
+                    raise self._clash(name, other, size, checksum, racing=True) from None
+                info = other  # another uploader committed the same bytes (a flush racing the writer's uploader)
+        now = self._read_marker(name)  # read back: the marker, and the object it names, are still these bytes
+        if now is None or (now.size, now.checksum) != (info.size, info.checksum) or not self._holds(name, now):
+            raise SegmentClashError(
+                f"segment {name!r} in {self.url} changed while it was committed (another uploader of the name): "
+                "its object or marker is not this upload's",
+                key=name,
+                hint="the records stay where they are; the upload is retried (a later incarnation of the writer wins)",
+            )
         logger.debug("cold put %s: %d bytes committed", name, size)
-        return info
+        return now
+
+    def _clash(
+        self, name: str, other: SegmentInfo | None, size: int, checksum: int, racing: bool = False
+    ) -> SegmentClashError:
+        stored = "by another uploader meanwhile" if racing else "already"
+        theirs = "" if other is None else f" (stored size {other.size} checksum {other.checksum:#x})"
+        return SegmentClashError(
+            f"segment {name!r} in {self.url} is {stored} committed with different bytes{theirs}, "
+            f"new size {size} checksum {checksum:#x}",
+            key=name,
+            hint="segments are immutable; delete_segment() first if replacing it is intended",
+        )
+
+    def _holds(self, name: str, info: SegmentInfo, *, trust_tag: bool = True) -> bool:
+        """The object ``name`` holds the bytes ``info`` (a marker) describes: its size, then its tag
+        when ``trust_tag`` and the marker records one, else its checksum, read back (an object
+        written again, or a copied tier, has another tag)."""
+        st = self._backend.stat(name)
+        if st is None or st[0] != info.size:
+            return False
+        if trust_tag and info.tag is not None and st[1] == info.tag:
+            return True
+        data = self._backend.get(name)
+        return data is not None and xxhash.xxh3_64_intdigest(data) == info.checksum
+
+    def confirm_segment(self, name: str, source: Source) -> bool:
+        """True when ``name`` is committed with exactly the bytes of ``source`` (bytes or a local
+        file path) and its object is the one the marker names; False otherwise. Where writes are
+        not fenced (:meth:`fenced_writes`), or the marker records no tag, the object is read back
+        and checksummed too. What a writer asks before it drops its own copy. Raises when the
+        store cannot be reached."""
+        self._check_open()
+        name = _validate_segment_name(name)
+        info = self._read_marker(name)
+        if info is None or (info.size, info.checksum) != _Source(source).checksum():
+            return False
+        return self._holds(name, info, trust_tag=bool(self.fenced_writes()))
+
+    def fenced_writes(self, *, probe: bool = True) -> bool | None:
+        """Whether the store refuses a second conditional write of one key (``If-None-Match: *``
+        on s3, a hard link on file://): only then does one of two uploaders of a segment name
+        always lose. Probed once per tier (two writes and a delete of a key outside every
+        listing), remembered, and warned about when False; ``probe=False`` only says what is
+        remembered (None before the probe). Raises like any write when the store cannot be
+        reached (nothing is remembered then)."""
+        self._check_open()
+        if self._fenced is not None or not probe:
+            return self._fenced
+        key = f"{_PROBE_PREFIX}fence-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            self._backend.put_bytes(key, b"1", exclusive=True)
+            try:
+                self._backend.put_bytes(key, b"2", exclusive=True)
+                fenced = False
+            except _Exists:
+                fenced = True
+        finally:
+            self._backend.delete(key)
+        if not fenced:
+            logger.warning(
+                "cold tier %s does not refuse a second conditional write: two uploaders of one segment name "
+                "are not fenced (a writer drops its copy of a segment only after reading the committed one back)",
+                self.url,
+            )
+        self._fenced = fenced
+        return fenced
 
     def list_segments(self, prefix: str = "") -> list[SegmentInfo]:
         """Every committed segment whose name starts with ``prefix``, sorted by name.
@@ -357,7 +462,8 @@ class ColdTier:
         """
         self._check_open()
         prefix = _validate_prefix(prefix)
-        listing = {k: v for k, v in self._backend.list(prefix).items() if not k.startswith(DOCS_PREFIX)}
+        listing = self._backend.list(prefix)
+        listing = {k: v for k, v in listing.items() if not k.startswith((DOCS_PREFIX, _PROBE_PREFIX))}
         marker_keys = [k for k in listing if k.endswith(MARKER_SUFFIX) and k[: -len(MARKER_SUFFIX)] in listing]
         for k in listing:
             if k.endswith(MARKER_SUFFIX) and k[: -len(MARKER_SUFFIX)] not in listing:
@@ -577,17 +683,32 @@ class ColdTier:
         return info
 
 
+def _marker_bytes(info: SegmentInfo) -> bytes:
+    marker = {
+        "v": _MARKER_VERSION,
+        "size": info.size,
+        "checksum": info.checksum,
+        "algo": "xxh3_64",
+        "created": info.created.isoformat(),
+        "meta": info.meta,
+        "tag": info.tag,
+    }
+    return json.dumps(marker, sort_keys=True).encode()
+
+
 def _parse_marker(name: str, blob: bytes) -> SegmentInfo | None:
     try:
         d = json.loads(blob)
+        tag = d.get("tag")
         return SegmentInfo(
             name=name,
             size=int(d["size"]),
             checksum=int(d["checksum"]),
             meta=dict(d.get("meta") or {}),
             created=datetime.fromisoformat(d["created"]),
+            tag=tag if isinstance(tag, str) else None,
         )
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -598,12 +719,19 @@ class _Backend(abc.ABC):
     """Raw object operations of one storage kind; the two implementations below fill it in."""
 
     @abc.abstractmethod
-    def put_stream(self, key: str, src: _Source) -> tuple[int, int]:
-        """Store ``src`` atomically under ``key``; return (size, xxh3-64)."""
+    def put_stream(self, key: str, src: _Source) -> tuple[int, int, str | None]:
+        """Store ``src`` atomically under ``key``; return (size, xxh3-64, tag of the object written)."""
         ...
 
     @abc.abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Store ``data`` atomically under ``key``; ``exclusive``: only if there is no object
+        there (else :class:`_Exists`; a store that ignores the condition overwrites)."""
+        ...
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        """(size, tag) of the object, or None if there is none."""
         ...
 
     @abc.abstractmethod
@@ -685,7 +813,10 @@ class _LocalBackend(_Backend):
                 pass
             _fsync_dir(m.parent)
 
-    def _write_atomic(self, key: str, write: Callable[[Any], T]) -> T:
+    def _write_atomic(self, key: str, write: Callable[[Any], T], *, exclusive: bool = False) -> tuple[T, str]:
+        """Write through a temporary file, then rename it over ``key`` (``exclusive``: hard-link it
+        to ``key``, which fails if ``key`` exists: :class:`_Exists`). Returns what ``write``
+        returned and the file's tag."""
         path = self._path(key)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -694,9 +825,16 @@ class _LocalBackend(_Backend):
                 result = write(f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+                tag = _file_tag(os.fstat(f.fileno()))
+            if exclusive and not self._link(tmp, path):
+                _unlink_quiet(tmp)
+                raise _Exists(key)
+            if exclusive:
+                _unlink_quiet(tmp)
+            else:
+                os.replace(tmp, path)
             _fsync_dir(path.parent)
-            return result
+            return result, tag
         except OSError as e:
             _unlink_quiet(tmp)
             raise _local_error(e, self._what("write", key), key=key) from e
@@ -704,7 +842,22 @@ class _LocalBackend(_Backend):
             _unlink_quiet(tmp)
             raise
 
-    def put_stream(self, key: str, src: _Source) -> tuple[int, int]:
+    @staticmethod
+    def _link(tmp: Path, path: Path) -> bool:
+        """Hard-link ``tmp`` to ``path``: False if ``path`` exists. A filesystem without hard links
+        gets a plain rename (not fenced: ``fenced_writes`` finds that out)."""
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NOT_FENCED_ERRNOS:
+                raise
+            os.replace(tmp, path)
+            return True
+
+    def put_stream(self, key: str, src: _Source) -> tuple[int, int, str | None]:
         def write(f: Any) -> tuple[int, int]:
             h = xxhash.xxh3_64()
             n = 0
@@ -717,10 +870,11 @@ class _LocalBackend(_Backend):
                     self._after_part(key, i)
             return n, h.intdigest()
 
-        return self._write_atomic(key, write)
+        (size, checksum), tag = self._write_atomic(key, write)
+        return size, checksum, tag
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self._write_atomic(key, lambda f: f.write(data))
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        self._write_atomic(key, lambda f: f.write(data), exclusive=exclusive)
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -739,6 +893,15 @@ class _LocalBackend(_Backend):
         except OSError as e:
             raise _local_error(e, self._what("stat", key), key=key) from e
         return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise _local_error(e, self._what("stat", key), key=key) from e
+        return (st.st_size, _file_tag(st)) if stat.S_ISREG(st.st_mode) else None
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         try:
@@ -876,6 +1039,12 @@ def _utc(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
+def _file_tag(st: os.stat_result) -> str:
+    """A file's identity as a tag: another write of the name (a rename over it) is another inode.
+    Not the mtime: damage in place keeps the file, and its checksums are what catch that."""
+    return f"{st.st_dev}-{st.st_ino}"
+
+
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -899,6 +1068,7 @@ _TRANSIENT_CODES = frozenset(
         "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
         "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
         "OperationAborted", "XAmzContentSHA256Mismatch", "BadDigest",
+        "ConditionalRequestConflict",  # two conditional writes of one key at once: retried, then one of them fails
     }
 )  # fmt: skip
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
@@ -915,6 +1085,8 @@ def _classify(e: BaseException) -> str:
         status = (e.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode") or 0
         if code in _MISSING_CODES or (status == 404 and code != "NoSuchBucket"):
             return "missing"
+        if code == "PreconditionFailed" or status == 412:
+            return "exists"  # a conditional write (If-None-Match: *) found the key taken
         if code in _TRANSIENT_CODES or status >= 500 or status in (408, 429):
             return "transient"
         return "fatal"
@@ -1095,6 +1267,8 @@ class _S3Backend(_Backend):
     def _translate(self, e: BaseException, kind: str, op: str, key: str, attempts: int) -> BaseException:
         where = f"{self.url} (endpoint {self.endpoint})"
         op = f"{op} {key!r}" if key else op
+        if kind == "exists":
+            return _Exists(key)
         if kind == "missing":
             return RecordNotFoundError(f"{op}: not found in {where}", key=key)
         if kind == "transient":
@@ -1112,24 +1286,36 @@ class _S3Backend(_Backend):
         return StoreError(f"{op} on {where}: unexpected {type(e).__name__}: {e}", key=key)
 
     # -- operations -----------------------------------------------------------------------
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        self._put_object(key, data, exclusive)
+
+    def _put_object(self, key: str, data: bytes, exclusive: bool = False) -> str | None:
+        """One PUT; its ETag. ``exclusive``: If-None-Match: * (:class:`_Exists` when refused, also when
+        the refusal reaches us as another error, e.g. a connection closed, and the key is taken)."""
         full = self._key(key)
+        kw: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
 
-        async def go(fs: Any) -> None:
-            await self._call(fs, "put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=data))
+        async def go(fs: Any) -> str | None:
+            r = await self._call(fs, "put", key, lambda c: c.put_object(Bucket=self.bucket, Key=full, Body=data, **kw))
+            return r.get("ETag")
 
-        self._run(go)
+        try:
+            return self._run(go)
+        except StoreError:
+            if exclusive and self.stat(key) is not None:
+                raise _Exists(key) from None
+            raise
 
-    def put_stream(self, key: str, src: _Source) -> tuple[int, int]:
+    def put_stream(self, key: str, src: _Source) -> tuple[int, int, str | None]:
         if src.size <= self.threshold:
             h = xxhash.xxh3_64()
             data = b"".join(bytes(c) for c in src.chunks(max(src.size, 1)))
             h.update(data)
-            self.put_bytes(key, data)
-            return len(data), h.intdigest()
+            tag = self._put_object(key, data)
+            return len(data), h.intdigest(), tag
         return self._put_multipart(key, src)
 
-    def _put_multipart(self, key: str, src: _Source) -> tuple[int, int]:
+    def _put_multipart(self, key: str, src: _Source) -> tuple[int, int, str | None]:
         full = self._key(key)
         part_size = max(self.part_size, -(-src.size // MAX_PARTS))
 
@@ -1148,8 +1334,8 @@ class _S3Backend(_Backend):
             )
             return r["ETag"]
 
-        async def complete(fs: Any, upload_id: str, parts: list[dict[str, Any]]) -> None:
-            await self._call(
+        async def complete(fs: Any, upload_id: str, parts: list[dict[str, Any]]) -> str | None:
+            r = await self._call(
                 fs,
                 "complete_multipart_upload",
                 key,
@@ -1157,6 +1343,7 @@ class _S3Backend(_Backend):
                     Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
                 ),
             )
+            return r.get("ETag")
 
         async def abort(fs: Any, upload_id: str) -> None:
             client = await fs.set_session()
@@ -1174,14 +1361,14 @@ class _S3Backend(_Backend):
                 etag = self._run(upload, upload_id, number, bytes(chunk))
                 parts.append({"ETag": etag, "PartNumber": number})
                 self._after_part(key, number)
-            self._run(complete, upload_id, parts)
+            tag = self._run(complete, upload_id, parts)
         except BaseException:
             try:
                 self._run(abort, upload_id)
             except Exception as e:  # noqa: BLE001 - best effort; abort_stale_uploads reclaims it
                 logger.warning("cold tier %s: could not abort upload %s of %s: %r", self.url, upload_id, key, e)
             raise
-        return n, h.intdigest()
+        return n, h.intdigest(), tag
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[key]
@@ -1207,14 +1394,18 @@ class _S3Backend(_Backend):
         return self._run(go) if keys else {}
 
     def size(self, key: str) -> int | None:
+        st = self.stat(key)
+        return None if st is None else st[0]
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
         full = self._key(key)
 
-        async def go(fs: Any) -> int | None:
+        async def go(fs: Any) -> tuple[int, str | None] | None:
             try:
                 r = await self._call(fs, "head", key, lambda c: c.head_object(Bucket=self.bucket, Key=full))
             except RecordNotFoundError:
                 return None
-            return int(r["ContentLength"])
+            return int(r["ContentLength"]), r.get("ETag")
 
         return self._run(go)
 

@@ -356,6 +356,7 @@ class LogStore:
         self._stop = threading.Event()
         self._uploader: threading.Thread | None = None
         self._fenced: str | None = None  # why this writer no longer uploads (a newer incarnation ships)
+        self._unconfirmed: set[str] = set()  # cold names of segments kept hot: their committed copy is not theirs
         if config.writer is not None:
             try:
                 self._run_dir.mkdir(parents=True, exist_ok=True)
@@ -897,6 +898,8 @@ class LogStore:
             raise ColdTierUnavailableError(f"run {self.run}: the uploader is still busy with a slow upload (object store slow or down?)",
                                            hint="the records stay in the hot tier; the uploader goes on in the background")  # fmt: skip
         try:
+            if self.cold.fenced_writes(probe=False) is None:  # once: does the store fence two uploaders of one name?
+                self.cold.fenced_writes()
             self._ship_gaps()
             first = self._ship_first
             with self._shipped:
@@ -1007,14 +1010,35 @@ class LogStore:
         return None
 
     def _evict(self) -> None:
+        """While the hot tier holds more than ``hot_max_bytes``, drop the hot copies of the oldest
+        uploaded segments whose committed copy is confirmed to be exactly their file
+        (``ColdTier.confirm_segment``): another uploader of the name may have replaced it. One
+        that is not confirmed stays hot and is named once."""
         limit = self.config.hot_max_bytes
-        if limit is None or self.hot is None:
+        if limit is None or self.hot is None or self.cold is None:
             return
         segs = self.hot.segments()
         total = sum(m.file_size for m in segs if m.state != EVICTED)
         for m in sorted((m for m in segs if m.state == UPLOADED), key=lambda m: (m.lo, m.id)):
             if total <= limit:
                 break
+            path = self.hot.seg_path(m.id)
+            if m.cold_name is None or not path.exists():
+                continue
+            try:
+                confirmed = self.cold.confirm_segment(m.cold_name, str(path))
+            except SwiftlogError as e:  # cannot ask the object store now: nothing more is dropped
+                self._note_error(e)
+                return
+            if not confirmed:
+                if m.cold_name not in self._unconfirmed:
+                    self._unconfirmed.add(m.cold_name)
+                    logger.warning(
+                        "run %s: segment %d of %s not evicted: its committed copy %s is not exactly its bytes "
+                        "(another uploader of the name?); it stays in the hot tier",
+                        self.run, m.id, self.hot.writer, m.cold_name,
+                    )  # fmt: skip
+                continue
             self.hot.set_state(m.id, EVICTED)
             total -= m.file_size
 
@@ -1401,6 +1425,7 @@ class LogStore:
         cold_tot: dict[str, Any] | None = None
         if self.cold is not None:
             cold_tot = {"segments": 0, "records": 0, "stored_bytes": 0, "raw_bytes": 0, "object_bytes": 0, "error": None}
+            cold_tot["fenced_writes"] = self.cold.fenced_writes(probe=False)  # None until an upload probed it
             try:
                 for seg in self._cold_segments(None, refresh=True):
                     cold_tot["segments"] += 1

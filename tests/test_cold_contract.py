@@ -27,6 +27,7 @@ from logstore.errors import (
     ConfigError,
     InvalidNameError,
     RecordNotFoundError,
+    SegmentClashError,
     StoreClosedError,
 )
 from logstore.testing.s3servers import free_port
@@ -593,3 +594,76 @@ def test_wrong_credentials_is_not_retryable(request: pytest.FixtureRequest) -> N
         tier.health()
     assert time.monotonic() - t0 < 5
     tier.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# two uploaders of one segment name (a fenced zombie stage and its replacement)
+# ---------------------------------------------------------------------------------------------
+def _pause_before(tier: ColdTier, write: str) -> tuple[threading.Event, threading.Event]:
+    """Make ``tier`` stop before it writes a segment's object (``write="object"``) or its commit
+    marker (``"marker"``) until released: a seam that forces one interleaving of two real uploads."""
+    reached, release = threading.Event(), threading.Event()
+    backend = tier._backend
+    method = "put_stream" if write == "object" else "put_bytes"
+    real = getattr(backend, method)
+
+    def paused(key: str, *args: object, **kwargs: object) -> object:
+        if write == "object" or key.endswith(".commit"):
+            reached.set()
+            assert release.wait(60)
+        return real(key, *args, **kwargs)
+
+    setattr(backend, method, paused)
+    return reached, release
+
+
+@pytest.mark.parametrize("write", ["marker", "object"])
+def test_two_uploaders_of_one_name_never_both_succeed(cold_env: ColdEnv, write: str) -> None:
+    """M6: two uploaders of one name at the same moment (a zombie stage thought dead and its
+    replacement) could both succeed, leaving the object with the other's marker: the segment was
+    no longer listed, and a writer with hot_max_bytes then evicted its only copy. Markers are
+    written conditionally and read back: one upload wins, the other gets SegmentClashError, and a
+    success whose object was replaced afterwards is not confirmed (never evicted) until re-put."""
+    a, b = cold_env.make(), cold_env.make()  # two processes' tiers
+    name = "run/segments/act_0_1/000000000000-000000000003.stage0.0000000001.seg"
+    data = {"a": os.urandom(5000), "b": os.urandom(5000)}  # one size: only the checksums tell them apart
+    reached, release = _pause_before(a, write)
+    out: dict[str, object] = {}
+
+    def upload(who: str, tier: ColdTier) -> None:
+        try:
+            out[who] = tier.put_segment(name, data[who], meta={"who": who})
+        except Exception as e:  # noqa: BLE001 - asserted below
+            out[who] = e
+
+    t = threading.Thread(target=upload, args=("a", a))
+    t.start()
+    assert reached.wait(60)
+    upload("b", b)
+    release.set()
+    t.join(60)
+    won = [w for w in out if isinstance(out[w], SegmentInfo)]
+    assert len(won) == 1, out
+    (winner,) = won
+    loser = "a" if winner == "b" else "b"
+    assert isinstance(out[loser], SegmentClashError), out[loser]
+    listed = {s.name: s for s in b.list_segments("run/")}
+    assert name not in listed or listed[name].checksum == _xxh(data[winner])  # never the loser's bytes
+    if not b.confirm_segment(name, data[winner]):  # the loser's object landed after the winner's commit
+        b.put_segment(name, data[winner], meta={"who": winner})  # a re-put of the committed bytes repairs it
+    assert b.confirm_segment(name, data[winner]) and not b.confirm_segment(name, data[loser])
+    assert b.read(name, verify=True) == data[winner]
+    assert [s.checksum for s in b.list_segments("run/")] == [_xxh(data[winner])]
+
+
+def test_conditional_writes_are_probed(cold_env: ColdEnv) -> None:
+    """M6: some S3-compatible stores ignore If-None-Match; a tier probes whether a second
+    conditional write is refused and says so (here every backend fences; a store that ignores
+    the condition, not runnable here, is stood in for by dropping it)."""
+    tier = cold_env.make()
+    assert tier.fenced_writes() is True
+    lax = cold_env.make()
+    real = lax._backend.put_bytes
+    lax._backend.put_bytes = lambda key, data, *, exclusive=False: real(key, data)  # type: ignore[method-assign]
+    assert lax.fenced_writes() is False
+    assert [s.name for s in lax.list_segments()] == []  # the probe leaves nothing behind
