@@ -43,6 +43,7 @@ import torch
 from replay.replacement import common_checkpoint
 from trainer_client.commit import gloo_on_loopback
 from trainer_client.examples import launch as _launch
+from trainer_client.examples.train_resilient import KILL_PHASES
 from trainer_client.survivor import RecoveryKeys
 
 __all__ = [
@@ -72,6 +73,14 @@ class KillSpec:
     iteration: int
     micro_batch: int = 0
     phase: str = "forward"
+
+    def __post_init__(self) -> None:
+        for name in ("stage", "iteration", "micro_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"KillSpec.{name} must be an int >= 0, got {v!r}")
+        if self.phase not in KILL_PHASES:  # else the script refuses it only once its process runs
+            raise ValueError(f"KillSpec.phase must be one of {', '.join(KILL_PHASES)}, got {self.phase!r}")
 
     def arg(self) -> str:
         return f"{self.iteration},{self.micro_batch},{self.phase}"
@@ -201,6 +210,15 @@ def run_with_failures(
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
+    if not isinstance(num_stages, int) or num_stages < 2:
+        raise ValueError(f"num_stages must be an int >= 2, got {num_stages!r}")
+    if not isinstance(replay_workers, int) or replay_workers < 1:
+        raise ValueError(f"replay_workers must be an int >= 1 (the replacement itself), got {replay_workers!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    outside = sorted({ks.stage for ks in kills if ks.stage >= num_stages})
+    if outside:  # such a kill would never fire: the run would pass as a failure-free one
+        raise ValueError(f"kills: stage(s) {outside} outside the pipeline of {num_stages} stages")
     twice = sorted({ks.stage for ks in kills if sum(1 for o in kills if o.stage == ks.stage) > 1})
     if twice:  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
         raise ValueError(f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
@@ -585,7 +603,11 @@ def _timings(
 
 def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | None:
     """Rollback mode: seconds from the kill to the restarted pipeline finishing ``fail_iteration - 1``
-    again (i.e. standing where it was when the failure hit), from the stages' iteration stamps."""
+    again (i.e. standing where it was when the failure hit), from the stages' iteration stamps.
+    Raises ValueError for a ``fail_iteration`` that is not an int >= 1 (e.g. the resume iteration
+    of a run in which no failure happened: None)."""
+    if not isinstance(fail_iteration, int) or isinstance(fail_iteration, bool) or fail_iteration < 1:
+        raise ValueError(f"fail_iteration must be an int >= 1, got {fail_iteration!r} (did a failure happen?)")
     kill = (
         run.kill_times[min(run.kill_times)]
         if run.kill_times
