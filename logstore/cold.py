@@ -91,7 +91,7 @@ from logstore.errors import (
 )
 from logstore.keys import validate_name
 
-__all__ = ["ColdTier", "SegmentInfo", "MARKER_SUFFIX", "DOCS_PREFIX", "MIN_PART_SIZE"]
+__all__ = ["ColdTier", "SegmentInfo", "parse_cold_url", "MARKER_SUFFIX", "DOCS_PREFIX", "MIN_PART_SIZE"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,47 @@ class _Source:
 # ---------------------------------------------------------------------------------------------
 # the tier
 # ---------------------------------------------------------------------------------------------
+
+
+def parse_cold_url(url: object) -> tuple[str, str, str]:
+    """A cold tier URL as (scheme, where, prefix): ``("file", "/abs/dir", "")`` or ``("s3", bucket, prefix)``.
+
+    A plain path is a ``file://`` directory. Raises ConfigError naming the URL for anything else:
+    a scheme without ``://`` (``s3:/bucket``), a relative ``file://`` path, an invalid bucket or
+    prefix, an unsupported scheme. Never touches the filesystem or the network.
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(
+            f"cold tier url {url!r} is not a non-empty string", hint="e.g. file:///data/cold or s3://bucket/prefix"
+        )
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        # "s3:/bucket", "file:/dir": a URL with a typo, not a directory named "s3:"
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url):
+            raise ConfigError(
+                f"cold tier url {url!r} is not a URL (scheme without '://') nor a plain path",
+                hint="write s3://bucket/prefix or file:///abs/dir",
+            )
+        scheme, rest = "file", os.path.abspath(url)
+    scheme = scheme.lower()
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise ConfigError(f"cold tier url {url!r}: file:// needs an absolute path", hint="write file:///abs/dir")
+        return "file", os.path.normpath(rest), ""
+    if scheme in ("s3", "s3a"):
+        bucket, _, prefix = rest.partition("/")
+        prefix = prefix.strip("/")
+        if not _BUCKET_RE.match(bucket):
+            raise ConfigError(f"cold tier url {url!r}: {bucket!r} is not a valid bucket name")
+        if prefix:
+            try:
+                _validate_path(prefix, "cold tier prefix")
+            except InvalidNameError as e:
+                raise ConfigError(f"cold tier url {url!r}: {e}") from None
+        return "s3", bucket, prefix
+    raise ConfigError(f"cold tier url {url!r}: scheme {scheme!r} not supported", hint="use file:// or s3://")
+
+
 class ColdTier:
     """Immutable committed segments and JSON documents under one ``file://`` or ``s3://`` root.
 
@@ -268,10 +309,7 @@ class ColdTier:
         retries: int = 3,
         timeout_s: float = 30.0,
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise ConfigError(
-                f"cold tier url {url!r} is not a non-empty string", hint="e.g. file:///data/cold or s3://bucket/prefix"
-            )
+        scheme, where, prefix = parse_cold_url(url)
         if not isinstance(part_size, int) or part_size < MIN_PART_SIZE:
             raise ConfigError(f"cold tier part_size {part_size!r} is below S3's minimum part size {MIN_PART_SIZE}")
         if not isinstance(multipart_threshold, int) or multipart_threshold < 0:
@@ -285,37 +323,15 @@ class ColdTier:
         self.retries = retries
         self.timeout_s = float(timeout_s)
         self._closed = False
-        scheme, sep, rest = url.partition("://")
-        if not sep:
-            if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url):  # "s3:/bucket", "file:/dir": a URL with a typo, not a directory named "s3:"
-                raise ConfigError(f"cold tier url {url!r} is not a URL (scheme without '://') nor a plain path", hint="write s3://bucket/prefix or file:///abs/dir")
-            scheme, rest = "file", os.path.abspath(url)
-        scheme = scheme.lower()
         if scheme == "file":
-            if not rest.startswith("/"):
-                raise ConfigError(
-                    f"cold tier url {url!r}: file:// needs an absolute path", hint="write file:///abs/dir"
-                )
-            root = os.path.normpath(rest)
-            self._backend: _Backend = _LocalBackend(root, part_size=part_size)
-            self.url = "file://" + root
-        elif scheme in ("s3", "s3a"):
-            bucket, _, prefix = rest.partition("/")
-            prefix = prefix.strip("/")
-            if not _BUCKET_RE.match(bucket):
-                raise ConfigError(f"cold tier url {url!r}: {bucket!r} is not a valid bucket name")
-            if prefix:
-                try:
-                    _validate_path(prefix, "cold tier prefix")
-                except InvalidNameError as e:
-                    raise ConfigError(f"cold tier url {url!r}: {e}") from None
-            self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+            self._backend: _Backend = _LocalBackend(where, part_size=part_size)
+            self.url = "file://" + where
+        else:
+            self.url = f"s3://{where}/{prefix}" if prefix else f"s3://{where}"
             self._backend = _S3Backend(
-                self.url, bucket, prefix, storage_options or {}, part_size=part_size,
+                self.url, where, prefix, storage_options or {}, part_size=part_size,
                 multipart_threshold=multipart_threshold, retries=retries, timeout_s=self.timeout_s,
             )  # fmt: skip
-        else:
-            raise ConfigError(f"cold tier url {url!r}: scheme {scheme!r} not supported", hint="use file:// or s3://")
         # parsed commit markers, keyed by (marker key, marker size, object size): a marker never
         # changes while its segment exists, so a listing re-reads only markers it has not seen
         self._marker_cache: dict[tuple[str, int, int], SegmentInfo] = {}
