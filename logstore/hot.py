@@ -14,7 +14,7 @@ other processes (server, CLI) consistent reads while the trainer writes.
 Sub-databases:
 - ``records``:  encoded RecordKey -> (segment id, blob offset, blob length, blob xxh3, raw length)
 - ``segments``: segment id (u64) -> JSON SegmentMeta (channel, iteration range, state, sizes)
-- ``meta``:     counters and small documents (next segment id, checkpoints)
+- ``meta``:     counters and small documents (next segment id, checkpoints, what GC collected)
 
 Durability modes (``durability``):
 - ``"process"`` (default): a put returns after the frame was written (page cache) and the index
@@ -102,6 +102,7 @@ _DAMAGED_HINT = "swiftlog verify lists it; what its writer uploaded is still rea
 _OWN_DAMAGED_HINT = "reopen the store: its writer then re-indexes its segment files"
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
+_COLLECTED = b"gc_collected"  # meta key: JSON {owner stage: {"records", "stored_bytes", "below"}} of what GC deleted
 _MAX_MAP = 1 << 40
 
 
@@ -334,6 +335,11 @@ def _fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _load_collected(raw: bytes | None) -> dict[int, dict[str, int]]:
+    """The GC tally kept under ``_COLLECTED``, owner stages as ints."""
+    return {} if raw is None else {int(k): v for k, v in json.loads(raw).items()}
 
 
 def _not_the_segment(path: Path, m: SegmentMeta) -> str | None:
@@ -1161,12 +1167,14 @@ class HotTier:
         would be, with ``dry_run``). Never touches a record at or above its watermark.
         """
         doomed: list[bytes] = []
+        owners: list[int] = []  # the owner stage of each doomed key
         for name in sorted(self.channels()):
             ch = Channel.parse(name)
             wm = watermarks.get(ch.owner)
             if not wm:
                 continue
             doomed.extend(k.encode() for k, _ in self.keys(ch, 0, wm))
+            owners += [ch.owner] * (len(doomed) - len(owners))
         dead_segments: list[SegmentMeta] = []
         if dry_run:
             # segments that would become empty
@@ -1181,7 +1189,8 @@ class HotTier:
 
         def fn(txn: lmdb.Transaction) -> None:
             metas: dict[int, SegmentMeta] = {}
-            for kb in doomed:
+            collected = _load_collected(txn.get(_COLLECTED, db=self._db_meta))
+            for kb, owner in zip(doomed, owners, strict=True):
                 raw = txn.get(kb, db=self._db_rec)
                 if raw is None:
                     continue
@@ -1193,8 +1202,14 @@ class HotTier:
                     m.raw_bytes -= raw_len
                     metas[seg_id] = m
                 txn.delete(kb, db=self._db_rec)
+                c = collected.setdefault(owner, {"records": 0, "stored_bytes": 0, "below": 0})
+                c["records"] += 1
+                c["stored_bytes"] += ln
+                c["below"] = max(c["below"], watermarks[owner])
             for m in metas.values():
                 self._put_seg(txn, m)
+            if collected:  # in the deletions' transaction: the tally never misses or repeats one
+                txn.put(_COLLECTED, json.dumps({str(k): v for k, v in collected.items()}).encode(), db=self._db_meta)
 
         self._write(fn)
         for m in self.segments():
@@ -1209,6 +1224,12 @@ class HotTier:
                     logger.warning("GC of %s: kept segment file %s: %s", self.dir, path, why)
                 dead_segments.append(m)
         return [RecordKey.decode(k) for k in doomed], dead_segments
+
+    def collected(self) -> dict[int, dict[str, int]]:
+        """What GC deleted from this hot tier so far: owner stage -> ``{"records", "stored_bytes",
+        "below"}`` (``below``: the highest watermark that collected any). Empty before the first GC."""
+        with self._read() as txn:
+            return _load_collected(txn.get(_COLLECTED, db=self._db_meta))
 
     # ------------------------------------------------------------------ documents
     def put_doc(self, name: str, obj: dict) -> None:

@@ -1395,7 +1395,8 @@ class LogStore:
 
     # ================================================================== inspection
     def stats(self) -> dict[str, Any]:
-        """Records and bytes per tier and channel, raw vs stored, upload backlog and errors."""
+        """Records and bytes per tier and channel, raw vs stored, upload backlog and errors, and what GC
+        deleted from the hot tiers (``hot["collected"]``: owner stage -> records, stored bytes, ``below``)."""
         hot_tot = {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "disk_bytes": 0,
                    "segments": {OPEN: 0, SEALED: 0, UPLOADED: 0, EVICTED: 0}}
         chans: dict[str, dict[str, Any]] = {}
@@ -1408,8 +1409,14 @@ class LogStore:
             c["lo"], c["hi"] = min(c["lo"], lo), max(c["hi"], hi)
 
         hots = self._hot_tiers()
+        collected: dict[int, dict[str, int]] = {}  # owner stage -> what GC deleted from these hot tiers
+        hot_tot["collected"] = collected
         for hot in hots:
             hot_tot["disk_bytes"] += hot.disk_bytes()
+            for stage, c in hot.collected().items():
+                t = collected.setdefault(stage, {"records": 0, "stored_bytes": 0, "below": 0})
+                t["records"], t["stored_bytes"] = t["records"] + c["records"], t["stored_bytes"] + c["stored_bytes"]
+                t["below"] = max(t["below"], c["below"])
             for m in hot.segments():
                 hot_tot["segments"][m.state] = hot_tot["segments"].get(m.state, 0) + 1
                 if m.state == EVICTED or m.live <= 0:

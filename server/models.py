@@ -25,6 +25,7 @@ __all__ = [
     "ChannelSummary",
     "SegmentStates",
     "HotTierSummary",
+    "Collected",
     "ColdTierSummary",
     "Checkpoint",
     "Watermark",
@@ -131,10 +132,20 @@ class SegmentStates(_Model):
     evicted: int = 0
 
 
+class Collected(_Model):
+    stage: int = Field(description="the owner stage whose checkpoint made the records garbage")
+    records: int
+    stored_bytes: int
+    below: int = Field(description="the highest watermark of the stage that collected any: records below it")
+
+
 class HotTierSummary(TierRange):
     disk_bytes: int = Field(description="LMDB index plus segment files on disk")
     segments: SegmentStates
     writers: list[str]
+    collected: list[Collected] = Field(
+        default_factory=list, description="what GC deleted from this node's hot tiers, per owner stage"
+    )
     unreadable: dict[str, str] = Field(default_factory=dict, description="writers whose index was left out (damaged, truncated, missing), and why: "
                                        "their records are counted only where the cold tier has them")  # fmt: skip
 

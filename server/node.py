@@ -46,6 +46,7 @@ from server.models import (
     CheckpointList,
     CheckpointRequest,
     ColdTierSummary,
+    Collected,
     FlushResult,
     Gap,
     GcPreview,
@@ -413,6 +414,7 @@ class Node:
             records=h["records"], stored_bytes=h["stored_bytes"], raw_bytes=h["raw_bytes"],
             first_iteration=min(hot_lo, default=None), last_iteration=max(hot_hi, default=None),
             disk_bytes=h["disk_bytes"], writers=self._writers(run), unreadable=st.unreadable_writers(),
+            collected=[Collected(stage=k, **c) for k, c in sorted(h["collected"].items())],
             segments=SegmentStates(open=segs.get("open", 0), sealed=segs.get("sealed", 0),
                                    uploaded=segs.get("uploaded", 0), evicted=segs.get("evicted", 0)),
         )  # fmt: skip

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,37 +16,11 @@ from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import Channel, RecordKey
 from server.testing import StoreFixture, sample_tensor, subprocess_env
+from tests._cli_helpers import fails as _fails
+from tests._cli_helpers import ok as _ok
+from tests._cli_helpers import swiftlog, swiftlog_all
 
 pytest_plugins = ["server.pytest_fixtures"]
-
-
-def swiftlog(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in subprocess_env().items() if not k.startswith("SWIFTLOG_")}
-    return subprocess.run([sys.executable, "-m", "server.cli", *map(str, args)], env={**base, **(env or {}), "COLUMNS": "200"},
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
-def swiftlog_all(*calls: tuple) -> list[subprocess.CompletedProcess[str]]:
-    """Independent invocations, run concurrently (each pays the interpreter and torch start-up)."""
-    def one(call: tuple) -> subprocess.CompletedProcess[str]:
-        env = call[-1] if call and isinstance(call[-1], dict) else None
-        return swiftlog(*(call[:-1] if env is not None else call), env=env)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return list(pool.map(one, calls))
-
-
-def _ok(p: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    assert "Traceback" not in p.stderr
-    return p
-
-
-def _fails(p: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
-    assert p.returncode == code, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
-    assert "Traceback" not in p.stderr and p.stderr.startswith("error: "), p.stderr
-    for n in needles:
-        assert n in p.stderr, (n, p.stderr)
 
 
 def test_ls_runs_and_records(written_store: StoreFixture) -> None:

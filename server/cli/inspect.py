@@ -88,6 +88,7 @@ def ls(
             return
         records: list[RecordEntry] = []
         cold_error: str | None = None
+        first_page = cursor is None
         while True:
             page = node.records(run, channel=channel, kind=kind, it_lo=it_lo, it_hi=it_hi, micro_batch=micro_batch,
                                 limit=limit, cursor=cursor)  # fmt: skip
@@ -100,12 +101,34 @@ def ls(
             err_console.print(f"[yellow]cold tier:[/] {cold_error}")
         if json_out:
             print_json(RecordPage(run=run, records=records, next_cursor=cursor, cold_error=cold_error))
+        elif not records and first_page:
+            filtered = any(x is not None for x in (channel, kind, it_hi, micro_batch)) or it_lo > 0
+            _print_no_records(node.summary(run, fresh=True), filtered)
         else:
             console.print(_records_table(run, records))
             if cursor is not None:
                 console.print(f"more: --cursor {cursor}  (or --all)")
     if cold_error:  # the hot tier's records are printed; exit 4 says the listing is not the whole run
         raise typer.Exit(EXIT_UNAVAILABLE)
+
+
+def _print_no_records(s: RunSummary, filtered: bool) -> None:
+    """Why ``ls`` lists nothing: what GC collected and by which checkpoints, or that nothing is logged."""
+    console.print(f"no records of run {s.run}" + (" match the filters" if filtered else " are left on this node"))
+    if s.hot.collected:
+        console.print(_collected_line(s), soft_wrap=True)
+    if s.watermarks:
+        wm = ", ".join(f"stage {w.stage} @ {w.iteration}" for w in s.watermarks)
+        console.print(f"checkpoint watermarks: {wm} (what a stage received below its own is garbage)", soft_wrap=True)
+    elif not s.hot.collected:
+        where = "" if s.cold is not None else " (other nodes' records are in the cold tier: --cold-url)"
+        console.print(f"no checkpoint is registered and GC collected nothing: nothing was logged here{where}")
+
+
+def _collected_line(s: RunSummary) -> str:
+    total = sum(c.records for c in s.hot.collected)
+    by = ", ".join(f"{c.records} below stage {c.stage}'s checkpoint at iteration {c.below}" for c in s.hot.collected)
+    return f"garbage collection deleted {total} record(s) logged here: {by}"
 
 
 def stat(
@@ -160,6 +183,8 @@ def _print_summary(s: RunSummary) -> None:
             cells += [str(t.records), _it_range(t.first_iteration, t.last_iteration)] if t else ["-", "-"]
         ch.add_row(*cells)
     console.print(ch)
+    if s.hot.collected:
+        console.print(_collected_line(s), soft_wrap=True)
     if s.checkpoints:
         cp = Table(title="checkpoints", title_justify="left")
         for col in ("stage", "iteration", "uri"):
