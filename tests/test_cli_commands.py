@@ -234,10 +234,10 @@ ERRORS = [
     (("show", "act_0_1/it999", "--run", "run-a"), 3, "not found"),
     (("show", "act_0_9/it1", "--run", "run-a"), 2, "activation channel must go"),
     (("ls", "--run", "run-a", "--cursor", "zz"), 2, "invalid cursor"),
-    (("plan", "--run", "run-a", "--failed", "9"), 2, "outside the pipeline"),
-    (("plan", "--run", "run-a", "--failed", "1", "--root", "/a", "--root", "/b"), 2, "reads one node's store root, got 2"),
+    (("plan", "--run", "run-a", "--stage", "9"), 2, "outside the pipeline"),
+    (("plan", "--run", "run-a", "-s", "1", "--root", "/a", "--root", "/b"), 2, "reads one node's store root, got 2"),
     # the planner is pluggable; a missing one says so and exits 4 (unavailable)
-    (("plan", "--run", "run-a", "--failed", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"), 4,
+    (("plan", "--run", "run-a", "-s", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"), 4,
      "the recovery planner cannot be loaded"),
 ]
 

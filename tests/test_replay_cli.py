@@ -68,12 +68,44 @@ def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path)
 
 
 def test_swiftlog_plan_uses_the_replay_planner(f1b_run):
-    r = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "-f", "2", "--json"])
+    args = ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "-s", "2"]
+    r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["planner"] == "replay.plan:plan_recovery" and doc["plan"]["possible"] and doc["plan"]["units"][0]["stages"] == [2]
-    text = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "-f", "2"])
+    text = runner.invoke(app, args)
     assert text.exit_code == 0 and "stages [2]: replay [2, 6)" in text.stdout and "{" not in text.stdout, text.output  # text, as replay --plan-only
+
+
+def test_plan_and_replay_spell_each_option_alike_and_plans_old_spelling_still_works(f1b_run):
+    """`plan --failed/-f` and `replay --stage/-s` named one thing twice, and -t and -w existed on replay
+    only. Both take --stage/-s, --target-iteration/-t and --workers/-w now; plan's --failed/-f still
+    works (hidden from --help) and says it is deprecated."""
+    base = ["--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url]
+    plan = runner.invoke(app, ["plan", *base, "-s", "1", "-t", str(ITERS), "-w", "2", "--json"])
+    assert plan.exit_code == 0, plan.output
+    replay = runner.invoke(app, ["replay", *base, "-s", "1", "-t", str(ITERS), "-w", "2", "--plan-only", "--json"])
+    assert replay.exit_code == 0, replay.output
+    p, r = json.loads(plan.stdout)["plan"], json.loads(replay.stdout)
+    assert p["failed_stages"] == r["failed_stages"] == [1] and p["target_iteration"] == r["target_iteration"] == ITERS
+    assert p["units"][0]["estimate"]["workers"] == r["units"][0]["estimate"]["workers"] == 2
+    old = runner.invoke(app, ["plan", *base, "--failed", "1", "--target-iteration", str(ITERS), "--workers", "2",
+                              "--json"])  # fmt: skip
+    assert old.exit_code == 0, old.output
+    timeless = lambda d: {k: v for k, v in d.items() if k != "planned_at"}  # noqa: E731
+    assert timeless(json.loads(old.stdout)["plan"]) == timeless(p)
+    assert "--failed/-f is deprecated; use --stage/-s" in old.stderr and "deprecated" not in plan.stderr
+    short = runner.invoke(app, ["plan", *base, "-f", "1"])
+    assert short.exit_code == 0 and "stages [1]: replay" in short.stdout and "deprecated" in short.stderr, short.output
+    both = runner.invoke(app, ["plan", *base, "-f", "1", "-s", "1"])
+    assert both.exit_code == 2 and "--failed/-f and --stage/-s name the same thing" in both.stderr, both.output
+    missing = runner.invoke(app, ["plan", *base])
+    assert missing.exit_code == 2 and "missing option '--stage'" in missing.stderr, missing.output
+    plan_help, demo_help = runner.invoke(app, ["plan", "--help"]), runner.invoke(app, ["demo", "--help"])
+    for flag in ("--stage", "-s", "--target-iteration", "-t", "--workers", "-w"):
+        assert flag in plan_help.stdout, flag
+    assert "--failed" not in plan_help.stdout
+    assert "--workers" in demo_help.stdout and "--replay-workers" not in demo_help.stdout
 
 
 def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_path):
@@ -169,7 +201,8 @@ def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tm
     assert "verified (32/32 sends checked)" in r.stdout
     uri = r.stdout.split("stage 1: ")[1].split()[0]
     assert checkpoint_vs_live(load_checkpoint(uri), f1b_run.results[1]) == []
-    p = runner.invoke(app, ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", "s3://gone/x", "-f", "2"], env=dead)
+    plan_args = ["plan", "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", "s3://gone/x", "-s", "2"]
+    p = runner.invoke(app, plan_args, env=dead)
     assert p.exit_code == 0 and "stages [2]: replay [2, 6)" in p.stdout and "hot tiers only" in p.stdout, p.output
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "fail",
     "handle_errors",
     "check_cold_url",
+    "deprecated_alias",
     "make_node",
     "parse_cold_options",
     "parse_kv",
@@ -69,6 +70,18 @@ def fail(message: str, *, hint: str | None = None, code: int = EXIT_USAGE) -> ty
     if hint:
         err_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
     return typer.Exit(code)
+
+
+def deprecated_alias(new: Any, old: Any, *, new_flag: str, old_flag: str) -> Any:
+    """The value of an option given under its deprecated spelling ``old_flag`` (a hidden option that
+    still works), with a note on stderr, or ``new`` when the old one was not given. Both at once
+    is a usage error."""
+    if old is None or old == []:
+        return new
+    if new is not None and new != []:
+        raise fail(f"{old_flag} and {new_flag} name the same thing", hint=f"pass {new_flag} only ({old_flag} is old)")
+    err_console.print(f"[yellow]note:[/] {old_flag} is deprecated; use {new_flag}", markup=True, soft_wrap=True)
+    return old
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import JsonOpt, console, handle_errors, human_bytes, print_json
+from server.cli._common import JsonOpt, console, deprecated_alias, handle_errors, human_bytes, print_json
 from server.errors import EXIT_PROBLEMS
 
 __all__ = ["register", "run_demo"]
@@ -297,7 +297,7 @@ def demo(
     iterations: Annotated[int, typer.Option("--iterations", min=4, max=1000)] = 20,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=2)] = 10,
     stage: Annotated[
-        int, typer.Option("--stage", min=0, max=3, help="the stage to kill")
+        int, typer.Option("--stage", "-s", min=0, max=3, help="the stage to kill")
     ] = 2,
     phase: Annotated[
         str,
@@ -305,13 +305,17 @@ def demo(
             "--phase", help="forward | backward | commit | optimizer | checkpoint"
         ),
     ] = "backward",
-    replay_workers: Annotated[
-        int,
-        typer.Option("--replay-workers", min=1, max=8, help="replay processes: the replacement plus helpers started with it"),
-    ] = 1,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", "-w", min=1, max=8, show_default="1",
+                     help="replay processes: the replacement plus helpers started with it"),  # fmt: skip
+    ] = None,
+    # the old spelling of --workers: hidden, still works, says it is deprecated
+    replay_workers: Annotated[int | None, typer.Option("--replay-workers", min=1, max=8, hidden=True)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
+    workers = deprecated_alias(workers, replay_workers, new_flag="--workers/-w", old_flag="--replay-workers") or 1
     workdir = (directory or Path("swiftlog-demo")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if json_out else (lambda msg: console.print(msg))
@@ -322,7 +326,7 @@ def demo(
             checkpoint_every=checkpoint_every,
             fail_stage=stage,
             phase=phase,
-            replay_workers=replay_workers,
+            replay_workers=workers,
             say=say,
         )
     if json_out:
