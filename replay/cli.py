@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import check_cold_url, fail, parse_cold_options, parse_kv
+from server.cli._common import Command, check_cold_url, fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
 __all__ = ["app", "register", "replay_command", "print_plan"]
@@ -265,10 +265,10 @@ def print_plan(plan: Any, json_out: bool) -> None:
 
 def register(main_app: typer.Typer) -> None:
     """Add ``replay`` to the ``swiftlog`` app."""
-    main_app.command("replay")(replay_command)
+    main_app.command("replay", cls=Command)(replay_command)
 
 
-app.command("replay")(replay_command)
+app.command("replay", cls=Command)(replay_command)
 
 if __name__ == "__main__":  # python -m replay.cli --run ... (a one-command app: the options of `swiftlog replay`)
     sys.exit(app())

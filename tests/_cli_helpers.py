@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from server.testing import subprocess_env
 
-__all__ = ["swiftlog", "swiftlog_all", "ok", "fails"]
+__all__ = ["swiftlog", "swiftlog_all", "ok", "fails", "json_error"]
 
 Completed = subprocess.CompletedProcess[str]
 
@@ -48,3 +50,16 @@ def fails(p: subprocess.CompletedProcess[str], code: int, *needles: str) -> None
     for n in needles:
         assert n in p.stderr, (n, p.stderr)
 
+
+def json_error(p: subprocess.CompletedProcess[str], code: int, *needles: str) -> dict[str, Any]:
+    """``p`` ran with ``--json`` and failed: its stdout is one JSON error object whose exit_code is
+    ``code`` (the process's too) and whose message holds every needle; stderr has no plain error."""
+    assert p.returncode == code, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr and "error:" not in p.stderr and "Error" not in p.stderr, p.stderr
+    doc = json.loads(p.stdout)
+    err = doc["error"]
+    assert list(doc) == ["error"] and {"type", "message", "hint", "exit_code", "key", "retryable"} <= set(err), doc
+    assert err["exit_code"] == code and err["type"] and err["message"], err
+    for n in needles:
+        assert n in err["message"], (n, err)
+    return err

@@ -1,14 +1,43 @@
-"""The ``swiftlog`` CLI as a new user meets it: an empty listing says why it is empty."""
+"""The ``swiftlog`` CLI as a new user meets it: JSON errors under ``--json``, and an empty listing that
+says why it is empty."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from logstore import LogStore
 from server.testing import StoreFixture
-from tests._cli_helpers import ok, swiftlog, swiftlog_all
+from tests._cli_helpers import fails, json_error, ok, swiftlog, swiftlog_all
 
 pytest_plugins = ["server.pytest_fixtures"]
+
+def test_json_errors_are_one_json_object_with_the_same_exit_codes(written_store: StoreFixture, tmp_path: Path) -> None:
+    """Under --json, errors were plain text on stderr: a script reading stdout got nothing to parse.
+    Now every kind is one JSON object on stdout with the exit code the command exits with."""
+    root, cold = written_store.root, written_store.cold_url
+    common = ("--root", root, "--run", "run-a")
+    bad_cursor, bad_format, missing_opt, no_run, no_record, no_root, no_planner, stat_text = swiftlog_all(
+        ("ls", *common, "--cursor", "zz", "--json"),
+        ("export", "act_0_1/it0", *common, "-o", tmp_path / "a.pt", "--format", "npz", "--json"),
+        ("gc", "--root", root, "--json"),
+        ("stat", "--root", root, "--run", "no-such-run", "--cold-url", cold, "--json"),
+        ("show", "act_0_1/it999", *common, "--json"),
+        ("verify", "--root", tmp_path / "nowhere", "--json"),
+        ("plan", *common, "-s", "1", "--planner", "swiftlog_no_such_planner:plan_recovery", "--json"),
+        ("stat", "--root", root, "--run", "no-such-run"),
+    )
+    assert json_error(bad_cursor, 2, "invalid cursor")["type"] == "bad_request"
+    assert json_error(bad_format, 2, "--format 'npz'")["type"] == "bad_input"
+    assert json_error(missing_opt, 2, "--run")["type"] == "usage"
+    err = json_error(no_run, 3, "run 'no-such-run' not found")
+    assert err["type"] == "run_not_found" and err["key"] == "no-such-run" and "swiftlog ls" in err["hint"]
+    assert json_error(no_record, 3, "not found")["key"] == "act_0_1/it999/mb0/p0"
+    assert json_error(no_root, 3, "does not exist")["type"] == "not_found"
+    assert json_error(no_planner, 4, "the recovery planner cannot be loaded")["type"] == "not_available"
+    fails(stat_text, 3, "run 'no-such-run' not found")  # without --json: as before
+    assert stat_text.stdout == ""
+
 
 def test_ls_of_a_run_gc_emptied_says_how_many_records_which_checkpoints_collected(store_copy: StoreFixture) -> None:
     """After `make demo`, `swiftlog ls --run demo-run` printed an empty table: nothing said that the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -230,3 +231,33 @@ def test_replay_through_node_servers_plans_from_what_the_servers_hold(f1b_run, t
         assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
         alone = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--server", srv.url, "-s", "1", "-t", str(ITERS), "--plan-only"])
         assert alone.exit_code == 0 and f"replay [{CKPT}, {ITERS})" in alone.stdout, alone.output  # a target with servers alone
+
+
+def test_json_errors_of_an_unreachable_commit_store_and_a_corrupt_record(f1b_run, tmp_path):
+    """Under --json, errors were plain text: here unavailable (4) from `replay` and problems (1) from a
+    record that fails its checksum, each one JSON object on stdout (see also tests/test_cli_usage.py)."""
+    from logstore import Channel, RecordKey
+    from logstore.hot import HotTier
+    from logstore.testing import free_port
+    from tests._cli_helpers import json_error, swiftlog_all
+    from tests._replay_helpers import copy_run_files
+
+    root, cold = copy_run_files(f1b_run, tmp_path)
+    key = RecordKey(Channel.activation(0), 3, 1)
+    hot = HotTier(Path(root) / f1b_run.run_id / "stage0", owner=False)
+    loc = hot.lookup(key)
+    seg = hot.seg_path(loc.segment.id)
+    hot.close()
+    with open(seg, "r+b") as f:
+        f.seek(loc.offset + loc.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    store, corrupt = swiftlog_all(
+        ("replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1", "-o", tmp_path / "o",
+         "--commit-store", f"127.0.0.1:{free_port()}", "--json"),
+        ("show", str(key), "--root", root, "--run", f1b_run.run_id, "--json"),
+    )  # fmt: skip
+    assert json_error(store, 4, "cannot reach the commit store")["type"] == "unavailable"
+    err = json_error(corrupt, 1, str(key))
+    assert err["type"] == "corrupt_record" and err["key"] == str(key)

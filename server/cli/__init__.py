@@ -15,7 +15,9 @@ Common options: ``--root`` (env SWIFTLOG_ROOT), ``--run/-r``, ``--cold-url`` (en
 stays as a hidden option that still works and prints a deprecation note (``plan --failed/-f``,
 ``demo --replay-workers``).
 
-Exit codes: 0 ok, 1 problems found, 2 usage or bad input, 3 not found, 4 unavailable.
+Exit codes: 0 ok, 1 problems found, 2 usage or bad input, 3 not found, 4 unavailable. Under
+``--json`` an error is one JSON object on stdout (``{"error": {"type", "message", "hint",
+"exit_code", ...}}``, see ``_common.py``), with the same exit code.
 """
 
 from __future__ import annotations

@@ -5,23 +5,38 @@ Every subcommand is thin: it parses its options, calls one :class:`server.node.N
 the admin API returns. Expected errors print ``error: ...`` and ``hint: ...`` on stderr (never a
 traceback) and exit with the codes of :mod:`server.errors`:
 0 ok, 1 problems found, 2 usage or bad input, 3 not found, 4 unavailable.
+
+Under ``--json`` an error is one JSON object on stdout instead, with the same exit code::
+
+    {"error": {"type", "message", "hint", "exit_code", "key", "retryable"}}
+
+``type`` is the admin API's error code where the error has one (``run_not_found``...), ``usage``
+for an option the parser refused, else the exit code's name (``bad_input``, ``not_found``,
+``unavailable``, ``problems``). stdout, because a script that asked for JSON reads stdout: it
+gets one document either way and tells them apart by the exit code or the ``error`` key; stderr
+keeps the warnings. Every subcommand is a :class:`Command`, which does this also for the errors
+the option parser raises before the command runs.
+
+Never: prints a traceback for an expected error; mixes plain text into stdout under ``--json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from typer.core import TyperCommand
 
 from logstore.errors import SwiftlogError
-from server.errors import EXIT_NOT_FOUND, EXIT_USAGE, classify
+from server.errors import EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
 from server.node import Node
 from server.settings import ENV_COLD_OPTIONS, ENV_COLD_URL, ENV_ROOT
 
@@ -32,6 +47,7 @@ __all__ = [
     "ColdUrlOpt",
     "ColdOptionOpt",
     "JsonOpt",
+    "Command",
     "console",
     "err_console",
     "fail",
@@ -47,6 +63,16 @@ __all__ = [
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+
+# typer >= 0.20 carries its own copy of click (typer._click), older ones use click: either way these
+# are the classes typer's own BadParameter derives from
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_EXIT_NAMES = {EXIT_PROBLEMS: "problems", EXIT_USAGE: "bad_input", EXIT_NOT_FOUND: "not_found",
+               EXIT_UNAVAILABLE: "unavailable"}  # fmt: skip
+_json_errors: ContextVar[bool] = ContextVar("swiftlog_json_errors", default=False)  # the running command's --json
+
+
 
 RootOpt = Annotated[Path, typer.Option("--root", envvar=ENV_ROOT, help="the node's store root", show_default=False)]
 RunOpt = Annotated[str, typer.Option("--run", "-r", help="run id")]
@@ -64,12 +90,70 @@ ColdOptionOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="print machine-readable JSON instead of tables")]
 
 
-def fail(message: str, *, hint: str | None = None, code: int = EXIT_USAGE) -> typer.Exit:
-    """Print an error (and hint) on stderr; return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
-    if hint:
-        err_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
+def fail(
+    message: str,
+    *,
+    hint: str | None = None,
+    code: int = EXIT_USAGE,
+    error_type: str | None = None,
+    key: str | None = None,
+    retryable: bool = False,
+) -> typer.Exit:
+    """Report an error; return the Exit (``code``) to raise. Under the running command's ``--json``:
+    one JSON object on stdout (see the module docstring; ``error_type`` is its ``type``, by default
+    the exit code's name). Otherwise ``error:`` and ``hint:`` lines on stderr."""
+    if _json_errors.get():
+        body = {"type": error_type or _EXIT_NAMES.get(code, "error"), "message": message, "hint": hint,
+                "exit_code": code, "key": key, "retryable": retryable}  # fmt: skip
+        print_json({"error": body})
+    else:
+        err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+        if hint:
+            err_console.print(f"[yellow]hint:[/] {hint}", markup=True, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _asks_json(args: Sequence[str]) -> bool:
+    """Whether raw command-line ``args`` hold ``--json`` (before a ``--``)."""
+    args = list(args)
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def _parser_error(e: Exception) -> typer.Exit:
+    """An error of the option parser (a missing option, a bad value), reported as :func:`fail` does."""
+    ctx = getattr(e, "ctx", None)
+    hint = f"see '{ctx.command_path} --help'" if ctx is not None else None
+    kind = "usage" if isinstance(e, _UsageError) else None
+    return fail(e.format_message(), hint=hint, code=e.exit_code, error_type=kind)  # type: ignore[attr-defined]
+
+
+class Command(TyperCommand):
+    """A ``swiftlog`` subcommand: under ``--json`` every error it reports is one JSON object on stdout,
+    the option parser's too (a missing option, a bad ``--cold-url``). Exit codes are unchanged."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        as_json = _asks_json(args)  # before parsing: the parser consumes args
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except _ClickException as e:
+            if not as_json:
+                raise
+            token = _json_errors.set(True)
+            try:
+                raise _parser_error(e) from None
+            finally:
+                _json_errors.reset(token)
+
+    def invoke(self, ctx: Any) -> Any:
+        token = _json_errors.set(bool(ctx.params.get("json_out")))
+        try:
+            return super().invoke(ctx)
+        except _ClickException as e:  # e.g. a BadParameter raised by the command itself
+            if not _json_errors.get():
+                raise
+            raise _parser_error(e) from None
+        finally:
+            _json_errors.reset(token)
 
 
 def deprecated_alias(new: Any, old: Any, *, new_flag: str, old_flag: str) -> Any:
@@ -92,7 +176,7 @@ def handle_errors() -> Iterator[None]:
     except SwiftlogError as e:
         p = classify(e)
         msg = p.message if p.key is None or p.key in p.message else f"{p.message} [{p.key}]"
-        raise fail(msg, hint=p.hint, code=p.exit_code) from None
+        raise fail(msg, hint=p.hint, code=p.exit_code, error_type=p.code, key=p.key, retryable=p.retryable) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 

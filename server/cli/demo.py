@@ -29,7 +29,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import JsonOpt, console, deprecated_alias, handle_errors, human_bytes, print_json
+from server.cli._common import Command, JsonOpt, console, deprecated_alias, handle_errors, human_bytes, print_json
 from server.errors import EXIT_PROBLEMS
 
 __all__ = ["register", "run_demo"]
@@ -341,4 +341,4 @@ def demo(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo")(demo)
+    app.command("demo", cls=Command)(demo)

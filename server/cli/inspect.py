@@ -16,6 +16,7 @@ from logstore.keys import MAX_ITERATION, MAX_MICRO_BATCH
 from server.cli._common import (
     ColdOptionOpt,
     ColdUrlOpt,
+    Command,
     JsonOpt,
     OptionalRunOpt,
     RootOpt,
@@ -320,7 +321,7 @@ def export(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("ls")(ls)
-    app.command("stat")(stat)
-    app.command("show")(show)
-    app.command("export")(export)
+    app.command("ls", cls=Command)(ls)
+    app.command("stat", cls=Command)(stat)
+    app.command("show", cls=Command)(show)
+    app.command("export", cls=Command)(export)

@@ -12,6 +12,7 @@ from rich.table import Table
 from server.cli._common import (
     ColdOptionOpt,
     ColdUrlOpt,
+    Command,
     JsonOpt,
     RootOpt,
     RunOpt,
@@ -181,7 +182,7 @@ def _print_flush(rep: FlushResult) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify")(verify)
-    app.command("gc")(gc)
-    app.command("flush")(flush)
-    app.command("unregister")(unregister)
+    app.command("verify", cls=Command)(verify)
+    app.command("gc", cls=Command)(gc)
+    app.command("flush", cls=Command)(flush)
+    app.command("unregister", cls=Command)(unregister)

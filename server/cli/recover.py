@@ -18,6 +18,7 @@ import typer
 from server.cli._common import (
     ColdOptionOpt,
     ColdUrlOpt,
+    Command,
     JsonOpt,
     RunOpt,
     console,
@@ -58,7 +59,8 @@ def plan(
     """Plan the recovery of failed stages from the surviving stages' logs."""
     stages = deprecated_alias(stage, failed, new_flag="--stage/-s", old_flag="--failed/-f")
     if not stages:
-        raise fail("missing option '--stage' / '-s'", hint="name the failed stage: -s 2 (repeat for several)")
+        raise fail("missing option '--stage' / '-s'", hint="name the failed stage: -s 2 (repeat for several)",
+                   error_type="usage")  # fmt: skip
     if len(root) != 1:  # a plain option would keep the last of several silently
         raise fail(f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",
                    hint="to plan over several nodes' roots: swiftlog replay --plan-only --run RUN -s STAGE --root A --root B")  # fmt: skip
@@ -83,4 +85,4 @@ def plan(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", cls=Command)(plan)
