@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import Command, check_cold_url, fail, parse_cold_options, parse_kv
+from server.cli._common import Command, check_cold_url, cold_url_param, fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
 __all__ = ["app", "register", "replay_command", "print_plan"]
@@ -46,7 +46,8 @@ def replay_command(
     root: Annotated[list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")] = None,
     server: Annotated[list[str] | None, typer.Option("--server", help="a node server's URL, e.g. http://10.0.0.5:8080 (repeatable)")] = None,
     token: Annotated[str | None, typer.Option("--token", envvar="SWIFTLOG_TOKEN", help="bearer token of the servers (prefer the env var)", show_default=False)] = None,
-    cold_url: Annotated[str | None, typer.Option("--cold-url", envvar="SWIFTLOG_COLD_URL", help="cold tier: file:///dir or s3://bucket/prefix")] = None,
+    cold_url: Annotated[str | None, typer.Option("--cold-url", envvar="SWIFTLOG_COLD_URL", callback=cold_url_param,
+                                                 help="cold tier: file:///dir or s3://bucket/prefix")] = None,
     cold_option: Annotated[list[str] | None, typer.Option("--cold-option", help="cold tier storage option KEY=VALUE (repeatable; also used for s3 checkpoints)")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,

@@ -1,5 +1,5 @@
-"""The ``swiftlog`` CLI as a new user meets it: JSON errors under ``--json``, and an empty listing that
-says why it is empty."""
+"""The ``swiftlog`` CLI as a new user meets it: options checked before anything runs, one spelling per
+concept, JSON errors under ``--json``, and an empty listing that says why it is empty."""
 
 from __future__ import annotations
 
@@ -11,6 +11,40 @@ from server.testing import StoreFixture
 from tests._cli_helpers import fails, json_error, ok, swiftlog, swiftlog_all
 
 pytest_plugins = ["server.pytest_fixtures"]
+
+BAD_URL = "s3:/broken"
+
+
+def test_every_command_taking_cold_url_refuses_a_malformed_one_by_name(tmp_path: Path) -> None:
+    """`swiftlog ls --root R --cold-url s3:/broken` exited 0 (the URL was never parsed without --run),
+    and `serve` started with it. Every command parses it first: exit 2, naming the URL; the env
+    variable is checked the same way."""
+    root = tmp_path / "root"
+    root.mkdir()
+    out = tmp_path / "out.pt"
+    r = ("--root", root)
+    calls = [
+        ("ls", *r),
+        ("ls", *r, "--run", "run-a"),
+        ("stat", *r, "--run", "run-a"),
+        ("show", "act_0_1/it0", *r, "--run", "run-a"),
+        ("export", "act_0_1/it0", *r, "--run", "run-a", "-o", out),
+        ("verify", *r),
+        ("gc", *r, "--run", "run-a"),
+        ("flush", *r, "--run", "run-a"),
+        ("plan", *r, "--run", "run-a", "-s", "1"),
+        ("replay", *r, "--run", "run-a", "-s", "1", "--plan-only"),
+        ("serve", *r, "--port", "0"),
+    ]
+    results = swiftlog_all(*[(*c, "--cold-url", BAD_URL) for c in calls], ("ls", *r, {"SWIFTLOG_COLD_URL": BAD_URL}))
+    for call, p in zip([*calls, ("ls", "(env)")], results, strict=True):
+        assert p.returncode == 2, (call, p.returncode, p.stdout[-1000:], p.stderr[-1000:])
+        assert "Traceback" not in p.stderr and f"'{BAD_URL}'" in p.stderr and "--cold-url" in p.stderr, (call, p.stderr)
+    assert "SWIFTLOG_COLD_URL" in results[-1].stderr
+    err = json_error(swiftlog("ls", *r, "--cold-url", "gs://bucket/x", "--json"), 2, "gs://bucket/x", "--cold-url")
+    assert err["type"] == "usage" and "file:// or s3://" in err["message"]
+    assert not out.exists()
+
 
 def test_json_errors_are_one_json_object_with_the_same_exit_codes(written_store: StoreFixture, tmp_path: Path) -> None:
     """Under --json, errors were plain text on stderr: a script reading stdout got nothing to parse.

@@ -9,8 +9,9 @@ One module per subcommand group (litestream's layout)::
     demo.py        demo
     replay/cli.py  replay (lives with the replay engine; loaded on first use, see _Group)
 
-Common options: ``--root`` (env SWIFTLOG_ROOT), ``--run/-r``, ``--cold-url`` (env SWIFTLOG_COLD_URL),
-``--json`` on every inspection command. One spelling per concept across commands: ``--stage/-s`` a failed (or, in the demo, killed) stage,
+Common options: ``--root`` (env SWIFTLOG_ROOT), ``--run/-r``, ``--cold-url`` (env SWIFTLOG_COLD_URL;
+a malformed URL is refused before anything runs), ``--json`` on every inspection command. One
+spelling per concept across commands: ``--stage/-s`` a failed (or, in the demo, killed) stage,
 ``--target-iteration/-t``, ``--workers/-w`` replay processes, ``--output/-o``. An old spelling
 stays as a hidden option that still works and prints a deprecation note (``plan --failed/-f``,
 ``demo --replay-workers``).

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from typer.core import TyperCommand
 
+from logstore.cold import parse_cold_url
 from logstore.errors import SwiftlogError
 from server.errors import EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
 from server.node import Node
@@ -53,6 +54,7 @@ __all__ = [
     "fail",
     "handle_errors",
     "check_cold_url",
+    "cold_url_param",
     "deprecated_alias",
     "make_node",
     "parse_cold_options",
@@ -73,12 +75,26 @@ _EXIT_NAMES = {EXIT_PROBLEMS: "problems", EXIT_USAGE: "bad_input", EXIT_NOT_FOUN
 _json_errors: ContextVar[bool] = ContextVar("swiftlog_json_errors", default=False)  # the running command's --json
 
 
+def cold_url_param(value: str | None) -> str | None:
+    """Typer callback of every ``--cold-url``: a malformed URL is a usage error (exit 2) naming it,
+    before anything is opened. Returns the value unchanged; the store parses it the same way."""
+    if value:
+        try:
+            parse_cold_url(value)
+        except SwiftlogError as e:
+            hint = f" ({e.hint})" if e.hint else ""
+            raise typer.BadParameter(f"{e.message}{hint}") from None
+    return value
+
 
 RootOpt = Annotated[Path, typer.Option("--root", envvar=ENV_ROOT, help="the node's store root", show_default=False)]
 RunOpt = Annotated[str, typer.Option("--run", "-r", help="run id")]
 OptionalRunOpt = Annotated[str | None, typer.Option("--run", "-r", help="run id")]
 ColdUrlOpt = Annotated[
-    str | None, typer.Option("--cold-url", envvar=ENV_COLD_URL, help="cold tier: file:///dir or s3://bucket/prefix")
+    str | None,
+    typer.Option(
+        "--cold-url", envvar=ENV_COLD_URL, callback=cold_url_param, help="cold tier: file:///dir or s3://bucket/prefix"
+    ),
 ]
 ColdOptionOpt = Annotated[
     list[str] | None,
