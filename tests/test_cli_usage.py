@@ -15,6 +15,30 @@ pytest_plugins = ["server.pytest_fixtures"]
 BAD_URL = "s3:/broken"
 
 
+def test_demo_refuses_a_phase_it_cannot_inject_before_anything_starts(tmp_path: Path) -> None:
+    """`swiftlog demo --phase sideways` trained three times (79 s) and then died with a TypeError in
+    the launcher. A closed set of values is a choice now: refused at once, exit 2, nothing created.
+    `checkpoint` (a kill that fires only at a checkpoint iteration, never in the demo's interval) is
+    not offered either; nor is a failure iteration past the end of the run."""
+    d = tmp_path / "demo"
+    short = ("--dir", d, "--iterations", "4", "--checkpoint-every", "2")
+    sideways, checkpoint, as_json, too_late = swiftlog_all(
+        ("demo", *short, "--phase", "sideways"),
+        ("demo", *short, "--phase", "checkpoint"),
+        ("demo", *short, "--phase", "sideways", "--json"),
+        ("demo", "--dir", d, "--iterations", "4", "--checkpoint-every", "3"),
+    )
+    for p in (sideways, checkpoint):
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stdout[-1500:], p.stderr[-1500:])
+        assert "--phase" in p.stderr and "forward" in p.stderr and "optimizer" in p.stderr, p.stderr
+        assert "1/3" not in p.stdout  # no training started
+    err = json_error(as_json, 2, "--phase", "sideways")
+    assert err["type"] == "usage" and "forward" in err["message"]
+    assert too_late.returncode == 2, (too_late.stdout[-1500:], too_late.stderr[-1500:])
+    assert "--checkpoint-every 3" in too_late.stderr and "--iterations 4" in too_late.stderr, too_late.stderr
+    assert not d.exists()
+
+
 def test_every_command_taking_cold_url_refuses_a_malformed_one_by_name(tmp_path: Path) -> None:
     """`swiftlog ls --root R --cold-url s3:/broken` exited 0 (the URL was never parsed without --run),
     and `serve` started with it. Every command parses it first: exit 2, naming the URL; the env

@@ -16,7 +16,12 @@ in a local directory standing for durable storage):
    rollback's cost) and writes ``report.json``, ``report.md`` and ``progress.png`` (iteration vs
    wall time for both strategies) to the directory.
 
+Options are checked before anything starts: a closed set (``--phase``) is a choice, and a failure
+iteration outside the run is refused.
+
 Exit 0 when recovery verified and every stage's final state equals the reference, 1 otherwise.
+
+Never: starts a training with an option it will refuse later.
 """
 
 from __future__ import annotations
@@ -24,17 +29,47 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import Command, JsonOpt, console, deprecated_alias, handle_errors, human_bytes, print_json
+from server.cli._common import Command, JsonOpt, console, deprecated_alias, fail, handle_errors, human_bytes, print_json
 from server.errors import EXIT_PROBLEMS
 
-__all__ = ["register", "run_demo"]
+__all__ = ["register", "run_demo", "Phase", "DemoRunError"]
 
 RUN = "demo-run"
+
+
+class Phase(str, Enum):
+    """Where the demo's SIGKILL lands: the example script's kill phases that a failure between two
+    checkpoints reaches (``checkpoint`` fires only at a checkpoint iteration, ``recovering`` only
+    during a recovery: neither would kill anything here)."""
+
+    forward = "forward"
+    backward = "backward"
+    commit = "commit"
+    optimizer = "optimizer"
+    upload = "upload"
+
+
+class DemoRunError(RuntimeError):
+    """One of the demo's trainings did not finish (its stage logs are in the message)."""
+
+
+def _failure_iteration(iterations: int, checkpoint_every: int) -> int:
+    """Where the demo's failure hits: half-way between the first two checkpoints. Raises a usage
+    error naming the options when that is not inside the run."""
+    it = checkpoint_every + checkpoint_every // 2
+    if not 0 < it < iterations:
+        raise typer.BadParameter(
+            f"--checkpoint-every {checkpoint_every} puts the failure at iteration {it}, "
+            f"not before --iterations {iterations}",
+            param_hint="'--checkpoint-every'",
+        )
+    return it
 
 
 def _progress(run: Any) -> list[tuple[int, float]]:
@@ -102,11 +137,10 @@ def run_demo(
     )
 
     say = say or (lambda *_: None)
-    fail_iteration = (
-        fail_iteration
-        if fail_iteration is not None
-        else checkpoint_every + checkpoint_every // 2
-    )
+    phase = str(getattr(phase, "value", phase))
+    if phase not in [p.value for p in Phase]:  # a phase this demo never reaches: three trainings for nothing
+        raise ValueError(f"phase {phase!r} is not one of {', '.join(p.value for p in Phase)}")
+    fail_iteration = fail_iteration if fail_iteration is not None else _failure_iteration(iterations, checkpoint_every)
     if not 0 < fail_iteration < iterations:
         raise typer.BadParameter(
             f"the failure iteration {fail_iteration} must be inside (0, {iterations})"
@@ -126,7 +160,7 @@ def run_demo(
         r = run_with_failures(args, run_id=RUN, base_dir=str(base.resolve()), checkpoint_url=f"file://{(base / 'ckpt').resolve()}",
                               kills=kills, mode=mode, timeout_s=240, replay_workers=replay_workers)  # fmt: skip
         if not r.ok:
-            raise RuntimeError(f"the {name} run did not finish:\n{r.describe()}")
+            raise DemoRunError(f"the {name} run did not finish:\n{r.describe()}")
         return r
 
     t0 = time.perf_counter()
@@ -299,12 +333,7 @@ def demo(
     stage: Annotated[
         int, typer.Option("--stage", "-s", min=0, max=3, help="the stage to kill")
     ] = 2,
-    phase: Annotated[
-        str,
-        typer.Option(
-            "--phase", help="forward | backward | commit | optimizer | checkpoint"
-        ),
-    ] = "backward",
+    phase: Annotated[Phase, typer.Option("--phase", help="where the SIGKILL lands")] = Phase.backward,
     workers: Annotated[
         int | None,
         typer.Option("--workers", "-w", min=1, max=8, show_default="1",
@@ -316,19 +345,26 @@ def demo(
 ) -> None:
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
     workers = deprecated_alias(workers, replay_workers, new_flag="--workers/-w", old_flag="--replay-workers") or 1
+    _failure_iteration(iterations, checkpoint_every)  # refused now, not after the reference run
     workdir = (directory or Path("swiftlog-demo")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fail(f"cannot create --dir {str(workdir)!r}: {e.strerror or e}", hint="give a writable one") from None
     say = (lambda *_: None) if json_out else (lambda msg: console.print(msg))
     with handle_errors():
-        report = run_demo(
-            workdir,
-            iterations=iterations,
-            checkpoint_every=checkpoint_every,
-            fail_stage=stage,
-            phase=phase,
-            replay_workers=workers,
-            say=say,
-        )
+        try:
+            report = run_demo(
+                workdir,
+                iterations=iterations,
+                checkpoint_every=checkpoint_every,
+                fail_stage=stage,
+                phase=phase.value,
+                replay_workers=workers,
+                say=say,
+            )
+        except DemoRunError as e:
+            raise fail(str(e), code=EXIT_PROBLEMS, hint="the failed processes' output ends the message") from None
     if json_out:
         print_json({k: v for k, v in report.items() if k != "progress"})
     else:
