@@ -258,10 +258,29 @@ def test_errors_say_what_to_do_and_exit_codes_mean_something(written_store: Stor
 
 
 def test_demo(tmp_path: Path) -> None:
-    """The recovery demo (short): a stage killed mid-interval is recovered in place, bit-exact."""
-    report = json.loads(_ok(swiftlog("demo", "--dir", tmp_path / "demo", "--iterations", "8", "--checkpoint-every", "4", "--json", timeout=240)).stdout)
+    """The recovery demo (short): a stage killed mid-interval is recovered in place, bit-exact. It ends
+    with where its stores are and what to try next, with the real paths; the first two suggestions
+    (stat, ls) run as printed, and ls says what collected the records (it printed an empty table)."""
+    import shlex
+
+    args = ("--dir", tmp_path / "demo", "--iterations", "8", "--checkpoint-every", "4", "-w", "1")
+    p = _ok(swiftlog("demo", *args, timeout=240))
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["ok"] is True and report["verification"]["verified"] and report["final_state"]["bit_exact"]
     assert report["plan"]["checkpoint_iteration"] == 4 and report["plan"]["resume_iteration"] == 6
     assert report["global_rollback"]["bit_exact"] and report["global_rollback"]["resumed_s"] > 0
     for f in ("report.json", "report.md", "progress.png"):
         assert (tmp_path / "demo" / f).stat().st_size > 0
+    stores = report["stores"]
+    swift = tmp_path.resolve() / "demo" / "swift"
+    assert stores["cold_url"] == f"file://{swift / 'cold'}" and stores["checkpoints"] == f"file://{swift / 'ckpt'}"
+    # every stage's node root, the replacement's too
+    assert set(stores["node_roots"]) == {"stage0-g0", "stage1-g0", "stage2-g0", "stage3-g0", "stage2-g1"}
+    assert all(Path(r, "demo-run").is_dir() for r in stores["node_roots"].values())
+    text = " ".join(p.stdout.split())
+    assert "Stores of the SWIFT run" in text and stores["node_roots"]["stage2-g1"] in text
+    assert stores["cold_url"] in text
+    assert len(report["try"]) == 4 and all(cmd in p.stdout for cmd in report["try"]), p.stdout[-3000:]
+    stat, ls = swiftlog_all(*[tuple(shlex.split(cmd)[1:]) for cmd in report["try"][:2]])
+    assert "checkpoints" in _ok(stat).stdout and "stage 2 @ 8" in stat.stdout
+    assert "garbage collection deleted" in _ok(ls).stdout and "checkpoint at iteration 8" in ls.stdout, ls.stdout

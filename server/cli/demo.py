@@ -14,7 +14,10 @@ in a local directory standing for durable storage):
 4. prints a report (where the failure hit, the recovery plan, detect / fetch / replay / rejoin,
    bytes fetched, verification, final state of every stage vs the reference bit for bit, the
    rollback's cost) and writes ``report.json``, ``report.md`` and ``progress.png`` (iteration vs
-   wall time for both strategies) to the directory.
+   wall time for both strategies) to the directory;
+5. says where the SWIFT run's stores are (node roots, cold tier, checkpoints) and which commands
+   to try on them. By default the last checkpoint is at the last iteration, so GC has deleted
+   every record by then: ``swiftlog ls`` and ``stat`` say how many, and by which checkpoint.
 
 Options are checked before anything starts: a closed set (``--phase``) is a choice, and a failure
 iteration outside the run is refused.
@@ -27,6 +30,7 @@ Never: starts a training with an option it will refuse later.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import time
 from enum import Enum
@@ -213,6 +217,9 @@ def run_demo(
         "wall_s": {"reference": ref.wall_s, "swift": sw.wall_s, "rollback": rb.wall_s, "demo": time.perf_counter() - t0},
     }  # fmt: skip
     report["ok"] = bool(t.get("verified")) and report["final_state"]["bit_exact"]
+    last_checkpoint = iterations // checkpoint_every * checkpoint_every
+    report["stores"] = _stores(workdir / "swift", sw.timeline, last_checkpoint=last_checkpoint)
+    report["try"] = _next_commands(report["stores"], kill.stage, workdir)
     series = {
         "failure-free": _progress(ref),
         "SWIFT in-place recovery": _progress(sw),
@@ -235,6 +242,51 @@ def run_demo(
     (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (workdir / "report.md").write_text(_markdown(report))
     return report
+
+
+def _stores(base: Path, timeline: list[dict[str, Any]], *, last_checkpoint: int) -> dict[str, Any]:
+    """Where the SWIFT run's data lives: every stage process's node store root (a replacement's
+    too), the cold tier and the checkpoints, as the launcher laid them out under ``base``."""
+    base = base.resolve()
+    roots = {e["name"]: str(base / "nodes" / e["name"]) for e in timeline if e["what"] == "start"}
+    return {"run": RUN, "node_roots": roots, "cold_url": f"file://{base / 'cold'}",
+            "checkpoints": f"file://{base / 'ckpt'}", "last_checkpoint": last_checkpoint}  # fmt: skip
+
+
+def _next_commands(stores: dict[str, Any], failed: int, workdir: Path) -> list[str]:
+    """Commands to try on the demo's stores, with their real paths: over the node root of a
+    neighbour of the failed stage (it logged what the failed stage received)."""
+    neighbour = f"stage{failed - 1 if failed > 0 else 1}-g0"
+    root = shlex.quote(stores["node_roots"][neighbour])
+    cold = shlex.quote(stores["cold_url"])
+    return [
+        f"swiftlog stat --root {root} --run {RUN} --cold-url {cold}",
+        f"swiftlog ls --root {root} --run {RUN} --cold-url {cold}",
+        f"swiftlog serve --root {root} --cold-url {cold}",
+        f"swiftlog demo --phase forward --workers 2 --dir {shlex.quote(str(workdir))}",
+    ]
+
+
+def _print_next(r: dict[str, Any], iterations: int) -> None:
+    """Where the SWIFT run's stores are, and what to try on them."""
+    st = r["stores"]
+    console.print(f"\n[bold]Stores[/] of the SWIFT run (run id {st['run']}):")
+    for name, root in st["node_roots"].items():
+        console.print(f"  node root    {name:10} {root}", soft_wrap=True, markup=False)
+    console.print(f"  cold tier    {st['cold_url']}", soft_wrap=True, markup=False)
+    console.print(f"  checkpoints  {st['checkpoints']}", soft_wrap=True, markup=False)
+    last = st["last_checkpoint"]
+    if last >= iterations:  # what `swiftlog ls` finds: nothing, unless it says why
+        console.print(f"  the checkpoint at iteration {last}, the last, made every record garbage: GC deleted them")
+    else:
+        console.print(f"  records from iteration {last} on are kept: no checkpoint after them made them garbage")
+    what = ["checkpoints, watermarks, what GC collected", "the records left, and what collected the others",
+            "the admin API on http://127.0.0.1:8765 (see /docs)",
+            "another failure, replayed by 2 processes"]  # fmt: skip
+    console.print("[bold]Try next[/]")
+    for cmd, why in zip(r["try"], what, strict=True):
+        console.print(f"  {cmd}", soft_wrap=True, markup=False)
+        console.print(f"      [dim]# {why}[/]")
 
 
 def _fmt(v: Any) -> str:
@@ -372,6 +424,7 @@ def demo(
         console.print(
             f"\n[bold]{'recovery verified and bit-exact' if report['ok'] else 'SOME CHECKS FAILED'}[/]"
         )
+        _print_next(report, iterations)
     if not report["ok"]:
         raise typer.Exit(EXIT_PROBLEMS)
 
