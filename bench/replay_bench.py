@@ -95,17 +95,13 @@ SEED = 1234
 MODEL = {"vocab": 256, "hidden": 256, "heads": 4, "layers": 2, "seq": 64, "micro_batch_size": 4, "n_microbatches": 8, "dropout": 0.1}
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+def _state_equal(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None,
+                 sched_a: Any = None, sched_b: Any = None) -> bool:  # fmt: skip
+    """Bit for bit, by the one comparison the tests use (:func:`replay.launcher.states_equal`)."""
+    from replay.launcher import states_equal
 
-
-def _state_equal(model_a: dict, opt_a: dict, model_b: dict, opt_b: dict) -> bool:
-    if model_a.keys() != model_b.keys() or not all(_bits_equal(model_a[k], model_b[k]) for k in model_a):
-        return False
-    sa, sb = opt_a["state"], opt_b["state"]
-    return sa.keys() == sb.keys() and all(
-        _bits_equal(v, sb[p][k]) if isinstance(v, torch.Tensor) else v == sb[p][k] for p in sa for k, v in sa[p].items()
-    )
+    a = {"model": model_a, "optimizer": opt_a, "lr_scheduler": sched_a}
+    return states_equal(a, {"model": model_b, "optimizer": opt_b, "lr_scheduler": sched_b}) == []
 
 
 def _cpu_jiffies() -> tuple[float, float] | None:
@@ -257,7 +253,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"calibration: sequential replay alone {alone:7.3f} s, two at once {both[0]:7.3f} / {both[1]:7.3f} s", flush=True)
         store.close()
     seq, ap = states["seq"], states["k2_approx"]
-    bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"]) and seq.lr_scheduler == live["lr_scheduler"]
+    bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"],
+                             seq.lr_scheduler, live["lr_scheduler"])
     max_diff = max(float((ap.model[k] - seq.model[k]).abs().max()) for k in seq.model)
     # each round's ratio, then the median over rounds (see the module docstring); best-of and median-of-times alongside
     per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")}

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from logstore import LogStore
 from replay.core import StageState
+from replay.launcher import states_equal
 from trainer_client import load_checkpoint
 from trainer_client.examples.gpt import (
     GPTConfig,
@@ -91,31 +90,12 @@ def stage_from_checkpoint(run: PipelineRun, stage: int, iteration: int) -> Stage
 
 
 def state_differences(state: StageState, result: dict[str, Any]) -> list[str]:
-    """Names of parameters / optimizer-state tensors / scheduler fields that differ bitwise."""
-    bad = []
-    live_model = result["model"]
-    for name, t in state.module.state_dict().items():
-        if not torch.equal(t, live_model[name]):
-            bad.append(f"param {name}")
-    mine, live = state.optimizer.state_dict(), result["optimizer"]
-    if mine["state"].keys() != live["state"].keys():
-        bad.append("optimizer state keys")
-    for pid, st in mine["state"].items():
-        for key, v in st.items():
-            w = live["state"][pid][key]
-            if isinstance(v, torch.Tensor) and not torch.equal(v, w):
-                bad.append(f"optimizer {pid}.{key}")
-    if state.lr_scheduler is not None and state.lr_scheduler.state_dict() != result["lr_scheduler"]:
-        bad.append("lr_scheduler")
-    return bad
-
-
-def models_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Bitwise equality of two stage results' model and optimizer state."""
-    if a["model"].keys() != b["model"].keys() or not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
-        return False
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    return all(torch.equal(sa[p][k], sb[p][k]) for p in sa for k in sa[p] if isinstance(sa[p][k], torch.Tensor))
+    """Where a stage's live objects differ bit for bit from a stage result (:func:`replay.launcher.states_equal`);
+    the scheduler is compared when the stage has one."""
+    mine = {"model": state.module.state_dict(), "optimizer": state.optimizer.state_dict()}
+    if state.lr_scheduler is not None:
+        mine["lr_scheduler"] = state.lr_scheduler.state_dict()
+    return states_equal(mine, {k: result[k] for k in mine})
 
 
 def hot_tier_dirs(run: PipelineRun) -> list[str]:

@@ -25,6 +25,7 @@ from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import RecordKey
 from replay.engine import SourceSpec
+from replay.launcher import states_equal
 from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
 from trainer_client import Checkpoint
@@ -83,40 +84,14 @@ def file_run(base: Path, run_id: str, schedule: str, extra: Sequence[str] = (), 
 
 
 # ------------------------------------------------------------------------------ comparisons
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _tensor_differs(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
-            return True
-        return not torch.equal(_bits(a), _bits(b))
-    return a != b
-
-
 def state_bytes_differ(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None) -> list[str]:
-    """Names whose bytes differ (parameters, then optimizer state); -0.0 vs 0.0 counts as a difference."""
-    bad = [f"param {n}" for n in model_a if n not in model_b or _tensor_differs(model_a[n], model_b[n])]
-    bad += [f"param {n} missing" for n in model_b if n not in model_a]
-    if opt_a is not None or opt_b is not None:
-        sa, sb = (opt_a or {}).get("state", {}), (opt_b or {}).get("state", {})
-        if sa.keys() != sb.keys():
-            bad.append("optimizer state keys")
-        for pid in sa:
-            for k, v in sa[pid].items():
-                if _tensor_differs(v, sb.get(pid, {}).get(k)):
-                    bad.append(f"optimizer {pid}.{k}")
-        if (opt_a or {}).get("param_groups") != (opt_b or {}).get("param_groups"):
-            bad.append("optimizer param_groups")
-    return bad
+    """Where two models and optimizer states differ bit for bit (:func:`replay.launcher.states_equal`)."""
+    return states_equal({"model": model_a, "optimizer": opt_a}, {"model": model_b, "optimizer": opt_b})
 
 
 def checkpoint_vs_live(ck: Checkpoint, live: dict[str, Any]) -> list[str]:
     """Differences between a recovered checkpoint and the live stage's final state (bytes, scheduler, iteration)."""
-    bad = state_bytes_differ(ck.model, ck.optimizer, live["model"], live["optimizer"])
-    if ck.lr_scheduler != live["lr_scheduler"]:
-        bad.append("lr_scheduler")
+    bad = states_equal({"model": ck.model, "optimizer": ck.optimizer, "lr_scheduler": ck.lr_scheduler}, live)
     if ck.iteration != live["iters"]:
         bad.append(f"iteration {ck.iteration} != {live['iters']}")
     return bad
