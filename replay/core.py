@@ -156,6 +156,8 @@ def _key_order(text: str) -> tuple[int, int, str, int]:
 class ReplayReport:
     """What a replay did and whether it reproduced the live sends.
 
+    ``micro_batches``: micro-batches whose backward ran through the replayed stages, counted as
+    each one ends (a parallel worker's own; shadow forwards are not counted).
     ``sends_generated``: boundary sends (tensor parts) the replay regenerated.
     ``digests_checked``: regenerated sends compared with a receiver's digest; ``digest_mismatches``
     / ``digests_missing``: record keys (as strings) that differed / had no digest.
@@ -884,6 +886,7 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             grads_in = sent
             if st.stage > 0 and i == 0:
                 _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
+        report.micro_batches += 1  # its backward ran through every replayed stage
         changed = [(k, name) for (k, name, b), v in zip(ctx.buffers, versions, strict=True) if b._version != v]
         if snapshot is not None:
             changed += [(k, name) for (k, name, b), c in zip(ctx.buffers, snapshot, strict=True) if (k, name) not in changed and not torch.equal(_bytes_of(b), c)]
@@ -934,7 +937,6 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
             _check_scheduled_rates(st, it, meta["sched_next"])
         st.optimizer.zero_grad(set_to_none=True)
     report.step_seconds += time.perf_counter() - t_step
-    report.micro_batches += len(plan.mine)
     if is_last:
         report.losses[it] = losses
         report.loss_micro_batches[it] = loss_mbs

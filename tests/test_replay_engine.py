@@ -35,6 +35,7 @@ from replay import (
     replay_stages,
 )
 from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState, _passes, _Plan, locate_logs
+from replay.core import ReplayHooks
 from replay.engine import build_states, checkpoint_of
 from replay.examples import gpt_stage
 from server.testing import ServerProcess
@@ -117,6 +118,39 @@ def test_a_run_under_autocast_replays_under_it_bit_for_bit(autocast_run, tmp_pat
     for stage, workers in ((3, 1), (1, 2)):
         res = replay(_job(autocast_run, stage, tmp_path / f"s{stage}", workers=workers))
         assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), autocast_run.results[stage]) == [], f"stage {stage}"
+
+
+def test_the_report_counts_the_micro_batches_that_ran(f1b_run):
+    """``micro_batches`` counts a micro-batch once its backward ran through the replayed stages, not
+    the iteration's plan: a replay stopped in the middle of an iteration (here by a hook raising
+    after the second backward, as a stop request would) has counted what ran, and a replay that
+    ran to the end has counted every micro-batch once."""
+
+    class Stop(Exception):
+        pass
+
+    n_mb = f1b_run.gpt.n_microbatches
+    seen: list[Any] = []
+    ran: list[tuple[int, int]] = []
+
+    def after_backward(it: int, mb: int) -> None:
+        ran.append((it, mb))
+        if len(ran) == n_mb + 2:
+            raise Stop
+
+    ck = load_checkpoint(f1b_run.results[1]["checkpoints"][CKPT])
+    state = StageState.from_checkpoint(ck, *gpt_stage(1, NUM_STAGES, ck, **f1b_run.gpt.to_dict()))
+    with f1b_run.store() as st, pytest.raises(Stop):
+        hooks = ReplayHooks(after_backward=after_backward)
+        replay_stages([state], st, num_stages=NUM_STAGES, stop_iteration=ITERS, hooks=hooks,
+                      on_iteration=lambda it, rep: seen.append(rep))  # fmt: skip
+    assert len(seen) == 1 and [it for it, _ in ran] == [CKPT] * n_mb + [CKPT + 1] * 2  # one iteration and two backwards
+    assert seen[0].micro_batches == n_mb + 2 and seen[0].iterations_done == 1
+    ck = load_checkpoint(f1b_run.results[1]["checkpoints"][CKPT])
+    state = StageState.from_checkpoint(ck, *gpt_stage(1, NUM_STAGES, ck, **f1b_run.gpt.to_dict()))
+    with f1b_run.store() as st:
+        rep = replay_stages([state], st, num_stages=NUM_STAGES, stop_iteration=ITERS)
+    assert rep.micro_batches == (ITERS - CKPT) * n_mb and rep.verified
 
 
 def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, tmp_path):
