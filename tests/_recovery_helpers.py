@@ -13,16 +13,18 @@ from pathlib import Path
 
 from replay.launcher import KillSpec, RecoveryRun, run_with_failures, states_equal
 
-__all__ = ["CKPTS", "ITERS", "NUM_STAGES", "assert_same_as", "pipeline_args", "run"]
+__all__ = ["CKPTS", "ITERS", "NUM_STAGES", "PG_TIMEOUT_S", "assert_same_as", "pipeline_args", "run"]
 
 ITERS = 6
 CKPTS = "2,4"
 NUM_STAGES = 4
+PG_TIMEOUT_S = 60  # the stages' process-group and rejoin timeouts
 
 
 def pipeline_args(base: Path, schedule: str, extra: Sequence[str] = ()) -> list[str]:
     return ["--schedule", schedule, "--iters", str(ITERS), "--ckpt-at", CKPTS, "--seed", "1234", "--segment-iters", "2",
-            "--cold-url", f"file://{base / 'cold'}", "--pg-timeout", "60", "--rejoin-timeout", "60", *extra]  # fmt: skip
+            "--cold-url", f"file://{base / 'cold'}", "--pg-timeout", str(PG_TIMEOUT_S),
+            "--rejoin-timeout", str(PG_TIMEOUT_S), *extra]  # fmt: skip
 
 
 def run(base: Path, schedule: str, kills: Sequence[KillSpec] = (), *, mode: str = "swift", extra: Sequence[str] = ("--data-source",),

@@ -347,7 +347,7 @@ def _use_in_forked_child(tier: ColdTier, q: multiprocessing.Queue) -> None:
     gc.collect()
 
 
-def test_usable_after_fork_and_parent_unharmed(cold_tier: ColdTier) -> None:
+def test_usable_after_fork_and_parent_unharmed(cold_tier: ColdTier, caplog: pytest.LogCaptureFixture) -> None:
     cold_tier.put_segment("run/from-parent", b"parent", meta={})
     assert len(cold_tier.list_segments()) == 1  # the parent now holds pooled connections
     ctx = multiprocessing.get_context("fork")
@@ -357,10 +357,11 @@ def test_usable_after_fork_and_parent_unharmed(cold_tier: ColdTier) -> None:
     proc.join(60)
     assert proc.exitcode == 0
     assert q.get(timeout=5) == ("ok", ["run/from-child", "run/from-parent"])
-    t0 = time.monotonic()
-    assert [s.name for s in cold_tier.list_segments()] == ["run/from-child", "run/from-parent"]
-    assert cold_tier.read("run/from-child") == b"child"
-    assert time.monotonic() - t0 < 2, "the parent's client was disturbed by the child"
+    with caplog.at_level("DEBUG", logger="logstore.cold"):
+        assert [s.name for s in cold_tier.list_segments()] == ["run/from-child", "run/from-parent"]
+        assert cold_tier.read("run/from-child") == b"child"
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert not retries, f"the parent's client was disturbed by the child: {retries}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,11 +465,9 @@ def test_object_store_down_then_back(cold_env: ColdEnv) -> None:
             "list_segments": tier.list_segments,
         }
         for what, op in ops.items():
-            t0 = time.monotonic()
             with pytest.raises(ColdTierUnavailableError) as ei:
                 op()
-            took = time.monotonic() - t0
-            assert took < 5, f"{what} took {took:.1f}s to fail"
+            assert f"failed after {1 + tier.retries} attempt(s)" in str(ei.value), (what, str(ei.value))  # no hang
             assert ei.value.retryable
             assert server.endpoint_url in str(ei.value), str(ei.value)
             assert ei.value.__cause__ is not None
@@ -495,12 +494,10 @@ def test_unreachable_endpoint_fails_fast() -> None:
         "s3://nobody-home/x",
         storage_options={"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}},
     )
-    t0 = time.monotonic()
-    with pytest.raises(ColdTierUnavailableError, match=f"127.0.0.1:{port}"):
-        tier.health()
-    with pytest.raises(ColdTierUnavailableError):
-        tier.list_segments()
-    assert time.monotonic() - t0 < 5
+    attempts = rf"127.0.0.1:{port}.*failed after {1 + tier.retries} attempt\(s\)"
+    for op in (tier.health, tier.list_segments):  # each gives up after its retries: a bounded number of attempts
+        with pytest.raises(ColdTierUnavailableError, match=attempts):
+            op()
     tier.close()
 
 
@@ -515,10 +512,8 @@ def test_unresponsive_endpoint_times_out() -> None:
             storage_options={"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}},
             timeout_s=1.0,
         )
-        t0 = time.monotonic()
-        with pytest.raises(ColdTierUnavailableError):
-            tier.read("a/b")
-        assert time.monotonic() - t0 < 6
+        with pytest.raises(ColdTierUnavailableError, match=r"failed after 1 attempt\(s\): ReadTimeoutError"):
+            tier.read("a/b")  # the read timed out at timeout_s, the retry deadline too: no second attempt
         tier.close()
 
 
@@ -568,10 +563,9 @@ def test_5xx_is_retried_then_unavailable(failures: int, expect_ok: bool) -> None
             assert tier.read("a/b") == b"payload"
             assert len(handler.requests) == 3  # two 503s, then the answer
         else:
-            t0 = time.monotonic()
             with pytest.raises(ColdTierUnavailableError, match="SlowDown") as ei:
                 tier.read("a/b")
-            assert ei.value.retryable and time.monotonic() - t0 < 5
+            assert ei.value.retryable
             assert len(handler.requests) == 4  # 1 + retries, then it gives up
         tier.close()
     finally:
@@ -580,19 +574,19 @@ def test_5xx_is_retried_then_unavailable(failures: int, expect_ok: bool) -> None
 
 
 @pytest.mark.s3
-def test_wrong_credentials_is_not_retryable(request: pytest.FixtureRequest) -> None:
+def test_wrong_credentials_is_not_retryable(request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:
     server = request.getfixturevalue("seaweedfs_server")  # moto accepts any credentials
     if not server.is_running:
         server.restart()
     opts = dict(server.storage_options, secret="not-the-secret")
     tier = ColdTier(server.url("creds"), storage_options=opts)
-    t0 = time.monotonic()
-    with pytest.raises(ColdTierError) as ei:
-        tier.put_segment("r/s", b"x", meta={})
-    assert not isinstance(ei.value, ColdTierUnavailableError) and not ei.value.retryable
-    with pytest.raises(ColdTierError):
-        tier.health()
-    assert time.monotonic() - t0 < 5
+    with caplog.at_level("DEBUG", logger="logstore.cold"):
+        with pytest.raises(ColdTierError) as ei:
+            tier.put_segment("r/s", b"x", meta={})
+        assert not isinstance(ei.value, ColdTierUnavailableError) and not ei.value.retryable
+        with pytest.raises(ColdTierError):
+            tier.health()
+    assert not [r for r in caplog.records if "retry" in r.getMessage()]  # refused at once, never retried
     tier.close()
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -160,11 +159,10 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         early = plan_recovery(st, [2], target_iteration=1)
     assert not early.possible and "at or below the target 1" in early.reasons[0]
     assert early.fallback["iteration"] is None and "from scratch" in early.fallback["note"]
-    # a target far beyond the logs (up to the API's limit): one reason, found at once, not a walk over every iteration
-    t0 = time.monotonic()
+    # a target far beyond the logs (up to the API's limit): one reason, found at once (a walk would never return)
     with f1b_run.store() as st:
         far = plan_recovery(st, [2], target_iteration=2**53 - 1)
-    assert time.monotonic() - t0 < 10 and not far.possible and far.units[0].iterations == 2**53 - 1 - 2
+    assert not far.possible and far.units[0].iterations == 2**53 - 1 - 2
     reasons = far.units[0].reasons
     assert len(reasons) == 3 and reasons[0] == f"iteration {ITERS}: no stage has a META record (no stage committed it, or it was garbage-collected)", reasons
     assert reasons[-1] == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"

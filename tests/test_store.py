@@ -387,8 +387,8 @@ def test_wait_shipped_says_when_sealed_records_are_in_the_cold_tier(tmp_path: Pa
         s.put_many([(RecordKey(inp, 2, mb), _t(2, mb)) for mb in range(2)])
         s.seal([inp])
         t0 = time.monotonic()
-        assert s.wait_shipped([inp], 2, timeout=0.5) is False
-        assert 0.4 < time.monotonic() - t0 < 5
+        assert s.wait_shipped([inp], 2, timeout=0.5) is False  # it ends at its timeout, never waits for the store
+        assert time.monotonic() - t0 > 0.4
         assert s.wait_shipped([inp], 1, timeout=0) is True  # what went up before stays up
     finally:
         cold_env.server.restart()
@@ -419,14 +419,15 @@ def test_gc_aborts_stale_multipart_upload(tmp_path: Path, cold_backend, cold_env
 
 
 def test_gaps_reach_the_cold_tier_without_blocking_the_writer(tmp_path: Path, cold_backend) -> None:
+    """A gap is in the writer's index at once and goes to the cold tier with the uploads, never
+    during ``record_gap``: another node sees it only after the flush."""
     s = _open(tmp_path / "node", cold_backend, upload=False)
-    t0 = time.monotonic()
+    r = _open(tmp_path / "other-node", cold_backend, writer=None)
     s.record_gap(ACT, 7, 1, "queue full")
-    assert time.monotonic() - t0 < 0.5
     assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in s.gaps()] == [("act_1_2", 7, 1)]
+    assert r.gaps() == []  # not written to the object store by the caller
     s.flush()
     s.close()
-    r = _open(tmp_path / "other-node", cold_backend, writer=None)
     assert [(g["channel"], g["iteration"], g["reason"]) for g in r.gaps()] == [("act_1_2", 7, "queue full")]
     r.close()
 

