@@ -129,8 +129,10 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
 
 
 def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` whose forward sleeps 30 ms in parallel-replay worker 1 (a worker on a
-    busy core), for the balancing test; the arithmetic is untouched."""
+    """``replay.examples.gpt_stage`` whose forward in parallel-replay worker 1 (a worker on a busy core)
+    sleeps six times as long as it computed, and at least 30 ms, for the balancing tests. The sleep
+    grows with the forward's own time, so worker 1 stays the slower one however loaded the machine is.
+    The arithmetic is untouched."""
     import time
 
     import torch.distributed as dist
@@ -138,12 +140,17 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
     from replay.examples import gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
+    started: list[float] = []
 
-    def slow(mod: Any, args: Any) -> None:
+    def start(mod: Any, args: Any) -> None:
+        started[:] = [time.perf_counter()]
+
+    def slow(mod: Any, args: Any, out: Any) -> None:
         if dist.is_initialized() and dist.get_rank() == 1:
-            time.sleep(0.03)
+            time.sleep(max(0.03, 6 * (time.perf_counter() - started[0])))
 
-    module.register_forward_pre_hook(slow)
+    module.register_forward_pre_hook(start)
+    module.register_forward_hook(slow)
     return module, optimizer, scheduler
 
 

@@ -121,7 +121,9 @@ def test_a_slow_worker_gets_fewer_micro_batches_and_the_replay_stays_bit_identic
     a, b = checkpoint_of(seq, stage), checkpoint_of(par, stage)
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
     assert par.verified and par.report.micro_batches == seq.report.micro_batches
-    assert par.split == {CKPT: [2, 2], CKPT + 1: [2, 2], CKPT + 2: [3, 1], CKPT + 3: [3, 1]}
+    assert par.split[CKPT] == par.split[CKPT + 1] == [2, 2], par.split  # nothing measured yet: the equal split
+    assert all(sum(par.split[it]) == 4 and par.split[it][1] < par.split[it][0]
+               for it in (CKPT + 2, CKPT + 3)), par.split
 
 
 def test_share_layouts_partition_the_micro_batches_and_claims_split_the_contested_ones_once():
@@ -183,7 +185,7 @@ def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bi
     assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == []
     assert par.verified and par.report.micro_batches == seq.report.micro_batches
     assert all(sum(c) == 4 for c in par.split.values())
-    assert par.split[CKPT][0] + par.split[CKPT + 1][0] > 4, par.split  # the slow worker 1 sleeps 30 ms per forward
+    assert par.split[CKPT][0] + par.split[CKPT + 1][0] > 4, par.split  # worker 1's forwards take seven times as long
 
 
 def _shm_usable() -> bool:
