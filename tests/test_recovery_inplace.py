@@ -5,24 +5,28 @@ Matrix: first / middle / last stage x GPipe / 1F1B x forward / backward, then th
 (commit, optimizer step, checkpoint write), logged data instead of a data source, two failures
 (one after the other; two stages at once), global rollback, and the fallback to a rollback when
 the logs are gone. Iterations 0..5, checkpoints at 2 and 4, failures mid-interval at 3 or 5.
+Each result is compared with a failure-free run of the same arguments, run once and shared
+(the ``references`` fixture, :class:`tests._recovery_helpers.References`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback
-from tests._recovery_helpers import PG_TIMEOUT_S, assert_same_as, run
+from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback, states_equal
+from tests._recovery_helpers import PG_TIMEOUT_S, References, assert_same_as, run
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RecoveryRun]:
-    """Failure-free runs, one per schedule, shared by every test."""
-    base = tmp_path_factory.mktemp("recovery-ref")
-    return {s: run(base / s, s) for s in ("gpipe", "1f1b")}
+def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> References:
+    """Failure-free runs, one per (script, arguments), shared by every test and kept in pytest's
+    cache between sessions (``pytest --cache-clear`` runs them again)."""
+    cache = request.config.cache.mkdir("swiftlog-references") if request.config.cache is not None else None
+    return References(tmp_path_factory.mktemp("references"), cache)
 
 
 def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
@@ -38,7 +42,7 @@ def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 3])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_kill_stage_in_compute(
-    references: dict[str, RecoveryRun],
+    references: References,
     tmp_path: Path,
     schedule: str,
     stage: int,
@@ -48,14 +52,14 @@ def test_kill_stage_in_compute(
     _check_recovered(r, [stage], 3)
     assert r.timings[0]["checkpoint_iteration"] == 2
     assert r.timings[0]["records_fetched"] > 0
-    assert_same_as(r, references[schedule])
+    assert_same_as(r, references.get(schedule))
 
 
 @pytest.mark.parametrize(
     "phase,resume", [("commit", 3), ("optimizer", 4), ("checkpoint", 4)]
 )
 def test_kill_stage_outside_compute(
-    references: dict[str, RecoveryRun], tmp_path: Path, phase: str, resume: int
+    references: References, tmp_path: Path, phase: str, resume: int
 ) -> None:
     """commit: dies before reporting done (others abort by the scheduler's / heartbeat's mark);
     optimizer: dies after "commit" was decided (survivors applied 3, fail in 4; replay to 4);
@@ -64,12 +68,12 @@ def test_kill_stage_outside_compute(
     r = run(tmp_path, "1f1b", [KillSpec(2, it, 0, phase)])
     _check_recovered(r, [2], resume)
     assert r.timings[0]["checkpoint_iteration"] == 2
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_logged_data_of_a_stage_that_dies_right_after_a_commit(
-    references: dict[str, RecoveryRun], tmp_path: Path, stage: int
+    references: References, tmp_path: Path, stage: int
 ) -> None:
     """Inputs (stage 0) or targets (the last stage) logged, no data source: only the dying stage has
     them, and it dies at its first forward after committing iteration 2, before its writer could
@@ -77,11 +81,11 @@ def test_logged_data_of_a_stage_that_dies_right_after_a_commit(
     replacement replays iteration 2 instead of a rollback."""
     r = run(tmp_path, "1f1b", [KillSpec(stage, 3, 0, "forward")], extra=())
     _check_recovered(r, [stage], 3)
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 def test_two_failures_one_after_the_other(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     r = run(
         tmp_path, "gpipe", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 5, 1, "backward")]
@@ -89,10 +93,10 @@ def test_two_failures_one_after_the_other(
     assert [t["failed_stages"] for t in r.timings] == [[1], [3]]
     assert [t["resume"] for t in r.timings] == [3, 5]
     assert all(t["verified"] for t in r.timings)
-    assert_same_as(r, references["gpipe"])
+    assert_same_as(r, references.get("gpipe"))
 
 
-def test_two_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+def test_two_stages_at_once(references: References, tmp_path: Path) -> None:
     """Both die after their step of iteration 3, before the commit (the same instant, as far as
     the scheduler can tell): they are replaced together, each replayed from its own checkpoint."""
     r = run(
@@ -100,28 +104,28 @@ def test_two_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) 
     )
     assert r.timings[0]["failed_stages"] == [0, 2]
     assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {0: True, 2: True}  # each one's, not the first's only
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
-def test_two_adjacent_stages_at_once(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+def test_two_adjacent_stages_at_once(references: References, tmp_path: Path) -> None:
     """Stages 1 and 2 die together: each took with it the log of what it sent the other, so each
     replacement replays both as one unit (the 1|2 sends regenerated, verified at 0|1 and 2|3) and
     keeps its own stage."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")])
     _check_recovered(r, [1, 2], 3)
     assert r.timings[0]["digests_checked"] > 0
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
-def test_global_rollback(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+def test_global_rollback(references: References, tmp_path: Path) -> None:
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], mode="rollback")
     assert any(e["what"] == "rollback" and e["checkpoint"] == 2 for e in r.timeline)
     assert resumed_after_rollback(r, 3) is not None
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 def test_logs_gone_fall_back_to_rollback(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """Nothing logged: the replacement cannot replay, says so, and every stage restarts from 2."""
     r = run(
@@ -132,68 +136,69 @@ def test_logs_gone_fall_back_to_rollback(
     )
     assert r.fallback is not None and "replay of stage 1" in r.fallback, r.fallback
     assert any(e["what"] == "rollback" and e["checkpoint"] == 2 for e in r.timeline)
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 def test_parallel_replay_replacement(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """The replacement replays as rank 0 with a helper the scheduler started with it (exact
     gradient reduction order), and keeps the recovered state in memory."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], replay_workers=2)
     _check_recovered(r, [1], 3)
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
     assert r.returncodes["stage1-g1-helper1"] == 0
     assert '"took_part": true' in r.outputs["stage1-g1-helper1"], r.outputs["stage1-g1-helper1"]
     assert r.timings[0]["replay_workers"] == 2
 
 
-def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(tmp_path: Path) -> None:
+def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(references: References, tmp_path: Path) -> None:
     """A job whose stages update BatchNorm statistics, run under bf16 autocast and clip to a global
     norm over all stages: the replacement (with a helper: shadow forwards and the logged clip norms)
     ends bit-exact with a failure-free run of the same job, buffers included."""
     extra = ("--data-source", "--mlp-norm", "batch", "--autocast", "bf16", "--clip-grad-norm", "0.05")
-    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra, replay_workers=2)
     _check_recovered(r, [1], 3)
     assert any("running_mean" in name for name in r.results[1]["model"])
     assert_same_as(r, ref)
 
 
-def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(tmp_path: Path) -> None:
+def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(references: References,
+                                                                                   tmp_path: Path) -> None:  # fmt: skip
     """BatchNorm inside activation recomputation: the statistics also change in the backward, so
     only the live interleaving of forwards and backwards reproduces them. The replacement was
     given a helper; the parallel replay stops at its first backward (it cannot follow that order),
     and the replacement replays alone instead of rolling the job back: bit-exact, buffers included."""
     extra = ("--data-source", "--mlp-norm", "batch", "--recompute")
-    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra, replay_workers=2)
     _check_recovered(r, [1], 3)
     assert "replaying alone" in r.outputs["stage1-g1"], r.outputs["stage1-g1"][-3000:]
     assert_same_as(r, ref)
 
 
-def test_weights_tied_across_stages_recover_in_place_bit_for_bit(tmp_path: Path) -> None:
+def test_weights_tied_across_stages_recover_in_place_bit_for_bit(references: References, tmp_path: Path) -> None:
     """The first stage's embedding is tied to the last stage's head (their gradients summed over
     the two stages by ``client.all_reduce_grads_`` every iteration, then clipped to the global
     norm). The first stage dies in a backward: its replacement replays with the sums its
     predecessor logged (from the cold tier: its node is gone), checks its own half of each, and the
     job, its tie group made again in the new generation, ends bit-exact with a failure-free run."""
     extra = ("--data-source", "--tie-embeddings", "client", "--clip-grad-norm", "0.05")
-    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(0, 3, 1, "backward")], extra=extra)
     _check_recovered(r, [0], 3)
     assert torch.equal(r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"])  # still one weight
     assert_same_as(r, ref)
 
 
-def test_the_failed_stages_meta_comes_from_the_commit_store(tmp_path: Path) -> None:
+def test_the_failed_stages_meta_comes_from_the_commit_store(references: References, tmp_path: Path) -> None:
     """The failed stage's own META of its last iterations never left its machine (not shipped: its
     segment was still open when it died), yet the replay needs it: this job runs under bf16
     autocast, which only the stage's META records. The commit step stored every committed META in
     the decision store; the replacement reads it there and the recovery is exact."""
     extra = ("--data-source", "--autocast", "bf16", "--no-ship-data")
-    ref = run(tmp_path / "ref", "1f1b", extra=extra)
+    ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(1, 3, 1, "backward")], extra=extra)
     _check_recovered(r, [1], 3)
     assert not [w for w in r.timings[0]["warnings"] if "META" in w], r.timings[0]
@@ -201,7 +206,7 @@ def test_the_failed_stages_meta_comes_from_the_commit_store(tmp_path: Path) -> N
 
 
 def test_parallel_helpers_when_replay_is_impossible(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """Nothing logged: the replay fails in the replacement and in its helper alike (naming the
     missing record), nobody hangs, and the scheduler rolls back."""
@@ -209,7 +214,7 @@ def test_parallel_helpers_when_replay_is_impossible(
     assert r.fallback is not None and "replay of stage 1" in r.fallback, r.fallback
     helper = r.outputs["stage1-g1-helper1"]
     assert r.returncodes["stage1-g1-helper1"] == 3 and "ReplayInputMissingError: no record of act_0_1" in helper, helper
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 @pytest.mark.slow
@@ -217,7 +222,7 @@ def test_parallel_helpers_when_replay_is_impossible(
 @pytest.mark.parametrize("micro_batch", [0, 3])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_sweep_every_stage_and_edge_micro_batches(
-    references: dict[str, RecoveryRun],
+    references: References,
     tmp_path: Path,
     stage: int,
     micro_batch: int,
@@ -227,20 +232,15 @@ def test_sweep_every_stage_and_edge_micro_batches(
     r = run(tmp_path, "1f1b", [KillSpec(stage, 5, micro_batch, phase)])
     _check_recovered(r, [stage], 5)
     assert r.timings[0]["checkpoint_iteration"] == 4
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 def test_logging_groups_replay_the_whole_group(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """Groups [2, 2]: only the 1|2 boundary is logged. Stage 1 dies; its group mate stage 0 is taken
     down too, and both are replayed together from checkpoint 2 (verified at the logged boundary)."""
-    ref = run(
-        tmp_path / "ref",
-        "1f1b",
-        extra=("--data-source", "--groups", "2,2"),
-        groups=[2, 2],
-    )
+    ref = references.get("1f1b", extra=("--data-source", "--groups", "2,2"), groups=[2, 2])
     r = run(
         tmp_path / "kill",
         "1f1b",
@@ -251,22 +251,22 @@ def test_logging_groups_replay_the_whole_group(
     assert r.timings[0]["failed_stages"] == [0, 1]
     assert r.timings[0]["verified"] and r.timings[0]["digests_checked"] > 0
     assert_same_as(r, ref)
-    assert_same_as(ref, references["1f1b"])  # logging groups do not change training
+    assert_same_as(ref, references.get("1f1b"))  # logging groups do not change training
 
 
 def test_kill_during_log_upload(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """SIGKILL in the uploader thread while a segment goes to the cold tier (iteration 3 or 4,
     depending on when the background upload runs): recovery is still exact."""
     r = run(tmp_path, "gpipe", [KillSpec(1, 3, 0, "upload")])
     assert r.timings[0]["failed_stages"] == [1] and r.timings[0]["verified"]
     assert r.timings[0]["resume"] in (3, 4)
-    assert_same_as(r, references["gpipe"])
+    assert_same_as(r, references.get("gpipe"))
 
 
 def test_parallel_helpers_released_when_nothing_to_replay(
-    references: dict[str, RecoveryRun], tmp_path: Path
+    references: References, tmp_path: Path
 ) -> None:
     """A failure right at a checkpoint (iteration 4): the replacement loads it, replays nothing and
     releases its helper, which exits without taking part."""
@@ -274,12 +274,14 @@ def test_parallel_helpers_released_when_nothing_to_replay(
     assert r.fallback is None and r.timings[0]["resume"] == 4, r.timings
     helper = r.outputs["stage1-g1-helper1"]
     assert r.returncodes["stage1-g1-helper1"] == 0 and '"took_part": false' in helper, helper
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 @pytest.mark.parametrize(("stage", "iteration", "phase", "cold", "workers"),
                          [(1, 5, "forward", True, 1), (2, 6, "forward", True, 2), (0, 6, "forward", False, 1), (1, 6, "optimizer", True, 1)])  # fmt: skip
-def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path: Path, stage: int, iteration: int, phase: str, cold: bool, workers: int) -> None:
+def test_a_script_of_your_own_recovers_in_place_through_the_public_api(references: References, tmp_path: Path,
+                                                                      stage: int, iteration: int, phase: str,
+                                                                      cold: bool, workers: int) -> None:  # fmt: skip
     """``trainer_client/examples/minimal_resilient.py``, the template for a script of one's own
     (its own MLP, SGD with momentum, StepLR, loss; nothing of the example GPT), run by the launcher:
     the killed stage (a middle one; the last one, whose loss function the replay takes from META)
@@ -290,18 +292,20 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path:
     stage lost in the optimizer step of the last iteration (committed: the others applied it and
     finished) is replaced too: the others wait at the end-of-run barrier, report ``resume = 7``
     and finish once it is replayed to the end."""
-    from replay.launcher import run_with_failures, states_equal
+    from replay.launcher import run_with_failures
 
-    def go(base: Path, kills: list[KillSpec]) -> RecoveryRun:
-        base.mkdir()
-        args = ["--iters", "7", "--ckpt-at", "0,4"] + (["--cold-url", f"file://{base / 'cold'}"] if cold else [])
-        r = run_with_failures(args, run_id="mine", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}", kills=kills, num_stages=3,
-                              timeout_s=120, replay_workers=workers, script="trainer_client.examples.minimal_resilient")  # fmt: skip
-        assert r.ok, r.describe()
-        return r
+    script = "trainer_client.examples.minimal_resilient"
 
-    ref = go(tmp_path / "ref", [])
-    r = go(tmp_path / "kill", [KillSpec(stage, iteration, 0, phase)])
+    def args(base: Path) -> list[str]:
+        return ["--iters", "7", "--ckpt-at", "0,4"] + (["--cold-url", f"file://{base / 'cold'}"] if cold else [])
+
+    ref = references.failure_free(args, run_id="mine", num_stages=3, script=script, timeout_s=120)
+    base = tmp_path / "kill"
+    base.mkdir()
+    r = run_with_failures(args(base), run_id="mine", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}",
+                          num_stages=3, kills=[KillSpec(stage, iteration, 0, phase)], timeout_s=120,
+                          replay_workers=workers, script=script)  # fmt: skip
+    assert r.ok, r.describe()
     assert {k: states_equal(r.results[k], ref.results[k]) for k in range(3)} == {0: [], 1: [], 2: []}
     resume = iteration + (phase == "optimizer")  # a kill after the commit: the iteration was applied
     if not cold:
@@ -314,7 +318,8 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(tmp_path:
     assert r.results[stage]["recovered"]["resume"] == resume
 
 
-def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(references: dict[str, RecoveryRun], tmp_path: Path) -> None:
+def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(references: References,
+                                                                           tmp_path: Path) -> None:  # fmt: skip
     """Stage 1 dies in iteration 3; stage 3 reports as a survivor and dies too, while the
     replacement replays. In-place recovery cannot finish (the new group would miss stage 3): the
     scheduler restarts every stage from the checkpoint at 2, and the run ends as a failure-free one."""
@@ -322,7 +327,7 @@ def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(refer
     rollbacks = [e for e in r.timeline if e["what"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == 2 and "during the recovery of generation 0" in rollbacks[0]["reason"], r.timeline
     assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", r.fallback  # the reason in-place recovery was abandoned
-    assert_same_as(r, references["1f1b"])
+    assert_same_as(r, references.get("1f1b"))
 
 
 def test_two_kills_of_one_stage_are_refused_not_dropped(tmp_path: Path) -> None:
@@ -365,3 +370,23 @@ def test_a_bug_every_stage_meets_ends_the_run_at_once(tmp_path):
     assert r.error is not None and "a bug in the script" in r.error and "call client.schedule(...)" in r.error, r.describe()
     # the exits seen at once, or the first one's replacement raising it again: never a rollback
     assert not [e for e in r.timeline if e["what"] == "rollback"] and len([e for e in r.timeline if e["what"] == "start"]) <= 6, r.timeline
+
+
+def test_a_failure_free_reference_runs_once_and_comes_back_from_the_cache_bit_for_bit(tmp_path: Path) -> None:
+    """A reference is run once per arguments: a second session (another References on the same
+    cache) takes it from the disk, bit for bit; other arguments are run."""
+
+    def args(iters: int) -> Callable[[Path], list[str]]:
+        return lambda base: ["--iters", str(iters), "--ckpt-at", "0", "--cold-url", f"file://{base / 'cold'}"]
+
+    script = "trainer_client.examples.minimal_resilient"
+    first = References(tmp_path / "work1", tmp_path / "cache")
+    ref = first.failure_free(args(3), run_id="mine", num_stages=3, script=script, timeout_s=120)
+    assert len(first.ran) == 1 and first.failure_free(args(3), run_id="mine", num_stages=3, script=script) is ref
+    second = References(tmp_path / "work2", tmp_path / "cache")
+    again = second.failure_free(args(3), run_id="mine", num_stages=3, script=script)
+    assert second.ran == [] and again is not ref
+    assert {k: states_equal(again.results[k], ref.results[k]) for k in range(3)} == {0: [], 1: [], 2: []}
+    other = second.failure_free(args(4), run_id="mine", num_stages=3, script=script, timeout_s=120)
+    assert len(second.ran) == 1 and second.ran[0] != first.ran[0]
+    assert {k: states_equal(other.results[k], ref.results[k]) != [] for k in range(3)} == {0: True, 1: True, 2: True}
