@@ -16,7 +16,7 @@ torch (milliseconds; on a cluster a rollback restarts every rank's container and
 replacement only one), both form a new gloo group over the same external TCPStore, both load
 checkpoints from a local directory. The rollback redoes 10 pipelined iterations on 4 processes
 sharing this machine's cores; the replay recomputes one stage alone. ``bit_exact``: every stage's
-final parameters and AdamW state after the SWIFT run equal a failure-free run's (torch.equal).
+final parameters, AdamW state and scheduler after the SWIFT run equal a failure-free run's bit for bit (states_equal).
 
 Parallel recovery: by default (``--replay-workers 2``) the scheduler starts one replay helper with
 the replacement (same fork server); the replacement is rank 0 of an exact parallel replay. On
