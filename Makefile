@@ -1,13 +1,14 @@
 # Two entry points, each self-sufficient on a fresh machine:
 #   make demo  - pipeline training with an injected failure and its recovery (embedded defaults)
-#   make test  - the test suite
+#   make test  - the test suite, every test (the full tier: what CI runs)
 # Both create .venv if missing and install the project with its dev extra.
+# make test-fast runs the fast tier, what a developer runs on every change: every test not marked slow.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.swiftlog-installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-fast bench venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +25,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/store_bench.py

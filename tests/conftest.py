@@ -5,6 +5,10 @@ Cold tier: ``cold_env`` / ``cold_tier`` are parametrized over every cold-tier ba
 free 127.0.0.1 ports, started once per session by :mod:`logstore.testing.s3servers`). Each test
 gets a fresh prefix. When ``seaweedfs_available()`` says the binary cannot run, the SeaweedFS cases
 fail with its reason: they are never skipped.
+
+Tiers: ``make test`` runs every test; ``make test-fast`` leaves out those marked ``slow`` (see
+docs/architecture.md, "Tests"). A test whose ``cold_env`` is SeaweedFS is marked ``slow`` here:
+the fast tier runs the cold-tier cases over file:// and moto.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ COLD_BACKENDS = ["file", "moto", "seaweedfs"]
 #: small multipart settings so tests exercise real multipart uploads (S3's minimum part is 5 MiB)
 TEST_PART_SIZE = 5 * MiB
 TEST_MULTIPART_THRESHOLD = 6 * MiB
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A SeaweedFS case of ``cold_env`` is slow: the fast tier runs the cold-tier cases over file:// and moto."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("cold_env") == "seaweedfs":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -257,6 +257,7 @@ def test_errors_say_what_to_do_and_exit_codes_mean_something(written_store: Stor
         assert f" {cmd} " in p.stdout and f" {cmd} " in help_.stdout
 
 
+@pytest.mark.slow
 def test_demo(tmp_path: Path) -> None:
     """The recovery demo (short): a stage killed mid-interval is recovered in place, bit-exact. It ends
     with where its stores are and what to try next, with the real paths; the first two suggestions

@@ -50,7 +50,7 @@ def f1b_run(tmp_path_factory):
     return run_pipeline(tmp_path_factory.mktemp("1f1b"), "1f1b-run", schedule="1f1b", ckpt_at=f"0,{CKPT}", extra=["--record-received"])
 
 
-@pytest.fixture(params=["gpipe", "1f1b"])
+@pytest.fixture(params=[pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def logged_run(request):
     return request.getfixturevalue("gpipe_run" if request.param == "gpipe" else "f1b_run")
 
@@ -190,6 +190,7 @@ def test_logging_groups_log_only_boundaries_and_replay_per_group(tmp_path, f1b_r
 
 
 # ------------------------------------------------------------------------------ (e)
+@pytest.mark.slow
 def test_faults_do_not_stop_or_change_training_and_are_reported(tmp_path, gpipe_run):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: the object store is down
     per_stage = {
@@ -248,6 +249,7 @@ def _mismatch_rank(rank: int, port: int, root: str, out: str) -> None:
     os._exit(0)  # rank 0 leaves its peer blocked in a receive: closing the sockets ends it
 
 
+@pytest.mark.slow
 def test_a_stage_sending_other_than_it_declared_is_stopped_by_the_client(tmp_path):
     """A bf16 send declared float32 arrived as garbage and training went on (the client only noted a
     fault); the client now raises ConfigError before the send, naming it."""
@@ -311,6 +313,7 @@ def _kwargs_rank(rank: int, port: int, base: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path):
     """A step's keyword inputs reach every stage's forward. Tensors among them are logged by each
     stage (``input_k``, names in META) and JSON constants go into META, so a replay of any stage

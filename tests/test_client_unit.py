@@ -399,6 +399,7 @@ def test_marked_failed_generation_aborts_waiters_and_new_generation_is_clean(tcp
     assert all(not isinstance(r, Exception) and r.generation == 1 for r in out.values()), out
 
 
+@pytest.mark.slow
 def test_commit_with_the_store_host_gone_raises_commit_store_error_and_abort_never_raises():
     """The decision store dies (its host process is SIGKILLed): commit says so with a retryable
     CommitStoreError naming the iteration, and abort() on the failure path returns "unknown"."""
@@ -651,6 +652,7 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(tmp_path, single_rank_group, moto_server, caplog):
     """A first / last stage's commit waits for its logged inputs / targets to reach the cold tier.
     With the object store down that wait ends at ``ship_wait`` once, as a "ship_timeout" fault
@@ -699,6 +701,7 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_back(tmp_path, moto_server):
     """Registration retries a few times at once, then every ``retry_s`` in the background (it used
     to give up after four attempts: the checkpoint was never registered, its logs never garbage)."""

@@ -38,9 +38,14 @@ def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
     assert t["detect_s"] < PG_TIMEOUT_S, t  # a communication error or the heartbeat: never the process group's timeout
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stage", [0, 1, 3])
-@pytest.mark.parametrize("phase", ["forward", "backward"])
+#: the kill matrix's cases in the fast tier, one per schedule; the other ten are slow
+FAST_KILLS = {("1f1b", 1, "forward"), ("gpipe", 3, "backward")}
+
+
+@pytest.mark.parametrize(("schedule", "stage", "phase"), [
+    pytest.param(s, k, p, marks=() if (s, k, p) in FAST_KILLS else pytest.mark.slow, id=f"{p}-{k}-{s}")
+    for s in ("gpipe", "1f1b") for k in (0, 1, 3) for p in ("forward", "backward")
+])  # fmt: skip
 def test_kill_stage_in_compute(
     references: References,
     tmp_path: Path,
@@ -56,7 +61,9 @@ def test_kill_stage_in_compute(
 
 
 @pytest.mark.parametrize(
-    "phase,resume", [("commit", 3), ("optimizer", 4), ("checkpoint", 4)]
+    "phase,resume",
+    [("commit", 3), pytest.param("optimizer", 4, marks=pytest.mark.slow),
+     pytest.param("checkpoint", 4, marks=pytest.mark.slow)],
 )
 def test_kill_stage_outside_compute(
     references: References, tmp_path: Path, phase: str, resume: int
@@ -71,7 +78,7 @@ def test_kill_stage_outside_compute(
     assert_same_as(r, references.get("1f1b"))
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_logged_data_of_a_stage_that_dies_right_after_a_commit(
     references: References, tmp_path: Path, stage: int
 ) -> None:
@@ -84,6 +91,7 @@ def test_logged_data_of_a_stage_that_dies_right_after_a_commit(
     assert_same_as(r, references.get("1f1b"))
 
 
+@pytest.mark.slow
 def test_two_failures_one_after_the_other(
     references: References, tmp_path: Path
 ) -> None:
@@ -107,6 +115,7 @@ def test_two_stages_at_once(references: References, tmp_path: Path) -> None:
     assert_same_as(r, references.get("1f1b"))
 
 
+@pytest.mark.slow
 def test_two_adjacent_stages_at_once(references: References, tmp_path: Path) -> None:
     """Stages 1 and 2 die together: each took with it the log of what it sent the other, so each
     replacement replays both as one unit (the 1|2 sends regenerated, verified at 0|1 and 2|3) and
@@ -152,6 +161,7 @@ def test_parallel_replay_replacement(
     assert r.timings[0]["replay_workers"] == 2
 
 
+@pytest.mark.slow
 def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(references: References, tmp_path: Path) -> None:
     """A job whose stages update BatchNorm statistics, run under bf16 autocast and clip to a global
     norm over all stages: the replacement (with a helper: shadow forwards and the logged clip norms)
@@ -164,6 +174,7 @@ def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(references:
     assert_same_as(r, ref)
 
 
+@pytest.mark.slow
 def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(references: References,
                                                                                    tmp_path: Path) -> None:  # fmt: skip
     """BatchNorm inside activation recomputation: the statistics also change in the backward, so
@@ -178,6 +189,7 @@ def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_or
     assert_same_as(r, ref)
 
 
+@pytest.mark.slow
 def test_weights_tied_across_stages_recover_in_place_bit_for_bit(references: References, tmp_path: Path) -> None:
     """The first stage's embedding is tied to the last stage's head (their gradients summed over
     the two stages by ``client.all_reduce_grads_`` every iteration, then clipped to the global
@@ -192,6 +204,7 @@ def test_weights_tied_across_stages_recover_in_place_bit_for_bit(references: Ref
     assert_same_as(r, ref)
 
 
+@pytest.mark.slow
 def test_the_failed_stages_meta_comes_from_the_commit_store(references: References, tmp_path: Path) -> None:
     """The failed stage's own META of its last iterations never left its machine (not shipped: its
     segment was still open when it died), yet the replay needs it: this job runs under bf16
@@ -205,6 +218,7 @@ def test_the_failed_stages_meta_comes_from_the_commit_store(references: Referenc
     assert_same_as(r, ref)
 
 
+@pytest.mark.slow
 def test_parallel_helpers_when_replay_is_impossible(
     references: References, tmp_path: Path
 ) -> None:
@@ -235,6 +249,7 @@ def test_sweep_every_stage_and_edge_micro_batches(
     assert_same_as(r, references.get("1f1b"))
 
 
+@pytest.mark.slow
 def test_logging_groups_replay_the_whole_group(
     references: References, tmp_path: Path
 ) -> None:
@@ -254,6 +269,7 @@ def test_logging_groups_replay_the_whole_group(
     assert_same_as(ref, references.get("1f1b"))  # logging groups do not change training
 
 
+@pytest.mark.slow
 def test_kill_during_log_upload(
     references: References, tmp_path: Path
 ) -> None:
@@ -265,6 +281,7 @@ def test_kill_during_log_upload(
     assert_same_as(r, references.get("gpipe"))
 
 
+@pytest.mark.slow
 def test_parallel_helpers_released_when_nothing_to_replay(
     references: References, tmp_path: Path
 ) -> None:
@@ -278,7 +295,9 @@ def test_parallel_helpers_released_when_nothing_to_replay(
 
 
 @pytest.mark.parametrize(("stage", "iteration", "phase", "cold", "workers"),
-                         [(1, 5, "forward", True, 1), (2, 6, "forward", True, 2), (0, 6, "forward", False, 1), (1, 6, "optimizer", True, 1)])  # fmt: skip
+                         [(1, 5, "forward", True, 1), pytest.param(2, 6, "forward", True, 2, marks=pytest.mark.slow),
+                          pytest.param(0, 6, "forward", False, 1, marks=pytest.mark.slow),
+                          pytest.param(1, 6, "optimizer", True, 1, marks=pytest.mark.slow)])  # fmt: skip
 def test_a_script_of_your_own_recovers_in_place_through_the_public_api(references: References, tmp_path: Path,
                                                                       stage: int, iteration: int, phase: str,
                                                                       cold: bool, workers: int) -> None:  # fmt: skip
@@ -318,6 +337,7 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(reference
     assert r.results[stage]["recovered"]["resume"] == resume
 
 
+@pytest.mark.slow
 def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(references: References,
                                                                            tmp_path: Path) -> None:  # fmt: skip
     """Stage 1 dies in iteration 3; stage 3 reports as a survivor and dies too, while the

@@ -63,7 +63,7 @@ def _job(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
                      checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages}, **run.job_fields(), **kw)  # fmt: skip
 
 
-@pytest.fixture(params=["gpipe", "1f1b"])
+@pytest.fixture(params=[pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def any_run(request):
     return request.getfixturevalue("gpipe_s3_run" if request.param == "gpipe" else "f1b_run")
 
@@ -215,6 +215,7 @@ def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
     assert res2.verified and res2.report.digests_checked == 2 * (ITERS - CKPT) * f1b_run.gpt.n_microbatches
 
 
+@pytest.mark.slow
 def test_replay_from_the_cold_tier_equals_replay_from_the_hot_tier(gpipe_s3_run, tmp_path):
     run = gpipe_s3_run
     hot = replay(_job(run, 2, tmp_path / "hot", sources=[run.spec(cold=False)]))
@@ -242,6 +243,7 @@ def test_replay_through_a_node_server(f1b_run, tmp_path):
             assert ei.value.key == missing and str(missing) in str(ei.value)
 
 
+@pytest.mark.slow
 def test_the_python_api_plans_and_replays_over_a_node_server_and_a_root(f1b_run, tmp_path):
     """README's Python snippet with a node server among the sources: plan_recovery reads it through
     its API, jobs_from_plan turns each source object into its spec, the replay is exact."""
@@ -661,6 +663,7 @@ def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     assert "its last iteration (5) was replayed with another stage's META" in _unverified(rep(sends_generated=4, digests_checked=4, unknown_steps=[5]))
 
 
+@pytest.mark.slow
 def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reduction(tied_run, tmp_path):
     """The first stage's embedding and the last stage's head are one weight: each iteration their
     gradients are summed over the two stages (``client.all_reduce_grads_``) and then clipped to the

@@ -196,7 +196,9 @@ def _shm_usable() -> bool:
     return path is not None
 
 
-@pytest.mark.parametrize(("workers", "run_name", "stage", "shm"), [(2, "gpipe_s3_run", 1, True), (3, "f1b_run", 3, True), (2, "f1b_run", 2, False)])
+@pytest.mark.parametrize(("workers", "run_name", "stage", "shm"),
+                         [pytest.param(2, "gpipe_s3_run", 1, True, marks=pytest.mark.slow), (3, "f1b_run", 3, True),
+                          (2, "f1b_run", 2, False)])
 def test_exact_parallel_replay_is_bit_identical_to_sequential(workers, run_name, stage, shm, request, tmp_path):
     run = request.getfixturevalue(run_name)
     seq = replay(_job(run, [stage], tmp_path / "seq"))
@@ -352,6 +354,7 @@ def test_a_worker_error_names_the_missing_record(f1b_run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_launches_the_same_workers(f1b_run, tmp_path):
     job = _job(f1b_run, [2], tmp_path / "out", workers=2)
     (tmp_path / "job.json").write_text(json.dumps(job.to_dict()))
@@ -394,6 +397,7 @@ def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hide", [False, True])
 def test_the_shared_chain_is_mapped_by_every_worker_or_by_none(hide, tmp_path):
     """Both workers see the same memory through the file; when one cannot map it, neither uses it

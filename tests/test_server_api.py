@@ -194,6 +194,7 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
     assert {"RunSummary", "RecordPage", "RecordDetail", "ErrorResponse", "CheckpointRequest", "GcResult", "FlushResult"} <= set(schemas)
 
 
+@pytest.mark.slow
 def test_reads_do_not_block_a_writing_process(store_copy: StoreFixture) -> None:
     """A training process keeps writing (same run, same node) while clients hammer the API."""
     live_ch = Channel.activation(4)

@@ -28,6 +28,7 @@ from server.settings import Settings
 from server.testing import TOKEN, ServerProcess, StoreFixture
 
 pytest_plugins = ["server.pytest_fixtures"]
+pytestmark = pytest.mark.slow  # fuzzing: the full tier only
 
 MAX_EXAMPLES = 60
 

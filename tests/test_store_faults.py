@@ -77,6 +77,7 @@ def test_disk_full_on_tmpfs_then_gc_frees_space(small_disk: Path, tmp_path: Path
     s.close()
 
 
+@pytest.mark.slow
 def test_writing_on_after_the_disk_is_full_never_kills_the_writer(small_disk: Path) -> None:
     """A writer keeps logging (and recording gaps) after its disk filled up, as the client's writer
     thread does: every put is a StoreFullError, the process lives. (The LMDB index mapped for
@@ -106,6 +107,7 @@ def test_writing_on_after_the_disk_is_full_never_kills_the_writer(small_disk: Pa
     assert int(out.stdout.split()[1]) > 300  # the disk was full for most of it
 
 
+@pytest.mark.slow
 def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
@@ -135,6 +137,7 @@ def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Path) -> None:
     """An object store that accepts connections and never answers (SIGSTOPped): ``close(flush=True,
     timeout=2)`` returns while the store still hangs, every record stays in the hot tier, and the

@@ -166,6 +166,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return states_equal({"model": a}, {"model": b}) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ranks", "spawn"])
 def test_a_script_run_by_path_is_replayed_by_its_file_and_meta_names_its_loss(tmp_path, how):
     """Ranks run as ``python train_mine.py ...`` (as torchrun starts them) or spawned by it: META
@@ -187,6 +188,7 @@ def test_a_script_run_by_path_is_replayed_by_its_file_and_meta_names_its_loss(tm
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), (stage, model, workers)
 
 
+@pytest.mark.slow
 def test_an_input_declared_without_gradient_is_replayed_without_one(tmp_path):
     """A QA check: a float tensor sent without gradient (declared ``requires_grad=False`` in
     ``input_args``) got one in the replay, whose stage then sent back a gradient the live one never
@@ -220,6 +222,7 @@ def make_short(stage, num_stages, checkpoint, lr=0.05):
 """
 
 
+@pytest.mark.slow
 def test_a_replay_that_sends_fewer_parts_than_the_live_stage_is_not_verified(tmp_path):
     """A QA check: "verified" meant that every send the replay made matched a digest, so a replay
     that made fewer sends than the live stage (here a factory whose module returns one of the
@@ -233,6 +236,7 @@ def test_a_replay_that_sends_fewer_parts_than_the_live_stage_is_not_verified(tmp
     assert "act_0_1/it1/mb0/p1" in r.stdout + r.stderr and " verified " not in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_first_step(tmp_path):
     """A QA check: a stage whose ``input_args`` declared a larger buffer than the previous stage's
     ``output_args`` received garbage silently (gloo aborts only when more arrives than declared).
@@ -253,6 +257,7 @@ def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_
             "(output_args)") in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_script_that_runs_code_at_import_is_not_loaded_unasked(tmp_path):
     """A top level that does more than define things (here a print) could start training again if
     loaded: META leaves ``loss`` empty, the replay's error names the function by path, and passing
