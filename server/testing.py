@@ -97,7 +97,9 @@ def _write_stage(args: argparse.Namespace) -> None:
     from logstore.store import LogStore, StoreConfig
 
     torch.set_num_threads(1)
-    cfg: dict[str, Any] = {"segment_iters": args.segment_iters}
+    # a stage that does not flush never uploads: its sealed segments stay behind however the
+    # uploader thread's pace compares with the writes (what a server flush picks up)
+    cfg: dict[str, Any] = {"segment_iters": args.segment_iters, "upload": args.flush or args.hot_max_bytes is not None}
     if args.hot_max_bytes is not None:
         cfg["hot_max_bytes"] = args.hot_max_bytes
     store = LogStore(StoreConfig(root=args.root, run=args.run, writer=args.writer or f"stage{args.stage}",
