@@ -1,22 +1,48 @@
 """Run the admin API under uvicorn, after the bind rules of :mod:`server.settings` have passed.
 
-Never binds a non-loopback address without a token (checked here again, right before binding,
+uvicorn runs the HTTP protocol of :mod:`server.protocol` (httptools with a bound on the request head,
+a read deadline and a bound on open connections).
+:func:`uvicorn_config` is that configuration, shared with the benchmark's bare app.
+
+Never: binds a non-loopback address without a token (checked here again, right before binding,
 whatever built the settings).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import uvicorn
 
 from logstore.errors import ConfigError
 from server.app import create_app
+from server.protocol import HttpLimits, protocol_class
 from server.settings import ENV_TOKEN, Settings, is_loopback
 
-__all__ = ["serve"]
+__all__ = ["serve", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
+
+
+def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """The uvicorn configuration ``swiftlog serve`` runs ``app`` with, loaded."""
+    limits = HttpLimits(max_head_bytes=settings.max_header_bytes, read_timeout=settings.request_read_timeout,
+                        max_connections=settings.max_connections)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=protocol_class(limits),
+        ws="none",
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        server_header=False,
+        timeout_graceful_shutdown=10,
+        proxy_headers=False,  # client addresses come from the socket, never from headers
+    )
+    config.load()
+    return config
 
 
 def serve(settings: Settings) -> None:
@@ -27,18 +53,7 @@ def serve(settings: Settings) -> None:
             f"refusing to serve on non-loopback address {settings.host!r} without a token",
             hint=f"set {ENV_TOKEN} or pass --token, or bind 127.0.0.1",
         )
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
-        server_header=False,
-        timeout_graceful_shutdown=10,
-        proxy_headers=False,  # client addresses come from the socket, never from headers
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     server.run()
     if not server.started:
         raise OSError(f"could not start the server on {settings.host}:{settings.port} (address in use?)")

@@ -107,6 +107,11 @@ class Settings(BaseModel):
     )
     max_open_runs: int = Field(64, ge=1, le=10_000, description="read-only stores kept open (least recently used closed)")
     planner: str = Field("replay.plan:plan_recovery", description="'module:function' of the recovery planner")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line plus headers")
+    request_read_timeout: float = Field(
+        10.0, gt=0.0, le=3600.0, description="seconds a request (headers and body) may take to arrive"
+    )
+    max_connections: int = Field(64, ge=1, le=100_000, description="open connections; one more is answered 503")
     log_level: str = "info"
 
     @field_validator("token")

@@ -45,6 +45,10 @@ def serve(
     planner: Annotated[str, typer.Option(
         "--planner", envvar=ENV_PLANNER, help="module:function of the recovery planner")] = DEFAULT_PLANNER,
     log_level: Annotated[str, typer.Option("--log-level", help="critical/error/warning/info/debug")] = "info",
+    max_header_bytes: Annotated[int, typer.Option("--max-header-bytes", help="largest request line plus headers")] = 32 * 1024,
+    request_read_timeout: Annotated[float, typer.Option(
+        "--request-read-timeout", help="seconds a request may take to arrive whole")] = 10.0,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="open connections; one more gets 503")] = 64,
 ) -> None:
     """Serve the admin REST API (see /docs and /openapi.json). Binds 127.0.0.1 unless told otherwise."""
     if not root.is_dir():
@@ -56,6 +60,7 @@ def serve(
             cold_url=cold_url, cold_options=parse_cold_options(cold_option), max_body_bytes=max_body_bytes,
             default_page_size=page_size, max_page_size=max_page_size, summary_ttl=summary_ttl,
             cold_refresh_interval=cold_refresh_interval, planner=planner, log_level=log_level,
+            max_header_bytes=max_header_bytes, request_read_timeout=request_read_timeout, max_connections=max_connections,
         )  # fmt: skip
         from server.serve import serve as run_server
 
