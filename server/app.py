@@ -41,7 +41,7 @@ from logstore.keys import validate_run
 from server.auth import require_read
 from server.errors import Problem, classify, plain_message
 from server.metrics import ServerMetrics
-from server.middleware import BodyLimitMiddleware, MetricsMiddleware
+from server.middleware import BodyLimitMiddleware, HostOriginMiddleware, MetricsMiddleware
 from server.node import Node
 from server.routers import checkpoints, health, maintenance, metrics, records, recovery, runs
 from server.settings import Settings
@@ -159,5 +159,6 @@ def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
     app.include_router(metrics.build(settings))
     _install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HostOriginMiddleware, host_names=settings.host_names)  # before anything reads the request
     app.add_middleware(MetricsMiddleware, metrics=server_metrics)  # outermost: sees every response
     return app

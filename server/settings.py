@@ -11,7 +11,10 @@ Security rules enforced here, before anything binds a socket:
   they are refused (403), unless ``allow_insecure_loopback_writes`` is set, which lets loopback
   clients mutate without a token; it is refused together with a non-loopback host.
 - Reading endpoints need the token too when ``require_token_for_reads`` is true; by default that
-  is the case exactly when the host is not loopback (``/v1/health`` and ``/metrics`` stay open).
+  is the case exactly when the host is not loopback. Then every endpoint needs it, ``/v1/health``,
+  ``/metrics``, ``/docs`` and ``/openapi.json`` included.
+- A request whose Host header names none of :attr:`Settings.host_names` is refused (DNS rebinding):
+  the bound address, this machine's host name, the loopback names, and ``allowed_hosts``.
 
 Never: reads files, opens stores or touches the network; pydantic stays in this layer (the log
 store's own configuration is a dataclass).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,7 @@ __all__ = [
     "ENV_PORT",
     "ENV_ALLOW_INSECURE_LOOPBACK_WRITES",
     "ENV_PLANNER",
+    "ENV_ALLOWED_HOSTS",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "MIN_TOKEN_LENGTH",
@@ -53,12 +58,15 @@ ENV_HOST = "SWIFTLOG_HOST"
 ENV_PORT = "SWIFTLOG_PORT"
 ENV_ALLOW_INSECURE_LOOPBACK_WRITES = "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES"  # "1"/"true" to enable
 ENV_PLANNER = "SWIFTLOG_PLANNER"  # "module:function" of the recovery planner
+ENV_ALLOWED_HOSTS = "SWIFTLOG_ALLOWED_HOSTS"  # comma-separated host names and addresses clients may use
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 MIN_TOKEN_LENGTH = 16
 
 _TRUE = {"1", "true", "yes", "on"}
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_WILDCARDS = {"0.0.0.0", "::", ""}
 
 
 def is_loopback(host: str) -> bool:
@@ -70,6 +78,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def host_name(host: str) -> str:
+    """``host`` as compared with Host headers: lower case, no brackets around an IPv6 address, no
+    trailing dot."""
+    return host.strip().strip("[]").rstrip(".").lower()
 
 
 class Settings(BaseModel):
@@ -107,6 +121,10 @@ class Settings(BaseModel):
     )
     max_open_runs: int = Field(64, ge=1, le=10_000, description="read-only stores kept open (least recently used closed)")
     planner: str = Field("replay.plan:plan_recovery", description="'module:function' of the recovery planner")
+    allowed_hosts: tuple[str, ...] = Field(
+        (), description="more names and addresses clients may put in the Host header, besides the bound address, "
+        "this machine's host name and the loopback names ('*.example.org' matches subdomains, '*' any name)",
+    )
     max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line plus headers")
     request_read_timeout: float = Field(
         10.0, gt=0.0, le=3600.0, description="seconds a request (headers and body) may take to arrive"
@@ -128,6 +146,16 @@ class Settings(BaseModel):
         if not sep or not mod or not fn:
             raise ValueError(f"planner {v!r} must be 'module:function'")
         return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        names = tuple(host_name(h) for h in v if h.strip())
+        for h in names:
+            bare = h.removeprefix("*.")
+            if h != "*" and (not bare or "*" in bare or not all(c.isalnum() or c in ".-_:" for c in bare)):
+                raise ValueError(f"allowed host {h!r} must be a host name, an address, '*.domain' or '*'")
+        return names
 
     @model_validator(mode="after")
     def _bind_rules(self) -> Settings:
@@ -151,6 +179,15 @@ class Settings(BaseModel):
         if self.require_token_for_reads is None:
             return not is_loopback(self.host)
         return self.require_token_for_reads
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """The names a Host header may carry: the bound address (unless it is a wildcard), this machine's
+        host name, the loopback names and ``allowed_hosts``. A rebinding attacker's page sends its own
+        name, never one of these."""
+        bound = host_name(self.host)
+        names = [] if bound in _WILDCARDS else [bound]
+        return tuple(dict.fromkeys([*names, host_name(socket.gethostname()), *_LOOPBACK_NAMES, *self.allowed_hosts]))
 
     @property
     def auth_mode(self) -> str:
@@ -184,6 +221,8 @@ class Settings(BaseModel):
             values["allow_insecure_loopback_writes"] = env[ENV_ALLOW_INSECURE_LOOPBACK_WRITES].lower() in _TRUE
         if env.get(ENV_PLANNER):
             values["planner"] = env[ENV_PLANNER]
+        if env.get(ENV_ALLOWED_HOSTS):
+            values["allowed_hosts"] = tuple(env[ENV_ALLOWED_HOSTS].split(","))
         values.update({k: v for k, v in explicit.items() if v is not None})
         if "root" not in values:
             raise ConfigError("no store root given", hint=f"pass --root or set {ENV_ROOT}")

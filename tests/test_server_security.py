@@ -114,6 +114,55 @@ def test_reads_can_require_the_token(store_copy: StoreFixture) -> None:
         assert spec["paths"]["/v1/runs/{run}"]["get"]["security"] == [{"bearerToken": []}]
 
 
+# ------------------------------------------------------------------------------------------ host, origin
+def test_host_header_must_name_this_server(api_server: ServerProcess) -> None:
+    """DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1 sends
+    ``Host: attacker.example``; the server answers only to its own names."""
+    url = api_server.url + "/v1/runs"
+    for host in ("attacker.example", f"attacker.example:{api_server.port}", "127.0.0.1.attacker.example", "localhost.:1@x"):
+        r = httpx.get(url, headers={"Host": host})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", (host, r.text)
+        assert "--allowed-host" in r.json()["error"]["hint"]
+    for host in (f"127.0.0.1:{api_server.port}", "127.0.0.1", f"localhost:{api_server.port}", "LocalHost.", f"[::1]:{api_server.port}"):
+        assert httpx.get(url, headers={"Host": host}).status_code == 200, host
+    # HTTP/1.0 without a Host header: no name, no answer
+    with socket.create_connection(("127.0.0.1", api_server.port), timeout=10) as s:
+        s.sendall(b"GET /v1/runs HTTP/1.0\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 421 ")
+
+
+def test_allowed_hosts_are_configurable(store_copy: StoreFixture) -> None:
+    """Other nodes reach a node's server by its name or address: --allowed-host adds them."""
+    with ServerProcess(store_copy.root, args=["--allowed-host", "node7.cluster", "--allowed-host", "*.example.org"]) as srv:
+        for host, status in (("node7.cluster", 200), (f"NODE7.cluster:{srv.port}", 200), ("a.b.example.org", 200),
+                             ("example.org", 421), ("node7.cluster.evil", 421), ("127.0.0.1", 200)):  # fmt: skip
+            assert httpx.get(srv.url + "/v1/runs", headers={"Host": host}).status_code == status, host
+    with ServerProcess(store_copy.root, env={"SWIFTLOG_ALLOWED_HOSTS": "node8,10.0.0.8"}) as srv:
+        assert httpx.get(srv.url + "/v1/runs", headers={"Host": "10.0.0.8:80"}).status_code == 200
+        assert httpx.get(srv.url + "/v1/runs", headers={"Host": "node9"}).status_code == 421
+    with pytest.raises(ConfigError, match="allowed host"):
+        Settings.build(root=store_copy.root, allowed_hosts=("bad host/name",))
+
+
+def test_cross_origin_writes_are_refused(store_copy: StoreFixture) -> None:
+    """CSRF: a page elsewhere (another site, or another port of this machine) makes the browser
+    POST to a loopback server that lets loopback clients write without a token."""
+    with ServerProcess(store_copy.root, cold_url=store_copy.cold_url, args=["--allow-insecure-loopback-writes"]) as srv:
+        sealed = httpx.get(srv.url + "/v1/runs/run-a", params={"fresh": "true"}).json()["hot"]["segments"]["sealed"]
+        assert sealed > 0
+        for headers in ({"Origin": "http://attacker.example"}, {"Origin": "http://localhost:3000"},
+                        {"Origin": f"https://127.0.0.1:{srv.port}"}, {"Origin": "null"},
+                        {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}):  # fmt: skip
+            r = httpx.post(srv.url + "/v1/runs/run-a/flush", headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_request", (headers, r.text)
+        after = httpx.get(srv.url + "/v1/runs/run-a", params={"fresh": "true"}).json()["hot"]["segments"]["sealed"]
+        assert after == sealed  # nothing was flushed
+        # reads stay open to any origin (the browser does not show the page the answer), the server's own origin may write
+        assert httpx.get(srv.url + "/v1/runs", headers={"Origin": "http://attacker.example"}).status_code == 200
+        r = httpx.post(srv.url + "/v1/runs/run-a/flush", headers={"Origin": f"http://127.0.0.1:{srv.port}", "Sec-Fetch-Site": "same-origin"})
+        assert r.status_code == 200 and r.json()["uploaded_segments"] == sealed
+
+
 # ------------------------------------------------------------------------------------------ traversal
 @pytest.mark.parametrize(
     "target",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -12,6 +13,7 @@ from server.settings import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     ENV_ALLOW_INSECURE_LOOPBACK_WRITES,
+    ENV_ALLOWED_HOSTS,
     ENV_HOST,
     ENV_PLANNER,
     ENV_PORT,
@@ -45,6 +47,10 @@ def serve(
     planner: Annotated[str, typer.Option(
         "--planner", envvar=ENV_PLANNER, help="module:function of the recovery planner")] = DEFAULT_PLANNER,
     log_level: Annotated[str, typer.Option("--log-level", help="critical/error/warning/info/debug")] = "info",
+    allowed_host: Annotated[list[str] | None, typer.Option(
+        "--allowed-host", help="a name or address clients use for this server (repeat; '*.example.org', '*'); "
+        f"{ENV_ALLOWED_HOSTS} takes a comma-separated list (--host, this machine's name and loopback names always are)",
+        show_default=False)] = None,
     max_header_bytes: Annotated[int, typer.Option("--max-header-bytes", help="largest request line plus headers")] = 32 * 1024,
     request_read_timeout: Annotated[float, typer.Option(
         "--request-read-timeout", help="seconds a request may take to arrive whole")] = 10.0,
@@ -60,6 +66,7 @@ def serve(
             cold_url=cold_url, cold_options=parse_cold_options(cold_option), max_body_bytes=max_body_bytes,
             default_page_size=page_size, max_page_size=max_page_size, summary_ttl=summary_ttl,
             cold_refresh_interval=cold_refresh_interval, planner=planner, log_level=log_level,
+            allowed_hosts=_allowed_hosts(allowed_host),
             max_header_bytes=max_header_bytes, request_read_timeout=request_read_timeout, max_connections=max_connections,
         )  # fmt: skip
         from server.serve import serve as run_server
@@ -68,6 +75,13 @@ def serve(
             run_server(settings)
         except OSError as e:
             raise fail(f"cannot serve on {host}:{port}: {e}", hint="pick another --port", code=4) from None
+
+
+def _allowed_hosts(flags: list[str] | None) -> tuple[str, ...]:
+    """--allowed-host values, else the environment's comma-separated list."""
+    if flags:
+        return tuple(flags)
+    return tuple(os.environ.get(ENV_ALLOWED_HOSTS, "").split(","))
 
 
 def register(app: typer.Typer) -> None:
