@@ -14,10 +14,12 @@ Endpoints (all JSON unless said otherwise; ``/openapi.json`` has the full schema
     POST /v1/runs/{run}/flush                    upload the writers' sealed segments    (token)
     GET  /v1/runs/{run}/recovery-plan?failed=k   pluggable planner; 501 if it cannot be loaded
     GET  /metrics                                Prometheus
+    GET  /docs, /openapi.json                    the schema, rendered and as JSON
 
-Every error is ``{"error": {"code", "message", "hint", "key", "retryable"}}`` with a 4xx status for
+When reads need the token (``Settings.reads_need_token``), every endpoint needs it. Every error is ``{"error": {"code", "message", "hint", "key", "retryable"}}`` with a 4xx status for
 bad input (never a 500), 404 for what does not exist, 409 for corrupt data, 5xx only for the
-object store or a bug. Handlers are plain ``def`` functions: FastAPI runs them in its thread pool,
+object store or a bug. Error bodies never name a path on the node: the store root reads ``<root>``,
+a file:// cold tier ``<cold>``. Handlers are plain ``def`` functions: FastAPI runs them in its thread pool,
 so a slow store read never stalls the event loop, and LMDB reads never block a training process
 that writes the same store.
 
@@ -26,14 +28,18 @@ Never: binds a socket (that is :mod:`server.serve`), or writes records.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Request, Security
+from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from logstore.errors import InvalidNameError, SwiftlogError
@@ -51,6 +57,33 @@ __all__ = ["create_app"]
 logger = logging.getLogger(__name__)
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
+
+
+def _path_redactor(settings: Settings) -> Callable[[Problem], Problem]:
+    """A function that writes the node's store root as ``<root>`` and a file:// cold tier's
+    directory as ``<cold>`` in a Problem's words."""
+    pairs: list[tuple[str, str]] = []
+    for path, name in ((settings.root, "<root>"), (_cold_dir(settings.cold_url), "<cold>")):
+        if path is not None:
+            pairs += [(str(p), name) for p in {path, path.resolve()} if str(p) not in ("/", ".")]
+    pairs.sort(key=lambda pair: -len(pair[0]))  # a longer path first: it may hold a shorter one
+
+    def clean(text: str | None) -> str | None:
+        if text:
+            for path, name in pairs:
+                text = text.replace(path, name)
+        return text
+
+    def redact(p: Problem) -> Problem:
+        return dataclasses.replace(p, message=clean(p.message) or "", hint=clean(p.hint), key=clean(p.key))
+
+    return redact
+
+
+def _cold_dir(cold_url: str | None) -> Path | None:
+    if cold_url is None or not cold_url.startswith("file://"):
+        return None
+    return Path(urlsplit(cold_url).path)
 
 
 def _respond(p: Problem) -> JSONResponse:
@@ -90,17 +123,17 @@ def _allowed_methods(app: FastAPI, path: str) -> list[str]:
     return sorted({m for rx, methods in index if rx.match(path) for m in methods})
 
 
-def _install_handlers(app: FastAPI) -> None:
+def _install_handlers(app: FastAPI, redact: Callable[[Problem], Problem]) -> None:
     @app.exception_handler(SwiftlogError)
     async def _swiftlog(request: Request, exc: SwiftlogError) -> JSONResponse:
         p = classify(exc)
         if p.status >= 500:
             logger.warning("%s %s -> %d: %s", request.method, request.url.path, p.status, exc)
-        return _respond(p)
+        return _respond(redact(p))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _respond(_validation_problem(exc))
+        return _respond(redact(_validation_problem(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -118,7 +151,23 @@ def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return _respond(classify(exc))
+        return _respond(redact(classify(exc)))
+
+
+def _docs_router(title: str) -> APIRouter:
+    """/openapi.json and /docs as routes of their own, so that they take the read dependency and have
+    a route label in /metrics (FastAPI's built-in ones have neither)."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/openapi.json")
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(request.app.openapi())
+
+    @router.get("/docs")
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - Swagger UI")
+
+    return router
 
 
 def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
@@ -147,17 +196,18 @@ def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
             "`Authorization: Bearer <token>`."
         ),
         lifespan=lifespan,
+        openapi_url=None,  # served by _docs_router, behind the read dependency
+        docs_url=None,
         redoc_url=None,
     )
     app.state.settings = settings
     app.state.node = node
     app.state.metrics = server_metrics
     read_deps = [Security(require_read)] if settings.reads_need_token else []
-    app.include_router(health.build(settings))
-    for mod in (runs, records, checkpoints, maintenance, recovery):
+    for mod in (health, runs, records, checkpoints, maintenance, recovery, metrics):
         app.include_router(mod.build(settings), dependencies=read_deps)
-    app.include_router(metrics.build(settings))
-    _install_handlers(app)
+    app.include_router(_docs_router(app.title), dependencies=read_deps)
+    _install_handlers(app, _path_redactor(settings))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HostOriginMiddleware, host_names=settings.host_names)  # before anything reads the request
     app.add_middleware(MetricsMiddleware, metrics=server_metrics)  # outermost: sees every response

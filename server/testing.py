@@ -300,7 +300,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/v1/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/v1/health", headers=self.headers(), timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

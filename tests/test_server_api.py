@@ -159,9 +159,11 @@ def test_recovery_plan_from_the_replay_planner(client: httpx.Client) -> None:
 
 
 def test_metrics(client: httpx.Client) -> None:
-    client.get("/v1/runs/run-a")
+    for path in ("/v1/runs/run-a", "/docs", "/openapi.json"):
+        assert client.get(path).status_code == 200
     text = client.get("/metrics").text
-    assert 'swiftlog_http_requests_total{method="GET",route="/v1/runs/{run}",status="200"}' in text
+    for route in ("/v1/runs/{run}", "/docs", "/openapi.json"):  # the schema's routes are routes too, not "unmatched"
+        assert f'swiftlog_http_requests_total{{method="GET",route="{route}",status="200"}}' in text, route
     assert "swiftlog_http_request_duration_seconds_bucket" in text
     for tier in ("hot", "cold"):
         line = next(ln for ln in text.splitlines() if ln.startswith(f'swiftlog_store_stored_bytes{{run="run-a",tier="{tier}"}}'))

@@ -106,12 +106,32 @@ def test_no_token_means_read_only_unless_insecure_loopback_dev_mode(store_copy: 
 
 
 def test_reads_can_require_the_token(store_copy: StoreFixture) -> None:
+    """With reads protected, every endpoint is: the health check shows the store root, the metrics
+    the runs, and the schema and its page are reads too."""
     with ServerProcess(store_copy.root, token=TOKEN, args=["--require-token-for-reads"]) as srv:
-        assert httpx.get(srv.url + "/v1/runs/run-a").status_code == 401
-        assert httpx.get(srv.url + "/v1/runs/run-a", headers=AUTH).status_code == 200
-        assert httpx.get(srv.url + "/v1/health").status_code == 200  # liveness stays open
-        spec = httpx.get(srv.url + "/openapi.json").json()
-        assert spec["paths"]["/v1/runs/{run}"]["get"]["security"] == [{"bearerToken": []}]
+        for path in ("/v1/runs/run-a", "/v1/runs", "/v1/health", "/metrics", "/docs", "/openapi.json"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (path, r.text)
+            assert str(store_copy.root) not in r.text
+            assert httpx.get(srv.url + path, headers=AUTH).status_code == 200, path
+        spec = httpx.get(srv.url + "/openapi.json", headers=AUTH).json()
+        for path in ("/v1/runs/{run}", "/v1/health", "/metrics"):
+            assert spec["paths"][path]["get"]["security"] == [{"bearerToken": []}], path
+
+
+def test_error_bodies_name_no_server_paths(store_copy: StoreFixture) -> None:
+    """An error says what went wrong in the client's terms; where the store lives on the node is
+    not the client's business (the messages name the root, an index, a segment file)."""
+    key = RecordKey(Channel.gradient(1), 2, 1)
+    corrupt_hot_record(str(store_copy.root), "run-a", key)
+    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        for path, status in (("/v1/runs/no-such-run", 404), ("/v1/runs/no-such-run/records", 404),
+                             (f"/v1/runs/run-a/records/{key}", 409), (f"/v1/runs/run-a/records/{key}/raw", 409)):  # fmt: skip
+            r = c.get(path)
+            assert r.status_code == status, (path, r.text)
+            for where in (store_copy.root, store_copy.root.resolve(), store_copy.cold_dir, store_copy.root.parent):
+                assert str(where) not in r.text, (path, r.text)
+            assert "<root>" in r.text or "no-such-run" in r.text
 
 
 # ------------------------------------------------------------------------------------------ host, origin
