@@ -17,6 +17,9 @@ error or a lying proxy), then the codec's checksum of the decoded raw bytes. A m
 ``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
 then :class:`NodeUnavailableError` (retryable: the reader tries its other sources).
 
+A token never travels in clear to another machine: with a token, a plain ``http://`` URL must name
+a loopback address (``https://`` otherwise; ``verify`` or ``SSL_CERT_FILE`` names a private CA).
+
 Gaps (records the client dropped, e.g. on a full queue) come from the run summary
 (``GET /v1/runs/{run}?fresh=true``), so a plan made through node servers sees them too.
 
@@ -25,17 +28,19 @@ Never: sends the token anywhere but the configured server, or caches blobs on di
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any, Self
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import torch
 
 from logstore import Channel, RecordKey, codec, validate_run
-from logstore.errors import CorruptRecordError, RecordNotFoundError, StoreError
+from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError, StoreError
 from logstore.segment import blob_checksum
 from logstore.store import CheckpointInfo, RecordInfo
 from replay.core import LogReader, RecordSource
@@ -59,20 +64,25 @@ class HttpRecordSource:
     Args:
         base_url: e.g. ``http://10.0.0.5:8080`` (the server's root, without ``/v1``).
         run: the run id.
-        token: bearer token, if the server wants one for reads.
+        token: bearer token, if the server wants one for reads. Sent only over https or to a
+            loopback address (ConfigError otherwise).
         timeout: seconds per request. retries: attempts on transport errors and 5xx (>= 1).
         client: an ``httpx.Client`` to reuse (then ``base_url`` is still used to build URLs).
+        verify: TLS verification, as httpx takes it (an ``ssl.SSLContext`` that trusts a private CA;
+            by default the system's CAs, or ``SSL_CERT_FILE``).
     """
 
     def __init__(self, base_url: str, run: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 client: httpx.Client | None = None) -> None:  # fmt: skip
+                 client: httpx.Client | None = None, verify: ssl.SSLContext | bool = True) -> None:  # fmt: skip
         self.base_url = base_url.rstrip("/")
         self.run = validate_run(run)
         self.token = token
         self.retries = max(1, int(retries))
+        if token:
+            _refuse_token_in_clear(self.base_url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own = client is None
-        self._client = client or httpx.Client(timeout=timeout, headers=headers)
+        self._client = client or httpx.Client(timeout=timeout, headers=headers, verify=verify)
         if client is not None and headers:
             self._client.headers.update(headers)
 
@@ -212,6 +222,23 @@ class HttpRecordSource:
                                    hint="check that `swiftlog serve` runs there, or read the records from the cold tier")  # fmt: skip
 
 
+def _refuse_token_in_clear(url: str) -> None:
+    """ConfigError for a plain-http URL of a host that is not a loopback address: a token sent there
+    crosses the network in clear."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return
+    host = (parts.hostname or "").lower()
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(f"refusing to send the token over plain http to {url}: anyone on the way could read it",
+                          hint="serve with TLS (swiftlog serve --tls-cert/--tls-key) and use https://, "
+                               "or reach the server over loopback (an SSH tunnel)")  # fmt: skip
+
+
 def _error_body(r: httpx.Response) -> str:
     try:
         body = r.json()
@@ -230,8 +257,12 @@ class RemoteLogReader(LogReader):
     """
 
     def __init__(self, urls: str | Sequence[str], run: str, *, token: str | None = None, fallback: Sequence[RecordSource] = (),
-                 timeout: float = 30.0, retries: int = 3) -> None:  # fmt: skip
-        self._http = [HttpRecordSource(u, run, token=token, timeout=timeout, retries=retries) for u in ([urls] if isinstance(urls, str) else urls)]
+                 timeout: float = 30.0, retries: int = 3, verify: ssl.SSLContext | bool = True) -> None:  # fmt: skip
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if token:
+            for u in urls:  # before any client is made: none is left open
+                _refuse_token_in_clear(u)
+        self._http = [HttpRecordSource(u, run, token=token, timeout=timeout, retries=retries, verify=verify) for u in urls]
         super().__init__([*self._http, *fallback])
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """Run the admin API under uvicorn, after the bind rules of :mod:`server.settings` have passed.
 
 uvicorn runs the HTTP protocol of :mod:`server.protocol` (httptools with a bound on the request head,
-a read deadline and a bound on open connections).
+a read deadline and a bound on open connections), on TLS when a certificate is given.
 :func:`uvicorn_config` is that configuration, shared with the benchmark's bare app.
 
 Never: binds a non-loopback address without a token (checked here again, right before binding,
@@ -11,6 +11,7 @@ whatever built the settings).
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Any
 
 import uvicorn
@@ -18,7 +19,7 @@ import uvicorn
 from logstore.errors import ConfigError
 from server.app import create_app
 from server.protocol import HttpLimits, protocol_class
-from server.settings import ENV_TOKEN, Settings, is_loopback
+from server.settings import ENV_TLS_CERT, ENV_TOKEN, Settings, is_loopback
 
 __all__ = ["serve", "uvicorn_config"]
 
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
-    """The uvicorn configuration ``swiftlog serve`` runs ``app`` with, loaded."""
+    """The uvicorn configuration ``swiftlog serve`` runs ``app`` with (loaded: the TLS files are read).
+
+    Raises ConfigError naming a certificate or key that cannot be used."""
     limits = HttpLimits(max_head_bytes=settings.max_header_bytes, read_timeout=settings.request_read_timeout,
                         max_connections=settings.max_connections)  # fmt: skip
     config = uvicorn.Config(
@@ -40,8 +43,14 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         server_header=False,
         timeout_graceful_shutdown=10,
         proxy_headers=False,  # client addresses come from the socket, never from headers
+        ssl_certfile=settings.tls_certfile,
+        ssl_keyfile=settings.tls_keyfile,
     )
-    config.load()
+    try:
+        config.load()
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot use the TLS certificate {str(settings.tls_certfile)!r} / key {str(settings.tls_keyfile)!r}: {e}",
+                          hint="give a PEM certificate chain and its private key (--tls-cert, --tls-key)") from None  # fmt: skip
     return config
 
 
@@ -53,6 +62,9 @@ def serve(settings: Settings) -> None:
             f"refusing to serve on non-loopback address {settings.host!r} without a token",
             hint=f"set {ENV_TOKEN} or pass --token, or bind 127.0.0.1",
         )
+    if not is_loopback(settings.host) and settings.tls_certfile is None:
+        logger.warning("serving %s without TLS: the token crosses the network in clear (clients refuse to send it); "
+                       "pass --tls-cert/--tls-key (or %s)", settings.host, ENV_TLS_CERT)  # fmt: skip
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     server.run()
     if not server.started:

@@ -15,6 +15,7 @@ Security rules enforced here, before anything binds a socket:
   ``/metrics``, ``/docs`` and ``/openapi.json`` included.
 - A request whose Host header names none of :attr:`Settings.host_names` is refused (DNS rebinding):
   the bound address, this machine's host name, the loopback names, and ``allowed_hosts``.
+- TLS is on when ``tls_certfile`` is given; clients then reach the server over ``https://``.
 
 Never: reads files, opens stores or touches the network; pydantic stays in this layer (the log
 store's own configuration is a dataclass).
@@ -45,6 +46,8 @@ __all__ = [
     "ENV_ALLOW_INSECURE_LOOPBACK_WRITES",
     "ENV_PLANNER",
     "ENV_ALLOWED_HOSTS",
+    "ENV_TLS_CERT",
+    "ENV_TLS_KEY",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "MIN_TOKEN_LENGTH",
@@ -59,6 +62,8 @@ ENV_PORT = "SWIFTLOG_PORT"
 ENV_ALLOW_INSECURE_LOOPBACK_WRITES = "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES"  # "1"/"true" to enable
 ENV_PLANNER = "SWIFTLOG_PLANNER"  # "module:function" of the recovery planner
 ENV_ALLOWED_HOSTS = "SWIFTLOG_ALLOWED_HOSTS"  # comma-separated host names and addresses clients may use
+ENV_TLS_CERT = "SWIFTLOG_TLS_CERT"  # PEM certificate chain (may hold the key too)
+ENV_TLS_KEY = "SWIFTLOG_TLS_KEY"  # PEM private key
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -125,6 +130,8 @@ class Settings(BaseModel):
         (), description="more names and addresses clients may put in the Host header, besides the bound address, "
         "this machine's host name and the loopback names ('*.example.org' matches subdomains, '*' any name)",
     )
+    tls_certfile: Path | None = Field(None, description="PEM certificate chain: serve https (the key may be in it)")
+    tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile")
     max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line plus headers")
     request_read_timeout: float = Field(
         10.0, gt=0.0, le=3600.0, description="seconds a request (headers and body) may take to arrive"
@@ -171,6 +178,8 @@ class Settings(BaseModel):
                 )
             if self.allow_insecure_loopback_writes:
                 raise ValueError("allow_insecure_loopback_writes is only allowed with a loopback host")
+        if self.tls_keyfile is not None and self.tls_certfile is None:
+            raise ValueError("tls_keyfile needs tls_certfile (the certificate it belongs to)")
         return self
 
     # ------------------------------------------------------------------ derived
@@ -188,6 +197,10 @@ class Settings(BaseModel):
         bound = host_name(self.host)
         names = [] if bound in _WILDCARDS else [bound]
         return tuple(dict.fromkeys([*names, host_name(socket.gethostname()), *_LOOPBACK_NAMES, *self.allowed_hosts]))
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_certfile is not None else "http"
 
     @property
     def auth_mode(self) -> str:
@@ -223,6 +236,10 @@ class Settings(BaseModel):
             values["planner"] = env[ENV_PLANNER]
         if env.get(ENV_ALLOWED_HOSTS):
             values["allowed_hosts"] = tuple(env[ENV_ALLOWED_HOSTS].split(","))
+        if env.get(ENV_TLS_CERT):
+            values["tls_certfile"] = env[ENV_TLS_CERT]
+        if env.get(ENV_TLS_KEY):
+            values["tls_keyfile"] = env[ENV_TLS_KEY]
         values.update({k: v for k, v in explicit.items() if v is not None})
         if "root" not in values:
             raise ConfigError("no store root given", hint=f"pass --root or set {ENV_ROOT}")

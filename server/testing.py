@@ -18,6 +18,7 @@ import argparse
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -253,7 +254,8 @@ class StoreFixture:
 class ServerProcess:
     """``swiftlog serve`` in a subprocess on a free loopback port; a context manager.
 
-    ``url`` is the base URL once entered. Extra CLI flags go in ``args``.
+    ``url`` is the base URL once entered (``https://`` when ``args`` give ``--tls-cert``, whose
+    certificate the readiness probe then trusts). Extra CLI flags go in ``args``.
     """
 
     def __init__(
@@ -278,7 +280,12 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if '--tls-cert' in self.args else 'http'}://127.0.0.1:{self.port}"
+
+    def _verify(self) -> ssl.SSLContext | bool:
+        if "--tls-cert" not in self.args:
+            return True
+        return ssl.create_default_context(cafile=self.args[self.args.index("--tls-cert") + 1])
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -296,11 +303,12 @@ class ServerProcess:
         self._log = open(self.root.parent / f"server-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + self.startup_timeout
+        verify = self._verify()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/v1/health", headers=self.headers(), timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/v1/health", headers=self.headers(), timeout=1.0, verify=verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

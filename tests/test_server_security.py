@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +20,8 @@ from logstore.errors import ConfigError
 from logstore.keys import Channel, RecordKey
 from logstore.testing import free_port
 from server.settings import Settings
-from server.testing import TOKEN, ServerProcess, StoreFixture, start_writer, stop_writer, subprocess_env
+from replay.remote import HttpRecordSource, RemoteLogReader
+from server.testing import TOKEN, ServerProcess, StoreFixture, sample_tensor, start_writer, stop_writer, subprocess_env
 from tests._replay_helpers import corrupt_hot_record
 from trainer_client.checkpoint import save_checkpoint
 
@@ -181,6 +186,66 @@ def test_cross_origin_writes_are_refused(store_copy: StoreFixture) -> None:
         assert httpx.get(srv.url + "/v1/runs", headers={"Origin": "http://attacker.example"}).status_code == 200
         r = httpx.post(srv.url + "/v1/runs/run-a/flush", headers={"Origin": f"http://127.0.0.1:{srv.port}", "Sec-Fetch-Site": "same-origin"})
         assert r.status_code == 200 and r.json()["uploaded_segments"] == sealed
+
+
+# ------------------------------------------------------------------------------------------ TLS
+def _self_signed(where: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swiftlog test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)).add_extension(san, critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    cert_path, key_path = where / "cert.pem", where / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    return cert_path, key_path
+
+
+def test_serve_over_tls(store_copy: StoreFixture, tmp_path: Path) -> None:
+    """--tls-cert/--tls-key serve https: reads, the replay's record source, and nothing in clear."""
+    cert, key = _self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=str(cert))
+    with ServerProcess(store_copy.root, token=TOKEN, args=["--tls-cert", str(cert), "--tls-key", str(key)]) as srv:
+        assert srv.url.startswith("https://")
+        r = httpx.get(srv.url + "/v1/runs/run-a/checkpoints", headers=AUTH, verify=trust)
+        assert r.status_code == 200 and r.json()["checkpoints"] == []
+        with pytest.raises(httpx.HTTPError):  # the same port does not answer plain http
+            httpx.get(f"http://127.0.0.1:{srv.port}/v1/health", timeout=10)
+        with pytest.raises(httpx.ConnectError):  # nor a client that does not trust the certificate
+            httpx.get(srv.url + "/v1/health", timeout=10)
+        k = RecordKey(Channel.activation(0), 3, 1)
+        with HttpRecordSource(srv.url, "run-a", token=TOKEN, verify=trust) as src:
+            assert src.get(k).equal(sample_tensor(k.channel, 3, 1))
+    for args, needle in ((["--tls-cert", str(tmp_path / "missing.pem")], "missing.pem"),
+                         (["--tls-cert", str(key), "--tls-key", str(key)], "cert"),
+                         (["--tls-key", str(key)], "tls_keyfile needs tls_certfile")):  # fmt: skip
+        p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--root", str(store_copy.root), "--port", "0", *args],
+                           env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+
+
+def test_the_token_never_goes_in_clear_to_another_host() -> None:
+    """A token sent over plain http to another machine can be read on the way: clients refuse."""
+    for url in ("http://10.1.2.3:8765", "http://node7:8765", "HTTP://[2001:db8::1]:80"):
+        with pytest.raises(ConfigError, match="plain http") as e:
+            HttpRecordSource(url, "run-a", token=TOKEN)
+        assert "https://" in e.value.hint
+        with pytest.raises(ConfigError, match="plain http"):
+            RemoteLogReader([f"http://127.0.0.1:{free_port()}", url], "run-a", token=TOKEN)
+    for url, token in (("http://127.0.0.1:8765", TOKEN), ("http://localhost:8765", TOKEN), ("http://[::1]:8765", TOKEN),
+                       ("https://10.1.2.3:8765", TOKEN), ("http://10.1.2.3:8765", None)):  # fmt: skip
+        HttpRecordSource(url, "run-a", token=token).close()  # nothing is sent at construction
 
 
 # ------------------------------------------------------------------------------------------ traversal

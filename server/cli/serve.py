@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,6 +18,8 @@ from server.settings import (
     ENV_HOST,
     ENV_PLANNER,
     ENV_PORT,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
     ENV_TOKEN,
     Settings,
 )
@@ -51,6 +54,10 @@ def serve(
         "--allowed-host", help="a name or address clients use for this server (repeat; '*.example.org', '*'); "
         f"{ENV_ALLOWED_HOSTS} takes a comma-separated list (--host, this machine's name and loopback names always are)",
         show_default=False)] = None,
+    tls_cert: Annotated[Path | None, typer.Option(
+        "--tls-cert", envvar=ENV_TLS_CERT, help="PEM certificate chain: serve https", show_default=False)] = None,
+    tls_key: Annotated[Path | None, typer.Option(
+        "--tls-key", envvar=ENV_TLS_KEY, help="PEM private key of --tls-cert", show_default=False)] = None,
     max_header_bytes: Annotated[int, typer.Option("--max-header-bytes", help="largest request line plus headers")] = 32 * 1024,
     request_read_timeout: Annotated[float, typer.Option(
         "--request-read-timeout", help="seconds a request may take to arrive whole")] = 10.0,
@@ -66,7 +73,7 @@ def serve(
             cold_url=cold_url, cold_options=parse_cold_options(cold_option), max_body_bytes=max_body_bytes,
             default_page_size=page_size, max_page_size=max_page_size, summary_ttl=summary_ttl,
             cold_refresh_interval=cold_refresh_interval, planner=planner, log_level=log_level,
-            allowed_hosts=_allowed_hosts(allowed_host),
+            allowed_hosts=_allowed_hosts(allowed_host), tls_certfile=tls_cert, tls_keyfile=tls_key,
             max_header_bytes=max_header_bytes, request_read_timeout=request_read_timeout, max_connections=max_connections,
         )  # fmt: skip
         from server.serve import serve as run_server
