@@ -15,7 +15,8 @@ error or a lying proxy), then the codec's checksum of the decoded raw bytes. A m
 ``CorruptRecordError`` naming the key; wrong bytes are never returned. Errors are translated: 404 ->
 ``RecordNotFoundError``, 409 (corrupt on the server) -> ``CorruptRecordError``, 401/403 ->
 ``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
-then :class:`NodeUnavailableError` (retryable: the reader tries its other sources).
+then :class:`NodeUnavailableError` (retryable: the reader tries its other sources). A kept-alive
+connection the server closed as it was reused is reopened at once, without spending an attempt.
 
 A token never travels in clear to another machine: with a token, a plain ``http://`` URL must name
 a loopback address (``https://`` otherwise; ``verify`` or ``SSL_CERT_FILE`` names a private CA).
@@ -198,7 +199,7 @@ class HttpRecordSource:
         last: str = ""
         for attempt in range(self.retries):
             try:
-                r = self._client.request(method, url, params=params)
+                r = self._reopening(method, url, params)
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {e}"
             else:
@@ -220,6 +221,15 @@ class HttpRecordSource:
                 delay *= 2
         raise NodeUnavailableError(f"node server {self.base_url} unavailable after {self.retries} attempt(s): {last}", key=key,
                                    hint="check that `swiftlog serve` runs there, or read the records from the cold tier")  # fmt: skip
+
+    def _reopening(self, method: str, url: str, params: dict[str, Any] | None) -> httpx.Response:
+        """One request; sent again at once, on a new connection, when the server closed the kept-alive one
+        as it was reused (its keep-alive timer fired as the request left). Every request here is a GET."""
+        try:
+            return self._client.request(method, url, params=params)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            logger.debug("%s: connection closed under %s %s (%s); reopening", self.base_url, method, url, e)
+            return self._client.request(method, url, params=params)
 
 
 def _refuse_token_in_clear(url: str) -> None:

@@ -1,0 +1,63 @@
+"""HTTP clients of the admin API reopen a keep-alive connection the server closed while it was idle.
+
+uvicorn closes a connection idle past its keep-alive timeout (5 s). A client that sends its next
+request on it races that close: bench/api_bench.py failed twice with ``RemoteDisconnected``, and
+``HttpRecordSource`` spent one of its attempts (or, with ``retries=1``, failed) on it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import torch
+
+from logstore import codec
+from logstore.keys import Channel, RecordKey
+from logstore.segment import blob_checksum
+from replay.remote import HttpRecordSource
+
+
+class _ClosingServer:
+    """A loopback HTTP server that answers the first request of a connection with keep-alive, and
+    closes the connection when the next one arrives, without an answer: the moment a server's
+    keep-alive timer fires just as the client reuses the connection."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.recv(65536)
+                head = (f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.blob)}\r\nContent-Type: application/octet-stream\r\n"
+                        f"X-Swiftlog-Checksum: {blob_checksum(self.blob):016x}\r\n\r\n")  # fmt: skip
+                conn.sendall(head.encode() + self.blob)
+                conn.recv(65536)  # the next request: closed unanswered
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_the_record_source_reopens_a_connection_closed_as_it_was_reused() -> None:
+    t = torch.arange(12, dtype=torch.float32)
+    blob = codec.encode_tensor(t)
+    srv = _ClosingServer(blob)
+    key = RecordKey(Channel.activation(0), 0, 0)
+    try:
+        with HttpRecordSource(f"http://127.0.0.1:{srv.port}", "run-a", retries=1) as src:
+            assert torch.equal(src.get(key), t)
+            assert torch.equal(src.get(key), t)  # reused, closed unanswered, reopened: no attempt spent
+            assert srv.connections == 2
+    finally:
+        srv.close()
