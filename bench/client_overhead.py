@@ -58,7 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer_client.examples.launch import launch_pipeline, load_stage_result
+from trainer_client.examples.launch import launch_pipeline, load_stage_result  # noqa: E402 (after the path set-up)
 
 
 def copy_cost_us_per_mb(shape: tuple[int, ...], stop: threading.Event, period_s: float = 0.25, burst: int = 16) -> float:

@@ -106,14 +106,14 @@ class Stage:
         for mb in range(self.args.n_mb):
             self.recv_act.copy_(self.acts[mb % 2])  # the receive
             x = self.recv_act.detach().requires_grad_()
-            capture(x, lambda: client.log_received(x, 0, it, mb))
+            capture(x, lambda x=x, mb=mb: client.log_received(x, 0, it, mb))
             seed_micro_batch(1, 1, it, mb)  # every configuration seeds, as the client always does
             out = self.model(x)
-            capture(out, lambda: client.log_send(out, 2, "activation", it, mb))
+            capture(out, lambda out=out, mb=mb: client.log_send(out, 2, "activation", it, mb))
             self.recv_grad.copy_(self.grads[mb % 2])
-            capture(self.recv_grad, lambda: client.log_received(self.recv_grad, 2, it, mb))
+            capture(self.recv_grad, lambda mb=mb: client.log_received(self.recv_grad, 2, it, mb))
             out.backward(self.recv_grad)
-            capture(x.grad, lambda: client.log_send(x.grad, 0, "gradient", it, mb))
+            capture(x.grad, lambda x=x, mb=mb: client.log_send(x.grad, 0, "gradient", it, mb))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         _sync()

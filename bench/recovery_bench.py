@@ -122,15 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         iter_s = statistics.median(
             t2 - t1
             for (_, t1, _), (_, t2, _) in zip(
-                ref.results[0]["iteration_end"], ref.results[0]["iteration_end"][1:]
+                ref.results[0]["iteration_end"], ref.results[0]["iteration_end"][1:], strict=False
             )
         )
-        med = lambda xs: statistics.median(xs)
+        med = statistics.median
         rec = med([t["resumed_s"] for t in swift])
         rb = med([r["resumed_s"] for r in rollback])
         out = {
             "recovery_vs_global_rollback": rec / rb,
-            "recovery_vs_global_rollback_per_rep": [t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback)],
+            "recovery_vs_global_rollback_per_rep": [t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)],
             "replay_workers": a.replay_workers,
             "recovery_s": rec,
             "global_rollback_s": rb,

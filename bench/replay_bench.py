@@ -257,11 +257,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                              seq.lr_scheduler, live["lr_scheduler"])
     max_diff = max(float((ap.model[k] - seq.model[k]).abs().max()) for k in seq.model)
     # each round's ratio, then the median over rounds (see the module docstring); best-of and median-of-times alongside
-    per_round = {k: [s / t for s, t in zip(times["seq"], times[k])] for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")}
+    per_round = {k: [s / t for s, t in zip(times["seq"], times[k], strict=True)] for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")}
     ceiling = statistics.median(2 * a / max(b) for a, b in pairs) if pairs else None
     best_t = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    paired = lambda d: statistics.median(s / t for s, t in zip(d["seq"], d["k2_exact"]))  # noqa: E731
+    paired = lambda d: statistics.median(s / t for s, t in zip(d["seq"], d["k2_exact"], strict=True))  # noqa: E731
     n = MODEL["n_microbatches"]
     config = {"stage": stage, "checkpoint": ckpt, "iterations": iters, "rounds": args.rounds, "live_runs": args.live_runs, "schedule": "gpipe",
               "threads_per_process": 1, "statistic": "speedups: median over rounds of the per-round ratio; replay_vs_live: best of rounds"}  # fmt: skip

@@ -180,7 +180,7 @@ def measure_hot() -> dict[str, Any]:
                 s.register_checkpoint(1, it)
                 s.gc()
             s.close()
-        ratio = statistics.median(f / st for st, f in zip(store_s, file_s))
+        ratio = statistics.median(f / st for st, f in zip(store_s, file_s, strict=True))
         suffix = "" if mode == "process" else "_fsync"
         out[f"hot_ingest_vs_raw_file{suffix}"] = ratio
         out[f"hot_ingest_mbps{suffix}"] = _mbps(nbytes, store_s)
@@ -222,7 +222,7 @@ def measure_cold() -> dict[str, Any]:
         tier.close()
         s.close()
     return {
-        "cold_upload_vs_raw_put": statistics.median(rw / sg for sg, rw in zip(seg_s, raw_s)),
+        "cold_upload_vs_raw_put": statistics.median(rw / sg for sg, rw in zip(seg_s, raw_s, strict=True)),
         "cold_upload_mbps": _mbps(size, seg_s),
         "raw_s3fs_put_mbps": _mbps(size, raw_s),
         "cold_segment_mb": size / 1e6,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import sys
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def table() -> str:
             v = data["enqueue_us_per_mb"] / data["copy_us_per_mb"]
         met = ""
         if op is not None and v is not None:
-            met = {"ge": lambda: v >= bound, "le": lambda: v <= bound, "eq": lambda: v == bound}[op]()
+            met = {"ge": operator.ge, "le": operator.le, "eq": operator.eq}[op](v, bound)
             met = "yes" if met else "**no**"
         lines.append(f"| {f} | `{key}` | {_fmt(v) if data is not None else 'not run'} | {target} | {met} |")
     return "\n".join(lines)

@@ -794,10 +794,10 @@ class _Backend(abc.ABC):
     def health(self) -> None:
         ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a backend with nothing to release keeps it)
         pass
 
-    def _after_part(self, key: str, part_number: int) -> None:
+    def _after_part(self, key: str, part_number: int) -> None:  # noqa: B027 (a seam, empty on purpose)
         """Called after each part of a streamed upload is written: a seam for fault-injection
         tests (kill the process mid-upload). Does nothing."""
 

@@ -1372,7 +1372,7 @@ class _Prefetcher:
         likely: list[int] = []
         if ctx.hooks.likely is not None and not plan.shadow:
             likely = [mb for mb in ctx.hooks.likely(it, plan.bwd_order) if mb in plan.bwd_order and mb not in plan.mine]
-        for kind, mb in _passes(plan) + [p for mb in likely for p in (("F", mb), ("B", mb))]:
+        for kind, mb in _passes(plan) + [p for m in likely for p in (("F", m), ("B", m))]:
             for c in fwd if kind == "F" else shadow if kind == "S" else bwd:
                 keys += ctx.reader.part_keys(c, it, mb)
         return keys

@@ -671,7 +671,7 @@ def _differences(x: Any, y: Any, where: str, out: list[str]) -> None:
     elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         if len(x) != len(y):
             out.append(f"{where}: {len(x)} vs {len(y)} entries")
-        for i, (v, w) in enumerate(zip(x, y)):
+        for i, (v, w) in enumerate(zip(x, y, strict=False)):
             _differences(v, w, f"{where}[{i}]", out)
     elif type(x) is not type(y) or (struct.pack("<d", x) != struct.pack("<d", y) if isinstance(x, float) else x != y):
         out.append(f"{where}: {_kind(x)} vs {_kind(y)}")

@@ -122,7 +122,7 @@ def _newest_common(
     if not common:
         return None
     it = max(common)
-    return it, {k: its[it] for k, its in zip(stages, per_stage)}
+    return it, {k: its[it] for k, its in zip(stages, per_stage, strict=True)}
 
 
 def prepare_states(

@@ -86,7 +86,7 @@ def test_every_logged_send_equals_what_the_receiver_got(logged_run):
     data = SyntheticTokens(run.gpt, seed=SEED)
     for it in range(CKPT, ITERS):
         x, y = data(it)
-        for mb, (xm, ym) in enumerate(zip(_split(x, n_mb), _split(y, n_mb))):
+        for mb, (xm, ym) in enumerate(zip(_split(x, n_mb), _split(y, n_mb), strict=True)):
             assert torch.equal(store.get(RecordKey(Channel.input(0), it, mb)), xm)
             assert torch.equal(store.get(RecordKey(Channel.target(NUM_STAGES - 1), it, mb)), ym)
         for k in range(NUM_STAGES):
@@ -318,7 +318,6 @@ def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path)
     """A step's keyword inputs reach every stage's forward. Tensors among them are logged by each
     stage (``input_k``, names in META) and JSON constants go into META, so a replay of any stage
     passes them again: both stages replay bit-exact and verified."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     from logstore import LogStore

@@ -29,6 +29,7 @@ from trainer_client import (
     ClientConfig,
     CommitCoordinator,
     CommitStoreError,
+    FlushReport,
     IterationAbortedError,
     SwiftlogClient,
     UnsupportedScheduleError,
@@ -571,7 +572,7 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, make_lr_scheduler(fopt))
     rep = replay_stage(state, LogReader(st), num_stages=1, stop_iteration=4, loss_fn=loss_fn)
     assert rep.ok and rep.digests_checked == 0 and rep.micro_batches == 9
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
     assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in opt.state_dict()["state"])
 
 

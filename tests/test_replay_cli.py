@@ -116,7 +116,6 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
     import datetime
     from pathlib import Path
 
-    import torch.distributed as dist
 
     from logstore import Channel, RecordKey
     from logstore.testing import free_port

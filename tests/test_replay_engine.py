@@ -498,7 +498,6 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     import datetime
     import json
 
-    import torch.distributed as dist
 
     from replay.replacement import recover_stage
     from trainer_client.survivor import RecoveryKeys
@@ -638,7 +637,7 @@ def test_a_key_is_asked_first_of_the_source_that_listed_it(f1b_run, tmp_path):
         ch = Channel.activation(1)
         parts = reader.require_parts(ch, CKPT, 1)
         assert parts and a.gets == 0 and b.gets == len(parts)
-        assert all(torch.equal(p, full.get(k)) for p, k in zip(parts, reader.part_keys(ch, CKPT, 1)))
+        assert all(torch.equal(p, full.get(k)) for p, k in zip(parts, reader.part_keys(ch, CKPT, 1), strict=True))
         with pytest.raises(ReplayInputMissingError):  # a key nobody listed is still looked for everywhere
             reader.get(RecordKey(ch, ITERS + 5, 0))
         assert a.gets == 1 and b.gets == len(parts) + 1

@@ -80,8 +80,8 @@ def test_balanced_counts_give_the_slower_worker_fewer_micro_batches_and_are_opti
             k = len(times)
             got = balanced_counts(n, times, k)
             assert sum(got) == n and (n < k or min(got) >= 1)
-            best = min(max(c * t for c, t in zip(cs, times)) for cs in _splits(n, k) if n < k or min(cs) >= 1)
-            assert max(c * t for c, t in zip(got, times)) == best
+            best = min(max(c * t for c, t in zip(cs, times, strict=True)) for cs in _splits(n, k) if n < k or min(cs) >= 1)
+            assert max(c * t for c, t in zip(got, times, strict=True)) == best
 
 
 def test_gradient_buckets_are_contiguous_runs_of_one_dtype():

@@ -10,7 +10,6 @@ import socket
 import threading
 from pathlib import Path
 
-import pytest
 
 from server.testing import TOKEN, ServerProcess
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from logstore import Channel, LogStore, RecordKey
 from replay.core import absolute_spec, is_script_spec, load_object

@@ -266,7 +266,7 @@ class S3Server(abc.ABC):
                     f"{self.log_tail()}"
                 )
 
-    def _cleanup_after_exit(self) -> None:
+    def _cleanup_after_exit(self) -> None:  # noqa: B027 (optional: servers with no leftovers keep it)
         """Remove runtime leftovers of a dead process (sockets); data stays."""
 
     # -- internals ------------------------------------------------------------------------

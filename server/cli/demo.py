@@ -33,7 +33,7 @@ import json
 import shlex
 import shutil
 import time
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,7 +47,7 @@ __all__ = ["register", "run_demo", "Phase", "DemoRunError"]
 RUN = "demo-run"
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     """Where the demo's SIGKILL lands: the example script's kill phases that a failure between two
     checkpoints reaches (``checkpoint`` fires only at a checkpoint iteration, ``recovering`` only
     during a recovery: neither would kill anything here)."""

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainer_client.commit import gloo_on_loopback, loopback_store
 
