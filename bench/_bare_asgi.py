@@ -31,9 +31,13 @@ def main() -> None:
         if scope["type"] != "http":
             return
         body = memoryview(blobs[int(scope["path"].strip("/"))])
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+        )
         for off in range(0, len(body), CHUNK):
-            await send({"type": "http.response.body", "body": body[off : off + CHUNK], "more_body": off + CHUNK < len(body)})
+            await send(
+                {"type": "http.response.body", "body": body[off : off + CHUNK], "more_body": off + CHUNK < len(body)}
+            )
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

@@ -72,10 +72,38 @@ MID = Channel.activation(2)  # download records, 1 MiB raw each
 MID_SHAPE = (4, 256, 512)
 
 
-def _write(root: Path, cold_url: str, writer: str, ch: Channel, iterations: int, mbs: int, shape: tuple[int, ...]) -> None:
-    cmd = [sys.executable, "-m", "server.testing", "write", "--root", str(root), "--run", RUN, "--stage", "0", "--stages", "1",
-           "--writer", writer, "--channels", ch.name, "--iterations", str(iterations), "--micro-batches", str(mbs),
-           "--shape", ",".join(map(str, shape)), "--cold-url", cold_url, "--flush", "--segment-iters", "4"]  # fmt: skip
+def _write(
+    root: Path, cold_url: str, writer: str, ch: Channel, iterations: int, mbs: int, shape: tuple[int, ...]
+) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.testing",
+        "write",
+        "--root",
+        str(root),
+        "--run",
+        RUN,
+        "--stage",
+        "0",
+        "--stages",
+        "1",
+        "--writer",
+        writer,
+        "--channels",
+        ch.name,
+        "--iterations",
+        str(iterations),
+        "--micro-batches",
+        str(mbs),
+        "--shape",
+        ",".join(map(str, shape)),
+        "--cold-url",
+        cold_url,
+        "--flush",
+        "--segment-iters",
+        "4",
+    ]
     subprocess.run(cmd, env=subprocess_env(), check=True, capture_output=True, text=True, timeout=900)
 
 
@@ -95,7 +123,9 @@ def _bare_server(root: Path, keys: list[RecordKey]) -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_bare_asgi.py"), str(port), f.name], env=subprocess_env())
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "_bare_asgi.py"), str(port), f.name], env=subprocess_env()
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -133,10 +163,22 @@ def main() -> None:
         _write(root, cold_url, "stage1", BIG, 4, 4, BIG_SHAPE)
         _write(root, cold_url, "stage2", MID, 8, 4, MID_SHAPE)
         setup_s = time.perf_counter() - t0
-        trainer = start_writer(root, RUN, writer="trainer", channels=[Channel.activation(3), Channel.gradient(3)],
-                               micro_batches=4, shape=(4, 64, 64), sleep=0.01, cold_url=cold_url, duration=3600)  # fmt: skip
+        trainer = start_writer(
+            root,
+            RUN,
+            writer="trainer",
+            channels=[Channel.activation(3), Channel.gradient(3)],
+            micro_batches=4,
+            shape=(4, 64, 64),
+            sleep=0.01,
+            cold_url=cold_url,
+            duration=3600,
+        )
         try:
-            with ServerProcess(root, token=TOKEN, cold_url=cold_url) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+            with (
+                ServerProcess(root, token=TOKEN, cold_url=cold_url) as srv,
+                httpx.Client(base_url=srv.url, timeout=60) as c,
+            ):
                 time.sleep(3.0)  # the trainer is up and writing
                 assert trainer.poll() is None, stop_writer(trainer)
                 load_before = os.getloadavg()[0]
@@ -148,11 +190,13 @@ def main() -> None:
         written = len(LogStore.open(root, RUN).keys(Channel.activation(3)))
         if trainer.returncode not in (0, None):
             raise SystemExit(f"writer failed: {err[-2000:]}")
-    result.update({
-        "writer_records_written": written,
-        "setup_s": round(setup_s, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-    })  # fmt: skip
+    result.update(
+        {
+            "writer_records_written": written,
+            "setup_s": round(setup_s, 1),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        }
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
@@ -216,7 +260,9 @@ def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespac
         xxhash.xxh3_64_intdigest(body)  # the client's side of the work is the same
         return len(body)
 
-    def compare(keys: list[RecordKey], rounds: int, connections: int = 1, bare_port: int | None = None) -> tuple[float, float, float, int, float | None]:
+    def compare(
+        keys: list[RecordKey], rounds: int, connections: int = 1, bare_port: int | None = None
+    ) -> tuple[float, float, float, int, float | None]:
         pool = ThreadPoolExecutor(connections)
         nbytes = sum(len(store.get_blob(k)) for k in keys)  # also warms the page cache for both sides
         for k in keys[:2]:
@@ -239,8 +285,13 @@ def _measure(c: httpx.Client, root: Path, cold_url: str, args: argparse.Namespac
                 assert sum(bare_download(bare_port, i) for i in range(len(keys))) == nbytes
                 bare.append(td / (time.perf_counter() - t))
         pool.shutdown()
-        return (statistics.median(ratios), statistics.median(http_), statistics.median(direct), nbytes // len(keys),
-                statistics.median(bare) if bare else None)  # fmt: skip
+        return (
+            statistics.median(ratios),
+            statistics.median(http_),
+            statistics.median(direct),
+            nbytes // len(keys),
+            statistics.median(bare) if bare else None,
+        )
 
     big = [RecordKey(BIG, it, mb) for it in range(4) for mb in range(4)]
     mid = [RecordKey(MID, it, mb) for it in range(8) for mb in range(4)]

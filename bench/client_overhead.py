@@ -61,7 +61,9 @@ sys.path.insert(0, str(ROOT))
 from trainer_client.examples.launch import launch_pipeline, load_stage_result  # noqa: E402 (after the path set-up)
 
 
-def copy_cost_us_per_mb(shape: tuple[int, ...], stop: threading.Event, period_s: float = 0.25, burst: int = 16) -> float:
+def copy_cost_us_per_mb(
+    shape: tuple[int, ...], stop: threading.Event, period_s: float = 0.25, burst: int = 16
+) -> float:
     """Mean time of ``t.clone()`` of float32 tensors of ``shape`` in microseconds per MB, sampled
     in bursts every ``period_s`` until ``stop`` is set (i.e. while the pipeline runs)."""
     torch.set_num_threads(1)
@@ -99,7 +101,9 @@ def main() -> int:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--n-microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    p.add_argument("--block", type=int, default=1, help="iterations per on/off block (if > 1, the first of each is discarded)")
+    p.add_argument(
+        "--block", type=int, default=1, help="iterations per on/off block (if > 1, the first of each is discarded)"
+    )
     p.add_argument("--blocks", type=int, default=81, help="number of blocks, odd: logging on in blocks 0, 2, 4, ...")
     p.add_argument("--encode-threads", type=int, default=1)
     p.add_argument("--codec", default="auto")
@@ -110,15 +114,46 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="swiftlog-bench-client-")
     iters = args.block * args.blocks
     common = [
-        "--run-id", "bench", "--store-root", f"{work}/store", "--schedule", args.schedule, "--iters", str(iters),
-        "--hidden", str(args.hidden), "--heads", str(args.heads), "--seq", str(args.seq), "--vocab", str(args.vocab),
-        "--micro-batch-size", str(args.micro_batch_size), "--n-microbatches", str(args.n_microbatches), "--layers", "1",
-        "--alternate-logging", str(args.block), "--encode-threads", str(args.encode_threads), "--codec", args.codec,
-        "--threads", "1", "--probe-copy", *args.extra.split(),
-    ]  # fmt: skip
+        "--run-id",
+        "bench",
+        "--store-root",
+        f"{work}/store",
+        "--schedule",
+        args.schedule,
+        "--iters",
+        str(iters),
+        "--hidden",
+        str(args.hidden),
+        "--heads",
+        str(args.heads),
+        "--seq",
+        str(args.seq),
+        "--vocab",
+        str(args.vocab),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--n-microbatches",
+        str(args.n_microbatches),
+        "--layers",
+        "1",
+        "--alternate-logging",
+        str(args.block),
+        "--encode-threads",
+        str(args.encode_threads),
+        "--codec",
+        args.codec,
+        "--threads",
+        "1",
+        "--probe-copy",
+        *args.extra.split(),
+    ]
     t0 = time.time()
     box: dict[str, object] = {}
-    runner = threading.Thread(target=lambda: box.update(res=launch_pipeline(common, num_stages=4, out_dir=f"{work}/out", timeout_s=1800, method="subprocess")))
+    runner = threading.Thread(
+        target=lambda: box.update(
+            res=launch_pipeline(common, num_stages=4, out_dir=f"{work}/out", timeout_s=1800, method="subprocess")
+        )
+    )
     runner.start()
     time.sleep(8.0)  # stage processes import torch and start; sample copies once they train
     stop = threading.Event()
@@ -170,11 +205,14 @@ def main() -> int:
         "compression_ratio": raw / stored if stored else None,
         "queue_peak_bytes": max(x["queue_peak_bytes"] for x in w),
         # first / last stage with a cold tier: commit waits for the iteration's inputs / targets there (ClientConfig.ship_wait)
-        "ship_wait_ms_per_logged_iteration": max(s["stats"]["commit"].get("ship_wait_s", 0.0) for s in stages) * 1e3 / n_logged_iters,
+        "ship_wait_ms_per_logged_iteration": max(s["stats"]["commit"].get("ship_wait_s", 0.0) for s in stages)
+        * 1e3
+        / n_logged_iters,
         "enqueue_us_per_mb": (submit_s + digest_s) * 1e6 / submitted_mb,
         "enqueue_submit_us_per_mb": submit_s * 1e6 / submitted_mb,
         "enqueue_digest_us_per_mb": digest_s * 1e6 / submitted_mb,
-        "digests_settled_inline_fraction": sum(x["digests_settled_inline"] for x in w) / max(1, sum(x["digests_submitted"] for x in w)),
+        "digests_settled_inline_fraction": sum(x["digests_settled_inline"] for x in w)
+        / max(1, sum(x["digests_submitted"] for x in w)),
         "copy_us_per_mb": copy_us,
         "copy_quiet_us_per_mb": copy_quiet_us,
         "enqueue_over_copy": (submit_s + digest_s) * 1e6 / submitted_mb / copy_us,
@@ -186,9 +224,18 @@ def main() -> int:
         "records_dropped": sum(x["records_dropped"] for x in w),
         "overflow_waits": sum(x["overflow_waits"] for x in w),
         "config": {
-            "stages": 4, "schedule": args.schedule, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
-            "vocab": args.vocab, "micro_batch_size": args.micro_batch_size, "n_microbatches": args.n_microbatches,
-            "iterations": iters, "block": args.block, "encode_threads": args.encode_threads, "codec": args.codec,
+            "stages": 4,
+            "schedule": args.schedule,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "seq": args.seq,
+            "vocab": args.vocab,
+            "micro_batch_size": args.micro_batch_size,
+            "n_microbatches": args.n_microbatches,
+            "iterations": iters,
+            "block": args.block,
+            "encode_threads": args.encode_threads,
+            "codec": args.codec,
             "threads_per_stage": 1,
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},

@@ -63,10 +63,18 @@ def _sync() -> None:
 def _model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = [
-        torch.nn.TransformerEncoderLayer(args.hidden, args.hidden // 128, 4 * args.hidden, dropout=0.1, batch_first=True,
-                                         norm_first=True, device=DEVICE, dtype=torch.bfloat16)
+        torch.nn.TransformerEncoderLayer(
+            args.hidden,
+            args.hidden // 128,
+            4 * args.hidden,
+            dropout=0.1,
+            batch_first=True,
+            norm_first=True,
+            device=DEVICE,
+            dtype=torch.bfloat16,
+        )
         for _ in range(args.layers)
-    ]  # fmt: skip
+    ]
     return torch.nn.Sequential(*layers).train()
 
 
@@ -135,8 +143,17 @@ def run_config(stage: Stage, mode: str, threads: int, args: argparse.Namespace, 
     root = tempfile.mkdtemp(prefix="swiftlog-cuda-", dir=base_dir)
     client = None
     if mode.startswith("async"):
-        client = SwiftlogClient(ClientConfig(run_id="cudabench", stage=1, num_stages=3, store_root=root, seed=1,
-                                             encode_threads=threads, max_queue_bytes=args.queue_mib << 20))  # fmt: skip
+        client = SwiftlogClient(
+            ClientConfig(
+                run_id="cudabench",
+                stage=1,
+                num_stages=3,
+                store_root=root,
+                seed=1,
+                encode_threads=threads,
+                max_queue_bytes=args.queue_mib << 20,
+            )
+        )
     off: list[float] = []
     on: list[float] = []
     cap_on: list[float] = []
@@ -173,16 +190,18 @@ def run_config(stage: Stage, mode: str, threads: int, args: argparse.Namespace, 
         "close_drain_s": drain_s,
     }
     if st is not None:
-        row.update({
-            "stored_over_raw": st.stored_bytes_written / max(1, st.bytes_written),
-            "encode_cpu_s_per_gb": st.encode_cpu_s / max(1e-9, st.bytes_written / GB),
-            "overflow_waits": st.overflow_waits,
-            "overflow_wait_s": st.overflow_wait_s,
-            "queue_peak_mib": st.queue_peak_bytes / 2**20,
-            "pinned_mib": st.pinned_bytes / 2**20,
-            "faults": st.faults,
-            "submit_max_ms": 1e3 * st.submit_max_s,
-        })  # fmt: skip
+        row.update(
+            {
+                "stored_over_raw": st.stored_bytes_written / max(1, st.bytes_written),
+                "encode_cpu_s_per_gb": st.encode_cpu_s / max(1e-9, st.bytes_written / GB),
+                "overflow_waits": st.overflow_waits,
+                "overflow_wait_s": st.overflow_wait_s,
+                "queue_peak_mib": st.queue_peak_bytes / 2**20,
+                "pinned_mib": st.pinned_bytes / 2**20,
+                "faults": st.faults,
+                "submit_max_ms": 1e3 * st.submit_max_s,
+            }
+        )
     return row
 
 
@@ -235,11 +254,15 @@ def main() -> None:
     ap.add_argument("--n-mb", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="1,4,8", help="encode-thread counts to try (comma-separated)")
-    ap.add_argument("--headline-threads", type=int, default=4, help="encode threads whose row is the headline overhead_ratio")
+    ap.add_argument(
+        "--headline-threads", type=int, default=4, help="encode threads whose row is the headline overhead_ratio"
+    )
     ap.add_argument("--queue-mib", type=int, default=256, help="the client's max_queue_bytes in MiB (its default)")
     ap.add_argument("--dir", default=None, help="where the log store goes (default /dev/shm if it has room)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda.json"))
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script (use tiny sizes)")
+    ap.add_argument(
+        "--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of this script (use tiny sizes)"
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -265,23 +288,33 @@ def main() -> None:
         "store_dir": base_dir,
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "dir")},
         "captured_mib_per_micro_batch": stage.mb_bytes / 2**20,
-        **(copy_rates(tuple(stage.recv_act.shape)) if DEVICE == "cuda" else {"d2h_pinned_gbps": None, "d2h_pageable_gbps": None}),
+        **(
+            copy_rates(tuple(stage.recv_act.shape))
+            if DEVICE == "cuda"
+            else {"d2h_pinned_gbps": None, "d2h_pageable_gbps": None}
+        ),
         "rows": rows,
     }
     doc.update(headline(rows, args.headline_threads))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\n{doc['device']}, torch {doc['torch']}, {doc['cpu_count']} CPUs; store in {base_dir}; "
-          f"{doc['captured_mib_per_micro_batch']:.1f} MiB captured per micro-batch")  # fmt: skip
+    print(
+        f"\n{doc['device']}, torch {doc['torch']}, {doc['cpu_count']} CPUs; store in {base_dir}; "
+        f"{doc['captured_mib_per_micro_batch']:.1f} MiB captured per micro-batch"
+    )
     if doc["d2h_pinned_gbps"] is not None:
-        print(f"D2H: pinned side stream {doc['d2h_pinned_gbps']:.1f} GB/s, pageable .cpu() {doc['d2h_pageable_gbps']:.1f} GB/s\n")
+        print(
+            f"D2H: pinned side stream {doc['d2h_pinned_gbps']:.1f} GB/s, pageable .cpu() {doc['d2h_pageable_gbps']:.1f} GB/s\n"
+        )
     head = f"| {'mode':10} | {'iter off s':>10} | {'iter on s':>9} | {'ratio':>6} | {'capture us/MB':>13} | {'log GB/s':>8} | {'waits':>5} | {'stored/raw':>10} | {'enc cpu s/GB':>12} |"
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['mode']:10} | {r['iteration_s_off']:10.3f} | {r['iteration_s_on']:9.3f} | {r['ratio']:6.3f} | {r['capture_us_per_mb']:13.1f} | "
-              f"{r['log_rate_gbps']:8.2f} | {r.get('overflow_waits', '-')!s:>5} | {r.get('stored_over_raw', float('nan')):10.3f} | "
-              f"{r.get('encode_cpu_s_per_gb', float('nan')):12.2f} |")  # fmt: skip
+        print(
+            f"| {r['mode']:10} | {r['iteration_s_off']:10.3f} | {r['iteration_s_on']:9.3f} | {r['ratio']:6.3f} | {r['capture_us_per_mb']:13.1f} | "
+            f"{r['log_rate_gbps']:8.2f} | {r.get('overflow_waits', '-')!s:>5} | {r.get('stored_over_raw', float('nan')):10.3f} | "
+            f"{r.get('encode_cpu_s_per_gb', float('nan')):12.2f} |"
+        )
     print(f"\nwrote {args.out}")
 
 

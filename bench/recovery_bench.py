@@ -55,8 +55,22 @@ RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 
 def _args(base: Path, iters: int, ckpt_every: int, model: list[str]) -> list[str]:
     ckpts = ",".join(str(i) for i in range(ckpt_every, iters + 1, ckpt_every))
-    return ["--schedule", "1f1b", "--iters", str(iters), "--ckpt-at", ckpts, "--seed", "1234", "--data-source",
-            "--segment-iters", "4", "--cold-url", f"file://{base / 'cold'}", *model]  # fmt: skip
+    return [
+        "--schedule",
+        "1f1b",
+        "--iters",
+        str(iters),
+        "--ckpt-at",
+        ckpts,
+        "--seed",
+        "1234",
+        "--data-source",
+        "--segment-iters",
+        "4",
+        "--cold-url",
+        f"file://{base / 'cold'}",
+        *model,
+    ]
 
 
 def _run(base: Path, args: list[str], kills: list[KillSpec], mode: str, workers: int = 1) -> object:
@@ -82,12 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smaller model (smoke test)")
-    p.add_argument("--replay-workers", type=int, default=2,
-                   help="replay processes: the replacement plus (K - 1) helpers the scheduler starts with it")
+    p.add_argument(
+        "--replay-workers",
+        type=int,
+        default=2,
+        help="replay processes: the replacement plus (K - 1) helpers the scheduler starts with it",
+    )
     a = p.parse_args(argv)
     iters, every, fail_it = 40, 20, 30
-    model = ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"] if a.quick else \
-            ["--hidden", "128", "--layers", "2", "--seq", "32", "--n-microbatches", "8", "--heads", "4"]  # fmt: skip
+    model = (
+        ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"]
+        if a.quick
+        else ["--hidden", "128", "--layers", "2", "--seq", "32", "--n-microbatches", "8", "--heads", "4"]
+    )
     work = Path(tempfile.mkdtemp(prefix="swiftlog-recovery-bench-"))
     try:
         ref = _run(work / "ref", _args(work / "ref", iters, every, model), [], "swift")
@@ -114,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             rollback.append(
                 {
                     "resumed_s": resumed_after_rollback(g, fail_it),
-                    "bit_exact": not any(
-                        states_equal(g.results[k], ref.results[k]) for k in range(4)
-                    ),
+                    "bit_exact": not any(states_equal(g.results[k], ref.results[k]) for k in range(4)),
                 }
             )
         iter_s = statistics.median(
@@ -130,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         rb = med([r["resumed_s"] for r in rollback])
         out = {
             "recovery_vs_global_rollback": rec / rb,
-            "recovery_vs_global_rollback_per_rep": [t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)],
+            "recovery_vs_global_rollback_per_rep": [
+                t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)
+            ],
             "replay_workers": a.replay_workers,
             "recovery_s": rec,
             "global_rollback_s": rb,
@@ -145,15 +166,29 @@ def main(argv: list[str] | None = None) -> int:
             "bit_exact": exact,
             "rollback_bit_exact": all(r["bit_exact"] for r in rollback),
             "pipeline_iteration_s": iter_s,
-            "setup": {"stages": 4, "failed_stage": a.stage, "iterations": iters, "checkpoint_every": every, "failed_at_iteration": fail_it,
-                      "iterations_redone_or_replayed": fail_it - every, "schedule": "1f1b", "model_args": model, "reps": a.reps, "replay_workers": a.replay_workers,
-                      "process_start": "fork server with torch preloaded (both modes)", "machine": platform.platform(), "cpus": os.cpu_count()},
+            "setup": {
+                "stages": 4,
+                "failed_stage": a.stage,
+                "iterations": iters,
+                "checkpoint_every": every,
+                "failed_at_iteration": fail_it,
+                "iterations_redone_or_replayed": fail_it - every,
+                "schedule": "1f1b",
+                "model_args": model,
+                "reps": a.reps,
+                "replay_workers": a.replay_workers,
+                "process_start": "fork server with torch preloaded (both modes)",
+                "machine": platform.platform(),
+                "cpus": os.cpu_count(),
+            },
             "runs": {"swift": swift, "rollback": rollback},
-            "notes": ("recovery_s: SIGKILL -> every stage in the new process group at the failed iteration (detect + survivors report + "
-                      "replacement start + checkpoint load + fetch + replay + verify + rejoin). global_rollback_s: SIGKILL -> restarted "
-                      "pipeline finished the failed iteration - 1 again (kill all + restart 4 processes + rejoin + checkpoint load + redo). "
-                      "fetch_s includes the replacement's checkpoint load and stage build; it overlaps replay_s through prefetching."),
-        }  # fmt: skip
+            "notes": (
+                "recovery_s: SIGKILL -> every stage in the new process group at the failed iteration (detect + survivors report + "
+                "replacement start + checkpoint load + fetch + replay + verify + rejoin). global_rollback_s: SIGKILL -> restarted "
+                "pipeline finished the failed iteration - 1 again (kill all + restart 4 processes + rejoin + checkpoint load + redo). "
+                "fetch_s includes the replacement's checkpoint load and stage build; it overlaps replay_s through prefetching."
+            ),
+        }
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(out, indent=2, default=str))
         print(

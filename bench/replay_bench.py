@@ -82,21 +82,37 @@ import torch  # noqa: E402
 
 RESULTS = _ROOT / "bench" / "results" / "replay.json"
 NOTES = [
-    ("headline speedups are medians over rounds of each round's ratio (sequential and parallel replay run back to back); "
-     "_best_of variants divide the fastest times, _median the median times"),
-    ("two cores shared with other users: see other_processes_cores_busy; parallel replay needs both cores at once, so any other "
-     "work stalls one worker and, through the per-iteration gradient exchange, both"),
-    ("replay_vs_live compares against 4 live stage processes sharing 2 cores; with one device per stage the live step is about "
-     "(n+S-1)/n micro-batch slots, so replay_vs_live would be near ideal_replay_vs_live_one_device_per_stage (0.73) for one worker"),
+    (
+        "headline speedups are medians over rounds of each round's ratio (sequential and parallel replay run back to back); "
+        "_best_of variants divide the fastest times, _median the median times"
+    ),
+    (
+        "two cores shared with other users: see other_processes_cores_busy; parallel replay needs both cores at once, so any other "
+        "work stalls one worker and, through the per-iteration gradient exchange, both"
+    ),
+    (
+        "replay_vs_live compares against 4 live stage processes sharing 2 cores; with one device per stage the live step is about "
+        "(n+S-1)/n micro-batch slots, so replay_vs_live would be near ideal_replay_vs_live_one_device_per_stage (0.73) for one worker"
+    ),
 ]
 NUM_STAGES = 4
 EXACT_KINDS = ("k2_exact", "k2_fixed", "k2_gloo")  # the parallel replays that must equal the sequential one bit for bit
 SEED = 1234
-MODEL = {"vocab": 256, "hidden": 256, "heads": 4, "layers": 2, "seq": 64, "micro_batch_size": 4, "n_microbatches": 8, "dropout": 0.1}
+MODEL = {
+    "vocab": 256,
+    "hidden": 256,
+    "heads": 4,
+    "layers": 2,
+    "seq": 64,
+    "micro_batch_size": 4,
+    "n_microbatches": 8,
+    "dropout": 0.1,
+}
 
 
-def _state_equal(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None,
-                 sched_a: Any = None, sched_b: Any = None) -> bool:  # fmt: skip
+def _state_equal(
+    model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None, sched_a: Any = None, sched_b: Any = None
+) -> bool:
     """Bit for bit, by the one comparison the tests use (:func:`replay.launcher.states_equal`)."""
     from replay.launcher import states_equal
 
@@ -169,11 +185,42 @@ def live_run(base: Path, ckpt: int, iters: int) -> tuple[dict[int, dict[str, Any
     from trainer_client.examples.launch import launch_pipeline, load_stage_result
 
     root, cold, out = base / "store", base / "cold", base / "out"
-    args = ["--run-id", "bench", "--store-root", str(root), "--cold-url", f"file://{cold}", "--schedule", "gpipe", "--iters", str(ckpt + iters),
-            "--ckpt-at", str(ckpt), "--seed", str(SEED), "--threads", "1", "--segment-iters", "4",
-            "--vocab", str(MODEL["vocab"]), "--hidden", str(MODEL["hidden"]), "--heads", str(MODEL["heads"]), "--layers", str(MODEL["layers"]),
-            "--seq", str(MODEL["seq"]), "--micro-batch-size", str(MODEL["micro_batch_size"]), "--n-microbatches", str(MODEL["n_microbatches"]),
-            "--dropout", str(MODEL["dropout"])]  # fmt: skip
+    args = [
+        "--run-id",
+        "bench",
+        "--store-root",
+        str(root),
+        "--cold-url",
+        f"file://{cold}",
+        "--schedule",
+        "gpipe",
+        "--iters",
+        str(ckpt + iters),
+        "--ckpt-at",
+        str(ckpt),
+        "--seed",
+        str(SEED),
+        "--threads",
+        "1",
+        "--segment-iters",
+        "4",
+        "--vocab",
+        str(MODEL["vocab"]),
+        "--hidden",
+        str(MODEL["hidden"]),
+        "--heads",
+        str(MODEL["heads"]),
+        "--layers",
+        str(MODEL["layers"]),
+        "--seq",
+        str(MODEL["seq"]),
+        "--micro-batch-size",
+        str(MODEL["micro_batch_size"]),
+        "--n-microbatches",
+        str(MODEL["n_microbatches"]),
+        "--dropout",
+        str(MODEL["dropout"]),
+    ]
     res = launch_pipeline(args, num_stages=NUM_STAGES, out_dir=str(out), timeout_s=900, method="forkserver")
     if not res.ok:
         raise SystemExit("live run failed:\n" + res.describe())
@@ -194,7 +241,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         lives = []
         for i in range(args.live_runs):
             other = _wait_quiet(args.quiet_cores, args.max_wait_s)
-            print(f"live run {i}: 4 stages, {ckpt + iters} iterations, checkpoint at {ckpt} (others busy: {other} cores) ...", flush=True)
+            print(
+                f"live run {i}: 4 stages, {ckpt + iters} iterations, checkpoint at {ckpt} (others busy: {other} cores) ...",
+                flush=True,
+            )
             results, wall = live_run(base / f"live{i}", ckpt, iters)
             secs = float(sum(results[stage]["iter_s"][ckpt : ckpt + iters]))
             print(f"  stage {stage}: {secs:.3f} s for iterations [{ckpt}, {ckpt + iters})", flush=True)
@@ -205,12 +255,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         store = LogStore.open(run_dir / "store", "bench", cold_url=f"file://{run_dir / 'cold'}")
         plan = plan_recovery(store, [stage])
         assert plan.possible and plan.units[0].stop_iteration == ckpt + iters, plan.reasons
-        model_args = {"vocab": MODEL["vocab"], "hidden": MODEL["hidden"], "heads": MODEL["heads"], "layers_per_stage": MODEL["layers"],
-                      "seq": MODEL["seq"], "micro_batch_size": MODEL["micro_batch_size"], "n_microbatches": MODEL["n_microbatches"],
-                      "dropout": MODEL["dropout"]}  # fmt: skip
+        model_args = {
+            "vocab": MODEL["vocab"],
+            "hidden": MODEL["hidden"],
+            "heads": MODEL["heads"],
+            "layers_per_stage": MODEL["layers"],
+            "seq": MODEL["seq"],
+            "micro_batch_size": MODEL["micro_batch_size"],
+            "n_microbatches": MODEL["n_microbatches"],
+            "dropout": MODEL["dropout"],
+        }
         (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args)  # prefetch: the default
-        kinds = {"seq": job.replace(workers=1), "k2_exact": job.replace(workers=2, exact=True), "k2_fixed": job.replace(workers=2, exact=True, dynamic_share_min_s=None),
-                 "k2_gloo": job.replace(workers=2, exact=True, shared_memory=False), "k2_approx": job.replace(workers=2, exact=False)}  # fmt: skip
+        kinds = {
+            "seq": job.replace(workers=1),
+            "k2_exact": job.replace(workers=2, exact=True),
+            "k2_fixed": job.replace(workers=2, exact=True, dynamic_share_min_s=None),
+            "k2_gloo": job.replace(workers=2, exact=True, shared_memory=False),
+            "k2_approx": job.replace(workers=2, exact=False),
+        }
         chains: dict[str, str | None] = {}  # how each exact kind's running sums travelled
         times: dict[str, list[float]] = {k: [] for k in kinds}
         e2e: dict[str, list[float]] = {k: [] for k in kinds}
@@ -222,7 +284,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up: start the worker fork server (imports torch once) outside the measurements
         first_only = plan.units[0].checkpoint_iteration + 1
         replay(kinds["k2_exact"].replace(stop_iteration=first_only, output=str(base / "warm")))
-        replay(kinds["seq"].replace(stop_iteration=first_only, output=str(base / "warm-seq")))  # and this process's own first use
+        replay(
+            kinds["seq"].replace(stop_iteration=first_only, output=str(base / "warm-seq"))
+        )  # and this process's own first use
         for r in range(args.rounds):
             for name, jb in kinds.items():
                 out = base / f"out-{name}-{r}"
@@ -239,8 +303,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 chains[name] = res.chain
                 if name == "k2_exact":
                     splits[r] = [res.split[k] for k in sorted(res.split)]
-                print(f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
-                      f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  verified={res.verified}", flush=True)  # fmt: skip
+                print(
+                    f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
+                    f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  verified={res.verified}",
+                    flush=True,
+                )
         # calibration: the same sequential replay, alone and then two at once in two processes
         # (no exchange, no shared state): how much two busy cores slow each other down here
         pairs = []
@@ -250,21 +317,36 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             _wait_quiet(args.quiet_cores, args.max_wait_s)
             both = _two_at_once(kinds["seq"])
             pairs.append((alone, both))
-            print(f"calibration: sequential replay alone {alone:7.3f} s, two at once {both[0]:7.3f} / {both[1]:7.3f} s", flush=True)
+            print(
+                f"calibration: sequential replay alone {alone:7.3f} s, two at once {both[0]:7.3f} / {both[1]:7.3f} s",
+                flush=True,
+            )
         store.close()
     seq, ap = states["seq"], states["k2_approx"]
-    bit_exact = _state_equal(seq.model, seq.optimizer, live["model"], live["optimizer"],
-                             seq.lr_scheduler, live["lr_scheduler"])
+    bit_exact = _state_equal(
+        seq.model, seq.optimizer, live["model"], live["optimizer"], seq.lr_scheduler, live["lr_scheduler"]
+    )
     max_diff = max(float((ap.model[k] - seq.model[k]).abs().max()) for k in seq.model)
     # each round's ratio, then the median over rounds (see the module docstring); best-of and median-of-times alongside
-    per_round = {k: [s / t for s, t in zip(times["seq"], times[k], strict=True)] for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")}
+    per_round = {
+        k: [s / t for s, t in zip(times["seq"], times[k], strict=True)]
+        for k in ("k2_exact", "k2_fixed", "k2_gloo", "k2_approx")
+    }
     ceiling = statistics.median(2 * a / max(b) for a, b in pairs) if pairs else None
     best_t = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = lambda d: statistics.median(s / t for s, t in zip(d["seq"], d["k2_exact"], strict=True))  # noqa: E731
     n = MODEL["n_microbatches"]
-    config = {"stage": stage, "checkpoint": ckpt, "iterations": iters, "rounds": args.rounds, "live_runs": args.live_runs, "schedule": "gpipe",
-              "threads_per_process": 1, "statistic": "speedups: median over rounds of the per-round ratio; replay_vs_live: best of rounds"}  # fmt: skip
+    config = {
+        "stage": stage,
+        "checkpoint": ckpt,
+        "iterations": iters,
+        "rounds": args.rounds,
+        "live_runs": args.live_runs,
+        "schedule": "gpipe",
+        "threads_per_process": 1,
+        "statistic": "speedups: median over rounds of the per-round ratio; replay_vs_live: best of rounds",
+    }
     config |= {"model": MODEL, "num_stages": NUM_STAGES}
     return {
         "replay_vs_live": best_t["seq"] / live_s,
@@ -286,7 +368,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "parallel_speedup_k2_ceiling": ceiling,
         "parallel_speedup_k2_of_ceiling": statistics.median(per_round["k2_exact"]) / ceiling if ceiling else None,
         "calibration_alone_vs_two_at_once_seconds": [[a, list(b)] for a, b in pairs],
-        "parallel_exact_bit_identical": all(_state_equal(states[k].model, states[k].optimizer, seq.model, seq.optimizer) for k in EXACT_KINDS),
+        "parallel_exact_bit_identical": all(
+            _state_equal(states[k].model, states[k].optimizer, seq.model, seq.optimizer) for k in EXACT_KINDS
+        ),
         "bit_exact": bool(bit_exact),
         "verified": verified["seq"] and all(verified[k] for k in EXACT_KINDS),
         "approximate_verified": verified["k2_approx"],
@@ -317,7 +401,13 @@ def _machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,18 +415,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", type=int, default=1, help="the stage that is lost and replayed")
     p.add_argument("--ckpt", type=int, default=1, help="checkpoint iteration (the first iteration is a warm-up)")
     p.add_argument("--iters", type=int, default=8, help="iterations lost after the checkpoint (N)")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved measurement rounds (the headline is their median ratio)")
+    p.add_argument(
+        "--rounds", type=int, default=9, help="interleaved measurement rounds (the headline is their median ratio)"
+    )
     p.add_argument("--live-runs", type=int, default=2, help="live pipeline runs (the fastest is replayed and compared)")
-    p.add_argument("--pair-rounds", type=int, default=3, help="calibration rounds: one sequential replay alone, then two at once")
-    p.add_argument("--quiet-cores", type=float, default=0.3, help="before each measurement wait until others use at most this many cores")
+    p.add_argument(
+        "--pair-rounds", type=int, default=3, help="calibration rounds: one sequential replay alone, then two at once"
+    )
+    p.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.3,
+        help="before each measurement wait until others use at most this many cores",
+    )
     p.add_argument("--max-wait-s", type=float, default=120.0, help="longest wait for a quiet machine per measurement")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     res = bench(args)
     res["machine"] = _machine()
     res["timestamp"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    for k in ("replay_vs_live", "parallel_speedup_k2", "parallel_speedup_k2_best_of", "parallel_speedup_k2_ceiling", "parallel_speedup_k2_of_ceiling", "parallel_speedup_k2_cpu", "parallel_speedup_k2_approximate", "parallel_speedup_k2_end_to_end",
-              "parallel_max_abs_diff", "parallel_exact_bit_identical", "bit_exact", "verified", "live_seconds"):  # fmt: skip
+    for k in (
+        "replay_vs_live",
+        "parallel_speedup_k2",
+        "parallel_speedup_k2_best_of",
+        "parallel_speedup_k2_ceiling",
+        "parallel_speedup_k2_of_ceiling",
+        "parallel_speedup_k2_cpu",
+        "parallel_speedup_k2_approximate",
+        "parallel_speedup_k2_end_to_end",
+        "parallel_max_abs_diff",
+        "parallel_exact_bit_identical",
+        "bit_exact",
+        "verified",
+        "live_seconds",
+    ):
         print(f"  {k:36s} {res[k]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")

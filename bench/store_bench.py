@@ -162,7 +162,12 @@ def measure_hot() -> dict[str, Any]:
                 # the store: one batch (= one index transaction) per iteration of 8 micro-batches
                 t0 = time.perf_counter()
                 for i in range(0, len(blobs), 8):
-                    s.put_encoded([Encoded(RecordKey(Channel.activation(0), it, mb), b, raw_lens[i + mb], sums[i + mb]) for mb, b in enumerate(blobs[i : i + 8])])
+                    s.put_encoded(
+                        [
+                            Encoded(RecordKey(Channel.activation(0), it, mb), b, raw_lens[i + mb], sums[i + mb])
+                            for mb, b in enumerate(blobs[i : i + 8])
+                        ]
+                    )
                     it += 1
                 t1 = time.perf_counter()
                 # the baseline: the same bytes appended to one file, synced per batch in fsync mode

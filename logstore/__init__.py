@@ -8,9 +8,9 @@ Must never import torch.distributed or FastAPI: it sits below every other packag
 """
 
 from logstore.errors import (
+    CodecError,
     ColdTierError,
     ColdTierUnavailableError,
-    CodecError,
     ConfigError,
     CorruptRecordError,
     InvalidKeyError,

@@ -144,17 +144,35 @@ _HUF_LEVEL: Final = -(1 << 17)  # ZSTD_minCLevel()
 
 _DTYPE_NAMES: Final = (
     (1, "bool"),
-    (2, "uint8"), (3, "int8"), (4, "uint16"), (5, "int16"),
-    (6, "uint32"), (7, "int32"), (8, "uint64"), (9, "int64"),
-    (16, "float16"), (17, "bfloat16"), (18, "float32"), (19, "float64"),
-    (24, "complex32"), (25, "complex64"), (26, "complex128"),
-    (32, "float8_e4m3fn"), (33, "float8_e5m2"), (34, "float8_e4m3fnuz"),
-    (35, "float8_e5m2fnuz"), (36, "float8_e8m0fnu"),
+    (2, "uint8"),
+    (3, "int8"),
+    (4, "uint16"),
+    (5, "int16"),
+    (6, "uint32"),
+    (7, "int32"),
+    (8, "uint64"),
+    (9, "int64"),
+    (16, "float16"),
+    (17, "bfloat16"),
+    (18, "float32"),
+    (19, "float64"),
+    (24, "complex32"),
+    (25, "complex64"),
+    (26, "complex128"),
+    (32, "float8_e4m3fn"),
+    (33, "float8_e5m2"),
+    (34, "float8_e4m3fnuz"),
+    (35, "float8_e5m2fnuz"),
+    (36, "float8_e8m0fnu"),
     (40, "float4_e2m1fn_x2"),
     *((47 + i, f"uint{i}") for i in range(1, 8)),
     *((55 + i, f"int{i}") for i in range(1, 8)),
-    (64, "bits8"), (65, "bits16"), (66, "bits1x8"), (67, "bits2x4"), (68, "bits4x2"),
-)  # fmt: skip
+    (64, "bits8"),
+    (65, "bits16"),
+    (66, "bits1x8"),
+    (67, "bits2x4"),
+    (68, "bits4x2"),
+)
 
 
 def _build_dtype_table() -> tuple[dict[int, torch.dtype], dict[torch.dtype, int]]:
@@ -173,10 +191,14 @@ _CODE_TO_DTYPE, _DTYPE_TO_CODE = _build_dtype_table()
 # Float layouts for the planes codec: word size -> fields (offset, width, always-compress) of the
 # word rotated left by one bit, exponent first.
 _FLOAT_WORD: Final = {
-    torch.float16: 2, torch.bfloat16: 2, torch.complex32: 2,
-    torch.float32: 4, torch.complex64: 4,
-    torch.float64: 8, torch.complex128: 8,
-}  # fmt: skip
+    torch.float16: 2,
+    torch.bfloat16: 2,
+    torch.complex32: 2,
+    torch.float32: 4,
+    torch.complex64: 4,
+    torch.float64: 8,
+    torch.complex128: 8,
+}
 _FLOAT_FIELDS: Final = {
     2: ((1, 1, True), (0, 1, False)),
     4: ((3, 1, True), (2, 1, False), (0, 2, False)),
@@ -267,9 +289,14 @@ except Exception:  # noqa: BLE001 - any import failure just means the fallback p
     logger.debug("zstandard cffi backend unavailable; planes use the regular zstd fallback")
 
 _FALLBACK_PARAMS: Final = zstandard.ZstdCompressionParameters(
-    strategy=zstandard.STRATEGY_FAST, window_log=20, hash_log=6, chain_log=6, search_log=1, min_match=7,
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=20,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
     target_length=0,
-)  # fmt: skip
+)
 
 
 class _HufCoder:
@@ -439,9 +466,14 @@ def encode_tensor(t: torch.Tensor, *, codec: str = "auto", level: int = 1) -> by
 
 
 def _pack_header(
-    dtype_code: int, codec_id: int, shape: tuple[int, ...], raw_len: int, payload_len: int, digest: int,
+    dtype_code: int,
+    codec_id: int,
+    shape: tuple[int, ...],
+    raw_len: int,
+    payload_len: int,
+    digest: int,
     layout: _Layout | None,
-) -> bytes:  # fmt: skip
+) -> bytes:
     head = [_FIXED.pack(MAGIC, VERSION, dtype_code, codec_id, len(shape), raw_len, payload_len, digest)]
     head.append(struct.pack(f"<{len(shape)}Q", *shape))
     if layout is not None:
@@ -549,7 +581,9 @@ def _parse(mv: memoryview, key: object, total_length: int | None = None) -> tupl
         raise CodecError(f"not a swiftlog tensor record: bad magic {bytes(mv[:4])!r}{at}", key=key)
     if mv[4] != VERSION:
         raise CodecError(f"unsupported tensor record version {mv[4]} (this build reads {VERSION}){at}", key=key)
-    if min(size, mv.nbytes) < _FIXED.size + _HCHECK.size:  # the bytes at hand may be fewer than the length the index says (a truncated file)
+    if (
+        min(size, mv.nbytes) < _FIXED.size + _HCHECK.size
+    ):  # the bytes at hand may be fewer than the length the index says (a truncated file)
         raise CodecError(f"truncated tensor record: {min(size, mv.nbytes)} bytes, header alone needs more{at}", key=key)
     _, _, dtype_code, codec_id, ndim, raw_len, payload_len, digest = _FIXED.unpack_from(mv, 0)
     hlen = _FIXED.size + 8 * ndim
@@ -590,9 +624,7 @@ def _parse(mv: memoryview, key: object, total_length: int | None = None) -> tupl
         )
     if size != hlen + payload_len:
         what = "truncated" if size < hlen + payload_len else "trailing bytes after"
-        raise CodecError(
-            f"{what} tensor record: {size} bytes, header says {hlen} + {payload_len} payload{at}", key=key
-        )
+        raise CodecError(f"{what} tensor record: {size} bytes, header says {hlen} + {payload_len} payload{at}", key=key)
     layout = None
     if codec == "raw" and payload_len != raw_len:
         raise CodecError(f"raw tensor record payload is {payload_len} bytes, expected {raw_len}{at}", key=key)

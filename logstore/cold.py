@@ -113,6 +113,7 @@ _NOT_FENCED_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, er
 class _Exists(Exception):
     """An exclusive write found the key taken (internal: put_segment and the probe handle it)."""
 
+
 Source = bytes | bytearray | memoryview | str | os.PathLike
 
 T = TypeVar("T")
@@ -329,9 +330,15 @@ class ColdTier:
         else:
             self.url = f"s3://{where}/{prefix}" if prefix else f"s3://{where}"
             self._backend = _S3Backend(
-                self.url, where, prefix, storage_options or {}, part_size=part_size,
-                multipart_threshold=multipart_threshold, retries=retries, timeout_s=self.timeout_s,
-            )  # fmt: skip
+                self.url,
+                where,
+                prefix,
+                storage_options or {},
+                part_size=part_size,
+                multipart_threshold=multipart_threshold,
+                retries=retries,
+                timeout_s=self.timeout_s,
+            )
         # parsed commit markers, keyed by (marker key, marker size, object size): a marker never
         # changes while its segment exists, so a listing re-reads only markers it has not seen
         self._marker_cache: dict[tuple[str, int, int], SegmentInfo] = {}
@@ -488,7 +495,9 @@ class ColdTier:
             # forget markers of segments under this prefix that are gone (deleted elsewhere)
             for k in [k for k in self._marker_cache if k[0].startswith(prefix) and k[0] not in listing]:
                 del self._marker_cache[k]
-            cached = {mk: self._marker_cache.get((mk, listing[mk], listing[mk[: -len(MARKER_SUFFIX)]])) for mk in marker_keys}
+            cached = {
+                mk: self._marker_cache.get((mk, listing[mk], listing[mk[: -len(MARKER_SUFFIX)]])) for mk in marker_keys
+            }
         blobs = self._backend.get_many([mk for mk in marker_keys if cached[mk] is None])
         out = []
         for mk in marker_keys:
@@ -508,8 +517,11 @@ class ColdTier:
             if info.size != listing[name]:
                 logger.warning(
                     "cold tier %s: object %s has %d bytes but its marker says %d; not listed",
-                    self.url, name, listing[name], info.size,
-                )  # fmt: skip
+                    self.url,
+                    name,
+                    listing[name],
+                    info.size,
+                )
                 continue
             out.append(info)
         out.sort(key=lambda i: i.name)
@@ -658,8 +670,12 @@ class ColdTier:
                 if now is None or now > cutoff:
                     continue  # gone, or written again (an upload under way)
                 self._backend.delete(name)
-                logger.info("cold tier %s: removed %s, left without a commit marker since %s",
-                            self.url, name, modified.isoformat())  # fmt: skip
+                logger.info(
+                    "cold tier %s: removed %s, left without a commit marker since %s",
+                    self.url,
+                    name,
+                    modified.isoformat(),
+                )
             out[name] = size
         return out
 
@@ -751,8 +767,7 @@ class _Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes | None:
-        ...
+    def get(self, key: str) -> bytes | None: ...
 
     def get_many(self, keys: list[str]) -> dict[str, bytes | None]:
         return {k: self.get(k) for k in keys}
@@ -763,12 +778,10 @@ class _Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        ...
+    def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
 
     @abc.abstractmethod
-    def delete(self, key: str) -> None:
-        ...
+    def delete(self, key: str) -> None: ...
 
     @abc.abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
@@ -787,12 +800,10 @@ class _Backend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def abort_stale(self, prefix: str, cutoff: datetime) -> list[str]:
-        ...
+    def abort_stale(self, prefix: str, cutoff: datetime) -> list[str]: ...
 
     @abc.abstractmethod
-    def health(self) -> None:
-        ...
+    def health(self) -> None: ...
 
     def close(self) -> None:  # noqa: B027 (optional: a backend with nothing to release keeps it)
         pass
@@ -950,7 +961,10 @@ class _LocalBackend(_Backend):
         """(path, key, is_temp) of every file under the directory that holds ``prefix``."""
         head = prefix.rpartition("/")[0]
         base = self.root / head if head else self.root
-        def unreadable(e: OSError) -> None:  # os.walk would skip a directory it cannot list: an unreadable cold tier read as empty
+
+        def unreadable(
+            e: OSError,
+        ) -> None:  # os.walk would skip a directory it cannot list: an unreadable cold tier read as empty
             if not isinstance(e, FileNotFoundError):
                 raise e
 
@@ -1032,9 +1046,20 @@ class _LocalBackend(_Backend):
 
 
 _UNAVAILABLE_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN,
-     errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ECONNRESET, errno.EAGAIN}
-)  # fmt: skip
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EIO,
+        errno.ESTALE,
+        errno.ETIMEDOUT,
+        errno.ENOTCONN,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.EAGAIN,
+    }
+)
 
 
 def _local_error(e: OSError, what: str, *, key: str | None = None) -> StoreError:
@@ -1081,12 +1106,21 @@ def _unlink_quiet(p: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 _TRANSIENT_CODES = frozenset(
     {
-        "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-        "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
-        "OperationAborted", "XAmzContentSHA256Mismatch", "BadDigest",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "OperationAborted",
+        "XAmzContentSHA256Mismatch",
+        "BadDigest",
         "ConditionalRequestConflict",  # two conditional writes of one key at once: retried, then one of them fails
     }
-)  # fmt: skip
+)
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
 
 
@@ -1111,11 +1145,16 @@ def _classify(e: BaseException) -> str:
     if isinstance(
         e,
         (
-            bx.EndpointConnectionError, bx.ConnectionClosedError, bx.HTTPClientError,
-            bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ResponseStreamingError,
-            bx.IncompleteReadError, ResponseParserError,
+            bx.EndpointConnectionError,
+            bx.ConnectionClosedError,
+            bx.HTTPClientError,
+            bx.ConnectTimeoutError,
+            bx.ReadTimeoutError,
+            bx.ResponseStreamingError,
+            bx.IncompleteReadError,
+            ResponseParserError,
         ),
-    ):  # fmt: skip
+    ):
         return "transient"
     if isinstance(e, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return "transient"

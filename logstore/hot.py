@@ -75,12 +75,12 @@ from logstore.errors import (
 )
 from logstore.keys import KEY_SIZE, Channel, RecordKey, channel_range
 from logstore.segment import (
-    BlobStream,
     FILE_HEADER,
     FILE_HEADER_SIZE,
     FRAME_HEADER_SIZE,
     MAGIC,
     TRAILER_SIZE,
+    BlobStream,
     IndexEntry,
     blob_checksum,
     build_footer,
@@ -98,7 +98,9 @@ OPEN, SEALED, UPLOADED, EVICTED = "open", "sealed", "uploaded", "evicted"
 
 _REC = struct.Struct(">QQQQQ")
 _DAMAGE = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError)  # what LMDB says of damaged pages
-_DAMAGED_HINT = "swiftlog verify lists it; what its writer uploaded is still read from the cold tier"  # a CorruptIndexError's
+_DAMAGED_HINT = (
+    "swiftlog verify lists it; what its writer uploaded is still read from the cold tier"  # a CorruptIndexError's
+)
 _OWN_DAMAGED_HINT = "reopen the store: its writer then re-indexes its segment files"
 _U64 = struct.Struct(">Q")
 _F64 = struct.Struct(">d")
@@ -131,7 +133,9 @@ class SegmentMeta:
     def loads(cls, data: bytes) -> SegmentMeta:
         try:
             return cls(*json.loads(data))
-        except TypeError as e:  # the wrong number of fields: a damaged entry (JSON errors are ValueErrors, caught by the reader)
+        except (
+            TypeError
+        ) as e:  # the wrong number of fields: a damaged entry (JSON errors are ValueErrors, caught by the reader)
             raise json.JSONDecodeError(f"segment entry with {e}", data.decode(errors="replace")[:80], 0) from e
 
     def to_dict(self) -> dict[str, object]:
@@ -175,7 +179,9 @@ class _Open:
 class _Batch:
     """Frames written by one append() call and not yet committed to the index."""
 
-    entries: list[tuple[bytes, int, int, int, int, int, RecordKey]] = field(default_factory=list)  # (key bytes, segment, offset, length, checksum, raw length, key)
+    entries: list[tuple[bytes, int, int, int, int, int, RecordKey]] = field(
+        default_factory=list
+    )  # (key bytes, segment, offset, length, checksum, raw length, key)
     pending_end: dict[int, int] = field(default_factory=dict)
     segs: dict[int, _Open] = field(default_factory=dict)
 
@@ -220,8 +226,13 @@ def _gap_entry(key: RecordKey, reason: str) -> tuple[bytes, bytes]:
     """(meta key, value) of the gap document of ``key``'s record: one per (channel, iteration,
     micro-batch), the form ``LogStore.gaps`` reads."""
     name = f"gap/{key.channel.name}/{key.iteration:012d}-{key.micro_batch:06d}"
-    doc = {"channel": key.channel.name, "iteration": key.iteration, "micro_batch": key.micro_batch,
-           "reason": reason, "at": time.time()}  # fmt: skip
+    doc = {
+        "channel": key.channel.name,
+        "iteration": key.iteration,
+        "micro_batch": key.micro_batch,
+        "reason": reason,
+        "at": time.time(),
+    }
     return b"doc/" + name.encode(), json.dumps(doc, sort_keys=True).encode()
 
 
@@ -245,18 +256,34 @@ class _EnvHandle:
         self.path = path
         self.pid = os.getpid()
         if not create and not (path / "data.mdb").is_file():  # LMDB would create a fresh one in the directory
-            raise CorruptIndexError(f"the LMDB index of {path.parent} is missing (no {path / 'data.mdb'}): its segment files are not "
-                                    "readable until its writer reopens the store (it re-indexes them)")  # fmt: skip
+            raise CorruptIndexError(
+                f"the LMDB index of {path.parent} is missing (no {path / 'data.mdb'}): its segment files are not "
+                "readable until its writer reopens the store (it re-indexes them)"
+            )
         self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=4, subdir=True, sync=sync, metasync=sync,
-            readahead=False, max_readers=512, lock=True, writemap=False, create=create,
+            str(path),
+            map_size=map_size,
+            max_dbs=4,
+            subdir=True,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            max_readers=512,
+            lock=True,
+            writemap=False,
+            create=create,
         )
         try:
             if (path / "data.mdb").is_file():  # a read through the map past the file's end is a SIGBUS
-                size, need = os.path.getsize(path / "data.mdb"), (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+                size, need = (
+                    os.path.getsize(path / "data.mdb"),
+                    (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"],
+                )
                 if size < need:
-                    raise CorruptIndexError(f"the LMDB index of {path.parent} is truncated: {size} bytes, its pages need {need}",
-                                            hint=_DAMAGED_HINT)  # fmt: skip
+                    raise CorruptIndexError(
+                        f"the LMDB index of {path.parent} is truncated: {size} bytes, its pages need {need}",
+                        hint=_DAMAGED_HINT,
+                    )
             # stale reader slots of dead processes would pin old pages forever
             self.env.reader_check()
             self.rw = _RWLock()
@@ -432,8 +459,9 @@ class HotTier:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
             if not owner:  # a reader creates nothing: an index it cannot open is damaged (or not one)
-                raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be opened: {e}",
-                                        hint=_DAMAGED_HINT) from e  # fmt: skip
+                raise CorruptIndexError(
+                    f"the LMDB index of {self.dir} cannot be opened: {e}", hint=_DAMAGED_HINT
+                ) from e
             raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
         if owner:
             try:
@@ -483,10 +511,16 @@ class HotTier:
         if docs:
             self._write(lambda txn: [txn.put(k, v, db=self._db_meta) for k, v in docs.items()])
         self._recover()
-        logger.warning("hot tier %s: its LMDB index is damaged (%s): moved aside to %s (kept for a post-mortem); "
-                       "re-indexed %d segment file(s) from their footers and frames, kept %d document(s) (gaps, "
-                       "checkpoint registrations)",
-                       self.dir, why, aside.name, len(self.segments()), len(docs))  # fmt: skip
+        logger.warning(
+            "hot tier %s: its LMDB index is damaged (%s): moved aside to %s (kept for a post-mortem); "
+            "re-indexed %d segment file(s) from their footers and frames, kept %d document(s) (gaps, "
+            "checkpoint registrations)",
+            self.dir,
+            why,
+            aside.name,
+            len(self.segments()),
+            len(docs),
+        )
 
     def incarnation(self) -> float:
         """When the writer of this hot tier last opened it as its owner (time.time(); 0.0 if never
@@ -514,7 +548,12 @@ class HotTier:
                 if txn is not None:
                     try:
                         yield txn
-                    except (lmdb.Error, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
+                    except (
+                        lmdb.Error,
+                        UnicodeDecodeError,
+                        json.JSONDecodeError,
+                        struct.error,
+                    ) as e:  # damaged pages or entries
                         self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
                         raise CorruptIndexError(self.damaged, hint=_DAMAGED_HINT) from e
                     finally:
@@ -549,9 +588,16 @@ class HotTier:
             except (*_DAMAGE, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
                 self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
                 raise CorruptIndexError(self.damaged, hint=_OWN_DAMAGED_HINT if self.owner else _DAMAGED_HINT) from e
-            except lmdb.Error as e:  # a commit's page writes on a full disk end as EIO ("Input/output error"): ask the disk
-                if any(m in str(e) for m in ("No space left", "File too large", "Disk quota exceeded")) or _nearly_full(self.dir):
-                    raise StoreFullError(f"LMDB index of {self.dir}: disk full ({e})", hint="free space under the store root or run GC after a checkpoint") from e
+            except (
+                lmdb.Error
+            ) as e:  # a commit's page writes on a full disk end as EIO ("Input/output error"): ask the disk
+                if any(m in str(e) for m in ("No space left", "File too large", "Disk quota exceeded")) or _nearly_full(
+                    self.dir
+                ):
+                    raise StoreFullError(
+                        f"LMDB index of {self.dir}: disk full ({e})",
+                        hint="free space under the store root or run GC after a checkpoint",
+                    ) from e
                 raise StoreError(f"LMDB index of {self.dir}: {e}") from e
 
     def _get_seg(self, txn: lmdb.Transaction, seg_id: int) -> SegmentMeta | None:
@@ -593,8 +639,11 @@ class HotTier:
                 with open(path, "rb") as f:
                     headed = f.read(len(MAGIC)) == MAGIC
             except FileNotFoundError:
-                logger.warning("hot tier %s: open segment %d lost its file; dropping its index entries (recorded as "
-                               "gaps)", self.dir, meta.id)  # fmt: skip
+                logger.warning(
+                    "hot tier %s: open segment %d lost its file; dropping its index entries (recorded as gaps)",
+                    self.dir,
+                    meta.id,
+                )
                 self._drop_segment_entries(meta.id, f"lost: the file of open segment {meta.id} is gone")
                 continue
             except OSError as e:
@@ -602,9 +651,14 @@ class HotTier:
             if not headed:
                 aside = path.with_name(path.name + ".unreadable")
                 os.replace(path, aside)
-                logger.warning("hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
-                               "disk): moved to %s, its index entries dropped (recorded as gaps)",
-                               self.dir, path, size, aside.name)  # fmt: skip
+                logger.warning(
+                    "hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
+                    "disk): moved to %s, its index entries dropped (recorded as gaps)",
+                    self.dir,
+                    path,
+                    size,
+                    aside.name,
+                )
                 self._sync_dir()
                 why = f"lost: open segment file {path.name} had no header (moved to {aside.name})"
                 self._drop_segment_entries(meta.id, why)
@@ -617,13 +671,27 @@ class HotTier:
                     found = _read_orphan(path)
                 except (SwiftlogError, OSError):
                     found = None
-                if found is not None and found[3] and found[1] >= meta.end:  # sealed on disk, with more: the index is an older copy
-                    logger.warning("hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes (an older copy "
-                                   "of the index?): re-indexed from its footer, not truncated", self.dir, meta.id, len(found[0]), meta.end)  # fmt: skip
+                if (
+                    found is not None and found[3] and found[1] >= meta.end
+                ):  # sealed on disk, with more: the index is an older copy
+                    logger.warning(
+                        "hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes (an older copy "
+                        "of the index?): re-indexed from its footer, not truncated",
+                        self.dir,
+                        meta.id,
+                        len(found[0]),
+                        meta.end,
+                    )
                     self._drop_segment_entries(meta.id)
                     self._adopt_file(path, found)
                     continue
-                logger.info("hot tier %s: truncating segment %d from %d to acknowledged end %d", self.dir, meta.id, size, meta.end)
+                logger.info(
+                    "hot tier %s: truncating segment %d from %d to acknowledged end %d",
+                    self.dir,
+                    meta.id,
+                    size,
+                    meta.end,
+                )
                 os.truncate(path, meta.end)
             self._seal(meta.id)
 
@@ -645,8 +713,10 @@ class HotTier:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
-        reason = (f"torn: segment file {path.name} ends at {size} bytes, before the {meta.end} its index acknowledged "
-                  "(a power loss under durability 'process'?)")  # fmt: skip
+        reason = (
+            f"torn: segment file {path.name} ends at {size} bytes, before the {meta.end} its index acknowledged "
+            "(a power loss under durability 'process'?)"
+        )
 
         def fn(txn: lmdb.Transaction) -> list[RecordKey]:
             m = self._get_seg(txn, meta.id)
@@ -675,9 +745,17 @@ class HotTier:
         kept: list[IndexEntry] = []
         lost = self._write(fn)
         assert isinstance(lost, list)
-        logger.warning("hot tier %s: open segment %d's file ends at %d bytes, before its acknowledged end %d: kept %d "
-                       "whole frame(s), %d record(s) lost and recorded as gaps (%s)", self.dir, meta.id, size, meta.end,
-                       len(kept), len(lost), ", ".join(map(str, lost[:5])) + (", ..." * (len(lost) > 5)))  # fmt: skip
+        logger.warning(
+            "hot tier %s: open segment %d's file ends at %d bytes, before its acknowledged end %d: kept %d "
+            "whole frame(s), %d record(s) lost and recorded as gaps (%s)",
+            self.dir,
+            meta.id,
+            size,
+            meta.end,
+            len(kept),
+            len(lost),
+            ", ".join(map(str, lost[:5])) + (", ..." * (len(lost) > 5)),
+        )
         self._seal(meta.id, kept)
 
     def record_gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
@@ -717,21 +795,40 @@ class HotTier:
         try:
             entries, end, size, sealed, torn = known if known is not None else _read_orphan(path)
         except (SwiftlogError, OSError) as e:
-            logger.warning("hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is", self.dir, path.name, e)
+            logger.warning(
+                "hot tier %s: segment file %s is not in the index and cannot be re-indexed (%s): kept as it is",
+                self.dir,
+                path.name,
+                e,
+            )
             return False
         names = {e.key.channel.name for e, _ in entries}
         if not names and torn is not None:  # its one frame is cut short: kept as it is, its record lost
-            self.record_gap(torn.channel, torn.iteration, torn.micro_batch,
-                            f"torn: the only frame of segment file {path.name} is cut short")  # fmt: skip
+            self.record_gap(
+                torn.channel,
+                torn.iteration,
+                torn.micro_batch,
+                f"torn: the only frame of segment file {path.name} is cut short",
+            )
         if len(names) != 1:
-            logger.warning("hot tier %s: segment file %s is not in the index and holds %s: kept as it is", self.dir, path.name,
-                           "no record" if not names else f"several channels {sorted(names)}")  # fmt: skip
+            logger.warning(
+                "hot tier %s: segment file %s is not in the index and holds %s: kept as it is",
+                self.dir,
+                path.name,
+                "no record" if not names else f"several channels {sorted(names)}",
+            )
             return False
         first = entries[0][0].key
 
         def fn(txn: lmdb.Transaction) -> None:
-            self._put_seg(txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration))
-            self._commit_entries(txn, [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries], {seg_id: end})
+            self._put_seg(
+                txn, SegmentMeta(id=seg_id, channel=first.channel.name, lo=first.iteration, hi=first.iteration)
+            )
+            self._commit_entries(
+                txn,
+                [(e.key.encode(), seg_id, e.offset, e.length, e.checksum, raw, e.key) for e, raw in entries],
+                {seg_id: end},
+            )
             m = self._get_seg(txn, seg_id)
             assert m is not None
             m.state, m.file_size = (SEALED, size) if sealed else (OPEN, end)
@@ -742,10 +839,17 @@ class HotTier:
 
         self._write(fn)
         if torn is not None:
-            logger.warning("hot tier %s: segment file %s ends inside the frame of %s: recorded as a gap",
-                           self.dir, path.name, torn)  # fmt: skip
-        logger.warning("hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
-                       self.dir, path.name, len(entries), first.channel.name, "footer" if sealed else "frames")  # fmt: skip
+            logger.warning(
+                "hot tier %s: segment file %s ends inside the frame of %s: recorded as a gap", self.dir, path.name, torn
+            )
+        logger.warning(
+            "hot tier %s: segment file %s was not in the index: re-indexed %d record(s) of %s from its %s",
+            self.dir,
+            path.name,
+            len(entries),
+            first.channel.name,
+            "footer" if sealed else "frames",
+        )
         return True
 
     def number_past(self, top: int) -> bool:
@@ -781,8 +885,14 @@ class HotTier:
     def _number_past_files(self) -> None:
         top = max(self.file_ids(), default=0)
         if self.number_past(top) and (orphans := self.orphan_files()):  # (re-indexed files are no orphans)
-            logger.warning("hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
-                           "are numbered from %d", self.dir, len(orphans), orphans[0].name, top + 1)  # fmt: skip
+            logger.warning(
+                "hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
+                "are numbered from %d",
+                self.dir,
+                len(orphans),
+                orphans[0].name,
+                top + 1,
+            )
 
     def _drop_segment_entries(self, seg_id: int, gap_reason: str | None = None) -> None:
         """Remove a segment and its records from the index; with ``gap_reason`` (its records are
@@ -843,7 +953,10 @@ class HotTier:
             cur = self._active[name] = self._new_segment(key.channel, key.iteration)
         return cur
 
-    def append(self, items: list[tuple[RecordKey, bytes | memoryview, int] | tuple[RecordKey, bytes | memoryview, int, int | None]]) -> None:
+    def append(
+        self,
+        items: list[tuple[RecordKey, bytes | memoryview, int] | tuple[RecordKey, bytes | memoryview, int, int | None]],
+    ) -> None:
         """Append encoded records ``(key, blob, raw_len[, checksum])`` and commit their index entries.
 
         ``checksum`` is the blob's xxh3 (``segment.blob_checksum``) when the caller computed it
@@ -899,7 +1012,15 @@ class HotTier:
         self._write(lambda txn: self._commit_entries(txn, batch.entries, batch.pending_end))
         for seg_id, end in batch.pending_end.items():
             batch.segs[seg_id].end = end
-        for _, seg_id, off, ln, cs, _, key in batch.entries:  # (the key object itself: decoding its bytes again cost a third of the commit)
+        for (
+            _,
+            seg_id,
+            off,
+            ln,
+            cs,
+            _,
+            key,
+        ) in batch.entries:  # (the key object itself: decoding its bytes again cost a third of the commit)
             batch.segs[seg_id].index.append(IndexEntry(key, off, ln, cs))
         batch.entries = []
         batch.pending_end = {}
@@ -1061,12 +1182,16 @@ class HotTier:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
+            raise CorruptRecordError(
+                f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None
+            ) from e
         try:
             head = os.pread(fd, FRAME_HEADER_SIZE, loc.offset - FRAME_HEADER_SIZE) if loc.key is not None else b""
             blob = os.pread(fd, loc.length, loc.offset)
         except OSError as e:
-            raise CorruptRecordError(f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None) from e
+            raise CorruptRecordError(
+                f"unreadable segment file {path} in hot tier {self.dir}: {e.strerror or e}", key=None
+            ) from e
         finally:
             os.close(fd)
         if loc.key is not None:
@@ -1088,7 +1213,10 @@ class HotTier:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise CorruptRecordError(f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier {self.dir}: {e.strerror or e}", key=key) from e
+            raise CorruptRecordError(
+                f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier {self.dir}: {e.strerror or e}",
+                key=key,
+            ) from e
         where = f"hot tier {self.dir} segment {loc.segment.id} at offset {loc.offset}"
         try:
             head = os.pread(fd, FRAME_HEADER_SIZE, loc.offset - FRAME_HEADER_SIZE)
@@ -1096,8 +1224,11 @@ class HotTier:
         except BaseException as e:
             os.close(fd)
             if isinstance(e, OSError):
-                raise CorruptRecordError(f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier "
-                                         f"{self.dir}: {e.strerror or e}", key=key) from e  # fmt: skip
+                raise CorruptRecordError(
+                    f"unreadable segment file {self.seg_path(loc.segment.id)} in hot tier "
+                    f"{self.dir}: {e.strerror or e}",
+                    key=key,
+                ) from e
             raise
         return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size, where)
 

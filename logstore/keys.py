@@ -243,8 +243,8 @@ class RecordKey:
             nums = {}
             for b in bits[1:]:
                 for prefix, field in (("it", "iteration"), ("mb", "micro_batch"), ("p", "part")):
-                    if b.startswith(prefix) and b[len(prefix):].isdigit():
-                        nums[field] = int(b[len(prefix):])
+                    if b.startswith(prefix) and b[len(prefix) :].isdigit():
+                        nums[field] = int(b[len(prefix) :])
                         break
                 else:
                     raise ValueError(b)

@@ -82,7 +82,15 @@ class BlobStream:
     chunk (already read: enough for the codec header). Never holds more than two chunks in memory.
     """
 
-    def __init__(self, key: RecordKey, length: int, checksum: int, head: bytes, rest: Iterator[bytes], close: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: RecordKey,
+        length: int,
+        checksum: int,
+        head: bytes,
+        rest: Iterator[bytes],
+        close: Callable[[], None] | None = None,
+    ) -> None:
         self.key, self.length, self.checksum, self.head = key, length, checksum, head
         self._rest = rest
         self._close = close
@@ -91,11 +99,18 @@ class BlobStream:
     def of_bytes(cls, key: RecordKey, blob: bytes, chunk_size: int) -> BlobStream:
         """A stream over a blob already read and verified."""
         mv = memoryview(blob)
-        return cls(key, len(blob), blob_checksum(blob), bytes(mv[:chunk_size]),
-                   (bytes(mv[o : o + chunk_size]) for o in range(chunk_size, len(blob), chunk_size)))  # fmt: skip
+        return cls(
+            key,
+            len(blob),
+            blob_checksum(blob),
+            bytes(mv[:chunk_size]),
+            (bytes(mv[o : o + chunk_size]) for o in range(chunk_size, len(blob), chunk_size)),
+        )
 
     @classmethod
-    def of_file(cls, key: RecordKey, fd: int, offset: int, length: int, checksum: int, chunk_size: int, where: str) -> BlobStream:
+    def of_file(
+        cls, key: RecordKey, fd: int, offset: int, length: int, checksum: int, chunk_size: int, where: str
+    ) -> BlobStream:
         """A stream over ``length`` bytes at ``offset`` of the open file ``fd`` (closed at the end)."""
         closed = False
 
@@ -134,7 +149,9 @@ class BlobStream:
 
         if len(first) < min(chunk_size, length):  # the file ends inside the record
             release()
-            raise CorruptRecordError(f"corrupt record {key} in {where}: truncated ({len(first)} of {length} bytes)", key=key)
+            raise CorruptRecordError(
+                f"corrupt record {key} in {where}: truncated ({len(first)} of {length} bytes)", key=key
+            )
         if len(first) == length and h.intdigest() != checksum:
             release()
             raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
@@ -184,19 +201,25 @@ def check_frame_header(buf: bytes, key: RecordKey, length: int, checksum: int, w
     try:
         key_bytes, blob_len, cs = _decode_frame_header(buf, where)
     except CorruptRecordError:
-        raise CorruptRecordError(f"record {key} in {where}: no intact frame header before it (a damaged index entry "
-                                 "or file)", key=key) from None  # fmt: skip
+        raise CorruptRecordError(
+            f"record {key} in {where}: no intact frame header before it (a damaged index entry or file)", key=key
+        ) from None
     if key_bytes != key.encode():
         try:
             held = str(RecordKey.decode(key_bytes))
         except SwiftlogError:
             held = f"undecodable key bytes {key_bytes.hex()}"
-        raise CorruptRecordError(f"record {key} in {where}: the index names it, but the frame there holds {held} "
-                                 "(a damaged index key)", key=key)  # fmt: skip
+        raise CorruptRecordError(
+            f"record {key} in {where}: the index names it, but the frame there holds {held} (a damaged index key)",
+            key=key,
+        )
     if blob_len != length or cs != checksum:
-        raise CorruptRecordError(f"record {key} in {where}: the index entry ({length} bytes, checksum {checksum:#x}) "
-                                 f"does not match its frame ({blob_len} bytes, checksum {cs:#x}): a damaged index "
-                                 "entry", key=key)  # fmt: skip
+        raise CorruptRecordError(
+            f"record {key} in {where}: the index entry ({length} bytes, checksum {checksum:#x}) "
+            f"does not match its frame ({blob_len} bytes, checksum {cs:#x}): a damaged index "
+            "entry",
+            key=key,
+        )
 
 
 def _decode_frame_header(buf: bytes, where: str) -> tuple[bytes, int, int]:
@@ -231,8 +254,11 @@ def scan_frames(fd: int, end: int | None = None) -> Iterator[IndexEntry]:
         key_bytes, blob_len, checksum = _decode_frame_header(buf, f"offset {pos}")
         off = pos + FRAME_HEADER_SIZE
         if off + blob_len > size:
-            raise CorruptRecordError(f"torn frame at offset {pos}: blob runs past end {size}", key=f"offset {pos}",
-                                     torn=RecordKey.decode(key_bytes))  # fmt: skip
+            raise CorruptRecordError(
+                f"torn frame at offset {pos}: blob runs past end {size}",
+                key=f"offset {pos}",
+                torn=RecordKey.decode(key_bytes),
+            )
         yield IndexEntry(RecordKey.decode(key_bytes), off, blob_len, checksum)
         pos = off + blob_len
 
@@ -254,8 +280,11 @@ def parse_trailer(trailer: bytes, where: str, size: int | None = None) -> tuple[
     if magic != END_MAGIC:
         raise CorruptRecordError(f"segment {where}: bad trailer magic (not sealed or corrupt)", key=where)
     if size is not None and index_offset + n * INDEX_ENTRY_SIZE + TRAILER_SIZE != size:
-        raise CorruptRecordError(f"segment {where}: damaged trailer (an index of {n} entries at offset {index_offset} does not end where "
-                                 f"the trailer of the {size}-byte object begins)", key=where)  # fmt: skip
+        raise CorruptRecordError(
+            f"segment {where}: damaged trailer (an index of {n} entries at offset {index_offset} does not end where "
+            f"the trailer of the {size}-byte object begins)",
+            key=where,
+        )
     return index_offset, n, csum
 
 

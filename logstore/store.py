@@ -79,9 +79,18 @@ from logstore.segment import (
 )
 
 __all__ = [
-    "check_portable_json", "check_meta", "StoreConfig", "LogStore", "Encoded", "GcReport", "VerifyReport",
-    "CheckpointInfo", "UnregisterPreview", "RecordInfo", "list_runs",
-]  # fmt: skip
+    "check_portable_json",
+    "check_meta",
+    "StoreConfig",
+    "LogStore",
+    "Encoded",
+    "GcReport",
+    "VerifyReport",
+    "CheckpointInfo",
+    "UnregisterPreview",
+    "RecordInfo",
+    "list_runs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +346,9 @@ class LogStore:
         self._cold_epoch = 0  # bumped (under _lock) whenever _cold_list is invalidated
         self._cold_listing = threading.Lock()  # one cold listing at a time, never under _lock
         self._gaps_shipped: set[str] = set()
-        self._wm_cache: dict[int, int] = {}  # stage -> its newest registered checkpoint (raw: groups applied on the way out)
+        self._wm_cache: dict[
+            int, int
+        ] = {}  # stage -> its newest registered checkpoint (raw: groups applied on the way out)
         self._wm_groups: Any = None  # the logging groups the newest registration named
         self._wm_at = 0.0
         self._ckpt_warned: set[str] = set()  # registration documents warned about (once each)
@@ -369,14 +380,18 @@ class LogStore:
                     on_seal=self._on_seal,
                 )
             except OSError as e:  # a read-only or missing mount, no permission
-                raise ConfigError(f"store root {str(config.root)!r}: cannot write under {str(self._run_dir)!r}: {e.strerror or e}",
-                                  hint="the store root must be a writable directory on a local disk") from e  # fmt: skip
+                raise ConfigError(
+                    f"store root {str(config.root)!r}: cannot write under {str(self._run_dir)!r}: {e.strerror or e}",
+                    hint="the store root must be a writable directory on a local disk",
+                ) from e
             self._readers[config.writer] = self.hot
             self._backlog_bytes = self._compute_backlog()
             if self.cold is not None and config.upload:
                 self._reconcile_uploads()
                 self._unsealed_up = {m.id: (m.channel, m.lo) for m in self.hot.segments() if m.state == SEALED}
-                self._uploader = threading.Thread(target=self._upload_loop, name=f"swiftlog-upload-{self.run}", daemon=True)
+                self._uploader = threading.Thread(
+                    target=self._upload_loop, name=f"swiftlog-upload-{self.run}", daemon=True
+                )
                 self._uploader.start()
 
     @classmethod
@@ -414,13 +429,17 @@ class LogStore:
         """Append an already-encoded record (``logstore.codec.encode_tensor`` output)."""
         self.put_blobs([(key, blob)])
 
-    def put_blobs(self, items: Iterable[tuple[RecordKey, bytes | memoryview] | tuple[RecordKey, bytes | memoryview, int]]) -> None:
+    def put_blobs(
+        self, items: Iterable[tuple[RecordKey, bytes | memoryview] | tuple[RecordKey, bytes | memoryview, int]]
+    ) -> None:
         """Append already-encoded records in one index transaction.
 
         Items are ``(key, blob)`` or ``(key, blob, raw_len)``; passing the raw length (known to
         whoever encoded the blob) saves parsing the header here.
         """
-        self._append([(it[0], it[1], it[2] if len(it) == 3 else codec.read_header(it[1]).raw_len, None) for it in items])
+        self._append(
+            [(it[0], it[1], it[2] if len(it) == 3 else codec.read_header(it[1]).raw_len, None) for it in items]
+        )
 
     def _append(self, items: list[tuple[RecordKey, bytes | memoryview, int, int | None]]) -> None:
         hot = self._writer_hot()
@@ -457,7 +476,7 @@ class LogStore:
         for name, doc in self.hot.docs("gap/").items():
             if name in self._gaps_shipped:
                 continue
-            self.cold.put_doc(f"{self.run}/gaps/{name[len('gap/'):]}.json", doc)
+            self.cold.put_doc(f"{self.run}/gaps/{name[len('gap/') :]}.json", doc)
             self._gaps_shipped.add(name)
 
     def gaps(self, *, hot_only: bool = False) -> list[dict[str, Any]]:
@@ -501,9 +520,13 @@ class LogStore:
         if self.cold is not None:
             try:
                 blob = self._cold_get(key)
-            except SwiftlogError as e:  # corrupt there too, or unreachable: the hot copy's corruption is the fact to report
+            except (
+                SwiftlogError
+            ) as e:  # corrupt there too, or unreachable: the hot copy's corruption is the fact to report
                 if corrupt is not None and isinstance(e, CorruptRecordError):
-                    raise CorruptRecordError(f"{corrupt.message}; the cold copy is corrupt too: {e.message}", key=key) from e
+                    raise CorruptRecordError(
+                        f"{corrupt.message}; the cold copy is corrupt too: {e.message}", key=key
+                    ) from e
                 raise (corrupt or e) from e
             if blob is not None:
                 return self._intact(blob, corrupt)
@@ -518,8 +541,11 @@ class LogStore:
 
     def _not_found(self, key: RecordKey) -> RecordNotFoundError:
         if self.cold is None:
-            return RecordNotFoundError(f"record {key} of run {self.run!r} not found in the hot tiers (no cold tier given)", key=key,
-                                       hint="it may be in the run's cold tier: pass its URL (--cold-url)")  # fmt: skip
+            return RecordNotFoundError(
+                f"record {key} of run {self.run!r} not found in the hot tiers (no cold tier given)",
+                key=key,
+                hint="it may be in the run's cold tier: pass its URL (--cold-url)",
+            )
         return RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
 
     def open_blob(self, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream:
@@ -532,7 +558,9 @@ class LogStore:
         for hot, loc in self._hot_locations(key):
             try:
                 stream = hot.stream_local(loc, key, chunk_size)
-            except CorruptRecordError:  # a one-chunk record checked at once, or an unreadable file: another copy may be intact
+            except (
+                CorruptRecordError
+            ):  # a one-chunk record checked at once, or an unreadable file: another copy may be intact
                 break
             if stream is not None:
                 return stream
@@ -551,7 +579,10 @@ class LogStore:
         its bytes are still on disk)."""
         wm = self.watermarks(max_age=2.0).get(key.channel.owner, 0)
         if key.iteration < wm:
-            raise RecordNotFoundError(f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})", key=key)
+            raise RecordNotFoundError(
+                f"record {key} was garbage-collected (below checkpoint watermark {wm} of stage {key.channel.owner})",
+                key=key,
+            )
 
     def _read_loc(self, hot: HotTier, loc: Location, key: RecordKey) -> bytes | None:
         try:
@@ -576,7 +607,9 @@ class LogStore:
             raise CorruptRecordError(f"corrupt record {key} in cold object {name}: checksum mismatch", key=key)
         return blob
 
-    def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *, hot_only: bool = False) -> list[RecordKey]:
+    def keys(
+        self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *, hot_only: bool = False
+    ) -> list[RecordKey]:
         """Every key (both tiers, deduplicated, key order) of ``channel`` in ``[it_lo, it_hi)``,
         or of all channels; keys below their watermark are left out. Raises
         ColdTierUnavailableError when the cold tier cannot be listed; ``hot_only``: the hot
@@ -593,7 +626,9 @@ class LogStore:
         wm = self.watermarks(max_age=2.0)
         return sorted(k for k in found if k.iteration >= wm.get(k.channel.owner, 0))
 
-    def scan(self, channel: Channel, it_lo: int = 0, it_hi: int | None = None) -> Iterator[tuple[RecordKey, torch.Tensor]]:
+    def scan(
+        self, channel: Channel, it_lo: int = 0, it_hi: int | None = None
+    ) -> Iterator[tuple[RecordKey, torch.Tensor]]:
         """Records of ``channel`` in ``[it_lo, it_hi)`` in key order, from whichever tier holds them."""
         for k in self.keys(channel, it_lo, it_hi):
             yield k, self.get(k)
@@ -666,7 +701,14 @@ class LogStore:
         return meta is not None and meta.cold_name == seg.name
 
     def _channel_page(
-        self, ch: Channel, lo: int, hi: int | None, mb: int | None, after: bytes | None, need: int, hot_only: bool = False
+        self,
+        ch: Channel,
+        lo: int,
+        hi: int | None,
+        mb: int | None,
+        after: bytes | None,
+        need: int,
+        hot_only: bool = False,
     ) -> list[RecordInfo]:
         """The first ``need`` records of one channel after ``after``: each source's first page, merged."""
         found: dict[bytes, RecordInfo] = {}
@@ -683,17 +725,36 @@ class LogStore:
                     prev = found.get(kb)
                     if prev is None or (prev.tier == "cold" and loc.segment.state != EVICTED):
                         if loc.segment.state == EVICTED:
-                            found[kb] = RecordInfo(k, "cold", hot.writer, loc.length, loc.raw_len, loc.checksum, loc.segment.cold_name or "")
+                            found[kb] = RecordInfo(
+                                k,
+                                "cold",
+                                hot.writer,
+                                loc.length,
+                                loc.raw_len,
+                                loc.checksum,
+                                loc.segment.cold_name or "",
+                            )
                         else:
-                            found[kb] = RecordInfo(k, "hot", hot.writer, loc.length, loc.raw_len, loc.checksum,
-                                                   f"{hot.writer}/segments/{loc.segment.id:010d}.seg")
+                            found[kb] = RecordInfo(
+                                k,
+                                "hot",
+                                hot.writer,
+                                loc.length,
+                                loc.raw_len,
+                                loc.checksum,
+                                f"{hot.writer}/segments/{loc.segment.id:010d}.seg",
+                            )
                 if len(batch) < batch_size:
                     break
                 cursor = batch[-1][0].encode()
         if self.cold is not None and not hot_only:
             hots = {h.writer: h for h in self._hot_tiers()}
             # segments wholly before the cursor cannot hold a key of this page
-            after_it = RecordKey.decode(after).iteration if after is not None and after[:5] == RecordKey(ch, 0).encode()[:5] else None
+            after_it = (
+                RecordKey.decode(after).iteration
+                if after is not None and after[:5] == RecordKey(ch, 0).encode()[:5]
+                else None
+            )
             cutoff = RecordKey.decode(sorted(found)[need - 1]).iteration if len(found) >= need else None
             for seg in sorted(self._cold_segments(ch, lo, hi), key=lambda s: (s.lo, s.name)):
                 if after_it is not None and seg.hi < after_it:
@@ -707,7 +768,11 @@ class LogStore:
                     if (after is not None and kb <= after) or kb in found:
                         continue
                     k = RecordKey.decode(kb)
-                    if k.iteration < lo or (hi is not None and k.iteration >= hi) or (mb is not None and k.micro_batch != mb):
+                    if (
+                        k.iteration < lo
+                        or (hi is not None and k.iteration >= hi)
+                        or (mb is not None and k.micro_batch != mb)
+                    ):
                         continue
                     found[kb] = RecordInfo(k, "cold", seg.writer, e.length, None, e.checksum, seg.name)
                     added = True
@@ -749,7 +814,9 @@ class LogStore:
                             continue
                         self._unreadable.pop(d.name, None)
                         self._readers[d.name] = reader
-                for name, reader in list(self._readers.items()):  # damaged since it was opened (a read raised CorruptIndexError)
+                for name, reader in list(
+                    self._readers.items()
+                ):  # damaged since it was opened (a read raised CorruptIndexError)
                     if reader.damaged is not None and reader is not self.hot:
                         logger.warning("leaving out hot tier %s: %s", reader.dir, reader.damaged)
                         self._unreadable[name] = (reader.damaged, now)
@@ -799,9 +866,18 @@ class LogStore:
                 ch = Channel.parse(parts[-2])
                 meta = info.meta or {}
                 out.setdefault(ch.name, []).append(
-                    _ColdSeg(info.name, ch, int(m["lo"]), int(m["hi"]), m["writer"], info.size,
-                             int(meta.get("records", 0)), int(meta.get("raw_bytes", 0)), int(meta.get("stored_bytes", 0)),
-                             _incarnation_of(meta))
+                    _ColdSeg(
+                        info.name,
+                        ch,
+                        int(m["lo"]),
+                        int(m["hi"]),
+                        m["writer"],
+                        info.size,
+                        int(meta.get("records", 0)),
+                        int(meta.get("raw_bytes", 0)),
+                        int(meta.get("stored_bytes", 0)),
+                        _incarnation_of(meta),
+                    )
                 )
             with self._lock:
                 if self._cold_epoch == epoch:
@@ -811,7 +887,9 @@ class LogStore:
         finally:
             self._cold_listing.release()
 
-    def _cold_segments(self, channel: Channel | None, it_lo: int = 0, it_hi: int | None = None, refresh: bool = False) -> list[_ColdSeg]:
+    def _cold_segments(
+        self, channel: Channel | None, it_lo: int = 0, it_hi: int | None = None, refresh: bool = False
+    ) -> list[_ColdSeg]:
         idx = self._cold_index(refresh)
         segs = [s for n, v in idx.items() if channel is None or n == channel.name for s in v]
         return [s for s in segs if s.hi >= it_lo and (it_hi is None or s.lo < it_hi)]
@@ -839,7 +917,11 @@ class LogStore:
         kb = key.encode()
         for refresh in (False, time.monotonic() - self._cold_list_at > 0.5):
             # newest first: a writer restarted by a rollback numbers past its earlier uploads, and its copy is the one the job went on from
-            for seg in sorted(self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh), key=_copy_age, reverse=True):
+            for seg in sorted(
+                self._cold_segments(key.channel, key.iteration, key.iteration + 1, refresh=refresh),
+                key=_copy_age,
+                reverse=True,
+            ):
                 e = self._footer(seg.name, seg.size).get(kb)
                 if e is None:
                     continue
@@ -876,14 +958,27 @@ class LogStore:
             self._note_error(e)
             return
         if self._number_past_own_uploads(committed):
-            logger.info("run %s: writer %s numbers its segments past its earlier uploads in the cold tier", self.run, self.config.writer)
+            logger.info(
+                "run %s: writer %s numbers its segments past its earlier uploads in the cold tier",
+                self.run,
+                self.config.writer,
+            )
         for m in self.hot.segments():
             if m.state == SEALED and self._cold_name(m) in committed:
                 self.hot.set_state(m.id, UPLOADED, cold_name=self._cold_name(m))
-            elif (m.state == UPLOADED and m.cold_name not in committed and self.hot.seg_path(m.id).exists()
-                  and m.hi >= wm.get(Channel.parse(m.channel).owner, 0)):  # not garbage another node's GC removed
-                logger.warning("run %s: segment %d of %s was uploaded as %s, which the cold tier no longer has: uploading it again",
-                               self.run, m.id, self.hot.writer, m.cold_name)  # fmt: skip
+            elif (
+                m.state == UPLOADED
+                and m.cold_name not in committed
+                and self.hot.seg_path(m.id).exists()
+                and m.hi >= wm.get(Channel.parse(m.channel).owner, 0)
+            ):  # not garbage another node's GC removed
+                logger.warning(
+                    "run %s: segment %d of %s was uploaded as %s, which the cold tier no longer has: uploading it again",
+                    self.run,
+                    m.id,
+                    self.hot.writer,
+                    m.cold_name,
+                )
                 self.hot.set_state(m.id, SEALED)
                 with self._shipped:
                     self._unsealed_up[m.id] = (m.channel, m.lo)
@@ -895,8 +990,10 @@ class LogStore:
         assert self.hot is not None and self.cold is not None
         n = 0
         if not self._upload_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise ColdTierUnavailableError(f"run {self.run}: the uploader is still busy with a slow upload (object store slow or down?)",
-                                           hint="the records stay in the hot tier; the uploader goes on in the background")  # fmt: skip
+            raise ColdTierUnavailableError(
+                f"run {self.run}: the uploader is still busy with a slow upload (object store slow or down?)",
+                hint="the records stay in the hot tier; the uploader goes on in the background",
+            )
         try:
             if self.cold.fenced_writes(probe=False) is None:  # once: does the store fence two uploaders of one name?
                 self.cold.fenced_writes()
@@ -935,8 +1032,10 @@ class LogStore:
         finally:
             self._upload_lock.release()
         if left:
-            raise ColdTierUnavailableError(f"run {self.run}: {left} sealed segment(s) not uploaded in the time given (object store slow?)",
-                                           hint="they stay in the hot tier; the uploader goes on in the background")  # fmt: skip
+            raise ColdTierUnavailableError(
+                f"run {self.run}: {left} sealed segment(s) not uploaded in the time given (object store slow?)",
+                hint="they stay in the hot tier; the uploader goes on in the background",
+            )
         return n
 
     def _sealed_first_since(self, queued: set[int], first: set[str]) -> list[SegmentMeta]:
@@ -971,8 +1070,15 @@ class LogStore:
         if own and self._fenced is not None:
             raise WriterFencedError(self._fenced, hint=_FENCED_HINT)
         name = self._cold_name(m, hot.writer)
-        meta = {"channel": m.channel, "lo": m.lo, "hi": m.hi, "writer": hot.writer,
-                "records": m.live, "raw_bytes": m.raw_bytes, "stored_bytes": m.live_bytes}  # fmt: skip
+        meta = {
+            "channel": m.channel,
+            "lo": m.lo,
+            "hi": m.hi,
+            "writer": hot.writer,
+            "records": m.live,
+            "raw_bytes": m.raw_bytes,
+            "stored_bytes": m.live_bytes,
+        }
         incarnation = hot.incarnation()  # whichever process ships it: its writer's (a server's flush, a CLI's)
         if incarnation:
             meta["incarnation"] = incarnation
@@ -986,10 +1092,14 @@ class LogStore:
                 theirs = None if other is None else other.meta.get("incarnation")
                 if isinstance(theirs, (int, float)) and theirs > incarnation:
                     # a later incarnation of this writer (its replacement) uploads: this one is the stale one
-                    why = (f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
-                           f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
-                           f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more")  # fmt: skip
-                    if own:  # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
+                    why = (
+                        f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
+                        f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
+                        f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more"
+                    )
+                    if (
+                        own
+                    ):  # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
                         self._fenced = why
                         logger.error("run %s: %s", self.run, why)
                     raise WriterFencedError(why, key=name, hint=_FENCED_HINT) from None
@@ -998,8 +1108,13 @@ class LogStore:
                 # another process ships it: the index's counter is shared through LMDB)
                 self._number_past_own_uploads(self._committed_names(), hot)
                 renamed = self._cold_name(m, hot.writer, hot.reserve_id())
-                logger.warning("run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
-                               self.run, name, hot.writer, renamed)  # fmt: skip
+                logger.warning(
+                    "run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
+                    self.run,
+                    name,
+                    hot.writer,
+                    renamed,
+                )
                 self.cold.put_segment(renamed, str(path), meta=meta)
                 return renamed
             except StoreError:
@@ -1036,8 +1151,11 @@ class LogStore:
                     logger.warning(
                         "run %s: segment %d of %s not evicted: its committed copy %s is not exactly its bytes "
                         "(another uploader of the name?); it stays in the hot tier",
-                        self.run, m.id, self.hot.writer, m.cold_name,
-                    )  # fmt: skip
+                        self.run,
+                        m.id,
+                        self.hot.writer,
+                        m.cold_name,
+                    )
                 continue
             self.hot.set_state(m.id, EVICTED)
             total -= m.file_size
@@ -1154,10 +1272,20 @@ class LogStore:
             try:
                 # every writer's inputs, targets and META first (what only their stage had), then the rest
                 segs = [(hot, m) for hot in self._hot_tiers() for m in hot.segments()]
-                for hot, m in sorted(segs, key=lambda hm: (not _precious(hm[1].channel, self._ship_first), hm[0].writer, hm[1].id)):
+                for hot, m in sorted(
+                    segs, key=lambda hm: (not _precious(hm[1].channel, self._ship_first), hm[0].writer, hm[1].id)
+                ):
                     if m.state == OPEN:
-                        rep["open"].append({"writer": hot.writer, "channel": m.channel, "lo": m.lo, "hi": m.hi,
-                                            "records": m.live, "bytes": m.end})
+                        rep["open"].append(
+                            {
+                                "writer": hot.writer,
+                                "channel": m.channel,
+                                "lo": m.lo,
+                                "hi": m.hi,
+                                "records": m.live,
+                                "bytes": m.end,
+                            }
+                        )
                         continue
                     if m.state != SEALED:
                         rep["already_uploaded"] += 1
@@ -1181,7 +1309,9 @@ class LogStore:
         return rep
 
     # ================================================================== checkpoints and GC
-    def register_checkpoint(self, stage: int, iteration: int, *, uri: str | None = None, meta: dict[str, Any] | None = None) -> CheckpointInfo:
+    def register_checkpoint(
+        self, stage: int, iteration: int, *, uri: str | None = None, meta: dict[str, Any] | None = None
+    ) -> CheckpointInfo:
         """Record that stage ``stage``'s checkpoint at ``iteration`` is durable.
 
         From now on records received by ``stage`` below ``iteration`` are garbage (deleted by
@@ -1190,8 +1320,17 @@ class LogStore:
         JSON (``logstore.checkpoints.check_meta``), ColdTierUnavailableError if the cold tier
         cannot record it.
         """
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0 or isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ConfigError(f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}")
+        if (
+            isinstance(stage, bool)
+            or not isinstance(stage, int)
+            or stage < 0
+            or isinstance(iteration, bool)
+            or not isinstance(iteration, int)
+            or iteration < 0
+        ):
+            raise ConfigError(
+                f"checkpoint needs stage >= 0 and iteration >= 0, got stage={stage!r} iteration={iteration!r}"
+            )
         try:  # stored as JSON, served as UTF-8: a lone surrogate, a NaN or a deep nest would break every later read
             check_meta({} if meta is None else meta)
         except ValueError as e:
@@ -1284,8 +1423,9 @@ class LogStore:
             self._ckpt_problems = problems
         return [found[k] for k in sorted(found)]
 
-    def _registration(self, where: str, tier: str, named: tuple[int, int] | None, doc: Any,
-                      problems: list[dict[str, str]]) -> CheckpointInfo | None:  # fmt: skip
+    def _registration(
+        self, where: str, tier: str, named: tuple[int, int] | None, doc: Any, problems: list[dict[str, str]]
+    ) -> CheckpointInfo | None:
         """One registration document read by :meth:`checkpoints`: parsed, or None (noted in
         ``problems`` and warned about once) when it cannot be trusted."""
         try:
@@ -1397,12 +1537,19 @@ class LogStore:
     def stats(self) -> dict[str, Any]:
         """Records and bytes per tier and channel, raw vs stored, upload backlog and errors, and what GC
         deleted from the hot tiers (``hot["collected"]``: owner stage -> records, stored bytes, ``below``)."""
-        hot_tot = {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "disk_bytes": 0,
-                   "segments": {OPEN: 0, SEALED: 0, UPLOADED: 0, EVICTED: 0}}
+        hot_tot = {
+            "records": 0,
+            "stored_bytes": 0,
+            "raw_bytes": 0,
+            "disk_bytes": 0,
+            "segments": {OPEN: 0, SEALED: 0, UPLOADED: 0, EVICTED: 0},
+        }
         chans: dict[str, dict[str, Any]] = {}
 
         def add(name: str, tier: str, lo: int, hi: int, records: int, stored: int, raw: int) -> None:
-            c = chans.setdefault(name, {}).setdefault(tier, {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "lo": lo, "hi": hi})
+            c = chans.setdefault(name, {}).setdefault(
+                tier, {"records": 0, "stored_bytes": 0, "raw_bytes": 0, "lo": lo, "hi": hi}
+            )
             c["records"] += records
             c["stored_bytes"] += stored
             c["raw_bytes"] += raw
@@ -1425,13 +1572,23 @@ class LogStore:
                 hot_tot["stored_bytes"] += m.live_bytes
                 hot_tot["raw_bytes"] += m.raw_bytes
                 add(m.channel, "hot", m.lo, m.hi, m.live, m.live_bytes, m.raw_bytes)
-        for name, tiers in chans.items():  # a segment's lo predates GC's deletions in it: the first live record is the range's start
+        for (
+            name,
+            tiers,
+        ) in chans.items():  # a segment's lo predates GC's deletions in it: the first live record is the range's start
             firsts = [k.iteration for hot in hots for k, _ in hot.keys(Channel.parse(name), limit=1)]
             if firsts:
                 tiers["hot"]["lo"] = min(firsts)
         cold_tot: dict[str, Any] | None = None
         if self.cold is not None:
-            cold_tot = {"segments": 0, "records": 0, "stored_bytes": 0, "raw_bytes": 0, "object_bytes": 0, "error": None}
+            cold_tot = {
+                "segments": 0,
+                "records": 0,
+                "stored_bytes": 0,
+                "raw_bytes": 0,
+                "object_bytes": 0,
+                "error": None,
+            }
             cold_tot["fenced_writes"] = self.cold.fenced_writes(probe=False)  # None until an upload probed it
             try:
                 for seg in self._cold_segments(None, refresh=True):
@@ -1473,16 +1630,30 @@ class LogStore:
         may_be_gc: list[tuple[dict[str, str], int, int]] = []  # (problem, owner stage, last iteration it concerns)
         hots = self._hot_tiers()
         try:  # a writer directory with segment files but no index (lost, or not a directory): nothing reads them
-            orphaned = sorted(d for d in self._run_dir.iterdir() if not (d / "index").is_dir() and any((d / "segments").glob("*.seg")))
+            orphaned = sorted(
+                d for d in self._run_dir.iterdir() if not (d / "index").is_dir() and any((d / "segments").glob("*.seg"))
+            )
         except OSError:
             orphaned = []
         for d in orphaned:
-            rep.problems.append({"tier": "hot", "key": "", "where": str(d / "index"),
-                                 "error": f"{sum(1 for _ in (d / 'segments').glob('*.seg'))} segment file(s) but no index (lost?): their "
-                                          "records are not readable until the writer reopens the store (it re-indexes them)"})  # fmt: skip
+            rep.problems.append(
+                {
+                    "tier": "hot",
+                    "key": "",
+                    "where": str(d / "index"),
+                    "error": f"{sum(1 for _ in (d / 'segments').glob('*.seg'))} segment file(s) but no index (lost?): their "
+                    "records are not readable until the writer reopens the store (it re-indexes them)",
+                }
+            )
         for w in sorted(set(self.writers()) - {h.writer for h in hots}):
-            rep.problems.append({"tier": "hot", "key": "", "where": str(self._run_dir / w / "index"),
-                                 "error": self._unreadable.get(w, ("the index cannot be opened (see the log)", 0.0))[0]})  # fmt: skip
+            rep.problems.append(
+                {
+                    "tier": "hot",
+                    "key": "",
+                    "where": str(self._run_dir / w / "index"),
+                    "error": self._unreadable.get(w, ("the index cannot be opened (see the log)", 0.0))[0],
+                }
+            )
         readable = []
         for hot in hots:
             try:
@@ -1492,21 +1663,35 @@ class LogStore:
                 continue
             readable.extend(listed)
             for path in orphans:
-                rep.problems.append({"tier": "hot", "key": "", "where": str(path),
-                                     "error": "segment file not in the writer's index (index lost or replaced?): its records are not readable"})  # fmt: skip
+                rep.problems.append(
+                    {
+                        "tier": "hot",
+                        "key": "",
+                        "where": str(path),
+                        "error": "segment file not in the writer's index (index lost or replaced?): its records are not readable",
+                    }
+                )
         committed: set[str] | None = None
         if self.cold is not None:
             try:
                 committed = self._committed_names()
             except SwiftlogError as e:
-                rep.problems.append({"tier": "cold", "key": "", "where": self.config.cold_url or "", "error": f"cannot be listed: {e}"})
+                rep.problems.append(
+                    {"tier": "cold", "key": "", "where": self.config.cold_url or "", "error": f"cannot be listed: {e}"}
+                )
             else:  # the checkpoint registrations and gaps other commands read (stat, gc, plan)
                 try:
                     self.checkpoints()
                     self.gaps()
                 except SwiftlogError as e:
-                    rep.problems.append({"tier": "cold", "key": "", "where": str(getattr(e, "key", None) or self.config.cold_url or ""),
-                                         "error": f"a registration document cannot be read: {e}"})  # fmt: skip
+                    rep.problems.append(
+                        {
+                            "tier": "cold",
+                            "key": "",
+                            "where": str(getattr(e, "key", None) or self.config.cold_url or ""),
+                            "error": f"a registration document cannot be read: {e}",
+                        }
+                    )
         try:  # registration documents left out of the watermarks: not a registration, or content unlike the name
             self.checkpoints(hot_only=self.cold is not None and committed is None)
         except SwiftlogError:
@@ -1524,13 +1709,35 @@ class LogStore:
                     rep.hot_checked += 1
                 if k.iteration < wm.get(k.channel.owner, 0):
                     pass  # garbage: another node's GC may have removed its cold copy already
-                elif loc.segment.state in (UPLOADED, EVICTED) and committed is not None and loc.segment.cold_name not in committed:
-                    rep.problems.append({"tier": "cold", "key": str(k), "where": loc.segment.cold_name or "", "error": "uploaded, but the cold tier no longer has it"
-                                         + (" (its writer uploads it again when it reopens the store)" if blob is not None else " and the local file is gone: lost")
-                                         + "; a cold object whose size no longer matches its commit marker, or whose marker is damaged, is not listed either"})  # fmt: skip
+                elif (
+                    loc.segment.state in (UPLOADED, EVICTED)
+                    and committed is not None
+                    and loc.segment.cold_name not in committed
+                ):
+                    rep.problems.append(
+                        {
+                            "tier": "cold",
+                            "key": str(k),
+                            "where": loc.segment.cold_name or "",
+                            "error": "uploaded, but the cold tier no longer has it"
+                            + (
+                                " (its writer uploads it again when it reopens the store)"
+                                if blob is not None
+                                else " and the local file is gone: lost"
+                            )
+                            + "; a cold object whose size no longer matches its commit marker, or whose marker is damaged, is not listed either",
+                        }
+                    )
                     may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
                 elif blob is None and loc.segment.state not in (UPLOADED, EVICTED):
-                    rep.problems.append({"tier": "hot", "key": str(k), "where": where, "error": "segment file missing and never uploaded: lost"})
+                    rep.problems.append(
+                        {
+                            "tier": "hot",
+                            "key": str(k),
+                            "where": where,
+                            "error": "segment file missing and never uploaded: lost",
+                        }
+                    )
                     may_be_gc.append((rep.problems[-1], k.channel.owner, k.iteration))
             except (CorruptRecordError, SwiftlogError) as e:
                 rep.problems.append({"tier": "hot", "key": str(k), "where": f"{where}@{loc.offset}", "error": str(e)})
@@ -1558,16 +1765,27 @@ class LogStore:
                         where = f"cold object {seg.name} at offset {e.offset}"
                         check_frame_header(head, e.key, e.length, e.checksum, where)
                         if blob_checksum(blob) != e.checksum:
-                            raise CorruptRecordError(f"corrupt record {e.key} in cold object {seg.name}: checksum mismatch", key=e.key)
+                            raise CorruptRecordError(
+                                f"corrupt record {e.key} in cold object {seg.name}: checksum mismatch", key=e.key
+                            )
                         codec.verify_blob(blob, key=e.key)
                         rep.cold_checked += 1
                     except SwiftlogError as err:
-                        rep.problems.append({"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)})
+                        rep.problems.append(
+                            {"tier": "cold", "key": str(e.key), "where": f"{seg.name}@{e.offset}", "error": str(err)}
+                        )
                 if len(rep.problems) == before:  # every record intact: the commit marker must still describe the object
                     try:
                         self.cold.check_marker(seg.name, data)
                     except SwiftlogError as e:
-                        rep.problems.append({"tier": "cold", "key": "", "where": seg.name, "error": f"{e} (size or checksum): the marker is damaged"})
+                        rep.problems.append(
+                            {
+                                "tier": "cold",
+                                "key": "",
+                                "where": seg.name,
+                                "error": f"{e} (size or checksum): the marker is damaged",
+                            }
+                        )
                         if not isinstance(e, CorruptRecordError):  # gone since it was read: a GC, perhaps
                             may_be_gc.append((rep.problems[-1], seg.channel.owner, seg.hi))
                 if progress is not None:

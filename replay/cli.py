@@ -42,33 +42,141 @@ app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=
 
 def replay_command(
     run: Annotated[str, typer.Option("--run", "-r", help="run id")],
-    stage: Annotated[list[int], typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)")],
-    root: Annotated[list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")] = None,
-    server: Annotated[list[str] | None, typer.Option("--server", help="a node server's URL, e.g. http://10.0.0.5:8080 (repeatable)")] = None,
-    token: Annotated[str | None, typer.Option("--token", envvar="SWIFTLOG_TOKEN", help="bearer token of the servers (prefer the env var)", show_default=False)] = None,
-    cold_url: Annotated[str | None, typer.Option("--cold-url", envvar="SWIFTLOG_COLD_URL", callback=cold_url_param,
-                                                 help="cold tier: file:///dir or s3://bucket/prefix")] = None,
-    cold_option: Annotated[list[str] | None, typer.Option("--cold-option", help="cold tier storage option KEY=VALUE (repeatable; also used for s3 checkpoints)")] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")] = 1,
-    exact: Annotated[bool, typer.Option("--exact/--approximate", help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, within a stated bound; "
-                                                                            "on one host the exact one is also the faster: its sums go through shared memory)")] = True,
-    dynamic_share: Annotated[bool, typer.Option("--dynamic-share/--fixed-share", help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed")] = True,
-    shared_memory: Annotated[bool, typer.Option("--shared-memory/--no-shared-memory", help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)")] = True,
-    target_iteration: Annotated[int | None, typer.Option("--target-iteration", "-t", min=0, help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely logged)")] = None,
-    model: Annotated[str, typer.Option("--model", help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)")] = "replay.examples:gpt_stage",
-    model_arg: Annotated[list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")] = None,
-    loss: Annotated[str | None, typer.Option("--loss", help="loss function module:attr or path/to/file.py:attr (default: the live schedule's, as META names it)")] = None,
-    data_source: Annotated[str | None, typer.Option("--data-source", help="data source factory module:function or path/to/file.py:function, for runs that did not log inputs/targets")] = None,
-    prefetch: Annotated[int | None, typer.Option("--prefetch", min=0, help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)", show_default=False)] = None,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")] = True,
-    device: Annotated[str | None, typer.Option("--device", help="replay on this torch device, e.g. cuda (default: where --model builds the stage; one worker only)")] = None,
-    bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch rate for the estimate (MB/s)")] = None,
-    check_records: Annotated[bool, typer.Option("--check-records", help="plan: read every needed record and check its checksums")] = False,
+    stage: Annotated[
+        list[int], typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)")
+    ],
+    root: Annotated[
+        list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")
+    ] = None,
+    server: Annotated[
+        list[str] | None, typer.Option("--server", help="a node server's URL, e.g. http://10.0.0.5:8080 (repeatable)")
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="SWIFTLOG_TOKEN",
+            help="bearer token of the servers (prefer the env var)",
+            show_default=False,
+        ),
+    ] = None,
+    cold_url: Annotated[
+        str | None,
+        typer.Option(
+            "--cold-url",
+            envvar="SWIFTLOG_COLD_URL",
+            callback=cold_url_param,
+            help="cold tier: file:///dir or s3://bucket/prefix",
+        ),
+    ] = None,
+    cold_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cold-option", help="cold tier storage option KEY=VALUE (repeatable; also used for s3 checkpoints)"
+        ),
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="directory or URL for the recovered checkpoints")
+    ] = None,
+    workers: Annotated[
+        int, typer.Option("--workers", "-w", min=1, max=256, help="parallel replay workers per unit")
+    ] = 1,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact/--approximate",
+            help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, within a stated bound; "
+            "on one host the exact one is also the faster: its sums go through shared memory)",
+        ),
+    ] = True,
+    dynamic_share: Annotated[
+        bool,
+        typer.Option(
+            "--dynamic-share/--fixed-share",
+            help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed",
+        ),
+    ] = True,
+    shared_memory: Annotated[
+        bool,
+        typer.Option(
+            "--shared-memory/--no-shared-memory",
+            help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)",
+        ),
+    ] = True,
+    target_iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--target-iteration",
+            "-t",
+            min=0,
+            help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely logged)",
+        ),
+    ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)",
+        ),
+    ] = "replay.examples:gpt_stage",
+    model_arg: Annotated[
+        list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")
+    ] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            "--loss",
+            help="loss function module:attr or path/to/file.py:attr (default: the live schedule's, as META names it)",
+        ),
+    ] = None,
+    data_source: Annotated[
+        str | None,
+        typer.Option(
+            "--data-source",
+            help="data source factory module:function or path/to/file.py:function, for runs that did not log inputs/targets",
+        ),
+    ] = None,
+    prefetch: Annotated[
+        int | None,
+        typer.Option(
+            "--prefetch",
+            min=0,
+            help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)",
+            show_default=False,
+        ),
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="check regenerated sends against the receivers' digests")
+    ] = True,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="replay on this torch device, e.g. cuda (default: where --model builds the stage; one worker only)",
+        ),
+    ] = None,
+    bandwidth_mbps: Annotated[
+        float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch rate for the estimate (MB/s)")
+    ] = None,
+    check_records: Annotated[
+        bool, typer.Option("--check-records", help="plan: read every needed record and check its checksums")
+    ] = False,
     plan_only: Annotated[bool, typer.Option("--plan-only", help="print the plan and stop")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print machine-readable JSON")] = False,
-    commit_store: Annotated[str | None, typer.Option("--commit-store", help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped")] = None,
-    commit_prefix: Annotated[str | None, typer.Option("--commit-prefix", help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under swiftlog/RUN/restartN, see ClientConfig.commit_prefix)")] = None,
+    commit_store: Annotated[
+        str | None,
+        typer.Option(
+            "--commit-store",
+            help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped",
+        ),
+    ] = None,
+    commit_prefix: Annotated[
+        str | None,
+        typer.Option(
+            "--commit-prefix",
+            help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under swiftlog/RUN/restartN, see ClientConfig.commit_prefix)",
+        ),
+    ] = None,
 ) -> None:
     """Rebuild failed stages from their checkpoints and the logs; write recovered checkpoints."""
     from logstore.errors import (
@@ -83,7 +191,10 @@ def replay_command(
     if not (root or server or cold_url):
         raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
     if not plan_only and not output:
-        raise fail("--output is required to replay", hint="a directory or URL for the recovered checkpoints, or pass --plan-only")
+        raise fail(
+            "--output is required to replay",
+            hint="a directory or URL for the recovered checkpoints, or pass --plan-only",
+        )
     for r in root or []:
         if not r.is_dir():
             raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
@@ -91,7 +202,9 @@ def replay_command(
     opts = parse_cold_options(cold_option)
     from replay.core import absolute_spec
 
-    if os.getcwd() not in sys.path and "" not in sys.path:  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
+    if (
+        os.getcwd() not in sys.path and "" not in sys.path
+    ):  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
         sys.path.insert(0, os.getcwd())
     model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
     if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
@@ -104,15 +217,42 @@ def replay_command(
     if output and not plan_only:
         _check_writable_output(output)
     try:
-        plan, specs = _plan(run, stage, root or [], server or [], token, cold_url, opts, target_iteration, bandwidth_mbps, workers, check_records)
+        plan, specs = _plan(
+            run,
+            stage,
+            root or [],
+            server or [],
+            token,
+            cold_url,
+            opts,
+            target_iteration,
+            bandwidth_mbps,
+            workers,
+            check_records,
+        )
         if plan_only or not plan.possible:
             print_plan(plan, json_out)
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
         from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
 
-        jobs = jobs_from_plan(plan, sources=specs, workers=workers, exact=exact, dynamic_share_min_s=DYNAMIC_SHARE_MIN_S if dynamic_share else None, shared_memory=shared_memory, model=model, model_args=parse_kv(model_arg, "--model-arg"),
-                              loss=loss, data_source=data_source, prefetch=prefetch, verify=verify, output=output,
-                              output_options=opts, checkpoint_options=opts, device=device)  # fmt: skip
+        jobs = jobs_from_plan(
+            plan,
+            sources=specs,
+            workers=workers,
+            exact=exact,
+            dynamic_share_min_s=DYNAMIC_SHARE_MIN_S if dynamic_share else None,
+            shared_memory=shared_memory,
+            model=model,
+            model_args=parse_kv(model_arg, "--model-arg"),
+            loss=loss,
+            data_source=data_source,
+            prefetch=prefetch,
+            verify=verify,
+            output=output,
+            output_options=opts,
+            checkpoint_options=opts,
+            device=device,
+        )
         if commit_store:
             jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
         # the unit with the last stage first: what it alone needs (the loss function) fails before another unit wrote its checkpoints
@@ -126,7 +266,10 @@ def replay_command(
                 if not json_out and (now - last[0] > 2.0 or p.done == p.total):
                     last[0] = now
                     eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
-                    typer.echo(f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}", err=True)
+                    typer.echo(
+                        f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}",
+                        err=True,
+                    )
 
             results.append(replay(job, on_progress=progress))
     except typer.Exit:
@@ -141,20 +284,28 @@ def replay_command(
         raise fail(str(e)) from None
     ok = all(r.verified for r in results)
     if json_out:
-        print(json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2), flush=True)
+        print(
+            json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2),
+            flush=True,
+        )
     else:
         for r in results:
             state = "verified" if r.verified else "NOT verified"
             if r.report.diverged:
                 first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
                 state = f"DIVERGED: {r.report.unverified_reason}{first}"
-            typer.echo(f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
-                       f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)")  # fmt: skip
+            typer.echo(
+                f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
+                f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)"
+            )
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
             if r.report.diverged and output:
-                why = ("what changed the live gradients is not replayed" if r.report.grad_mismatches and not r.first_mismatch
-                       else "check --model / --model-arg / --loss against the training run")  # fmt: skip
+                why = (
+                    "what changed the live gradients is not replayed"
+                    if r.report.grad_mismatches and not r.first_mismatch
+                    else "check --model / --model-arg / --loss against the training run"
+                )
                 typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
             for w in r.report.warnings:
                 typer.echo(f"  warning: {w}")
@@ -182,8 +333,10 @@ def _check_writable_output(output: str) -> None:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".swiftlog-probe-"):
             pass
     except OSError as e:
-        raise fail(f"--output {output!r} is not a directory swiftlog can write in: {e.strerror or e}",
-                   hint="give a writable directory (or a URL) for the recovered checkpoints") from None  # fmt: skip
+        raise fail(
+            f"--output {output!r} is not a directory swiftlog can write in: {e.strerror or e}",
+            hint="give a writable directory (or a URL) for the recovered checkpoints",
+        ) from None
 
 
 def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str) -> list[Any]:
@@ -202,20 +355,39 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
     try:  # a plain connection first: torch's store client prints its C++ stack to stderr when it cannot connect
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
-        raise fail(f"cannot reach the commit store at {address}: {e.strerror or e}", code=EXIT_UNAVAILABLE, hint=hint) from None
+        raise fail(
+            f"cannot reach the commit store at {address}: {e.strerror or e}", code=EXIT_UNAVAILABLE, hint=hint
+        ) from None
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
     except Exception as e:  # DistNetworkError / RuntimeError / TimeoutError from the store client
         raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE, hint=hint) from None
     out = []
     for job, unit in zip(jobs, plan.units, strict=True):
-        metas = SourceSpec.from_commit_store(store, prefix, job.stages, range(unit.checkpoint_iteration, job.stop_iteration), where=f"the commit store {address}")
+        metas = SourceSpec.from_commit_store(
+            store,
+            prefix,
+            job.stages,
+            range(unit.checkpoint_iteration, job.stop_iteration),
+            where=f"the commit store {address}",
+        )
         out.append(job if metas is None else job.replace(sources=[metas, *job.sources]))
     return out
 
 
-def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], token: str | None, cold_url: str | None, opts: dict[str, Any],
-          target: int | None, bandwidth: float | None, workers: int, check_records: bool) -> tuple[Any, list[Any]]:  # fmt: skip
+def _plan(
+    run: str,
+    failed: list[int],
+    roots: list[Path],
+    servers: list[str],
+    token: str | None,
+    cold_url: str | None,
+    opts: dict[str, Any],
+    target: int | None,
+    bandwidth: float | None,
+    workers: int,
+    check_records: bool,
+) -> tuple[Any, list[Any]]:
     from logstore import LogStore
     from replay.engine import SourceSpec
     from replay.plan import cold_only_store, plan_recovery
@@ -231,7 +403,14 @@ def _plan(run: str, failed: list[int], roots: list[Path], servers: list[str], to
         stores += [HttpRecordSource(u, run, token=token) for u in servers]
         if cold_url and not roots:
             stores.append(cold_only_store(cold_url, run, opts))
-        return plan_recovery(stores, failed, target_iteration=target, bandwidth_mbps=bandwidth, workers=workers, check_records=check_records), specs
+        return plan_recovery(
+            stores,
+            failed,
+            target_iteration=target,
+            bandwidth_mbps=bandwidth,
+            workers=workers,
+            check_records=check_records,
+        ), specs
     finally:
         for s in stores:
             s.close()
@@ -242,19 +421,25 @@ def print_plan(plan: Any, json_out: bool) -> None:
     if json_out:
         print(json.dumps(plan.to_dict(), indent=2), flush=True)
         return
-    typer.echo(f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups {plan.logging_groups}):")
+    typer.echo(
+        f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups {plan.logging_groups}):"
+    )
     for u in plan.units:
         head = f"  stages {u.stages}" + (f" (rolled back with them: {u.rolled_back})" if u.rolled_back else "")
         if u.possible:
             est = u.estimate.get("total_seconds")
-            typer.echo(f"{head}: replay [{u.checkpoint_iteration}, {u.stop_iteration}) = {u.iterations} iteration(s), "
-                       f"{u.records} records / {u.bytes} bytes, ~{'?' if est is None else f'{est:.1f}'} s, "
-                       f"{'verifiable' if u.verifiable else 'NOT verifiable'}")  # fmt: skip
+            typer.echo(
+                f"{head}: replay [{u.checkpoint_iteration}, {u.stop_iteration}) = {u.iterations} iteration(s), "
+                f"{u.records} records / {u.bytes} bytes, ~{'?' if est is None else f'{est:.1f}'} s, "
+                f"{'verifiable' if u.verifiable else 'NOT verifiable'}"
+            )
         else:
             typer.echo(f"{head}: IMPOSSIBLE: {'; '.join(u.reasons)}")
         for f in u.fetch:
             where = f"hot tier of {f.writer}" if f.tier == "hot" else "cold tier"
-            typer.echo(f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})")
+            typer.echo(
+                f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})"
+            )
         for w in u.warnings:
             typer.echo(f"    warning: {w}")
     for w in plan.warnings:

@@ -128,7 +128,13 @@ class StageState:
     checkpoint: Checkpoint | None = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, module: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any | None = None) -> StageState:
+    def from_checkpoint(
+        cls,
+        checkpoint: Checkpoint,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any | None = None,
+    ) -> StageState:
         """Load ``checkpoint`` into ``module``/``optimizer``/``lr_scheduler`` (no aliasing)."""
         checkpoint.apply(module, optimizer, lr_scheduler)
         module.train()
@@ -139,12 +145,16 @@ def _grad_mismatch_text(g: dict[str, Any]) -> str:
     params = list(g.get("params") or [])
     names = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
     if g.get("at"):
-        return (f"stage {g['stage']} iteration {g['iteration']}: the gradients {g['at']} differ from the live ones ({names}): the "
-                "replacement's stage, its inputs or the loop between the schedule's step and that call differ from the live ones")  # fmt: skip
-    return (f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
-            "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
-            "data-parallel replicas: sum through client.all_reduce_grads_, which a replay repeats; a write through .data; a gradient "
-            "hook outside the stage), or the replacement's stage differs")  # fmt: skip
+        return (
+            f"stage {g['stage']} iteration {g['iteration']}: the gradients {g['at']} differ from the live ones ({names}): the "
+            "replacement's stage, its inputs or the loop between the schedule's step and that call differ from the live ones"
+        )
+    return (
+        f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
+        "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
+        "data-parallel replicas: sum through client.all_reduce_grads_, which a replay repeats; a write through .data; a gradient "
+        "hook outside the stage), or the replacement's stage differs"
+    )
 
 
 def _key_order(text: str) -> tuple[int, int, str, int]:
@@ -190,7 +200,9 @@ class ReplayReport:
     loss_micro_batches: dict[int, list[int]] = field(default_factory=dict)
     sends: dict[RecordKey, torch.Tensor] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    unknown_steps: list[int] = field(default_factory=list)  # iterations replayed with another stage's META (clip norms, lrs unknown)
+    unknown_steps: list[int] = field(
+        default_factory=list
+    )  # iterations replayed with another stage's META (clip norms, lrs unknown)
     iterations_done: int = 0
     records_fetched: int = 0
     fetch_seconds: float = 0.0
@@ -215,7 +227,9 @@ class ReplayReport:
         if self.stop_iteration == self.start_iteration:
             return self.ok
         last_unchecked = self.stop_iteration - 1 in self.unknown_steps
-        return self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
+        return (
+            self.sends_generated > 0 and self.digests_checked == self.sends_generated and self.ok and not last_unchecked
+        )
 
     @property
     def diverged(self) -> bool:
@@ -231,13 +245,17 @@ class ReplayReport:
         if grads is not None:
             return _grad_mismatch_text(grads)
         if first is not None:
-            return (f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
-                    "and loss what the training used, and deterministic?")  # fmt: skip
+            return (
+                f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
+                "and loss what the training used, and deterministic?"
+            )
         if self.sends_generated == 0:
             return "the replay made no boundary send to check (nothing was replayed, or the stage sends nothing across a logged boundary)"
         if self.digests_missing:
-            return (f"{len(self.digests_missing)} of its {self.sends_generated} sends have no digest in the logs to check them against "
-                    f"(first: {self.digests_missing[0]})")  # fmt: skip
+            return (
+                f"{len(self.digests_missing)} of its {self.sends_generated} sends have no digest in the logs to check them against "
+                f"(first: {self.digests_missing[0]})"
+            )
         if self.stop_iteration - 1 in self.unknown_steps:
             return f"its last iteration ({self.stop_iteration - 1}) was replayed with another stage's META: its optimizer step is unproven"
         return f"{self.digests_checked} of its {self.sends_generated} sends were checked"
@@ -255,16 +273,24 @@ class ReplayReport:
         if not bad:
             return None
         k = RecordKey.parse(min(bad, key=_key_order))
-        return {"key": str(k), "iteration": k.iteration, "micro_batch": k.micro_batch, "channel": k.channel.name, "part": k.part}
+        return {
+            "key": str(k),
+            "iteration": k.iteration,
+            "micro_batch": k.micro_batch,
+            "channel": k.channel.name,
+            "part": k.part,
+        }
 
     def raise_for_mismatch(self) -> None:
         """Raise ReplayMismatchError if any regenerated send differs from the log, or an optimizer
         step's gradients from the live one's."""
         grads = self._leading_grad_mismatch()
         if grads is not None:
-            raise ReplayMismatchError(f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
-                                      hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ and client.all_reduce_grads_; "
-                                           "a collective on them or a write through .data is not replayed")  # fmt: skip
+            raise ReplayMismatchError(
+                f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
+                hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ and client.all_reduce_grads_; "
+                "a collective on them or a write through .data is not replayed",
+            )
         if self.digest_mismatches or self.record_mismatches:
             first = self.first_mismatch
             assert first is not None
@@ -293,8 +319,11 @@ class ReplayReport:
         seen = {(g["stage"], g["iteration"]) for g in self.grad_mismatches}
         self.grad_mismatches.extend(g for g in other.grad_mismatches if (g["stage"], g["iteration"]) not in seen)
         self.grad_mismatches.sort(key=lambda g: (g["iteration"], g["stage"]))
-        for mine, theirs in ((self.digest_mismatches, other.digest_mismatches), (self.digests_missing, other.digests_missing),
-                             (self.record_mismatches, other.record_mismatches)):  # fmt: skip
+        for mine, theirs in (
+            (self.digest_mismatches, other.digest_mismatches),
+            (self.digests_missing, other.digests_missing),
+            (self.record_mismatches, other.record_mismatches),
+        ):
             mine.extend(theirs)
             mine.sort(key=_key_order)
         for it, vals in other.losses.items():
@@ -344,7 +373,15 @@ class ReplayReport:
     def from_dict(cls, d: dict[str, Any]) -> ReplayReport:
         """Inverse of :meth:`to_dict` (without ``sends``)."""
         r = cls(list(d["stages"]), int(d["start_iteration"]), int(d["stop_iteration"]))
-        for name in ("micro_batches", "sends_generated", "digests_checked", "records_checked", "iterations_done", "records_fetched", "steps_checked"):
+        for name in (
+            "micro_batches",
+            "sends_generated",
+            "digests_checked",
+            "records_checked",
+            "iterations_done",
+            "records_fetched",
+            "steps_checked",
+        ):
             setattr(r, name, int(d.get(name, 0)))
         for name in ("fetch_seconds", "compute_seconds", "reduce_seconds", "step_seconds", "seconds"):
             setattr(r, name, float(d.get(name, 0.0)))
@@ -400,7 +437,15 @@ class ReplayHooks:
     likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
 
 
-def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool = False, verify: bool = True, compare_logged: bool = False) -> dict[str, list[Channel]]:
+def needed_channels(
+    first: int,
+    last: int,
+    num_stages: int,
+    *,
+    data_source: bool = False,
+    verify: bool = True,
+    compare_logged: bool = False,
+) -> dict[str, list[Channel]]:
     """The channels a replay of stages ``first..last`` reads, by purpose.
 
     ``inputs``: what the group receives from outside (activations from ``first - 1`` or stage-0
@@ -434,14 +479,24 @@ def needed_channels(first: int, last: int, num_stages: int, *, data_source: bool
     return {"inputs": inputs, "meta": [Channel.meta(k) for k in range(first, last + 1)], "verify": ver}
 
 
-def locate_logs(reader: LogReader, stages: Sequence[int], num_stages: int, iteration: int, *, data_source: bool = False, verify: bool = True,
-                compare_logged: bool = False) -> None:  # fmt: skip
+def locate_logs(
+    reader: LogReader,
+    stages: Sequence[int],
+    num_stages: int,
+    iteration: int,
+    *,
+    data_source: bool = False,
+    verify: bool = True,
+    compare_logged: bool = False,
+) -> None:
     """Read the META documents of ``stages`` at ``iteration`` and list the channels a replay of them
     reads there (:func:`needed_channels`; the reader caches both and lists a window of iterations at
     once), so that a replay started next finds its first records without opening and listing the
     sources first: set-up work, e.g. while parallel workers wait for each other. Never raises: what
     is missing or unreachable is left for the replay to meet and report."""
-    need = needed_channels(stages[0], stages[-1], num_stages, data_source=data_source, verify=verify, compare_logged=compare_logged)
+    need = needed_channels(
+        stages[0], stages[-1], num_stages, data_source=data_source, verify=verify, compare_logged=compare_logged
+    )
     try:
         for k in stages:
             reader.meta(k, iteration)
@@ -452,7 +507,9 @@ def locate_logs(reader: LogReader, stages: Sequence[int], num_stages: int, itera
 
 
 # ====================================================================== the replay
-def replay_stage(state: StageState, logs: LogReader | RecordSource | Sequence[RecordSource], **kwargs: Any) -> ReplayReport:
+def replay_stage(
+    state: StageState, logs: LogReader | RecordSource | Sequence[RecordSource], **kwargs: Any
+) -> ReplayReport:
     """Replay a single stage; see :func:`replay_stages` for the arguments."""
     return replay_stages([state], logs, **kwargs)
 
@@ -519,7 +576,9 @@ def replay_stages(
     if start_iteration is None:
         its = {c.iteration for c in ckpts}
         if len(ckpts) != len(states) or len(its) != 1:
-            raise ReplayError(f"start_iteration not given and the stages' checkpoints do not agree on one: {sorted(its)}")
+            raise ReplayError(
+                f"start_iteration not given and the stages' checkpoints do not agree on one: {sorted(its)}"
+            )
         start_iteration = its.pop()
     if run_seed is None:
         seeds = {c.seed for c in ckpts}
@@ -528,12 +587,28 @@ def replay_stages(
         run_seed = seeds.pop()
     if stop_iteration < start_iteration:
         raise ReplayError(f"stop_iteration {stop_iteration} < start_iteration {start_iteration}")
-    if last == num_stages - 1 and loss_fn is None and stop_iteration > start_iteration:  # nothing to replay: no loss needed
+    if (
+        last == num_stages - 1 and loss_fn is None and stop_iteration > start_iteration
+    ):  # nothing to replay: no loss needed
         loss_fn = logged_loss(reader, last, start_iteration)
     report = ReplayReport(idx, start_iteration, stop_iteration)
     fetched0, fetch_s0 = reader.fetched_records, reader.fetched_seconds
-    ctx = _Context(reader, states, num_stages, run_seed, loss_fn, data_source, n_microbatches, scale_grads, verify, compare_logged, keep_sends, hooks,
-                   replay_device(states), [(s.stage, n, b) for s in states for n, b in s.module.named_buffers()])  # fmt: skip
+    ctx = _Context(
+        reader,
+        states,
+        num_stages,
+        run_seed,
+        loss_fn,
+        data_source,
+        n_microbatches,
+        scale_grads,
+        verify,
+        compare_logged,
+        keep_sends,
+        hooks,
+        replay_device(states),
+        [(s.stage, n, b) for s in states for n, b in s.module.named_buffers()],
+    )
     pf = None
     if prefetch > 0 and stop_iteration > start_iteration:
         reader.start_prefetching()
@@ -611,8 +686,12 @@ class _Plan:
     mine: list[int]  # micro-batches replayed here, in backward order
     input_kwargs: tuple[str, ...] = ()  # stage 0: names of the logged inputs after the positional ones
     shadow: bool = False  # also the forwards of the other micro-batches (module buffers; ReplayHooks.shadow_forwards)
-    metas: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its META record of the iteration (when logged)
-    live_order: list[tuple[str, int]] | None = None  # run the passes exactly as the live stage interleaved them (see _passes)
+    metas: dict[int, dict[str, Any]] = field(
+        default_factory=dict
+    )  # stage -> its META record of the iteration (when logged)
+    live_order: list[tuple[str, int]] | None = (
+        None  # run the passes exactly as the live stage interleaved them (see _passes)
+    )
 
     def logged(self, stage: int, key: str) -> Any:
         """Field ``key`` of ``stage``'s META (None without it): its ``grad_clip`` calls, ``autocast``
@@ -640,8 +719,11 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     if not present and stand_in is None:
         if ctx.n_mb_arg is None:
             key = RecordKey(Channel.meta(states[0].stage), it, 0)
-            raise ReplayInputMissingError(f"iteration {it}: no META record of stages {list(metas)} (nor of another stage) and n_microbatches not given", key=key,
-                                          hint="pass n_microbatches (and scale_grads) explicitly, or ship META to the cold tier")  # fmt: skip
+            raise ReplayInputMissingError(
+                f"iteration {it}: no META record of stages {list(metas)} (nor of another stage) and n_microbatches not given",
+                key=key,
+                hint="pass n_microbatches (and scale_grads) explicitly, or ship META to the cold tier",
+            )
         if report is not None and it == report.start_iteration:
             report.warnings.append(f"no META for stages {list(metas)}: assuming ascending micro-batch order")
         n = ctx.n_mb_arg
@@ -653,15 +735,19 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     else:
         assert stand_in is not None
         k_in, m0 = stand_in
-        note = (f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage); "
-                "what only a stage's own META says (its autocast regions, clip_grad_norm_ calls, learning rates) is unknown, so a run that "
-                "used them does not verify: give the replay the stage's META (a replacement reads it from the commit store)")  # fmt: skip
+        note = (
+            f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage); "
+            "what only a stage's own META says (its autocast regions, clip_grad_norm_ calls, learning rates) is unknown, so a run that "
+            "used them does not verify: give the replay the stage's META (a replacement reads it from the commit store)"
+        )
         if report is not None:
             if it not in report.unknown_steps:
                 report.unknown_steps.append(it)
             if it == report.stop_iteration - 1:
-                last = (f"the last iteration ({it}) was replayed with stage {k_in}'s META: no later send checks its optimizer step, "
-                        "so the result is not verified")  # fmt: skip
+                last = (
+                    f"the last iteration ({it}) was replayed with stage {k_in}'s META: no later send checks its optimizer step, "
+                    "so the result is not verified"
+                )
                 if last not in report.warnings:
                     report.warnings.append(last)
             if not any("no META of stages" in w for w in report.warnings):
@@ -670,17 +756,23 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     if m0.get("seed_scheme") != SEED_SCHEME:
         raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
     if m0.get("split_backward"):
-        raise ReplayError(f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot reproduce")
+        raise ReplayError(
+            f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot reproduce"
+        )
     n = ctx.n_mb_arg or int(m0["n_microbatches"])
     if present:
         bwd = {k: [mb for kind, mb in m["order"] if kind == "B"] for k, m in present.items()}
         fwd = [mb for kind, mb in m0["order"] if kind == "F"]
         orders = {tuple(v) for v in bwd.values()}
         if len(orders) != 1:
-            raise ReplayError(f"iteration {it}: stages {sorted(bwd)} ran backward in different micro-batch orders {orders}; a group replay needs one order")
+            raise ReplayError(
+                f"iteration {it}: stages {sorted(bwd)} ran backward in different micro-batch orders {orders}; a group replay needs one order"
+            )
         bwd_order = list(orders.pop())
         if sorted(bwd_order) != list(range(n)) or sorted(fwd) != list(range(n)):
-            raise ReplayError(f"iteration {it}: META order {m0['order']} does not cover {n} micro-batches once each (incomplete iteration?)")
+            raise ReplayError(
+                f"iteration {it}: META order {m0['order']} does not cover {n} micro-batches once each (incomplete iteration?)"
+            )
     else:
         fwd = bwd_order = list(range(n))
     if ctx.scale_arg is None:
@@ -690,7 +782,9 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     env = m0.get("env", {})
     if report is not None and it == report.start_iteration:
         diff = environment_differences(env)
-        if env.get("cuda_device") and ctx.device.type != "cuda":  # its kernels and dropout masks are not reproducible here
+        if (
+            env.get("cuda_device") and ctx.device.type != "cuda"
+        ):  # its kernels and dropout masks are not reproducible here
             diff["cuda_device"] = (env["cuda_device"], f"replay on {ctx.device}")
         if diff:
             report.warnings.append(f"environment differs from the live run: {diff}")
@@ -698,15 +792,25 @@ def _plan_iteration(ctx: _Context, it: int, report: ReplayReport | None) -> _Pla
     kw = tuple(present[0].get("input_kwargs") or ()) if 0 in present else ()
     varies = sorted(k for k, m in present.items() if m.get("autocast_varies"))
     if varies:
-        raise ReplayError(f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
-                          hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches")  # fmt: skip
+        raise ReplayError(
+            f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
+            hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches",
+        )
     shadow = _shadow(ctx, it)
     live_order = None
-    if ctx.buffers and all(st.stage in present for st in states) and ctx.hooks.select is None and ctx.hooks.claim is None and not shadow:
+    if (
+        ctx.buffers
+        and all(st.stage in present for st in states)
+        and ctx.hooks.select is None
+        and ctx.hooks.claim is None
+        and not shadow
+    ):
         orders = {tuple((str(kind), int(mb)) for kind, mb in present[st.stage]["order"]) for st in states}
         if len(orders) == 1:  # one stage, or a group whose stages ran one order (GPipe)
             live_order = list(orders.pop())
-    return _Plan(n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, shadow, present, live_order)
+    return _Plan(
+        n, fwd, bwd_order, scale, env.get("num_threads"), _select(ctx, it, bwd_order), kw, shadow, present, live_order
+    )
 
 
 def _shadow(ctx: _Context, it: int) -> bool:
@@ -737,7 +841,9 @@ def _stage_kwargs(reader: LogReader, plan: _Plan, stage: int, it: int, mb: int, 
         return {}
     parts = on_device(tuple(reader.require_parts(Channel.input(stage), it, mb)), dev)
     if len(parts) != len(names):
-        raise ReplayError(f"stage {stage} iteration {it} micro-batch {mb}: META names keyword inputs {names} but input_{stage} holds {len(parts)} tensor(s)")
+        raise ReplayError(
+            f"stage {stage} iteration {it} micro-batch {mb}: META names keyword inputs {names} but input_{stage} holds {len(parts)} tensor(s)"
+        )
     return dict(zip(names, parts, strict=True))
 
 
@@ -795,9 +901,11 @@ def _user_code(what: str, stage: int, it: int, mb: int) -> Iterator[None]:
         raise
     except Exception as e:
         text = str(e).strip().splitlines()
-        raise ReplayError(f"stage {stage} iteration {it} micro-batch {mb}: the {what} raised {type(e).__name__}: {text[0][:300] if text else ''}",
-                          hint="is the stage factory (--model, --model-arg) and the loss (--loss) what this run trained with? "
-                               "The stage must accept exactly what its neighbour sent") from e  # fmt: skip
+        raise ReplayError(
+            f"stage {stage} iteration {it} micro-batch {mb}: the {what} raised {type(e).__name__}: {text[0][:300] if text else ''}",
+            hint="is the stage factory (--model, --model-arg) and the loss (--loss) what this run trained with? "
+            "The stage must accept exactly what its neighbour sent",
+        ) from e
 
 
 def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport) -> None:
@@ -828,12 +936,21 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     n_pos = len(x) - len(plan.input_kwargs)
                     x, kw = x[:n_pos], dict(zip(plan.input_kwargs, x[n_pos:], strict=True))
         else:
-            x = _leaves([on_device(t, dev) for t in reader.require_parts(Channel.activation(first - 1), it, mb)], plan.logged(first, "recv_requires_grad"))
+            x = _leaves(
+                [on_device(t, dev) for t in reader.require_parts(Channel.activation(first - 1), it, mb)],
+                plan.logged(first, "recv_requires_grad"),
+            )
         per_stage = []
         for i, st in enumerate(states):
             seed_micro_batch(ctx.run_seed, st.stage, it, mb)
-            kw_st = {**(plan.logged(st.stage, "input_consts") or {}), **(kw if st.stage == 0 else _stage_kwargs(reader, plan, st.stage, it, mb, dev))}
-            with _user_code("stage's forward", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):  # the live forward's autocast regions
+            kw_st = {
+                **(plan.logged(st.stage, "input_consts") or {}),
+                **(kw if st.stage == 0 else _stage_kwargs(reader, plan, st.stage, it, mb, dev)),
+            }
+            with (
+                _user_code("stage's forward", st.stage, it, mb),
+                autocast_as(plan.logged(st.stage, "autocast")),
+            ):  # the live forward's autocast regions
                 out = st.module(*x, **kw_st)
             outs = out if isinstance(out, tuple) else (out,)
             if shadow:
@@ -847,7 +964,10 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     tparts = reader.require_parts(Channel.target(st.stage), it, mb)
                     target = tparts[0] if len(tparts) == 1 else tuple(tparts)
                 target = on_device(target, dev)
-                with _user_code("loss function", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):  # the schedule computed the loss inside the step too
+                with (
+                    _user_code("loss function", st.stage, it, mb),
+                    autocast_as(plan.logged(st.stage, "autocast")),
+                ):  # the schedule computed the loss inside the step too
                     loss = ctx.loss_fn(out, target)  # type: ignore[misc]
                 losses.append(float(loss.detach()))
                 loss_mbs.append(mb)
@@ -857,7 +977,16 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                 if i + 1 < len(states):
                     x = _leaves([o.detach() for o in outs], plan.logged(states[i + 1].stage, "recv_requires_grad"))
                 else:
-                    _check_sends(ctx, Channel.activation(st.stage), Channel.digest(st.stage, st.stage + 1), it, mb, outs, check, report)
+                    _check_sends(
+                        ctx,
+                        Channel.activation(st.stage),
+                        Channel.digest(st.stage, st.stage + 1),
+                        it,
+                        mb,
+                        outs,
+                        check,
+                        report,
+                    )
         return per_stage
 
     def backward(mb: int, per_stage: list[tuple[tuple[torch.Tensor, ...], Any]]) -> None:
@@ -867,7 +996,11 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
         versions = [b._version for _, _, b in ctx.buffers]
         # not in the live order: in the first iteration also compare the bytes (a kernel that updates a buffer in
         # place, e.g. F.batch_norm on the module's own statistics, or an update through .data, leaves the version)
-        snapshot = [_bytes_of(b).clone() for _, _, b in ctx.buffers] if ctx.buffers and plan.live_order is None and it == report.start_iteration else None
+        snapshot = (
+            [_bytes_of(b).clone() for _, _, b in ctx.buffers]
+            if ctx.buffers and plan.live_order is None and it == report.start_iteration
+            else None
+        )
         for i in range(len(states) - 1, -1, -1):
             st = states[i]
             x, out = per_stage[i]
@@ -879,17 +1012,32 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
                     grads_in = [on_device(g, dev) for g in reader.require_parts(Channel.gradient(st.stage + 1), it, mb)]
                 with_grad = [o for o in out if o.requires_grad or o.grad_fn is not None]
                 if len(with_grad) != len(grads_in):
-                    raise ReplayError(f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received")
+                    raise ReplayError(
+                        f"stage {st.stage} iteration {it} micro-batch {mb}: {len(with_grad)} outputs need gradients but {len(grads_in)} were received"
+                    )
                 with _user_code("stage's backward", st.stage, it, mb), autocast_as(plan.logged(st.stage, "autocast")):
                     torch.autograd.backward(with_grad, grad_tensors=grads_in)
             sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
             grads_in = sent
             if st.stage > 0 and i == 0:
-                _check_sends(ctx, Channel.gradient(st.stage), Channel.digest(st.stage, st.stage - 1), it, mb, [g for g in sent if g is not None], check, report)
+                _check_sends(
+                    ctx,
+                    Channel.gradient(st.stage),
+                    Channel.digest(st.stage, st.stage - 1),
+                    it,
+                    mb,
+                    [g for g in sent if g is not None],
+                    check,
+                    report,
+                )
         report.micro_batches += 1  # its backward ran through every replayed stage
         changed = [(k, name) for (k, name, b), v in zip(ctx.buffers, versions, strict=True) if b._version != v]
         if snapshot is not None:
-            changed += [(k, name) for (k, name, b), c in zip(ctx.buffers, snapshot, strict=True) if (k, name) not in changed and not torch.equal(_bytes_of(b), c)]
+            changed += [
+                (k, name)
+                for (k, name, b), c in zip(ctx.buffers, snapshot, strict=True)
+                if (k, name) not in changed and not torch.equal(_bytes_of(b), c)
+            ]
         if changed:
             _check_live_interleaving(plan, passes, it, mb, changed)
         if ctx.hooks.after_backward is not None:
@@ -907,7 +1055,9 @@ def _replay_iteration(ctx: _Context, it: int, plan: _Plan, report: ReplayReport)
     if ctx.hooks.claim is not None and not plan.shadow:  # a dynamic share: one micro-batch at a time
         while (mb := ctx.hooks.claim(it)) is not None:
             if mb not in plan.bwd_order or mb in plan.mine:
-                raise ReplayError(f"iteration {it}: claimed micro-batch {mb} does not exist or was replayed here already")
+                raise ReplayError(
+                    f"iteration {it}: claimed micro-batch {mb} does not exist or was replayed here already"
+                )
             plan.mine.append(mb)
             backward(mb, forward(mb))
     t_reduce = time.perf_counter()
@@ -947,7 +1097,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def _check_live_interleaving(plan: _Plan, passes: list[tuple[str, int]], it: int, mb: int, changed: list[tuple[int, str]]) -> None:
+def _check_live_interleaving(
+    plan: _Plan, passes: list[tuple[str, int]], it: int, mb: int, changed: list[tuple[int, str]]
+) -> None:
     """A backward changed module buffers (``changed``: (stage, name)): they end as they did live
     only if this replay ran its forwards and backwards exactly as each live stage interleaved them
     (META ``order``). Raises ReplayOrderError naming the buffers otherwise: a parallel replay (shares of
@@ -958,12 +1110,17 @@ def _check_live_interleaving(plan: _Plan, passes: list[tuple[str, int]], it: int
     if all(k in plan.metas and [(str(a), int(b)) for a, b in plan.metas[k]["order"]] == ran for k in stages):
         return
     names = ", ".join(f"stage {k} {n}" for k, n in changed[:4]) + (" ..." if len(changed) > 4 else "")
-    how = ("its live interleaving of forwards and backwards is unknown (no META of the stage)" if any(k not in plan.metas for k in stages)
-           else "this replay does not run the forwards and backwards as the live stage interleaved them "
-                "(a parallel replay splits the micro-batches over workers; a group replay runs one order for stages whose live orders differ)")  # fmt: skip
-    raise ReplayOrderError(f"iteration {it} micro-batch {mb}: the backward changed module buffers ({names}), e.g. a BatchNorm whose forward activation "
-                      f"recomputation re-runs; their values depend on the order of every forward and backward, and {how}",
-                      hint="replay the stage alone with one worker: it then follows the live order")  # fmt: skip
+    how = (
+        "its live interleaving of forwards and backwards is unknown (no META of the stage)"
+        if any(k not in plan.metas for k in stages)
+        else "this replay does not run the forwards and backwards as the live stage interleaved them "
+        "(a parallel replay splits the micro-batches over workers; a group replay runs one order for stages whose live orders differ)"
+    )
+    raise ReplayOrderError(
+        f"iteration {it} micro-batch {mb}: the backward changed module buffers ({names}), e.g. a BatchNorm whose forward activation "
+        f"recomputation re-runs; their values depend on the order of every forward and backward, and {how}",
+        hint="replay the stage alone with one worker: it then follows the live order",
+    )
 
 
 def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None) -> None:
@@ -976,27 +1133,37 @@ def _check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None)
         return
     if meta.get("grads_carried"):
         carried = list(meta["grads_carried"])
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop did not zero the gradients after the previous optimizer step, so this "
-                          f"iteration's backward added to them ({', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}); a replay "
-                          "starts every iteration from no gradients",
-                          hint="call optimizer.zero_grad() after each optimizer step (a run accumulating across iterations is recovered "
-                               "from its checkpoint)")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live loop did not zero the gradients after the previous optimizer step, so this "
+            f"iteration's backward added to them ({', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}); a replay "
+            "starts every iteration from no gradients",
+            hint="call optimizer.zero_grad() after each optimizer step (a run accumulating across iterations is recovered "
+            "from its checkpoint)",
+        )
     if meta.get("grads_changed"):
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
-                          f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
-                          hint="clip through client.clip_grad_norm_, sum over ranks through client.all_reduce_grads_; a GradScaler (fp16) or another change of the gradients before the "
-                               "optimizer step cannot be replayed")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
+            f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
+            hint="clip through client.clip_grad_norm_, sum over ranks through client.all_reduce_grads_; a GradScaler (fp16) or another change of the gradients before the "
+            "optimizer step cannot be replayed",
+        )
     live_lrs, live_hp = meta.get("lrs"), meta.get("hparams")
-    diff = hparam_changes(live_lrs, live_hp, None if live_lrs is None else [float(g["lr"]) for g in st.optimizer.param_groups],
-                          None if live_hp is None else optimizer_hparams(st.optimizer))  # fmt: skip
+    diff = hparam_changes(
+        live_lrs,
+        live_hp,
+        None if live_lrs is None else [float(g["lr"]) for g in st.optimizer.param_groups],
+        None if live_hp is None else optimizer_hparams(st.optimizer),
+    )
     if not diff:
         return
     after = meta.get("changed_after_commit")
     when = f" (the live step differed from its META as committed: {'; '.join(after)})" if after else ""
-    raise ReplayError(f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live -> replay){when}",
-                      hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
-                           "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
-                           "scheduler differs cannot be replayed")  # fmt: skip
+    raise ReplayError(
+        f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live -> replay){when}",
+        hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
+        "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
+        "scheduler differs cannot be replayed",
+    )
 
 
 def _check_grad_digests(st: StageState, it: int, live: list[str | None], report: ReplayReport) -> None:
@@ -1019,7 +1186,9 @@ def _check_next_rates(st: StageState, stop: int, reader: LogReader) -> None:
     its learning rates and hyperparameters are what the replay's last scheduler step must have
     produced; raises ReplayError naming the difference otherwise (a stage factory whose scheduler
     computes other rates, e.g. another lambda: no later step of this replay would show it)."""
-    key = RecordKey(Channel.meta(st.stage), stop, 0)  # the document as committed (an amendment says what a later change made)
+    key = RecordKey(
+        Channel.meta(st.stage), stop, 0
+    )  # the document as committed (an amendment says what a later change made)
     try:
         meta = decode_meta(reader.get(key)) if reader.has(key) else None
     except (SwiftlogError, ValueError):
@@ -1027,13 +1196,19 @@ def _check_next_rates(st: StageState, stop: int, reader: LogReader) -> None:
     if not meta or meta.get("lrs") is None:
         return
     live_hp = meta.get("hparams")
-    diff = hparam_changes(meta.get("lrs"), live_hp, [float(g["lr"]) for g in st.optimizer.param_groups],
-                          None if live_hp is None else optimizer_hparams(st.optimizer))  # fmt: skip
+    diff = hparam_changes(
+        meta.get("lrs"),
+        live_hp,
+        [float(g["lr"]) for g in st.optimizer.param_groups],
+        None if live_hp is None else optimizer_hparams(st.optimizer),
+    )
     if diff:
-        raise ReplayError(f"stage {st.stage}: after the replay's last step, its optimizer has other values than the live one had for "
-                          f"iteration {stop}: {'; '.join(diff)} (live -> replay)",
-                          hint="the replacement's lr scheduler computes other learning rates than the live one: build it with the "
-                               "training's class, arguments and functions (a LambdaLR's lambda)")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage}: after the replay's last step, its optimizer has other values than the live one had for "
+            f"iteration {stop}: {'; '.join(diff)} (live -> replay)",
+            hint="the replacement's lr scheduler computes other learning rates than the live one: build it with the "
+            "training's class, arguments and functions (a LambdaLR's lambda)",
+        )
 
 
 def _check_scheduled_rates(st: StageState, it: int, live_next: list[float]) -> None:
@@ -1044,10 +1219,12 @@ def _check_scheduled_rates(st: StageState, it: int, live_next: list[float]) -> N
     which, after the last replayed iteration, nothing else would show)."""
     mine = [float(g["lr"]) for g in st.optimizer.param_groups]
     if mine != [float(x) for x in live_next]:
-        raise ReplayError(f"stage {st.stage} iteration {it}: after the step, the lr scheduler {type(st.lr_scheduler).__name__} set the learning "
-                          f"rates {mine} where the live one set {list(live_next)}",
-                          hint="the replacement's stage factory builds its scheduler with another function or other arguments to it "
-                               "(e.g. a schedule's length) than the training: pass the training's (--model-arg)")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: after the step, the lr scheduler {type(st.lr_scheduler).__name__} set the learning "
+            f"rates {mine} where the live one set {list(live_next)}",
+            hint="the replacement's stage factory builds its scheduler with another function or other arguments to it "
+            "(e.g. a schedule's length) than the training: pass the training's (--model-arg)",
+        )
 
 
 def _step_scheduler(st: StageState, it: int) -> None:
@@ -1056,9 +1233,11 @@ def _step_scheduler(st: StageState, it: int) -> None:
     try:
         st.lr_scheduler.step()
     except TypeError as e:
-        raise ReplayError(f"stage {st.stage} iteration {it}: the lr scheduler {type(st.lr_scheduler).__name__} cannot step without arguments ({e})",
-                          hint="a scheduler stepped on a metric (ReduceLROnPlateau) or an explicit epoch is not replayed: such a run is "
-                               "recovered from its checkpoint") from e  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the lr scheduler {type(st.lr_scheduler).__name__} cannot step without arguments ({e})",
+            hint="a scheduler stepped on a metric (ReduceLROnPlateau) or an explicit epoch is not replayed: such a run is "
+            "recovered from its checkpoint",
+        ) from e
 
 
 def _live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
@@ -1073,23 +1252,33 @@ def _live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
         return 1
     apply = meta.get("apply") or {}
     if apply.get("optimizer_steps") == 0:
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop made no optimizer step after this iteration (gradients accumulated "
-                          "over iterations?); a replay makes one after every iteration",
-                          hint="accumulate within one schedule step (more micro-batches) instead: such a run is recovered from its checkpoint")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live loop made no optimizer step after this iteration (gradients accumulated "
+            "over iterations?); a replay makes one after every iteration",
+            hint="accumulate within one schedule step (more micro-batches) instead: such a run is recovered from its checkpoint",
+        )
     live_epoch = meta.get("sched_epoch")
-    if st.lr_scheduler is not None and isinstance(live_epoch, int) and getattr(st.lr_scheduler, "last_epoch", live_epoch) != live_epoch:
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live lr scheduler had made {live_epoch} steps (last_epoch) before this "
-                          f"iteration's optimizer step, the replay's {st.lr_scheduler.last_epoch}",
-                          hint="the replay repeats the scheduler steps the client counted; a scheduler stepped outside the loop's apply, or "
-                               "a stage factory whose scheduler differs from the live one, cannot be replayed")  # fmt: skip
+    if (
+        st.lr_scheduler is not None
+        and isinstance(live_epoch, int)
+        and getattr(st.lr_scheduler, "last_epoch", live_epoch) != live_epoch
+    ):
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live lr scheduler had made {live_epoch} steps (last_epoch) before this "
+            f"iteration's optimizer step, the replay's {st.lr_scheduler.last_epoch}",
+            hint="the replay repeats the scheduler steps the client counted; a scheduler stepped outside the loop's apply, or "
+            "a stage factory whose scheduler differs from the live one, cannot be replayed",
+        )
     n = apply.get("scheduler_steps")
     if isinstance(n, int) and n >= 0:
         return n
     if not apply and meta.get("apply_irregular") is not None:
-        raise ReplayError(f"stage {st.stage} iteration {it}: the live loop did not make exactly one optimizer and one lr-scheduler step "
-                          f"after every iteration (first seen after iteration {meta['apply_irregular']}), and what it made after this "
-                          "iteration is not logged (the stage died before its next iteration began)",
-                          hint="recover from the checkpoint; a loop that steps both once per iteration needs no count")  # fmt: skip
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live loop did not make exactly one optimizer and one lr-scheduler step "
+            f"after every iteration (first seen after iteration {meta['apply_irregular']}), and what it made after this "
+            "iteration is not logged (the stage died before its next iteration began)",
+            hint="recover from the checkpoint; a loop that steps both once per iteration needs no count",
+        )
     return 1
 
 
@@ -1120,7 +1309,9 @@ def _reduce_as_logged(ctx: _Context, st: StageState, it: int, op: dict[str, Any]
     try:
         chosen = [params[i] for i in op["params"]]
     except (KeyError, IndexError, TypeError) as e:
-        raise ReplayError(f"stage {st.stage} iteration {it}: META's grad_reduce entry {op!r} does not fit the stage's {len(params)} parameters ({e})") from e
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: META's grad_reduce entry {op!r} does not fit the stage's {len(params)} parameters ({e})"
+        ) from e
     for p in chosen:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -1129,12 +1320,18 @@ def _reduce_as_logged(ctx: _Context, st: StageState, it: int, op: dict[str, Any]
     if mine is not None:
         changed = grad_digest_changes([names[i] for i in op["params"]], pre, mine)
         if changed:
-            report.grad_mismatches.append({"stage": st.stage, "iteration": it, "params": changed, "at": f"before all_reduce_grads_ call {call}"})
+            report.grad_mismatches.append(
+                {"stage": st.stage, "iteration": it, "params": changed, "at": f"before all_reduce_grads_ call {call}"}
+            )
     logged = ctx.reader.require_parts(Channel.reduced(st.stage), it, call)
-    if len(logged) != len(chosen) or any(t.shape != p.shape or t.dtype != p.grad.dtype for t, p in zip(logged, chosen, strict=False)):
-        raise ReplayError(f"stage {st.stage} iteration {it}: the logged reduced gradients of all_reduce_grads_ call {call} "
-                          f"({[(tuple(t.shape), str(t.dtype)) for t in logged]}) do not fit its parameters "
-                          f"({[(tuple(p.shape), str(p.grad.dtype)) for p in chosen]})")  # fmt: skip
+    if len(logged) != len(chosen) or any(
+        t.shape != p.shape or t.dtype != p.grad.dtype for t, p in zip(logged, chosen, strict=False)
+    ):
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the logged reduced gradients of all_reduce_grads_ call {call} "
+            f"({[(tuple(t.shape), str(t.dtype)) for t in logged]}) do not fit its parameters "
+            f"({[(tuple(p.shape), str(p.grad.dtype)) for p in chosen]})"
+        )
     with torch.no_grad():
         for p, t in zip(chosen, logged, strict=True):
             p.grad.copy_(t)
@@ -1151,7 +1348,9 @@ def _clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.de
         total = torch.tensor(float(clip["total_norm"]), dtype=getattr(torch, str(clip["dtype"])), device=dev)
         max_norm = float(clip["max_norm"])
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise ReplayError(f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} parameters ({e})") from e
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} parameters ({e})"
+        ) from e
     torch.nn.utils.clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))
 
 
@@ -1227,26 +1426,44 @@ def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., 
     lambda, a callable instance, a function of a script run by path; or the record predates the
     field) or the name does not import here. Never guesses another loss function."""
     doc = reader.meta(stage, iteration)
-    if doc is None and stage > 0:  # its own META is gone (an offline replay): every stage's schedule got a loss_fn, normally the same one
+    if (
+        doc is None and stage > 0
+    ):  # its own META is gone (an offline replay): every stage's schedule got a loss_fn, normally the same one
         doc = reader.meta(stage - 1, iteration)
         if doc is not None and doc.get("loss"):
-            logger.warning("stage %d's META of iteration %d is missing: replaying with stage %d's loss function %s", stage, iteration, stage - 1, doc["loss"])
+            logger.warning(
+                "stage %d's META of iteration %d is missing: replaying with stage %d's loss function %s",
+                stage,
+                iteration,
+                stage - 1,
+                doc["loss"],
+            )
     name = doc.get("loss") if doc is not None else None
     if not name:
-        what = f"the live schedule's loss_fn ({doc['loss_repr']}) has no importable name" if doc is not None and doc.get("loss_repr") else \
-            f"stage {stage}'s META of iteration {iteration} does not name the live loss function"  # fmt: skip
+        what = (
+            f"the live schedule's loss_fn ({doc['loss_repr']}) has no importable name"
+            if doc is not None and doc.get("loss_repr")
+            else f"stage {stage}'s META of iteration {iteration} does not name the live loss function"
+        )
         script = doc.get("loss_script") if doc is not None else None
         if script:
             what = f"the live schedule's loss_fn is {script}, in a script whose top level runs more than definitions (not loaded unasked)"
-        raise ReplayError(f"replaying the last stage ({stage}) needs its loss function: {what}",
-                          hint=(f"if loading that script runs no training, pass it: --loss {script}" if script else
-                                "pass it: swiftlog replay --loss module:attr (or path/to/file.py:attr), ReplayJob(loss=...) or loss_fn=... "
-                                "(or give the schedule a module-level function, which META names)"))  # fmt: skip
+        raise ReplayError(
+            f"replaying the last stage ({stage}) needs its loss function: {what}",
+            hint=(
+                f"if loading that script runs no training, pass it: --loss {script}"
+                if script
+                else "pass it: swiftlog replay --loss module:attr (or path/to/file.py:attr), ReplayJob(loss=...) or loss_fn=... "
+                "(or give the schedule a module-level function, which META names)"
+            ),
+        )
     try:
         return load_object(str(name))
     except ValueError as e:
-        raise ReplayError(f"replaying the last stage ({stage}): the live loss function {name!r} (named by META) does not import here: {e}",
-                          hint="make its module importable (PYTHONPATH) or pass the function: --loss module:attr") from e  # fmt: skip
+        raise ReplayError(
+            f"replaying the last stage ({stage}): the live loss function {name!r} (named by META) does not import here: {e}",
+            hint="make its module importable (PYTHONPATH) or pass the function: --loss module:attr",
+        ) from e
 
 
 def _leaves(received: Sequence[torch.Tensor], requires_grad: Sequence[bool] | None) -> tuple[torch.Tensor, ...]:
@@ -1256,7 +1473,10 @@ def _leaves(received: Sequence[torch.Tensor], requires_grad: Sequence[bool] | No
     expects no gradient for it), so it must get none here either."""
     if requires_grad is None or len(requires_grad) != len(received):
         return tuple(t.requires_grad_(t.is_floating_point() or t.is_complex()) for t in received)
-    return tuple(t.requires_grad_(bool(rg) and (t.is_floating_point() or t.is_complex())) for t, rg in zip(received, requires_grad, strict=True))
+    return tuple(
+        t.requires_grad_(bool(rg) and (t.is_floating_point() or t.is_complex()))
+        for t, rg in zip(received, requires_grad, strict=True)
+    )
 
 
 def replay_device(states: Sequence[StageState]) -> torch.device:
@@ -1264,15 +1484,24 @@ def replay_device(states: Sequence[StageState]) -> torch.device:
     (CPU for a stage without any). Raises ReplayError when they are spread over several devices."""
     found = {t.device for st in states for t in (*st.module.parameters(), *st.module.buffers())}
     if len(found) > 1:
-        raise ReplayError(f"stages {[st.stage for st in states]} have tensors on several devices {sorted(map(str, found))}; "
-                          "a replay runs on one device", hint="move every replayed stage's module to one device before loading the checkpoint")  # fmt: skip
+        raise ReplayError(
+            f"stages {[st.stage for st in states]} have tensors on several devices {sorted(map(str, found))}; "
+            "a replay runs on one device",
+            hint="move every replayed stage's module to one device before loading the checkpoint",
+        )
     return found.pop() if found else torch.device("cpu")
 
 
 def _check_sends(
-    ctx: _Context, data_channel: Channel, digest_channel: Channel, it: int, mb: int, tensors: Sequence[torch.Tensor],
-    check: bool, report: ReplayReport,
-) -> None:  # fmt: skip
+    ctx: _Context,
+    data_channel: Channel,
+    digest_channel: Channel,
+    it: int,
+    mb: int,
+    tensors: Sequence[torch.Tensor],
+    check: bool,
+    report: ReplayReport,
+) -> None:
     reader = ctx.reader
     for part, sent in enumerate(tensors):
         key = RecordKey(data_channel, it, mb, part)
@@ -1298,7 +1527,9 @@ def _check_sends(
             report.records_checked += 1
             if logged.dtype != t.dtype or logged.shape != t.shape or not torch.equal(logged, t):
                 report.record_mismatches.append(str(key))
-    if ctx.verify and check:  # a part the live stage sent (its receiver kept a digest) that the replay did not send differs too
+    if (
+        ctx.verify and check
+    ):  # a part the live stage sent (its receiver kept a digest) that the replay did not send differs too
         for part in reader.logged_parts(digest_channel, it, mb):
             if part >= len(tensors):
                 report.digest_mismatches.append(str(RecordKey(data_channel, it, mb, part)))

@@ -116,7 +116,14 @@ class SourceSpec:
             raise ValueError("source location is empty")
 
     @classmethod
-    def parse(cls, text: str, *, cold_url: str | None = None, options: Mapping[str, Any] | None = None, token: str | None = None) -> SourceSpec:
+    def parse(
+        cls,
+        text: str,
+        *,
+        cold_url: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        token: str | None = None,
+    ) -> SourceSpec:
         """``http(s)://...`` -> a server; ``s3://`` / ``file://`` / ``gs://`` ... -> the cold tier alone;
         anything else -> a store root (with ``cold_url`` as its cold tier)."""
         if text.startswith(("http://", "https://")):
@@ -126,7 +133,9 @@ class SourceSpec:
         return cls(kind="store", location=text, cold_url=cold_url, options=dict(options or {}))
 
     @classmethod
-    def from_commit_store(cls, store: Any, prefix: str, stages: Sequence[int], iterations: range, *, where: str = "the commit store") -> SourceSpec | None:
+    def from_commit_store(
+        cls, store: Any, prefix: str, stages: Sequence[int], iterations: range, *, where: str = "the commit store"
+    ) -> SourceSpec | None:
         """The META documents of ``stages`` over ``iterations`` that the commit step put into
         ``store`` (a ``torch.distributed.Store``; keys under ``prefix``, by default
         ``swiftlog/{run}``) as a "metas" source, or None when it holds none. Raises what the store
@@ -144,7 +153,12 @@ class SourceSpec:
             return cls(kind="http", location=store.base_url, token=getattr(store, "token", None))
         if store.is_cold_only() and store.config.cold_url:  # plan.cold_only_store(...)
             return cls(kind="cold", location=store.config.cold_url, options=dict(store.config.cold_options))
-        return cls(kind="store", location=str(store.root), cold_url=store.config.cold_url, options=dict(store.config.cold_options))
+        return cls(
+            kind="store",
+            location=str(store.root),
+            cold_url=store.config.cold_url,
+            options=dict(store.config.cold_options),
+        )
 
     def open(self, run: str) -> RecordSource:
         """A record source for ``run``; the caller closes it (``close()``)."""
@@ -286,7 +300,9 @@ class ReplayJob:
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
             if self.workers > 1 and dev.type != "cpu":
-                raise ValueError(f"device {self.device!r} with workers={self.workers}: parallel replay exchanges gradients over gloo and runs on CPU")
+                raise ValueError(
+                    f"device {self.device!r} with workers={self.workers}: parallel replay exchanges gradients over gloo and runs on CPU"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -316,8 +332,10 @@ def jobs_from_plan(plan: Any, *, sources: Sequence[Any] | None = None, **fields:
     fields. Raises ReplayError if the plan is not possible, ValueError without sources.
     """
     if not plan.possible:
-        raise ReplayError(f"the recovery plan of run {plan.run!r} is not possible: {'; '.join(plan.reasons)}",
-                          hint=f"fallback: {plan.fallback.get('note')}")  # fmt: skip
+        raise ReplayError(
+            f"the recovery plan of run {plan.run!r} is not possible: {'; '.join(plan.reasons)}",
+            hint=f"fallback: {plan.fallback.get('note')}",
+        )
     specs = [s if isinstance(s, SourceSpec) else SourceSpec.from_store(s) for s in (sources or [])]
     if not specs:
         raise ValueError("jobs_from_plan needs sources= (SourceSpec, LogStore or HttpRecordSource objects)")
@@ -326,13 +344,24 @@ def jobs_from_plan(plan: Any, *, sources: Sequence[Any] | None = None, **fields:
         ck = {k: v for k, v in u.checkpoints.items()}
         if any(v is None for v in ck.values()):
             raise ReplayError(f"stages {u.stages}: a registered checkpoint has no URI: {ck}")
-        out.append(ReplayJob(run=plan.run, num_stages=plan.num_stages, stages=list(u.stages), stop_iteration=u.stop_iteration,
-                             checkpoints=ck, sources=list(specs), **fields))  # fmt: skip
+        out.append(
+            ReplayJob(
+                run=plan.run,
+                num_stages=plan.num_stages,
+                stages=list(u.stages),
+                stop_iteration=u.stop_iteration,
+                checkpoints=ck,
+                sources=list(specs),
+                **fields,
+            )
+        )
     return out
 
 
 # ====================================================================== building the stages
-def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: PreparedStates | None = None) -> list[StageState]:
+def build_states(
+    job: ReplayJob, factory: StageFactory | None = None, prepared: PreparedStates | None = None
+) -> list[StageState]:
     """Load every stage's checkpoint into fresh objects from the factory (no aliasing).
 
     ``prepared``: objects built ahead (:class:`PreparedStates`); used when they were built for
@@ -343,10 +372,22 @@ def build_states(job: ReplayJob, factory: StageFactory | None = None, prepared: 
         states = prepared.take(job)
         if states is not None:
             return states
-    return _build(job.run, job.num_stages, job.stages, job.checkpoints, job.checkpoint_options, job.model, job.model_args, factory, job.device)
+    return _build(
+        job.run,
+        job.num_stages,
+        job.stages,
+        job.checkpoints,
+        job.checkpoint_options,
+        job.model,
+        job.model_args,
+        factory,
+        job.device,
+    )
 
 
-_FACTORY_FORM = "a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)"
+_FACTORY_FORM = (
+    "a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)"
+)
 
 
 def _shape_of(obj: Any) -> str:
@@ -355,32 +396,56 @@ def _shape_of(obj: Any) -> str:
     return f"a {type(obj).__name__}"
 
 
-def _build(run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str], checkpoint_options: Mapping[str, Any],
-           model: str, model_args: Mapping[str, Any], factory: StageFactory | None, device: str | None = None) -> list[StageState]:  # fmt: skip
+def _build(
+    run: str,
+    num_stages: int,
+    stages: Sequence[int],
+    checkpoints: Mapping[int, str],
+    checkpoint_options: Mapping[str, Any],
+    model: str,
+    model_args: Mapping[str, Any],
+    factory: StageFactory | None,
+    device: str | None = None,
+) -> list[StageState]:
     fac: StageFactory = factory or load_object(model)
     by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
     states = []
     for k in stages:
         ck = load_checkpoint(checkpoints[k], storage_options=dict(checkpoint_options) or None)
         if ck.run_id != run or ck.stage != k:
-            raise ReplayError(f"checkpoint {checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {run!r} stage {k}")
+            raise ReplayError(
+                f"checkpoint {checkpoints[k]} is of run {ck.run_id!r} stage {ck.stage}, not run {run!r} stage {k}"
+            )
         try:
             built = fac(k, num_stages, ck, **model_args)
         except TypeError as e:  # a signature that does not fit (or a TypeError inside it: its text says which)
             raise ReplayError(f"stage {k}: calling {by} failed: {type(e).__name__}: {e}", hint=_FACTORY_FORM) from e
-        if not isinstance(built, tuple | list) or len(built) != 3 or not isinstance(built[0], torch.nn.Module) or not isinstance(built[1], torch.optim.Optimizer):
-            raise ReplayError(f"stage {k}: {by} returned {_shape_of(built)}, not (module, optimizer, lr_scheduler or None)", hint=_FACTORY_FORM)
+        if (
+            not isinstance(built, tuple | list)
+            or len(built) != 3
+            or not isinstance(built[0], torch.nn.Module)
+            or not isinstance(built[1], torch.optim.Optimizer)
+        ):
+            raise ReplayError(
+                f"stage {k}: {by} returned {_shape_of(built)}, not (module, optimizer, lr_scheduler or None)",
+                hint=_FACTORY_FORM,
+            )
         module, optimizer, sched = built
         if device is not None:
             module.to(device)  # in place: the optimizer keeps the same parameter objects (its state is still empty)
         try:
             states.append(StageState.from_checkpoint(ck, module, optimizer, sched))
         except CheckpointError as e:
-            raise ReplayError(f"stage {k}: {e.message}", hint=f"{by} must build the stage the training built: pass yours "
-                                                      "(swiftlog replay --model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its arguments)") from None  # fmt: skip
+            raise ReplayError(
+                f"stage {k}: {e.message}",
+                hint=f"{by} must build the stage the training built: pass yours "
+                "(swiftlog replay --model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its arguments)",
+            ) from None
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:
-        raise ReplayError(f"checkpoints of stages {list(stages)} are at different iterations {sorted(its)}; a group restarts from one")
+        raise ReplayError(
+            f"checkpoints of stages {list(stages)} are at different iterations {sorted(its)}; a group restarts from one"
+        )
     return states
 
 
@@ -401,9 +466,19 @@ class PreparedStates:
     hands the same objects to two replays.
     """
 
-    def __init__(self, *, run: str, num_stages: int, stages: Sequence[int], checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None],
-                 checkpoint_options: Mapping[str, Any] | None = None, model: str = DEFAULT_MODEL, model_args: Mapping[str, Any] | None = None,
-                 factory: StageFactory | None = None, device: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        run: str,
+        num_stages: int,
+        stages: Sequence[int],
+        checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None],
+        checkpoint_options: Mapping[str, Any] | None = None,
+        model: str = DEFAULT_MODEL,
+        model_args: Mapping[str, Any] | None = None,
+        factory: StageFactory | None = None,
+        device: str | None = None,
+    ) -> None:
         self.run, self.num_stages, self.stages = run, num_stages, [int(k) for k in stages]
         self.device = device
         self.checkpoint_options = dict(checkpoint_options or {})
@@ -412,27 +487,53 @@ class PreparedStates:
         self._states: list[StageState] | None = None
         self._taken = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._build, args=(checkpoints, factory), name="swiftlog-prepare-states", daemon=True)
+        self._thread = threading.Thread(
+            target=self._build, args=(checkpoints, factory), name="swiftlog-prepare-states", daemon=True
+        )
         self._thread.start()
 
-    def _build(self, checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None], factory: StageFactory | None) -> None:
+    def _build(
+        self, checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None], factory: StageFactory | None
+    ) -> None:
         try:
             cks = checkpoints() if callable(checkpoints) else checkpoints
             if cks is None:
                 return
             self.checkpoints = {int(k): v for k, v in cks.items()}
-            self._states = _build(self.run, self.num_stages, self.stages, self.checkpoints, self.checkpoint_options, self.model, self.model_args, factory,
-                                  self.device)  # fmt: skip
+            self._states = _build(
+                self.run,
+                self.num_stages,
+                self.stages,
+                self.checkpoints,
+                self.checkpoint_options,
+                self.model,
+                self.model_args,
+                factory,
+                self.device,
+            )
         except Exception as e:  # noqa: BLE001 - a guess; the real build reports its own error
-            logger.info("building stages %s ahead failed (they are built when the job is known): %s: %s", self.stages, type(e).__name__, e)
+            logger.info(
+                "building stages %s ahead failed (they are built when the job is known): %s: %s",
+                self.stages,
+                type(e).__name__,
+                e,
+            )
             self._states = None
 
     def matches(self, job: ReplayJob) -> bool:
         """Whether these objects are what ``build_states(job)`` would build (waits for the build)."""
         self._thread.join()
-        return (self._states is not None and job.run == self.run and job.num_stages == self.num_stages and list(job.stages) == self.stages
-                and dict(job.checkpoints) == self.checkpoints and dict(job.checkpoint_options) == self.checkpoint_options
-                and job.model == self.model and dict(job.model_args) == self.model_args and job.device == self.device)  # fmt: skip
+        return (
+            self._states is not None
+            and job.run == self.run
+            and job.num_stages == self.num_stages
+            and list(job.stages) == self.stages
+            and dict(job.checkpoints) == self.checkpoints
+            and dict(job.checkpoint_options) == self.checkpoint_options
+            and job.model == self.model
+            and dict(job.model_args) == self.model_args
+            and job.device == self.device
+        )
 
     def take(self, job: ReplayJob) -> list[StageState] | None:
         """The objects built for ``job`` (once), or None when they were built for something else,
@@ -447,7 +548,9 @@ class PreparedStates:
         return states
 
 
-def _loss_and_data(job: ReplayJob, seed: int, loss_fn: Callable[..., Any] | None, data_source: Callable[[int], Any] | None) -> tuple[Any, Any]:
+def _loss_and_data(
+    job: ReplayJob, seed: int, loss_fn: Callable[..., Any] | None, data_source: Callable[[int], Any] | None
+) -> tuple[Any, Any]:
     if loss_fn is None and job.loss and job.stages[-1] == job.num_stages - 1:
         loss_fn = load_object(job.loss)
     if data_source is None and job.data_source:
@@ -455,7 +558,9 @@ def _loss_and_data(job: ReplayJob, seed: int, loss_fn: Callable[..., Any] | None
     return loss_fn, data_source
 
 
-def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayReport, *, extra: Mapping[str, Any] | None = None) -> dict[int, str]:
+def write_outputs(
+    job: ReplayJob, states: Sequence[StageState], report: ReplayReport, *, extra: Mapping[str, Any] | None = None
+) -> dict[int, str]:
     """Write each stage's recovered state as a trainer_client checkpoint at ``job.stop_iteration``.
 
     Returns stage -> URI ({} when ``job.output`` is None). The checkpoint's ``extra["recovered"]``
@@ -467,7 +572,13 @@ def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayRe
     if not job.output:
         return {}
     if report.diverged:
-        logger.error("replay run=%s stages=%s diverged (%s): no checkpoint written to %s", job.run, job.stages, report.unverified_reason, job.output)
+        logger.error(
+            "replay run=%s stages=%s diverged (%s): no checkpoint written to %s",
+            job.run,
+            job.stages,
+            report.unverified_reason,
+            job.output,
+        )
         return {}
     out = {}
     for st in states:
@@ -485,10 +596,18 @@ def write_outputs(job: ReplayJob, states: Sequence[StageState], report: ReplayRe
         }
         uri = checkpoint_uri(job.output, st.stage, job.stop_iteration)
         out[st.stage] = save_checkpoint(
-            uri, run_id=job.run, stage=st.stage, num_stages=job.num_stages, iteration=job.stop_iteration, seed=ck.seed,
-            model=st.module, optimizer=st.optimizer, lr_scheduler=st.lr_scheduler,
-            extra={**ck.extra, "recovered": rec}, storage_options=job.output_options or None,
-        )  # fmt: skip
+            uri,
+            run_id=job.run,
+            stage=st.stage,
+            num_stages=job.num_stages,
+            iteration=job.stop_iteration,
+            seed=ck.seed,
+            model=st.module,
+            optimizer=st.optimizer,
+            lr_scheduler=st.lr_scheduler,
+            extra={**ck.extra, "recovered": rec},
+            storage_options=job.output_options or None,
+        )
     return out
 
 
@@ -514,7 +633,9 @@ class ReplayProgress:
 class _Progress:
     """``on_iteration`` adapter: computes rate and ETA, calls the user's callback, logs periodically."""
 
-    def __init__(self, job: ReplayJob, start: int, on_progress: Callable[[ReplayProgress], None] | None, workers: int = 1) -> None:
+    def __init__(
+        self, job: ReplayJob, start: int, on_progress: Callable[[ReplayProgress], None] | None, workers: int = 1
+    ) -> None:
         self.job, self.start, self.on_progress, self.workers = job, start, on_progress, workers
         self.total = max(0, job.stop_iteration - start)
         self.t0 = time.perf_counter()
@@ -534,8 +655,16 @@ class _Progress:
             self.on_progress(p)
         if now - self._last_log >= self.job.progress_every_s or done == self.total:
             self._last_log = now
-            logger.info("replay run=%s stages=%s iteration=%d: %d/%d done, %.2f it/s, eta %s s", self.job.run, self.job.stages, it, done, self.total,
-                        rate, "-" if eta is None else f"{eta:.1f}")  # fmt: skip
+            logger.info(
+                "replay run=%s stages=%s iteration=%d: %d/%d done, %.2f it/s, eta %s s",
+                self.job.run,
+                self.job.stages,
+                it,
+                done,
+                self.total,
+                rate,
+                "-" if eta is None else f"{eta:.1f}",
+            )
         return p
 
 
@@ -633,8 +762,15 @@ def replay(
     if job.workers > 1:
         from replay.parallel import run_parallel
 
-        return run_parallel(job, factory=factory, loss_fn=loss_fn, data_source=data_source, on_progress=on_progress,
-                            start_method=start_method, timeout_s=timeout_s)  # fmt: skip
+        return run_parallel(
+            job,
+            factory=factory,
+            loss_fn=loss_fn,
+            data_source=data_source,
+            on_progress=on_progress,
+            start_method=start_method,
+            timeout_s=timeout_s,
+        )
     t0 = time.perf_counter()
     opened: list[RecordSource] = [] if sources is not None else open_sources(job.sources, job.run)
     try:
@@ -645,22 +781,47 @@ def replay(
         seed = states[0].checkpoint.seed if states[0].checkpoint is not None else 0
         loss, data = _loss_and_data(job, seed, loss_fn, data_source)
         start = states[0].checkpoint.iteration if states[0].checkpoint is not None else 0
-        locate_logs(reader, job.stages, job.num_stages, start, data_source=data is not None, verify=job.verify, compare_logged=job.compare_logged)
+        locate_logs(
+            reader,
+            job.stages,
+            job.num_stages,
+            start,
+            data_source=data is not None,
+            verify=job.verify,
+            compare_logged=job.compare_logged,
+        )
         t_setup = time.perf_counter() - t0
-        logger.info("replay run=%s stages=%s iterations [%d, %d) from %s", job.run, job.stages, start, job.stop_iteration,
-                    ", ".join(s.describe() for s in job.sources))  # fmt: skip
+        logger.info(
+            "replay run=%s stages=%s iterations [%d, %d) from %s",
+            job.run,
+            job.stages,
+            start,
+            job.stop_iteration,
+            ", ".join(s.describe() for s in job.sources),
+        )
         cpu0 = time.process_time()
         with _thread_setting(job.threads):
             report = replay_stages(
-                states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
-                n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
-                prefetch=job.fetch_ahead, on_iteration=_Progress(job, start, on_progress),
-            )  # fmt: skip
+                states,
+                reader,
+                num_stages=job.num_stages,
+                stop_iteration=job.stop_iteration,
+                loss_fn=loss,
+                data_source=data,
+                n_microbatches=job.n_microbatches,
+                scale_grads=job.scale_grads,
+                verify=job.verify,
+                compare_logged=job.compare_logged,
+                prefetch=job.fetch_ahead,
+                on_iteration=_Progress(job, start, on_progress),
+            )
         cpu = time.process_time() - cpu0
         outputs = write_outputs(job, states, report)
     finally:
         _close_all(opened)
-    res = ReplayResult(job, report, outputs, states, time.perf_counter() - t0, report.compute_seconds, t_setup, None, [cpu], t_build)
+    res = ReplayResult(
+        job, report, outputs, states, time.perf_counter() - t0, report.compute_seconds, t_setup, None, [cpu], t_build
+    )
     _log_outcome(res)
     return res
 
@@ -685,12 +846,24 @@ class _thread_setting:
 def _log_outcome(res: ReplayResult) -> None:
     r = res.report
     if r.verified:
-        logger.info("replay run=%s stages=%s verified: %d sends matched their digests (%.2f s)", res.job.run, r.stages, r.digests_checked, res.seconds)
+        logger.info(
+            "replay run=%s stages=%s verified: %d sends matched their digests (%.2f s)",
+            res.job.run,
+            r.stages,
+            r.digests_checked,
+            res.seconds,
+        )
     elif r.diverged:
         logger.error("replay run=%s stages=%s DIVERGED: %s", res.job.run, r.stages, r.unverified_reason)
     else:
-        logger.warning("replay run=%s stages=%s not verified: %d of %d sends checked, %d digests missing", res.job.run, r.stages,
-                       r.digests_checked, r.sends_generated, len(r.digests_missing))  # fmt: skip
+        logger.warning(
+            "replay run=%s stages=%s not verified: %d of %d sends checked, %d digests missing",
+            res.job.run,
+            r.stages,
+            r.digests_checked,
+            r.sends_generated,
+            len(r.digests_missing),
+        )
 
 
 def checkpoint_of(result: ReplayResult, stage: int) -> Checkpoint:

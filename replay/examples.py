@@ -44,7 +44,9 @@ def gpt_config(checkpoint: Checkpoint | None = None, **model_args: Any) -> GPTCo
     return GPTConfig(**base)
 
 
-def gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def gpt_stage(
+    stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """Stage ``stage`` of the example GPT with AdamW and its LinearLR scheduler (fresh, in train mode)."""
     cfg = gpt_config(checkpoint, **model_args)
     module = build_stage_module(cfg, stage, num_stages, seed=checkpoint.seed)

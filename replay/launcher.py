@@ -122,12 +122,12 @@ class RecoveryRun:
             + (f" error={self.error}" if self.error else "")
         ]
         for name, rc in sorted(self.returncodes.items()):
-            if self.ok and rc == 3 and "-helper" in name:  # a helper that refused (e.g. a buffer the backward changes): its replacement replayed alone
+            if (
+                self.ok and rc == 3 and "-helper" in name
+            ):  # a helper that refused (e.g. a buffer the backward changes): its replacement replayed alone
                 lines.append(f"--- {name} (rc=3: refused to share the replay; its replacement replayed alone) ---")
             elif rc not in (0, -9):
-                lines.append(
-                    f"--- {name} (rc={rc}) ---\n" + self.outputs.get(name, "")[-3000:]
-                )
+                lines.append(f"--- {name} (rc={rc}) ---\n" + self.outputs.get(name, "")[-3000:])
         return "\n".join(lines)
 
 
@@ -166,9 +166,17 @@ def _ctx() -> Any:
     ctx = _launch._forkserver()
     # everything a stage, a replacement or a replay helper imports before its first step: this
     # module (the children's entry point), the training scripts, the replacement and parallel replay
-    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "trainer_client.examples.train_pipeline",
-                                "trainer_client.examples.train_resilient", "replay.replacement", "replay.parallel",
-                                "replay.launcher"])  # fmt: skip
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed.pipelining",
+            "trainer_client.examples.train_pipeline",
+            "trainer_client.examples.train_resilient",
+            "replay.replacement",
+            "replay.parallel",
+            "replay.launcher",
+        ]
+    )
     return ctx
 
 
@@ -221,9 +229,13 @@ def run_with_failures(
     if outside:  # such a kill would never fire: the run would pass as a failure-free one
         raise ValueError(f"kills: stage(s) {outside} outside the pipeline of {num_stages} stages")
     twice = sorted({ks.stage for ks in kills if sum(1 for o in kills if o.stage == ks.stage) > 1})
-    if twice:  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
-        raise ValueError(f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
-                         "(its replacement is not): give one KillSpec per stage")  # fmt: skip
+    if (
+        twice
+    ):  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
+        raise ValueError(
+            f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
+            "(its replacement is not): give one KillSpec per stage"
+        )
     host = _launch.StoreHost()
     store = host.store
     keys = RecoveryKeys(run_id)
@@ -240,7 +252,9 @@ def run_with_failures(
     gen = 0
     fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
     abandoned: str | None = None  # an in-place recovery given up because of a death during it
-    raised: dict[int, dict[str, str]] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
+    raised: dict[
+        int, dict[str, str]
+    ] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
     stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
     exited: set[str] = set()  # those whose exit was looked at
     error: str | None = None  # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
@@ -249,8 +263,25 @@ def run_with_failures(
         root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
         if not helper:
             roots[k] = root
-        argv = ["--resilient", "--stage", str(k), "--num-stages", str(num_stages), "--store-port", str(host.port), "--out", out_dir,
-                "--run-id", run_id, "--store-root", root, "--checkpoint-url", checkpoint_url, *args, *extra]  # fmt: skip
+        argv = [
+            "--resilient",
+            "--stage",
+            str(k),
+            "--num-stages",
+            str(num_stages),
+            "--store-port",
+            str(host.port),
+            "--out",
+            out_dir,
+            "--run-id",
+            run_id,
+            "--store-root",
+            root,
+            "--checkpoint-url",
+            checkpoint_url,
+            *args,
+            *extra,
+        ]
         logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
         p = ctx.Process(target=_entry, args=(argv, logs[name], script), name=name)
         with _launch.main_module_hidden():
@@ -275,9 +306,20 @@ def run_with_failures(
         # no --sources: the replacement reads the store roots the survivors report. Parallel replay:
         # the scheduler starts the replacement's K - 1 helpers with it (from the same fork server:
         # no start-up cost); the replacement is rank 0
-        start(j, g + 1, ["--replacement", "--generation", str(g), "--replay-helpers", str(replay_workers - 1)], name=f"stage{j}-g{g + 1}")
+        start(
+            j,
+            g + 1,
+            ["--replacement", "--generation", str(g), "--replay-helpers", str(replay_workers - 1)],
+            name=f"stage{j}-g{g + 1}",
+        )
         for r in range(1, replay_workers):
-            start(j, g, ["--generation", str(g), "--replay-helper-rank", str(r)], name=f"stage{j}-g{g + 1}-helper{r}", helper=True)
+            start(
+                j,
+                g,
+                ["--generation", str(g), "--replay-helper-rank", str(r)],
+                name=f"stage{j}-g{g + 1}-helper{r}",
+                helper=True,
+            )
 
     recovering: int | None = None  # the generation whose in-place recovery is under way (its wake key not yet set)
 
@@ -290,15 +332,11 @@ def run_with_failures(
         for n in current.values():
             procs[n].wait()
         c = common_checkpoint(checkpoint_url, num_stages, 1 << 40)
-        timeline.append(
-            {"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason}
-        )
+        timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
         store.set(keys.failed(gen), reason)
         gen += 1
         for k in range(num_stages):
-            extra = ["--generation", str(gen)] + (
-                ["--resume-from", str(c)] if c is not None else []
-            )
+            extra = ["--generation", str(gen)] + (["--resume-from", str(c)] if c is not None else [])
             start(k, gen, extra, name=f"stage{k}-g{gen}")
 
     timed_out = False
@@ -318,7 +356,12 @@ def run_with_failures(
             if all(rc == 0 for rc in states.values()):
                 break
             dead = [k for k, rc in states.items() if rc not in (None, 0)]
-            for n, j in stage_of.items():  # every exit, also those a settle or a rollback took over: the errors a later process may repeat
+            for (
+                n,
+                j,
+            ) in (
+                stage_of.items()
+            ):  # every exit, also those a settle or a rollback took over: the errors a later process may repeat
                 if n not in exited and (rc_n := procs[n].poll()) is not None:
                     exited.add(n)
                     line = _last_error(logs[n]) if rc_n > 0 else None
@@ -331,9 +374,7 @@ def run_with_failures(
                 break
             if gen > 0 and store.check([keys.fallback(gen - 1)]) and fallback is None:
                 fallback = _s(store.get(keys.fallback(gen - 1)))
-                timeline.append(
-                    {"t": time.time(), "what": "fallback", "reason": fallback}
-                )
+                timeline.append({"t": time.time(), "what": "fallback", "reason": fallback})
                 rollback(f"in-place recovery impossible: {fallback}")
                 continue
             if dead:
@@ -359,19 +400,22 @@ def run_with_failures(
                     break
                 if recovering is not None and store.check([keys.wake(recovering)]):
                     recovering = None
-                if mode == "rollback" or recovering is not None:  # a death while a recovery is under way: restart from the checkpoint
-                    if recovering is not None and abandoned is None:  # the in-place recovery was abandoned: say why, as for a replacement's fallback
+                if (
+                    mode == "rollback" or recovering is not None
+                ):  # a death while a recovery is under way: restart from the checkpoint
+                    if (
+                        recovering is not None and abandoned is None
+                    ):  # the in-place recovery was abandoned: say why, as for a replacement's fallback
                         abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {recovering}"
-                    rollback(f"stage {k} died (rc={rc})" + (f" during the recovery of generation {recovering}" if recovering is not None else ""))
+                    rollback(
+                        f"stage {k} died (rc={rc})"
+                        + (f" during the recovery of generation {recovering}" if recovering is not None else "")
+                    )
                 else:
-                    store.set(
-                        keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})"
-                    )  # commit waiters abort now
+                    store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
                     for j in _group_members(groups, dead, num_stages):
                         if procs[current[j]].poll() is None:
-                            procs[
-                                current[j]
-                            ].kill()  # its state depends on the lost stage's unlogged sends
+                            procs[current[j]].kill()  # its state depends on the lost stage's unlogged sends
                             timeline.append(
                                 {
                                     "t": time.time(),
@@ -432,20 +476,19 @@ def run_with_failures(
         entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
         run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
     run.kill_times = {
-        k: _f(store.get(keys.kill_time(k)))
-        for k in range(num_stages)
-        if store.check([keys.kill_time(k)])
+        k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])
     }
     if ok:
         run.results = {
-            k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False)
-            for k in range(num_stages)
+            k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False) for k in range(num_stages)
         }
         run.timings = _timings(store, keys, run, num_stages)
     return run
 
 
-def _script_bug(states: dict[int, int | None], logs: dict[int, tuple[str, str]], raised: dict[int, dict[str, str]]) -> str | None:
+def _script_bug(
+    states: dict[int, int | None], logs: dict[int, tuple[str, str]], raised: dict[int, dict[str, str]]
+) -> str | None:
     """Whether the stages' exits show a bug in the training script rather than a machine failure:
     a stage's process raised the error an earlier process of the same stage raised (its
     replacement, or its restart after a rollback, met it again), or every stage's process exited
@@ -460,8 +503,10 @@ def _script_bug(states: dict[int, int | None], logs: dict[int, tuple[str, str]],
         seen = [line for line in lines.values() if line is not None]
         for line in seen:
             if seen.count(line) > 1:
-                return (f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, not a machine "
-                        "failure (no stage was killed)")  # fmt: skip
+                return (
+                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, not a machine "
+                    "failure (no stage was killed)"
+                )
     return None
 
 
@@ -480,9 +525,7 @@ def _last_error(log_path: str) -> str | None:
     return tail[-1][:300] if tail else None
 
 
-def _group_members(
-    groups: Sequence[int] | None, stages: Sequence[int], num_stages: int
-) -> list[int]:
+def _group_members(groups: Sequence[int] | None, stages: Sequence[int], num_stages: int) -> list[int]:
     """Every stage in the logging groups of ``stages`` (``stages`` themselves without groups)."""
     if not groups:
         return list(stages)
@@ -512,11 +555,7 @@ def _settle(
         for k, n in current.items():
             if procs[n].poll() not in (None, 0):
                 failed.add(k)
-        pending = [
-            k
-            for k in current
-            if k not in failed and not store.check([keys.survivor(g, k)])
-        ]
+        pending = [k for k in current if k not in failed and not store.check([keys.survivor(g, k)])]
         if not pending:
             break
         time.sleep(0.01)  # poll period of the scheduler
@@ -527,17 +566,11 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _timings(
-    store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int
-) -> list[dict[str, Any]]:
+def _timings(store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int) -> list[dict[str, Any]]:
     """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps;
     ``verified``: every replaced stage's replay verified (``verified_by_stage`` has each)."""
     out = []
-    kills = {
-        k: _f(store.get(keys.kill_time(k)))
-        for k in range(num_stages)
-        if store.check([keys.kill_time(k)])
-    }
+    kills = {k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])}
     gens = sorted({e["generation"] for e in run.timeline if e["what"] == "replace"})
     for g in gens:
         d: dict[str, Any] = {"generation": g}
@@ -549,20 +582,14 @@ def _timings(
         failed = json.loads(_s(store.get(keys.failed_stages(g))))
         ready_by = {k: json.loads(_s(store.get(keys.ready(g, k)))) for k in failed if store.check([keys.ready(g, k)])}
         ready = list(ready_by.values())
-        rejoined = [
-            _f(store.get(keys.rejoined(g, k)))
-            for k in range(num_stages)
-            if store.check([keys.rejoined(g, k)])
-        ]
+        rejoined = [_f(store.get(keys.rejoined(g, k))) for k in range(num_stages) if store.check([keys.rejoined(g, k)])]
         t_kill = min((kills[k] for k in failed if k in kills), default=None)
         d["failed_stages"] = failed
         d["resume"] = reps[0]["resume"] if reps else None
         if t_kill is not None and reps:
             d["detect_s"] = min(r["t_detect"] for r in reps) - t_kill
             d["all_detected_s"] = max(r["t_detect"] for r in reps) - t_kill
-            d["survivors_reported_s"] = (
-                max(r.get("t_reported", r["t_detect"]) for r in reps) - t_kill
-            )
+            d["survivors_reported_s"] = max(r.get("t_reported", r["t_detect"]) for r in reps) - t_kill
             d["survivor_teardown_s"] = max(r.get("teardown_s", 0.0) for r in reps)
             d["survivor_destroy_s"] = max(r.get("destroy_s", 0.0) for r in reps)
             d["survivor_drain_s"] = max(r.get("drain_s", 0.0) for r in reps)
@@ -580,20 +607,25 @@ def _timings(
             d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
             d["warnings"] = ready[0].get("warnings", [])  # the replay's (e.g. a META it had to stand in for)
             replace_t = next(
+                (e["t"] for e in run.timeline if e["what"] == "replace" and e["generation"] == g),
+                None,
+            )
+            start_t = next(
                 (
                     e["t"]
                     for e in run.timeline
-                    if e["what"] == "replace" and e["generation"] == g
+                    if e["what"] == "start" and e["generation"] == g + 1 and e["stage"] in failed
                 ),
                 None,
             )
-            start_t = next((e["t"] for e in run.timeline if e["what"] == "start" and e["generation"] == g + 1 and e["stage"] in failed), None)
             if t_kill is not None and replace_t is not None and start_t is not None:
                 d["scheduler_s"] = start_t - t_kill  # death noticed, replacement launched
                 d["settle_s"] = replace_t - t_kill  # every other stage reported or died: failed list written
                 if "t_main" in ready[0] and "t_recover" in ready[0]:  # (stamps a script may leave out)
                     d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
-                    d["replacement_setup_s"] = ready[0]["t_recover"] - ready[0]["t_main"]  # store connection, log client
+                    d["replacement_setup_s"] = (
+                        ready[0]["t_recover"] - ready[0]["t_main"]
+                    )  # store connection, log client
             if rejoined:
                 d["rejoin_s"] = max(rejoined) - max(r["t"] for r in ready)
         if t_kill is not None and rejoined:
@@ -619,11 +651,7 @@ def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | Non
     ends = []
     for r in run.results.values():
         g_max = max(g for _, _, g in r["iteration_end"])
-        t = [
-            t
-            for it, t, g in r["iteration_end"]
-            if g == g_max and it == fail_iteration - 1
-        ]
+        t = [t for it, t, g in r["iteration_end"] if g == g_max and it == fail_iteration - 1]
         if not t:
             return None
         ends.append(t[0])

@@ -129,22 +129,22 @@ from logstore import RecordKey
 from logstore.errors import CorruptRecordError, SwiftlogError
 from replay.core import (
     LogReader,
-    locate_logs,
     ReplayError,
     ReplayHooks,
     ReplayInputMissingError,
     ReplayOrderError,
     ReplayReport,
     StageState,
+    locate_logs,
     replay_device,
     replay_stages,
 )
 from replay.engine import (
     PreparedStates,
     ReplayJob,
-    SourceSpec,
     ReplayProgress,
     ReplayResult,
+    SourceSpec,
     StageFactory,
     _close_all,
     _log_outcome,
@@ -155,10 +155,19 @@ from replay.engine import (
     write_outputs,
 )
 from trainer_client.buffers import BufferSnapshot, named_buffers
-from trainer_client.digest import tensor_digest
 from trainer_client.commit import gloo_on_loopback, loopback_store
+from trainer_client.digest import tensor_digest
 
-__all__ = ["run_parallel", "worker_main", "worker_prefetch", "result_of", "slice_of", "balanced_counts", "adamw_update_bound", "main"]
+__all__ = [
+    "run_parallel",
+    "worker_main",
+    "worker_prefetch",
+    "result_of",
+    "slice_of",
+    "balanced_counts",
+    "adamw_update_bound",
+    "main",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +331,12 @@ def _remove_stale_chains(directory: str, older_than_s: float = PG_TIMEOUT.total_
         except OSError:  # gone already, or not ours to remove
             continue
     if gone:
-        logger.info("parallel replay: removed %d stale shared-chain file(s) from %s: %s", len(gone), directory, ", ".join(gone[:3]))
+        logger.info(
+            "parallel replay: removed %d stale shared-chain file(s) from %s: %s",
+            len(gone),
+            directory,
+            ", ".join(gone[:3]),
+        )
     return gone
 
 
@@ -346,7 +360,9 @@ class _SharedChain:
 
     def __init__(self, flat: torch.Tensor, sizes: dict[torch.dtype, int]) -> None:
         offsets, _ = self._layout(sizes)
-        self.bufs = [{dt: flat[off : off + sizes[dt] * dt.itemsize].view(dt) for dt, off in offs.items()} for offs in offsets]
+        self.bufs = [
+            {dt: flat[off : off + sizes[dt] * dt.itemsize].view(dt) for dt, off in offs.items()} for offs in offsets
+        ]
 
     @classmethod
     def _layout(cls, sizes: dict[torch.dtype, int]) -> tuple[list[dict[torch.dtype, int]], int]:
@@ -382,7 +398,9 @@ class _SharedChain:
                 os.close(fd)
 
     @classmethod
-    def open(cls, sizes: dict[torch.dtype, int], rank: int, wanted: bool = True, directory: str = SHM_DIR) -> _SharedChain | None:
+    def open(
+        cls, sizes: dict[torch.dtype, int], rank: int, wanted: bool = True, directory: str = SHM_DIR
+    ) -> _SharedChain | None:
         """Collective (every worker calls it after the process group is up, with worker 0's
         ``wanted`` and ``directory`` deciding): the shared buffers, or None (gloo carries the
         gradients) when not ``wanted``, when worker 0 cannot make the file (:meth:`create`: no
@@ -410,7 +428,9 @@ class _SharedChain:
                 os.unlink(mine)
         if not ok.item():
             if path is not None:
-                logger.info("parallel replay: not every worker could map the shared-memory chain; gradients go over gloo")
+                logger.info(
+                    "parallel replay: not every worker could map the shared-memory chain; gradients go over gloo"
+                )
             return None
         assert flat is not None
         return cls(flat, sizes)
@@ -439,8 +459,19 @@ class _GradReducer:
     #: weight of the newest iteration in the averaged time per micro-batch
     EMA = 0.5
 
-    def __init__(self, states: Sequence[StageState], rank: int, world: int, *, exact: bool, start: int, dump_dir: str | None = None, lag: int = 1,
-                 claims: _Claims | None = None, claim_min_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        states: Sequence[StageState],
+        rank: int,
+        world: int,
+        *,
+        exact: bool,
+        start: int,
+        dump_dir: str | None = None,
+        lag: int = 1,
+        claims: _Claims | None = None,
+        claim_min_s: float = 0.0,
+    ) -> None:
         self.rank, self.world, self.exact = rank, world, exact
         self.claims = claims if world > 1 else None  # None: every iteration's shares are fixed up front
         self.claim_min_s = claim_min_s  # claims only when a micro-batch took this long (seconds)
@@ -472,20 +503,28 @@ class _GradReducer:
         self.bound_max = 0.0
         self.global_n = 0
         self.chained = exact and world > 1
-        self.shared: _SharedChain | None = None  # the chain's running sums in shared memory (use_shared), else sent over gloo
+        self.shared: _SharedChain | None = (
+            None  # the chain's running sums in shared memory (use_shared), else sent over gloo
+        )
         self._par = 1  # iteration parity: which of the shared buffers this iteration uses (flipped by _reset)
         self._hooks: list[Any] = []
         self._armed = False
         if self.chained:
             self.flags = torch.zeros(len(self.params), dtype=torch.uint8)  # "present", as it travels with the buckets
-            self.info = torch.zeros(2 * world + 1, dtype=torch.float64)  # every worker's time per micro-batch and count; "buffers changed" anywhere
+            self.info = torch.zeros(
+                2 * world + 1, dtype=torch.float64
+            )  # every worker's time per micro-batch and count; "buffers changed" anywhere
             if rank < world - 1:  # the total arrives in buffers of its own (this worker's sends may still read acc)
                 self.final = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
                 self.final_views = [self._view(self.final, i) for i in range(len(self.params))]
                 self.final_flags = torch.zeros(len(self.params), dtype=torch.uint8)
                 self.final_info = torch.zeros(2 * world + 1, dtype=torch.float64)
             if rank == 0:  # (a frozen parameter has no hook; its bucket goes when the backward is over)
-                self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i)) for i, p in enumerate(self.params) if p.requires_grad]
+                self._hooks = [
+                    p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+                    for i, p in enumerate(self.params)
+                    if p.requires_grad
+                ]
         self._reset()
 
     def use_shared(self, shared: _SharedChain | None) -> None:
@@ -494,8 +533,12 @@ class _GradReducer:
         if shared is None or not self.chained:
             return
         self.shared = shared
-        self._shared_views = [[self._view(shared.bufs[parity], i) for i in range(len(self.params))] for parity in (0, 1)]
-        if self.rank < self.world - 1:  # only the last worker keeps a private copy of the sums (its step divides them in place)
+        self._shared_views = [
+            [self._view(shared.bufs[parity], i) for i in range(len(self.params))] for parity in (0, 1)
+        ]
+        if (
+            self.rank < self.world - 1
+        ):  # only the last worker keeps a private copy of the sums (its step divides them in place)
             self.acc, self.views = {}, []
 
     def _copy_total(self, dst: dict[torch.dtype, torch.Tensor], b: int) -> None:
@@ -519,7 +562,9 @@ class _GradReducer:
         if not hasattr(self, "acc"):
             self.acc = {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
             self.abs = None if self.exact else {dt: torch.zeros(self.sizes[dt], dtype=dt) for dt in self.dtypes}
-            self.views = [self._view(self.acc, i) for i in range(len(self.params))]  # made once: slicing costs more than adding here
+            self.views = [
+                self._view(self.acc, i) for i in range(len(self.params))
+            ]  # made once: slicing costs more than adding here
         elif not self.exact:  # summed by all-reduce: a slice no micro-batch wrote must be zero
             assert self.abs is not None
             for dt in self.dtypes:
@@ -532,7 +577,9 @@ class _GradReducer:
         self.n_mb = 0
         self._armed = False
         self._shipped = [False] * len(self.buckets)
-        self._pending = [sum(self.params[i].requires_grad for i in r) or -1 for r in self.buckets]  # hooks to go (-1: none)
+        self._pending = [
+            sum(self.params[i].requires_grad for i in r) or -1 for r in self.buckets
+        ]  # hooks to go (-1: none)
         self._sends: list[Any] = []
         self._chain_in: dict[int, list[Any]] | None = None  # bucket -> receives (data, flags) from rank - 1
         self._info_in: Any = None
@@ -548,7 +595,9 @@ class _GradReducer:
         _, off_last, n_last = self.where[r.stop - 1]
         return flats[dt][off : off_last + n_last]
 
-    def _accumulate(self, idx: Sequence[int], grads: Sequence[torch.Tensor | None], views: Sequence[torch.Tensor] | None = None) -> None:
+    def _accumulate(
+        self, idx: Sequence[int], grads: Sequence[torch.Tensor | None], views: Sequence[torch.Tensor] | None = None
+    ) -> None:
         """``views[i] += grads[i]`` for ``i`` in ``idx`` (default views: acc's), in AccumulateGrad's
         arithmetic: a parameter's first gradient is assigned, the next ones added (one
         ``_foreach_add_`` call: on CPU the same per-tensor ``add_``, without a Python round per parameter)."""
@@ -615,12 +664,17 @@ class _GradReducer:
         if self.buffers_mutate is None:
             self.buffers_mutate = changed_anywhere
             if changed_anywhere:
-                logger.info("parallel replay: the forwards change module buffers (%s): every worker runs every forward", ", ".join(changed_here[:3]) or "seen by another worker")
+                logger.info(
+                    "parallel replay: the forwards change module buffers (%s): every worker runs every forward",
+                    ", ".join(changed_here[:3]) or "seen by another worker",
+                )
         elif changed_anywhere and not self.buffers_mutate:
             where = ", ".join(changed_here[:5]) or "on another worker"
-            raise ReplayError(f"parallel replay: module buffers changed in iteration {it} ({where}) but not in iteration {self.first_it}, "
-                              "so this worker did not run the other workers' forwards and its buffers would differ from the live run's",
-                              hint="replay these stages with one worker (sequential replay reproduces every buffer update)")  # fmt: skip
+            raise ReplayError(
+                f"parallel replay: module buffers changed in iteration {it} ({where}) but not in iteration {self.first_it}, "
+                "so this worker did not run the other workers' forwards and its buffers would differ from the live run's",
+                hint="replay these stages with one worker (sequential replay reproduces every buffer update)",
+            )
 
     def _buffers_changed(self) -> list[str]:
         return self._buffers.changed(self._named_buffers()) if self._watching_buffers() else []
@@ -743,7 +797,9 @@ class _GradReducer:
         self._planned.pop(it, None)
         self._finished = it
         sh = self._shares.pop(it, None)
-        if sh is not None and self.claims is not None:  # every worker's claims of the iteration came before the reduction
+        if (
+            sh is not None and self.claims is not None
+        ):  # every worker's claims of the iteration came before the reduction
             self.claims.forget(sh)
         if self.dump_dir is not None and self.rank == 0:
             self._dump(it, scale)
@@ -774,7 +830,9 @@ class _GradReducer:
             self._sends.append(dist.isend(self._flat(data, b), dst=dst, tag=t_data))
         self._sends.append(dist.isend(flags[r.start : r.stop], dst=dst, tag=t_flags))
 
-    def _irecv(self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, src: int, final: bool) -> list[Any]:
+    def _irecv(
+        self, b: int, data: dict[torch.dtype, torch.Tensor], flags: torch.Tensor, src: int, final: bool
+    ) -> list[Any]:
         """Receive bucket ``b``'s data and flags into ``data`` / ``flags`` (the counterpart of :meth:`_isend`)."""
         r = self.buckets[b]
         t_data, t_flags = self._tags(b, final)
@@ -801,7 +859,9 @@ class _GradReducer:
 
     def _post_chain_receives(self) -> None:
         """Worker r > 0: receive the running sum of the earlier slices into acc, bucket by bucket."""
-        self._chain_in = {b: self._irecv(b, self.acc, self.flags, self.rank - 1, final=False) for b in range(len(self.buckets))}
+        self._chain_in = {
+            b: self._irecv(b, self.acc, self.flags, self.rank - 1, final=False) for b in range(len(self.buckets))
+        }
         self._info_in = dist.irecv(self.info, src=self.rank - 1, tag=4 * len(self.buckets))
 
     def _chain(self, mine: float, changed: bool) -> tuple[list[float], list[int], bool]:
@@ -811,7 +871,9 @@ class _GradReducer:
         the counts and whether any worker's buffers changed. On return ``.grad`` holds the total
         and no send is in flight."""
         n, last = len(self.buckets), self.world - 1
-        dsts = [self.rank + 1] if self.rank < last else range(last)  # on along the chain, or (last) the total back to everyone
+        dsts = (
+            [self.rank + 1] if self.rank < last else range(last)
+        )  # on along the chain, or (last) the total back to everyone
         finals: dict[int, list[Any]] = {}
         if self.rank < last:  # the total comes back from the last worker
             finals = {b: self._irecv(b, self.final, self.final_flags, last, final=True) for b in range(n)}
@@ -835,7 +897,10 @@ class _GradReducer:
                 for w in self._chain_in[b]:
                     w.wait()
                 self.present[r.start : r.stop] = [bool(x) for x in self.flags[r.start : r.stop].tolist()]
-                for _, grads in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
+                for (
+                    _,
+                    grads,
+                ) in self.stash:  # per bucket: its running sums (about 1 MiB) stay in cache across the passes
                     self._accumulate(r, grads, sums)
                 if self.shared is not None and self.rank == last:  # the step divides in place: a copy of its own
                     self._copy_total(self.acc, b)
@@ -957,28 +1022,58 @@ def worker_main(
         build_s = time.perf_counter() - t_build
         dev = replay_device(states)
         if world > 1 and dev.type != "cpu":  # the same on every worker: each raises before the rendezvous
-            raise ReplayError(f"parallel replay exchanges gradients over gloo, which runs on CPU; the stage factory put stages {job.stages} on {dev}",
-                              hint=f"replay with one worker on {dev}, or build the stages on CPU for workers > 1")  # fmt: skip
+            raise ReplayError(
+                f"parallel replay exchanges gradients over gloo, which runs on CPU; the stage factory put stages {job.stages} on {dev}",
+                hint=f"replay with one worker on {dev}, or build the stages on CPU for workers > 1",
+            )
         ck = states[0].checkpoint
         assert ck is not None
         loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
         # while the others may still be building: open the sources, read META, list the first iteration's records
-        locate_logs(reader, job.stages, job.num_stages, start, data_source=data is not None, verify=job.verify, compare_logged=job.compare_logged)
-        if job.threads is None:  # this process is the worker's own: the live thread count for all it runs, not only inside each iteration
+        locate_logs(
+            reader,
+            job.stages,
+            job.num_stages,
+            start,
+            data_source=data is not None,
+            verify=job.verify,
+            compare_logged=job.compare_logged,
+        )
+        if (
+            job.threads is None
+        ):  # this process is the worker's own: the live thread count for all it runs, not only inside each iteration
             _use_live_threads(reader, job.stages[0], start)
         if store is not None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout)
         claims = None
-        if world > 1 and job.dynamic_share_min_s is not None:  # counters in the rendezvous store, under a name every worker agrees on
+        if (
+            world > 1 and job.dynamic_share_min_s is not None
+        ):  # counters in the rendezvous store, under a name every worker agrees on
             nonce = [uuid.uuid4().hex if rank == 0 else None]
             dist.broadcast_object_list(nonce, src=0)
-            claims = _Claims(dist.PrefixStore(f"swiftlog-claims/{nonce[0]}", store if store is not None else dist.distributed_c10d._get_default_store()))
-        prefetch = worker_prefetch(job, world)  # (the split's lag follows job.fetch_ahead either way: the same splits on any host)
-        reducer = _GradReducer(states, rank, world, exact=job.exact, start=start, dump_dir=job.dump_gradients, lag=job.fetch_ahead + 1, claims=claims,
-                               claim_min_s=job.dynamic_share_min_s or 0.0)  # fmt: skip
+            claims = _Claims(
+                dist.PrefixStore(
+                    f"swiftlog-claims/{nonce[0]}",
+                    store if store is not None else dist.distributed_c10d._get_default_store(),
+                )
+            )
+        prefetch = worker_prefetch(
+            job, world
+        )  # (the split's lag follows job.fetch_ahead either way: the same splits on any host)
+        reducer = _GradReducer(
+            states,
+            rank,
+            world,
+            exact=job.exact,
+            start=start,
+            dump_dir=job.dump_gradients,
+            lag=job.fetch_ahead + 1,
+            claims=claims,
+            claim_min_s=job.dynamic_share_min_s or 0.0,
+        )
         if reducer.chained:  # the same on every worker: a collective
             reducer.use_shared(_SharedChain.open(reducer.sizes, rank, job.shared_memory))
         hooks = ReplayHooks(
@@ -989,7 +1084,9 @@ def worker_main(
             after_backward=reducer.after_backward,
             before_step=reducer.before_step,
             verify=None if job.exact else (lambda it: it == start),
-            verify_step=None if job.exact else (lambda it: False),  # sums in another order: other bits than the live step's
+            verify_step=None
+            if job.exact
+            else (lambda it: False),  # sums in another order: other bits than the live step's
             shadow_forwards=reducer.shadow_forwards,
         )
         tracker: _Progress | None = None
@@ -1011,22 +1108,42 @@ def worker_main(
         tracker = _Progress(job, start, None, workers=world) if rank == 0 else None
         reducer.start()
         report = replay_stages(
-            states, reader, num_stages=job.num_stages, stop_iteration=job.stop_iteration, loss_fn=loss, data_source=data,
-            n_microbatches=job.n_microbatches, scale_grads=job.scale_grads, verify=job.verify, compare_logged=job.compare_logged,
-            prefetch=prefetch, hooks=hooks, on_iteration=on_iteration,
-        )  # fmt: skip
+            states,
+            reader,
+            num_stages=job.num_stages,
+            stop_iteration=job.stop_iteration,
+            loss_fn=loss,
+            data_source=data,
+            n_microbatches=job.n_microbatches,
+            scale_grads=job.scale_grads,
+            verify=job.verify,
+            compare_logged=job.compare_logged,
+            prefetch=prefetch,
+            hooks=hooks,
+            on_iteration=on_iteration,
+        )
         replay_s = time.perf_counter() - t_replay
         replay_cpu = time.process_time() - cpu0
         if not job.exact:
             note = f"approximate parallel replay: only iteration {start}'s sends are verified (later states differ within the stated bound)"
             report.warnings.append(note)
         digest = _state_digest(states)
-        payload = {"report": report.to_dict(), "setup_s": setup_s, "build_s": build_s, "replay_s": replay_s, "cpu_s": replay_cpu, "bound": reducer.bound_max, "digest": digest}
+        payload = {
+            "report": report.to_dict(),
+            "setup_s": setup_s,
+            "build_s": build_s,
+            "replay_s": replay_s,
+            "cpu_s": replay_cpu,
+            "bound": reducer.bound_max,
+            "digest": digest,
+        }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, payload)
         if len({g["digest"] for g in gathered}) != 1:
-            raise ReplayError(f"parallel replay workers ended with different parameters or buffers (digests {[g['digest'] for g in gathered]})",
-                              hint="a nondeterministic kernel or an environment difference between workers")  # fmt: skip
+            raise ReplayError(
+                f"parallel replay workers ended with different parameters or buffers (digests {[g['digest'] for g in gathered]})",
+                hint="a nondeterministic kernel or an environment difference between workers",
+            )
         result = None
         if rank == 0:
             merged = ReplayReport.from_dict(gathered[0]["report"])
@@ -1131,8 +1248,13 @@ def _state_digest(states: Sequence[StageState]) -> str:
 
 
 def _write_error(result_path: str, rank: int, e: BaseException) -> None:
-    doc = {"rank": rank, "type": type(e).__name__, "message": getattr(e, "message", None) or str(e), "key": str(getattr(e, "key", "") or "") or None,
-           "hint": getattr(e, "hint", None)}  # fmt: skip
+    doc = {
+        "rank": rank,
+        "type": type(e).__name__,
+        "message": getattr(e, "message", None) or str(e),
+        "key": str(getattr(e, "key", "") or "") or None,
+        "hint": getattr(e, "hint", None),
+    }
     try:
         with open(f"{result_path}.error-{rank}", "w") as f:
             json.dump(doc, f)
@@ -1165,13 +1287,33 @@ def _raise_worker_error(result_path: str, world: int, fallback: str) -> None:
 
 
 # ====================================================================== spawning
-def _spawn_entry(rank: int, world: int, job_doc: dict[str, Any], host: str, port: int, prefix: str, result_path: str, progress: Any,
-                 factory: StageFactory | None, loss_fn: Any, data_source: Any) -> None:  # fmt: skip
+def _spawn_entry(
+    rank: int,
+    world: int,
+    job_doc: dict[str, Any],
+    host: str,
+    port: int,
+    prefix: str,
+    result_path: str,
+    progress: Any,
+    factory: StageFactory | None,
+    loss_fn: Any,
+    data_source: Any,
+) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"replay-worker{rank} %(levelname)s %(name)s: %(message)s")
     gloo_on_loopback()  # spawned workers of one host
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    worker_main(rank, world, ReplayJob.from_dict(job_doc), store=dist.PrefixStore(prefix, store), result_path=result_path,
-                progress=progress, factory=factory, loss_fn=loss_fn, data_source=data_source)  # fmt: skip
+    worker_main(
+        rank,
+        world,
+        ReplayJob.from_dict(job_doc),
+        store=dist.PrefixStore(prefix, store),
+        result_path=result_path,
+        progress=progress,
+        factory=factory,
+        loss_fn=loss_fn,
+        data_source=data_source,
+    )
 
 
 def run_parallel(
@@ -1200,7 +1342,9 @@ def run_parallel(
     if start_method == "forkserver":
         import multiprocessing
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "replay.parallel"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch.distributed", "replay.parallel"]
+        )
     host = loopback_store(datetime.timedelta(seconds=120))  # the workers are processes of this host
     ctx = tmp.get_context(start_method)
     queue = ctx.SimpleQueue() if on_progress is not None else None
@@ -1208,9 +1352,22 @@ def run_parallel(
         result_path = os.path.join(d, "result.json")
         pc = tmp.start_processes(
             _spawn_entry,
-            args=(world, job.to_dict(), "127.0.0.1", host.port, f"replay-{uuid.uuid4().hex}", result_path, queue, factory, loss_fn, data_source),
-            nprocs=world, join=False, start_method=start_method,
-        )  # fmt: skip
+            args=(
+                world,
+                job.to_dict(),
+                "127.0.0.1",
+                host.port,
+                f"replay-{uuid.uuid4().hex}",
+                result_path,
+                queue,
+                factory,
+                loss_fn,
+                data_source,
+            ),
+            nprocs=world,
+            join=False,
+            start_method=start_method,
+        )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while True:
@@ -1236,11 +1393,25 @@ def run_parallel(
     return res
 
 
-def result_of(job: ReplayJob, doc: dict[str, Any], seconds: float, *, outputs: dict[int, str] | None = None, states: Any = None) -> ReplayResult:
+def result_of(
+    job: ReplayJob, doc: dict[str, Any], seconds: float, *, outputs: dict[int, str] | None = None, states: Any = None
+) -> ReplayResult:
     """The :class:`ReplayResult` of ``job`` from rank 0's result document (:func:`worker_main`),
     ``seconds`` end to end as the caller measured them."""
-    return ReplayResult(job, ReplayReport.from_dict(doc["report"]), outputs or {}, states, seconds, doc["replay_seconds"], doc["setup_seconds"],
-                        doc["grad_error_bound"], doc["cpu_seconds"], doc["build_seconds"], dict(doc["split"]), doc["chain"])  # fmt: skip
+    return ReplayResult(
+        job,
+        ReplayReport.from_dict(doc["report"]),
+        outputs or {},
+        states,
+        seconds,
+        doc["replay_seconds"],
+        doc["setup_seconds"],
+        doc["grad_error_bound"],
+        doc["cpu_seconds"],
+        doc["build_seconds"],
+        dict(doc["split"]),
+        doc["chain"],
+    )
 
 
 def _drain(queue: Any, on_progress: Callable[[ReplayProgress], None] | None) -> None:
@@ -1255,12 +1426,17 @@ def _drain(queue: Any, on_progress: Callable[[ReplayProgress], None] | None) -> 
 # ====================================================================== torchrun
 def main(argv: Sequence[str] | None = None) -> int:
     """``torchrun --nproc-per-node K -m replay.parallel --job job.json --result result.json``."""
-    ap = argparse.ArgumentParser(prog="python -m replay.parallel", description="one worker of a parallel replay (under torchrun)")
+    ap = argparse.ArgumentParser(
+        prog="python -m replay.parallel", description="one worker of a parallel replay (under torchrun)"
+    )
     ap.add_argument("--job", required=True, help="ReplayJob as JSON (ReplayJob.to_dict)")
     ap.add_argument("--result", default=None, help="where rank 0 writes the result JSON")
     args = ap.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=f"replay-rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"replay-rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
     with open(args.job) as f:
         job = ReplayJob.from_dict(json.load(f))
     if job.workers != world:
@@ -1272,7 +1448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if rank == 0 and res is not None:
-        print("RESULT " + json.dumps({k: res[k] for k in ("outputs", "replay_seconds", "grad_error_bound")} | {"verified": res["report"]["verified"]}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {k: res[k] for k in ("outputs", "replay_seconds", "grad_error_bound")}
+                | {"verified": res["report"]["verified"]}
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -55,7 +55,16 @@ from logstore.store import RecordInfo
 from replay.core import needed_channels
 from trainer_client.client import decode_meta
 
-__all__ = ["plan_recovery", "RecoveryPlan", "ReplayUnit", "FetchItem", "cold_only_store", "groups_from_channels", "DEFAULT_HOT_MBPS", "DEFAULT_COLD_MBPS"]
+__all__ = [
+    "plan_recovery",
+    "RecoveryPlan",
+    "ReplayUnit",
+    "FetchItem",
+    "cold_only_store",
+    "groups_from_channels",
+    "DEFAULT_HOT_MBPS",
+    "DEFAULT_COLD_MBPS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +193,9 @@ class RecoveryPlan:
         return cls(**{**d, "units": units})
 
 
-def cold_only_store(store_or_url: LogStore | str, run: str | None = None, options: dict[str, Any] | None = None) -> LogStore:
+def cold_only_store(
+    store_or_url: LogStore | str, run: str | None = None, options: dict[str, Any] | None = None
+) -> LogStore:
     """A read-only LogStore that sees only a cold tier (no hot tier is ever opened).
 
     Give a LogStore (its run and cold tier are used) or a cold URL with ``run`` and fsspec
@@ -209,7 +220,12 @@ def groups_from_channels(num_stages: int, channels: set[Channel]) -> list[list[i
     names = {c.name for c in channels}
     groups: list[list[int]] = [[0]]
     for b in range(num_stages - 1):
-        crossing = (Channel.activation(b).name, Channel.gradient(b + 1).name, Channel.digest(b, b + 1).name, Channel.digest(b + 1, b).name)
+        crossing = (
+            Channel.activation(b).name,
+            Channel.gradient(b + 1).name,
+            Channel.digest(b, b + 1).name,
+            Channel.digest(b + 1, b).name,
+        )
         if any(n in names for n in crossing):
             groups.append([b + 1])
         else:
@@ -267,14 +283,18 @@ def plan_recovery(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if bandwidth_mbps is not None and bandwidth_mbps <= 0:
         raise ValueError(f"bandwidth_mbps must be > 0, got {bandwidth_mbps}")
-    planner = _Planner(srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records)
+    planner = _Planner(
+        srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records
+    )
     try:
         return planner.plan()
     finally:
         planner.close()
 
 
-def _note_missing(u: ReplayUnit, ch: Channel, it: int, mb: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]) -> str:
+def _note_missing(
+    u: ReplayUnit, ch: Channel, it: int, mb: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]
+) -> str:
     """Add record (``ch``, ``it``, ``mb``, part 0) to ``u.missing`` and its recorded gap, if any, to
     ``u.gaps`` (each list up to its limit); returns the key as text."""
     key = f"{ch.name}/it{it}/mb{mb}/p0"
@@ -293,8 +313,17 @@ def _optional(ch: Channel, mbs: dict[int, set[int]]) -> bool:
 
 
 class _Planner:
-    def __init__(self, stores: list[LogStore], failed: list[int], num_stages: int | None, target: int | None,
-                 bandwidth: float | None, workers: int, replay_s: float | None, check_records: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stores: list[LogStore],
+        failed: list[int],
+        num_stages: int | None,
+        target: int | None,
+        bandwidth: float | None,
+        workers: int,
+        replay_s: float | None,
+        check_records: bool,
+    ) -> None:
         self.stores = stores
         self.run = stores[0].run
         self.failed = failed
@@ -310,7 +339,9 @@ class _Planner:
         self._views: list[tuple[int, LogStore]] | None = None
         self._hot_views: list[LogStore] = []
         self._channel_set: set[Channel] | None = None
-        self._unlisted: list[str] = []  # every source failed to list its channels (the reasons): nothing is known of the logs
+        self._unlisted: list[
+            str
+        ] = []  # every source failed to list its channels (the reasons): nothing is known of the logs
         self._metas: dict[tuple[int, int], dict[str, Any] | None] = {}
 
     def close(self) -> None:
@@ -327,12 +358,17 @@ class _Planner:
                 continue
             try:
                 s.checkpoints()  # lists the cold tier's registrations
-            except (ColdTierUnavailableError, ColdTierError) as e:  # down, or refusing (credentials, bucket, permissions)
+            except (
+                ColdTierUnavailableError,
+                ColdTierError,
+            ) as e:  # down, or refusing (credentials, bucket, permissions)
                 view = LogStore.open(s.root, s.run)
                 self._hot_views.append(view)
                 self.stores[i] = view
-                self.warnings.append(f"the cold tier of {self._describe(s)} cannot be read ({e.message}): planned from that root's hot tiers only "
-                                     "(the checkpoints registered on this node; records only the cold tier holds are not considered)")  # fmt: skip
+                self.warnings.append(
+                    f"the cold tier of {self._describe(s)} cannot be read ({e.message}): planned from that root's hot tiers only "
+                    "(the checkpoints registered on this node; records only the cold tier holds are not considered)"
+                )
 
     # ------------------------------------------------------------------ gathering
     def _checkpoints(self) -> dict[int, dict[int, Any]]:
@@ -343,7 +379,9 @@ class _Planner:
             except StoreError as e:
                 if not (hasattr(s, "describe") and e.retryable):
                     raise
-                self.warnings.append(f"{self._describe(s)} is unreachable, planned without it: {e.message}")  # a node server down
+                self.warnings.append(
+                    f"{self._describe(s)} is unreachable, planned without it: {e.message}"
+                )  # a node server down
                 continue
             for c in found:
                 out.setdefault(c.stage, {})[c.iteration] = c
@@ -358,7 +396,9 @@ class _Planner:
             except SwiftlogError as e:
                 failures.append(f"listing channels of {self._describe(s)} failed: {e}")
         self.warnings.extend(failures)
-        if self.stores and len(failures) == len(self.stores):  # knowing nothing of the logs is no plan of zero iterations
+        if self.stores and len(failures) == len(
+            self.stores
+        ):  # knowing nothing of the logs is no plan of zero iterations
             self._unlisted = failures
         return found
 
@@ -420,20 +460,32 @@ class _Planner:
             for k in stages:
                 carried = self._own_meta(k, it, c).get("grads_carried")
                 if carried:
-                    return [f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous optimizer step "
-                            f"({', '.join(carried[:3])}...): a replay, which starts every iteration from no gradients, stops there"]  # fmt: skip
+                    return [
+                        f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous optimizer step "
+                        f"({', '.join(carried[:3])}...): a replay, which starts every iteration from no gradients, stops there"
+                    ]
                 if 1 in self._index(Channel.meta(k), c).get(it, {}):
                     am = self._meta_record(k, it, 1) or {}
                     if am.get("changed_after_commit") or am.get("grads_changed") or not am:
                         what = am.get("changed_after_commit") or ["see its META"]
-                        return [f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
-                                "a replay stops there (the live loop changed it in a way a replay does not repeat)"]  # fmt: skip
+                        return [
+                            f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
+                            "a replay stops there (the live loop changed it in a way a replay does not repeat)"
+                        ]
                     if (am.get("apply") or {}).get("optimizer_steps") == 0:
-                        return [f"stage {k} iteration {it}: the live loop made no optimizer step after it (gradients accumulated over "
-                                "iterations?): a replay, which makes one after every iteration, stops there"]  # fmt: skip
-                elif it == stop - 1 and it in self._index(Channel.meta(k), c) and (self._meta(k, it) or {}).get("apply_irregular") is not None:
-                    return [f"stage {k} iteration {it}: the live loop did not step its optimizer and lr scheduler once per iteration, and "
-                            "what it made after this last iteration is not logged (the stage died before its next iteration began)"]  # fmt: skip
+                        return [
+                            f"stage {k} iteration {it}: the live loop made no optimizer step after it (gradients accumulated over "
+                            "iterations?): a replay, which makes one after every iteration, stops there"
+                        ]
+                elif (
+                    it == stop - 1
+                    and it in self._index(Channel.meta(k), c)
+                    and (self._meta(k, it) or {}).get("apply_irregular") is not None
+                ):
+                    return [
+                        f"stage {k} iteration {it}: the live loop did not step its optimizer and lr scheduler once per iteration, and "
+                        "what it made after this last iteration is not logged (the stage died before its next iteration began)"
+                    ]
         return []
 
     def _any_meta(self, it: int, prefer: Sequence[int], num_stages: int) -> tuple[int, dict[str, Any]] | None:
@@ -466,11 +518,24 @@ class _Planner:
             if not fs:
                 continue
             prev = units[-1] if units else None
-            b = g[0]  # a failed stage next to a failed stage whose sends to it are nowhere: one unit, those sends regenerated
-            if prev is not None and prev.stages[-1] == b - 1 and b - 1 in self.failed and b in self.failed \
-                    and not (Channel.activation(b - 1) in channels and Channel.gradient(b) in channels):  # fmt: skip
-                units[-1] = ReplayUnit(stages=[*prev.stages, *g], failed=[*prev.failed, *fs], rolled_back=[*prev.rolled_back, *(k for k in g if k not in fs)])
-                self.warnings.append(f"stages {b - 1} and {b} failed and their sends to each other are in no store: replayed together")
+            b = g[
+                0
+            ]  # a failed stage next to a failed stage whose sends to it are nowhere: one unit, those sends regenerated
+            if (
+                prev is not None
+                and prev.stages[-1] == b - 1
+                and b - 1 in self.failed
+                and b in self.failed
+                and not (Channel.activation(b - 1) in channels and Channel.gradient(b) in channels)
+            ):
+                units[-1] = ReplayUnit(
+                    stages=[*prev.stages, *g],
+                    failed=[*prev.failed, *fs],
+                    rolled_back=[*prev.rolled_back, *(k for k in g if k not in fs)],
+                )
+                self.warnings.append(
+                    f"stages {b - 1} and {b} failed and their sends to each other are in no store: replayed together"
+                )
                 continue
             units.append(ReplayUnit(stages=list(g), failed=fs, rolled_back=[k for k in g if k not in fs]))
         for u in units:
@@ -483,9 +548,11 @@ class _Planner:
             target = min(horizons) if horizons else None
             committed = max((max(self._index(Channel.meta(k), 0), default=-1) for k in range(S)), default=-1)
             if target is not None and committed >= target:  # the default target hides what the survivors did after it
-                self.warnings.append(f"the default target is the last iteration the replay's inputs are complete for ({target}), but stages "
-                                     f"committed up to iteration {committed}: if the survivors stand past {target}, this plan does not bring "
-                                     f"the failed stage(s) there (swiftlog replay --plan-only -t ITERATION shows what is missing)")  # fmt: skip
+                self.warnings.append(
+                    f"the default target is the last iteration the replay's inputs are complete for ({target}), but stages "
+                    f"committed up to iteration {committed}: if the survivors stand past {target}, this plan does not bring "
+                    f"the failed stage(s) there (swiftlog replay --plan-only -t ITERATION shows what is missing)"
+                )
         for u in units:
             self._finish(u, target, gaps, S)
             if self._unlisted:
@@ -537,10 +604,14 @@ class _Planner:
         if not stages and self._unlisted:
             raise ValueError(f"run {self.run!r}: no source could be read: {self._unlisted[0]}")
         if not stages:
-            raise ValueError(f"run {self.run!r}: no checkpoint and no record in any of the given stores "
-                             "(is the run id right, and are these the nodes' store roots or the run's cold tier?)")  # fmt: skip
+            raise ValueError(
+                f"run {self.run!r}: no checkpoint and no record in any of the given stores "
+                "(is the run id right, and are these the nodes' store roots or the run's cold tier?)"
+            )
         n = max(stages) + 1
-        self.warnings.append(f"num_stages={n} inferred from the channels (pass num_stages if the last stages logged nothing)")
+        self.warnings.append(
+            f"num_stages={n} inferred from the channels (pass num_stages if the last stages logged nothing)"
+        )
         return n
 
     def _groups(self, S: int, channels: set[Channel]) -> tuple[list[list[int]], str]:
@@ -556,7 +627,9 @@ class _Planner:
                         out.append(list(range(at, at + size)))
                         at += size
                     return out, f"META of stage {k} at iteration {its[-1]}"
-                self.warnings.append(f"META of stage {k} has logging_groups={lg!r}, which does not fit {S} stages; inferring from channels")
+                self.warnings.append(
+                    f"META of stage {k} has logging_groups={lg!r}, which does not fit {S} stages; inferring from channels"
+                )
                 break
         return groups_from_channels(S, channels), "channels present (no META found)"
 
@@ -573,20 +646,30 @@ class _Planner:
         """Choose the checkpoint and find how far the logs are complete (``logged_through``)."""
         u.needs_data_source = self._data_from_source(u, S)
         chans = self._unit_channels(u, S)
-        have = [{it for it, info in ckpts.get(k, {}).items() if info.uri} for k in u.stages]  # a registration without a URI (the API allows it) cannot be loaded
+        have = [
+            {it for it, info in ckpts.get(k, {}).items() if info.uri} for k in u.stages
+        ]  # a registration without a URI (the API allows it) cannot be loaded
         missing_ck = [k for k, h in zip(u.stages, have, strict=True) if not h]
         if missing_ck:
             no_uri = [k for k in missing_ck if ckpts.get(k)]
-            u.reasons.append(f"no registered checkpoint of stage(s) {missing_ck} in the given stores{self._where_checkpoints_are()}" if not no_uri else
-                             f"the checkpoints of stage(s) {no_uri} were registered without a URI: nothing to load them from")  # fmt: skip
+            u.reasons.append(
+                f"no registered checkpoint of stage(s) {missing_ck} in the given stores{self._where_checkpoints_are()}"
+                if not no_uri
+                else f"the checkpoints of stage(s) {no_uri} were registered without a URI: nothing to load them from"
+            )
             return
         common = sorted(set.intersection(*have), reverse=True)
-        u.newest_checkpoint = min(max(h) for h in have)  # the GC of the unit's inputs ran up to each stage's newest (at least)
+        u.newest_checkpoint = min(
+            max(h) for h in have
+        )  # the GC of the unit's inputs ran up to each stage's newest (at least)
         if self.target is not None:
             common = [c for c in common if c <= self.target]
         if not common:
-            u.reasons.append(f"no checkpoint iteration common to stages {u.stages}" + (f" at or below the target {self.target}" if self.target is not None else "")
-                             + f" (registered: { {k: sorted(h) for k, h in zip(u.stages, have, strict=True)} })")  # fmt: skip
+            u.reasons.append(
+                f"no checkpoint iteration common to stages {u.stages}"
+                + (f" at or below the target {self.target}" if self.target is not None else "")
+                + f" (registered: { {k: sorted(h) for k, h in zip(u.stages, have, strict=True)} })"
+            )
             return
         best: tuple[int, int] | None = None
         for c in common:
@@ -602,14 +685,19 @@ class _Planner:
         u.checkpoints = {k: ckpts[k][c].uri for k in u.stages}
         u.logged_through = through
         if c != common[0]:
-            u.warnings.append(f"the newest common checkpoint ({common[0]}) cannot reach the target; using the one at {c}")
+            u.warnings.append(
+                f"the newest common checkpoint ({common[0]}) cannot reach the target; using the one at {c}"
+            )
 
     def _unit_channels(self, u: ReplayUnit, S: int) -> dict[str, list[Channel]]:
         """:func:`needed_channels` of the unit, plus the step's keyword inputs its stages after stage 0
         logged (``input_k``; see :func:`_optional`)."""
         chans = needed_channels(u.stages[0], u.stages[-1], S, data_source=u.needs_data_source)
         have = self._channel_set or set()
-        chans["inputs"] = [*chans["inputs"], *(Channel.input(k) for k in u.stages if k > 0 and Channel.input(k) in have)]
+        chans["inputs"] = [
+            *chans["inputs"],
+            *(Channel.input(k) for k in u.stages if k > 0 and Channel.input(k) in have),
+        ]
         return chans
 
     def _logged_through(self, u: ReplayUnit, inputs: list[Channel], c: int, S: int) -> int:
@@ -667,7 +755,9 @@ class _Planner:
             n = n_mbs[it]
             if n is None:
                 u.missing.append(f"{Channel.meta(first).name}/it{it}/mb0/p0")
-                u.reasons.append(f"iteration {it}: no stage has a META record (no stage committed it, or it was garbage-collected)")
+                u.reasons.append(
+                    f"iteration {it}: no stage has a META record (no stage committed it, or it was garbage-collected)"
+                )
                 continue
             for ch in chans["inputs"]:
                 mbs = self._index(ch, c).get(it, {})
@@ -676,19 +766,32 @@ class _Planner:
                 for mb in range(n):
                     if mb not in mbs:
                         _note_missing(u, ch, it, mb, gap_index)
-        reduced = self._reduced_channels(u, c, stop, gap_index)  # what the stages' all_reduce_grads_ calls left, where they made some
+        reduced = self._reduced_channels(
+            u, c, stop, gap_index
+        )  # what the stages' all_reduce_grads_ calls left, where they made some
         newest = u.newest_checkpoint
-        collected = newest is not None and c < newest and (u.missing or any("no stage has a META" in r for r in u.reasons))
+        collected = (
+            newest is not None and c < newest and (u.missing or any("no stage has a META" in r for r in u.reasons))
+        )
         if collected:
-            u.reasons.insert(0, f"the logs of [{c}, {newest}) were garbage-collected when stage(s) {u.stages} registered their checkpoint at {newest}: "
-                                f"a replay starts from it and reaches only iterations from {newest} on")  # fmt: skip
+            u.reasons.insert(
+                0,
+                f"the logs of [{c}, {newest}) were garbage-collected when stage(s) {u.stages} registered their checkpoint at {newest}: "
+                f"a replay starts from it and reaches only iterations from {newest} on",
+            )
         if u.missing:
             first_key = u.missing[0]
             g = u.gaps[0] if u.gaps else None
-            why = f"; a gap was recorded for {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}" if g else ""
+            why = (
+                f"; a gap was recorded for {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}"
+                if g
+                else ""
+            )
             u.reasons.append(f"inputs missing for [{c}, {target}): first missing record {first_key}{why}")
         if stop < target and not (collected and newest is not None and target <= newest):
-            u.reasons.append(f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is {stop - 1} completely)")
+            u.reasons.append(
+                f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is {stop - 1} completely)"
+            )
         # META: the unit's own, else another stage's stands in (ascending schedules only)
         meta_chans: set[Channel] = set()
         for it in range(c, stop):
@@ -698,7 +801,9 @@ class _Planner:
             if found is not None:
                 meta_chans.add(Channel.meta(found[0]))
                 if not any("stands in" in w for w in u.warnings):
-                    u.warnings.append(f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s META stands in")
+                    u.warnings.append(
+                        f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s META stands in"
+                    )
         u.reasons.extend(self._unrepeatable_steps(u.stages, c, stop))
         # gaps on channels the replay reads or verifies
         verify_names = {ch.name for ch in chans["verify"]}
@@ -708,27 +813,46 @@ class _Planner:
                 if g["channel"] in input_names and g not in u.gaps and len(u.gaps) < _MAX_LISTED:
                     u.gaps.append(g)
                     if not u.missing:
-                        u.reasons.append(f"gap recorded on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}")
+                        u.reasons.append(
+                            f"gap recorded on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']}: {g['reason']}"
+                        )
                 elif g["channel"] in verify_names:
-                    u.warnings.append(f"gap on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']} ({g['reason']}): that send cannot be verified")
+                    u.warnings.append(
+                        f"gap on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']} ({g['reason']}): that send cannot be verified"
+                    )
         # verification: a digest of every boundary send (part 0 at least) of every micro-batch
         u.verifiable = bool(chans["verify"]) and all(
-            all(mb in self._index(ch, c).get(it, {}) for mb in range(n_mbs[it] or 0)) for ch in chans["verify"] for it in range(c, stop)
+            all(mb in self._index(ch, c).get(it, {}) for mb in range(n_mbs[it] or 0))
+            for ch in chans["verify"]
+            for it in range(c, stop)
         )
         if not chans["verify"]:
-            u.warnings.append("the unit sends nothing across a logged boundary: there is nothing to verify the replay against")
+            u.warnings.append(
+                "the unit sends nothing across a logged boundary: there is nothing to verify the replay against"
+            )
         elif not u.verifiable:
             u.warnings.append("some digests of the unit's sends are missing: the replay cannot be fully verified")
         # where to fetch from
         failed_writers = {f"stage{k}" for k in self.failed}
-        self._fetch_items(u, [(ch, "input") for ch in [*chans["inputs"], *reduced]] + [(ch, "meta") for ch in sorted(meta_chans)]
-                          + [(ch, "verify") for ch in chans["verify"]], c, stop, failed_writers)  # fmt: skip
+        self._fetch_items(
+            u,
+            [(ch, "input") for ch in [*chans["inputs"], *reduced]]
+            + [(ch, "meta") for ch in sorted(meta_chans)]
+            + [(ch, "verify") for ch in chans["verify"]],
+            c,
+            stop,
+            failed_writers,
+        )
         if self.check_records and not u.reasons:
-            self._check_records(u, [*chans["inputs"], *reduced, *sorted(meta_chans), *chans["verify"]], c, stop)  # what the replay reads, all of it
+            self._check_records(
+                u, [*chans["inputs"], *reduced, *sorted(meta_chans), *chans["verify"]], c, stop
+            )  # what the replay reads, all of it
         u.possible = not u.reasons
         self._estimate(u, S)
 
-    def _reduced_channels(self, u: ReplayUnit, c: int, stop: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]) -> list[Channel]:
+    def _reduced_channels(
+        self, u: ReplayUnit, c: int, stop: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]
+    ) -> list[Channel]:
         """The ``reduced_{stage}`` channels of the unit's stages whose META lists
         ``all_reduce_grads_`` calls in [c, stop); a call's record missing is added to ``u.missing``
         (and its gap, if one was recorded), with a reason."""
@@ -747,8 +871,10 @@ class _Planner:
                     if call not in have:
                         first_missing = first_missing or _note_missing(u, ch, it, call, gap_index)
         if first_missing is not None:
-            u.reasons.append(f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a stage's own records "
-                             "outlive its node only in the run's cold tier)")  # fmt: skip
+            u.reasons.append(
+                f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a stage's own records "
+                "outlive its node only in the run's cold tier)"
+            )
         return chans
 
     def _cold_views(self) -> list[tuple[int, LogStore]]:
@@ -757,12 +883,18 @@ class _Planner:
         if self._views is None:
             self._views = []
             for i, s in enumerate(self.stores):
-                if s.cold is None or not s.config.cold_url or any(v.config.cold_url == s.config.cold_url for _, v in self._views):
+                if (
+                    s.cold is None
+                    or not s.config.cold_url
+                    or any(v.config.cold_url == s.config.cold_url for _, v in self._views)
+                ):
                     continue
                 self._views.append((i, cold_only_store(s)))
         return self._views
 
-    def _fetch_items(self, u: ReplayUnit, chans: list[tuple[Channel, str]], lo: int, hi: int, failed_writers: set[str]) -> None:
+    def _fetch_items(
+        self, u: ReplayUnit, chans: list[tuple[Channel, str]], lo: int, hi: int, failed_writers: set[str]
+    ) -> None:
         def rank(info: RecordInfo) -> int:  # hot on a survivor < cold < hot on a failed node
             return 1 if info.tier == "cold" else (2 if info.writer in failed_writers else 0)
 
@@ -789,10 +921,17 @@ class _Planner:
                 item = runs.get((i, info.tier, info.writer))
                 if item is None:
                     item = runs[(i, info.tier, info.writer)] = FetchItem(
-                        channel=ch.name, purpose=purpose, source=i, tier=info.tier, writer=info.writer,
-                        first_iteration=key.iteration, last_iteration=key.iteration, records=0, bytes=0,
+                        channel=ch.name,
+                        purpose=purpose,
+                        source=i,
+                        tier=info.tier,
+                        writer=info.writer,
+                        first_iteration=key.iteration,
+                        last_iteration=key.iteration,
+                        records=0,
+                        bytes=0,
                         on_failed_node=info.tier == "hot" and info.writer in failed_writers,
-                    )  # fmt: skip
+                    )
                 item.first_iteration = min(item.first_iteration, key.iteration)
                 item.last_iteration = max(item.last_iteration, key.iteration)
                 item.records += 1
@@ -802,8 +941,10 @@ class _Planner:
                 u.records += item.records
                 u.bytes += item.bytes
                 if item.on_failed_node and not any("failed stage's node" in w for w in u.warnings):
-                    u.warnings.append(f"{item.channel} is read from the hot tier of writer {item.writer} (a failed stage's node): "
-                                      "reachable only if that disk survived; flush or ship it to the cold tier")  # fmt: skip
+                    u.warnings.append(
+                        f"{item.channel} is read from the hot tier of writer {item.writer} (a failed stage's node): "
+                        "reachable only if that disk survived; flush or ship it to the cold tier"
+                    )
 
     def _check_records(self, u: ReplayUnit, chans: list[Channel], lo: int, hi: int) -> None:
         for ch in chans:
@@ -836,20 +977,37 @@ class _Planner:
         else:
             lo = u.checkpoint_iteration or 0
             hi = u.stop_iteration or lo
-            steps = [float(m["step_s"]) for (_, it), m in self._metas.items() if lo <= it < hi and m and isinstance(m.get("step_s"), (int, float))]
+            steps = [
+                float(m["step_s"])
+                for (_, it), m in self._metas.items()
+                if lo <= it < hi and m and isinstance(m.get("step_s"), (int, float))
+            ]
             n = u.n_microbatches
             if steps and n:
                 step = statistics.median(steps)
                 per_it = step * n / (n + S - 1) * len(u.stages)
-                basis = f"live step {step:.4f} s (median of META) x n/(n+S-1) = {n}/{n + S - 1} x {len(u.stages)} stage(s)"
+                basis = (
+                    f"live step {step:.4f} s (median of META) x n/(n+S-1) = {n}/{n + S - 1} x {len(u.stages)} stage(s)"
+                )
         if per_it is None:
-            u.estimate = {"fetch_seconds": fetch_s, "replay_seconds": None, "total_seconds": None, "workers": self.workers,
-                          "basis": "no live step time in META and replay_seconds_per_iteration not given"}  # fmt: skip
+            u.estimate = {
+                "fetch_seconds": fetch_s,
+                "replay_seconds": None,
+                "total_seconds": None,
+                "workers": self.workers,
+                "basis": "no live step time in META and replay_seconds_per_iteration not given",
+            }
             return
         replay_s = per_it * u.iterations
         total = max(fetch_s, replay_s / self.workers) + (fetch_s / u.iterations if u.iterations else 0.0)
-        u.estimate = {"fetch_seconds": fetch_s, "replay_seconds": replay_s, "seconds_per_iteration": per_it,
-                      "total_seconds": total, "workers": self.workers, "basis": basis}  # fmt: skip
+        u.estimate = {
+            "fetch_seconds": fetch_s,
+            "replay_seconds": replay_s,
+            "seconds_per_iteration": per_it,
+            "total_seconds": total,
+            "workers": self.workers,
+            "basis": basis,
+        }
 
     def _where_checkpoints_are(self) -> str:
         """Where else a stage's checkpoint registration is, when the given stores have no cold tier."""
@@ -864,9 +1022,18 @@ class _Planner:
             common = {c for c in common if c <= target}
         if not common:
             unknown = [k for k in range(S) if not sets[k]]
-            note = (f"the given stores register no checkpoint of stage(s) {unknown}{self._where_checkpoints_are()}; if none was ever made, restart the run from scratch"
-                    if unknown else "no iteration at which every stage has a checkpoint: restart the run from scratch")  # fmt: skip
-            return {"kind": "global_rollback", "iteration": None, "checkpoints": {}, "lost_iterations": target, "note": note}
+            note = (
+                f"the given stores register no checkpoint of stage(s) {unknown}{self._where_checkpoints_are()}; if none was ever made, restart the run from scratch"
+                if unknown
+                else "no iteration at which every stage has a checkpoint: restart the run from scratch"
+            )
+            return {
+                "kind": "global_rollback",
+                "iteration": None,
+                "checkpoints": {},
+                "lost_iterations": target,
+                "note": note,
+            }
         c = max(common)
         return {
             "kind": "global_rollback",

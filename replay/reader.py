@@ -28,7 +28,6 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.keys import Kind
 from logstore.errors import (
     ColdTierError,
     ColdTierUnavailableError,
@@ -37,10 +36,11 @@ from logstore.errors import (
     StoreError,
     SwiftlogError,
 )
+from logstore.keys import Kind
 from replay.errors import ReplayError, ReplayInputMissingError
 from trainer_client.client import decode_meta
-from trainer_client.meta import amend_meta
 from trainer_client.digest import digest_from_record
+from trainer_client.meta import amend_meta
 
 __all__ = ["RecordSource", "LogReader", "MetaDocSource", "LIST_WINDOW"]
 
@@ -90,7 +90,13 @@ class MetaDocSource:
         return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)  # the bytes the stage stored
 
     def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
-        return sorted(k for k in self._docs if (channel is None or k.channel == channel) and it_lo <= k.iteration and (it_hi is None or k.iteration < it_hi))
+        return sorted(
+            k
+            for k in self._docs
+            if (channel is None or k.channel == channel)
+            and it_lo <= k.iteration
+            and (it_hi is None or k.iteration < it_hi)
+        )
 
     def gaps(self) -> list[dict[str, Any]]:
         return []
@@ -173,8 +179,11 @@ class LogReader:
             raise corrupt
         if unavailable is not None:
             raise unavailable
-        raise ReplayInputMissingError(f"record {key} is in none of {len(self.stores)} source(s){self._gap_note(key)}", key=key,
-                                      hint="replay from an older checkpoint whose logs are complete, or recover the whole group")  # fmt: skip
+        raise ReplayInputMissingError(
+            f"record {key} is in none of {len(self.stores)} source(s){self._gap_note(key)}",
+            key=key,
+            hint="replay from an older checkpoint whose logs are complete, or recover the whole group",
+        )
 
     def prefetch(self, keys: Sequence[RecordKey], stop: threading.Event | None = None) -> int:
         """Fetch ``keys`` now (in order) into the one-shot cache that :meth:`get` reads first.
@@ -244,11 +253,22 @@ class LogReader:
         keys = self._parts_of(channel, iteration).get(micro_batch)
         if not keys:
             key = RecordKey(channel, iteration, micro_batch)
-            own = channel.kind in (Kind.INPUT, Kind.TARGET, Kind.REDUCED)  # logged by the stage itself: its node and the cold tier had them
-            hint = ("a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: give it (--cold-url); "
-                    "if it was given, the record never reached it (shipping off, or the node died first)"
-                    if own else "the sender's logs are incomplete: replay from an older checkpoint or recover the group")  # fmt: skip
-            raise ReplayInputMissingError(f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}", key=key, hint=hint)
+            own = channel.kind in (
+                Kind.INPUT,
+                Kind.TARGET,
+                Kind.REDUCED,
+            )  # logged by the stage itself: its node and the cold tier had them
+            hint = (
+                "a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: give it (--cold-url); "
+                "if it was given, the record never reached it (shipping off, or the node died first)"
+                if own
+                else "the sender's logs are incomplete: replay from an older checkpoint or recover the group"
+            )
+            raise ReplayInputMissingError(
+                f"no record of {channel.name} at iteration {iteration} micro-batch {micro_batch}{self._gap_note(key)}",
+                key=key,
+                hint=hint,
+            )
         return [self.get(k) for k in keys]
 
     def meta(self, stage: int, iteration: int) -> dict[str, Any] | None:
@@ -290,7 +310,9 @@ class LogReader:
         window with no key are not cached, so records that arrive later are still found.
         Concurrent misses of one (channel, iteration) share one listing (the compute and the
         prefetch thread start on the same iteration)."""
-        return self._shared(self._listing, self._listing_pending, (channel, iteration), lambda: self._list(channel, iteration))
+        return self._shared(
+            self._listing, self._listing_pending, (channel, iteration), lambda: self._list(channel, iteration)
+        )
 
     def _keys_of(self, s: RecordSource, channel: Channel, lo: int, hi: int) -> list[tuple[RecordKey, bool]]:
         """(key, on the node's disk) for what ``s`` lists: a node's store or server says which of
@@ -308,12 +330,16 @@ class LogReader:
             if hot_only or not isinstance(s, LogStore) or s.is_cold_only():
                 raise
             self._hot_only.add(id(s))
-            logger.warning("the cold tier of store root %s cannot be read (%s): reading what its hot tiers hold", s.root, e.message)
+            logger.warning(
+                "the cold tier of store root %s cannot be read (%s): reading what its hot tiers hold", s.root, e.message
+            )
             return _tiers_listed(s, channel, lo, hi, True)
 
     def _list(self, channel: Channel, iteration: int) -> dict[int, list[RecordKey]]:
         """List every source for the window starting at ``iteration`` and cache it (see :meth:`_parts_of`)."""
-        found: dict[RecordKey, int] = {}  # key -> the source asked first: the first listing it on a local disk, else the first listing it
+        found: dict[
+            RecordKey, int
+        ] = {}  # key -> the source asked first: the first listing it on a local disk, else the first listing it
         local: set[RecordKey] = set()
         for i, s in enumerate(self.stores):
             try:
@@ -363,7 +389,11 @@ class LogReader:
         try:
             for s in self.stores:
                 for g in s.gaps():
-                    if g["channel"] == key.channel.name and g["iteration"] == key.iteration and g["micro_batch"] == key.micro_batch:
+                    if (
+                        g["channel"] == key.channel.name
+                        and g["iteration"] == key.iteration
+                        and g["micro_batch"] == key.micro_batch
+                    ):
                         return f" (a gap was recorded: {g['reason']})"
         except SwiftlogError:
             pass

@@ -73,8 +73,17 @@ class HttpRecordSource:
             by default the system's CAs, or ``SSL_CERT_FILE``).
     """
 
-    def __init__(self, base_url: str, run: str, *, token: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 client: httpx.Client | None = None, verify: ssl.SSLContext | bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        run: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        client: httpx.Client | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.run = validate_run(run)
         self.token = token
@@ -108,10 +117,15 @@ class HttpRecordSource:
         blob = r.content
         want = r.headers.get("X-Swiftlog-Checksum")
         if want is None:
-            raise StoreError(f"{self.base_url} sent record {key} without X-Swiftlog-Checksum", key=key,
-                             hint="is this a swiftlog server (GET /v1/runs/{run}/records/{key}/raw)?")  # fmt: skip
+            raise StoreError(
+                f"{self.base_url} sent record {key} without X-Swiftlog-Checksum",
+                key=key,
+                hint="is this a swiftlog server (GET /v1/runs/{run}/records/{key}/raw)?",
+            )
         if f"{blob_checksum(blob):016x}" != want.lower():
-            raise CorruptRecordError(f"record {key} from {self.base_url} does not match its checksum {want} (corrupted in transit)", key=key)
+            raise CorruptRecordError(
+                f"record {key} from {self.base_url} does not match its checksum {want} (corrupted in transit)", key=key
+            )
         return blob
 
     def get(self, key: RecordKey) -> torch.Tensor:
@@ -131,7 +145,9 @@ class HttpRecordSource:
             if not cursor:
                 return out
 
-    def _records_page(self, channel: Channel | None, it_lo: int, it_hi: int | None, cursor: str | None, limit: int) -> dict[str, Any] | None:
+    def _records_page(
+        self, channel: Channel | None, it_lo: int, it_hi: int | None, cursor: str | None, limit: int
+    ) -> dict[str, Any] | None:
         """One GET of the records endpoint (None for an empty range; a 404 raises)."""
         params: dict[str, Any] = {"it_lo": it_lo, "limit": min(limit, _PAGE)}
         if channel is not None:
@@ -180,8 +196,15 @@ class HttpRecordSource:
         doc = self._or_empty("")
         return [] if doc is None else list(doc["hot"]["writers"])
 
-    def list_records(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None, *,
-                     after: RecordKey | None = None, limit: int = _PAGE) -> list[RecordInfo]:  # fmt: skip
+    def list_records(
+        self,
+        channel: Channel | None = None,
+        it_lo: int = 0,
+        it_hi: int | None = None,
+        *,
+        after: RecordKey | None = None,
+        limit: int = _PAGE,
+    ) -> list[RecordInfo]:
         """One page of the node's records in key order, strictly after ``after`` (as
         ``LogStore.list_records``; ``segment`` is empty: the server does not say)."""
         try:  # the server's cursor is the last key, hex-encoded
@@ -190,11 +213,23 @@ class HttpRecordSource:
             return []
         if doc is None:
             return []
-        return [RecordInfo(RecordKey.parse(e["key"]), e["tier"], e["writer"], int(e["stored_bytes"]), e.get("raw_bytes"),
-                           int(e["checksum"], 16), "") for e in doc["records"]]  # fmt: skip
+        return [
+            RecordInfo(
+                RecordKey.parse(e["key"]),
+                e["tier"],
+                e["writer"],
+                int(e["stored_bytes"]),
+                e.get("raw_bytes"),
+                int(e["checksum"], 16),
+                "",
+            )
+            for e in doc["records"]
+        ]
 
     # ------------------------------------------------------------------ HTTP
-    def _request(self, method: str, url: str, *, key: RecordKey | None = None, params: dict[str, Any] | None = None) -> httpx.Response:
+    def _request(
+        self, method: str, url: str, *, key: RecordKey | None = None, params: dict[str, Any] | None = None
+    ) -> httpx.Response:
         delay = 0.1
         last: str = ""
         for attempt in range(self.retries):
@@ -211,16 +246,22 @@ class HttpRecordSource:
                 if r.status_code == 409 and err and "corrupt" in err.lower():
                     raise CorruptRecordError(f"{err} (server {self.base_url})", key=key)
                 if r.status_code in (401, 403):
-                    raise StoreError(f"{self.base_url} refused the request ({r.status_code}): {err}", key=key,
-                                     hint="pass the server's token (--token / SWIFTLOG_TOKEN)")  # fmt: skip
+                    raise StoreError(
+                        f"{self.base_url} refused the request ({r.status_code}): {err}",
+                        key=key,
+                        hint="pass the server's token (--token / SWIFTLOG_TOKEN)",
+                    )
                 if r.status_code < 500:
                     raise StoreError(f"{self.base_url} answered {r.status_code} to {url}: {err}", key=key)
                 last = f"HTTP {r.status_code}: {err}"
             if attempt + 1 < self.retries:
                 time.sleep(delay)
                 delay *= 2
-        raise NodeUnavailableError(f"node server {self.base_url} unavailable after {self.retries} attempt(s): {last}", key=key,
-                                   hint="check that `swiftlog serve` runs there, or read the records from the cold tier")  # fmt: skip
+        raise NodeUnavailableError(
+            f"node server {self.base_url} unavailable after {self.retries} attempt(s): {last}",
+            key=key,
+            hint="check that `swiftlog serve` runs there, or read the records from the cold tier",
+        )
 
     def _reopening(self, method: str, url: str, params: dict[str, Any] | None) -> httpx.Response:
         """One request; sent again at once, on a new connection, when the server closed the kept-alive one
@@ -244,9 +285,11 @@ def _refuse_token_in_clear(url: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ConfigError(f"refusing to send the token over plain http to {url}: anyone on the way could read it",
-                          hint="serve with TLS (swiftlog serve --tls-cert/--tls-key) and use https://, "
-                               "or reach the server over loopback (an SSH tunnel)")  # fmt: skip
+        raise ConfigError(
+            f"refusing to send the token over plain http to {url}: anyone on the way could read it",
+            hint="serve with TLS (swiftlog serve --tls-cert/--tls-key) and use https://, "
+            "or reach the server over loopback (an SSH tunnel)",
+        )
 
 
 def _error_body(r: httpx.Response) -> str:
@@ -266,13 +309,24 @@ class RemoteLogReader(LogReader):
     LogStore). The reader owns the HTTP sources it creates; :meth:`close` closes them.
     """
 
-    def __init__(self, urls: str | Sequence[str], run: str, *, token: str | None = None, fallback: Sequence[RecordSource] = (),
-                 timeout: float = 30.0, retries: int = 3, verify: ssl.SSLContext | bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        run: str,
+        *,
+        token: str | None = None,
+        fallback: Sequence[RecordSource] = (),
+        timeout: float = 30.0,
+        retries: int = 3,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if token:
             for u in urls:  # before any client is made: none is left open
                 _refuse_token_in_clear(u)
-        self._http = [HttpRecordSource(u, run, token=token, timeout=timeout, retries=retries, verify=verify) for u in urls]
+        self._http = [
+            HttpRecordSource(u, run, token=token, timeout=timeout, retries=retries, verify=verify) for u in urls
+        ]
         super().__init__([*self._http, *fallback])
 
     def close(self) -> None:

@@ -94,16 +94,24 @@ class RecoveredStage:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("resume", "checkpoint_iteration", "checkpoint_uri", "verified", "digests_checked",
-                                               "records_fetched", "bytes_fetched", "timings", "warnings")}  # fmt: skip
+        return {
+            k: getattr(self, k)
+            for k in (
+                "resume",
+                "checkpoint_iteration",
+                "checkpoint_uri",
+                "verified",
+                "digests_checked",
+                "records_fetched",
+                "bytes_fetched",
+                "timings",
+                "warnings",
+            )
+        }
 
 
-def _checkpoint_iterations(
-    base: str, stage: int, storage_options: dict[str, Any] | None = None
-) -> dict[int, str]:
-    fs, path = fsspec.core.url_to_fs(
-        base.rstrip("/") + f"/stage{stage:05d}", **(storage_options or {})
-    )
+def _checkpoint_iterations(base: str, stage: int, storage_options: dict[str, Any] | None = None) -> dict[int, str]:
+    fs, path = fsspec.core.url_to_fs(base.rstrip("/") + f"/stage{stage:05d}", **(storage_options or {}))
     try:
         names = fs.ls(path, detail=False)
     except FileNotFoundError:
@@ -118,7 +126,11 @@ def _newest_common(
     """The newest iteration (<= ``at_most`` if given) at which every stage of ``stages`` has a
     checkpoint under ``base``, with each stage's URI; None when there is none."""
     per_stage = [_checkpoint_iterations(base, k, storage_options) for k in stages]
-    common = set.intersection(*({i for i in its if at_most is None or i <= at_most} for its in per_stage)) if per_stage else set()
+    common = (
+        set.intersection(*({i for i in its if at_most is None or i <= at_most} for its in per_stage))
+        if per_stage
+        else set()
+    )
     if not common:
         return None
     it = max(common)
@@ -148,8 +160,16 @@ def prepare_states(
         found = _newest_common(checkpoint_url, stages, None, checkpoint_options)
         return found[1] if found else None
 
-    return PreparedStates(run=run_id, num_stages=num_stages, stages=stages, checkpoints=newest_common, checkpoint_options=checkpoint_options,
-                          model=model, model_args=model_args, factory=factory)  # fmt: skip
+    return PreparedStates(
+        run=run_id,
+        num_stages=num_stages,
+        stages=stages,
+        checkpoints=newest_common,
+        checkpoint_options=checkpoint_options,
+        model=model,
+        model_args=model_args,
+        factory=factory,
+    )
 
 
 class _CountingSource:
@@ -240,8 +260,16 @@ def recover_stage(
     keys = RecoveryKeys(run_id, commit_prefix)
     members = sorted(set(group or [stage]) | {stage})
     # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint listing)
-    prepared = prepare_states(checkpoint_url, run_id=run_id, stages=members, num_stages=num_stages, model=model, model_args=model_args,
-                              checkpoint_options=checkpoint_options, factory=factory)  # fmt: skip
+    prepared = prepare_states(
+        checkpoint_url,
+        run_id=run_id,
+        stages=members,
+        num_stages=num_stages,
+        model=model,
+        model_args=model_args,
+        checkpoint_options=checkpoint_options,
+        factory=factory,
+    )
     try:
         g = generation
         t0 = time.monotonic()
@@ -257,8 +285,12 @@ def recover_stage(
                 f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}"
             )
         survivors = [k for k in range(num_stages) if k not in failed]
-        reports = wait_for_keys(store, [keys.survivor(g, k) for k in survivors], timeout=timeout,
-                                what=f"replacement of stage {stage}: waiting for the survivors' reports")  # fmt: skip
+        reports = wait_for_keys(
+            store,
+            [keys.survivor(g, k) for k in survivors],
+            timeout=timeout,
+            what=f"replacement of stage {stage}: waiting for the survivors' reports",
+        )
         docs = {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
         resumes = {k: d["resume"] for k, d in docs.items()}
         if sources is None:
@@ -269,17 +301,13 @@ def recover_stage(
             )
         resume = next(iter(resumes.values())) if resumes else None
         if resume is None:
-            raise ReplacementFallback(
-                f"no survivor of generation {g}: nothing to replay against"
-            )
+            raise ReplacementFallback(f"no survivor of generation {g}: nothing to replay against")
         t_survivors = time.monotonic()
         # a failed neighbour took the records of what it sent this stage with it (and vice versa):
         # replay the whole run of adjacent failed stages together, its inner sends regenerated
         while members[0] - 1 in failed or members[-1] + 1 in failed:
             members = [members[0] - 1, *members] if members[0] - 1 in failed else [*members, members[-1] + 1]
-        if members != list(range(members[0], members[-1] + 1)) or any(
-            k not in failed for k in members
-        ):
+        if members != list(range(members[0], members[-1] + 1)) or any(k not in failed for k in members):
             raise RecoveryFailedError(
                 f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
             )
@@ -295,45 +323,89 @@ def recover_stage(
         if metas is not None:  # first: the dead stage's own log may not have shipped its last META
             sources = [metas, *sources]
         t_ck = time.monotonic()
-        job = ReplayJob(run=run_id, num_stages=num_stages, stages=members, stop_iteration=resume, checkpoints=ck_uris,
-                        sources=list(sources), checkpoint_options=dict(checkpoint_options or {}), model=model, model_args=dict(model_args or {}),
-                        data_source=data_source, loss=loss, workers=workers, n_microbatches=n_microbatches,
-                        scale_grads=True if n_microbatches else None, threads=threads)  # fmt: skip
+        job = ReplayJob(
+            run=run_id,
+            num_stages=num_stages,
+            stages=members,
+            stop_iteration=resume,
+            checkpoints=ck_uris,
+            sources=list(sources),
+            checkpoint_options=dict(checkpoint_options or {}),
+            model=model,
+            model_args=dict(model_args or {}),
+            data_source=data_source,
+            loss=loss,
+            workers=workers,
+            n_microbatches=n_microbatches,
+            scale_grads=True if n_microbatches else None,
+            threads=threads,
+        )
         if ck_it == resume:  # nothing to replay: the checkpoint is the state
             try:
                 mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
-            except (ReplayError, CheckpointError) as e:  # a factory that does not fit the checkpoint: the same fallback as a replay's
-                raise ReplacementFallback(f"loading stage {stage}'s checkpoint at {ck_it} (nothing to replay) failed: {e}") from e
-            return RecoveredStage(mine.module, mine.optimizer, mine.lr_scheduler, resume, ck_it, ck_uri, True, 0, 0, 0,
-                                  {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0})  # fmt: skip
-        if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
-            job = job.replace(
-                output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-")
+            except (
+                ReplayError,
+                CheckpointError,
+            ) as e:  # a factory that does not fit the checkpoint: the same fallback as a replay's
+                raise ReplacementFallback(
+                    f"loading stage {stage}'s checkpoint at {ck_it} (nothing to replay) failed: {e}"
+                ) from e
+            return RecoveredStage(
+                mine.module,
+                mine.optimizer,
+                mine.lr_scheduler,
+                resume,
+                ck_it,
+                ck_uri,
+                True,
+                0,
+                0,
+                0,
+                {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0},
             )
+        if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
+            job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
         opened = [_CountingSource(s.open(run_id)) for s in job.sources]
         try:
             res = None
             if helpers > 0:
                 try:
-                    res = _replay_with_helpers(store, keys, generation, stage, job.replace(output=output), helpers, opened, factory, timeout, prepared,
-                                               loss_fn)  # fmt: skip
+                    res = _replay_with_helpers(
+                        store,
+                        keys,
+                        generation,
+                        stage,
+                        job.replace(output=output),
+                        helpers,
+                        opened,
+                        factory,
+                        timeout,
+                        prepared,
+                        loss_fn,
+                    )
                 except ReplayOrderError as e:  # the stage needs its live order, which only a replay alone follows
                     logger.warning("stage %d: %s; replaying alone", stage, e.message)
                 except (ReplayError, CheckpointError):
                     raise
                 except Exception as e:  # a helper died or never came: the replacement can still replay alone
-                    logger.warning("stage %d: replay with %d helper(s) failed (%s: %s); replaying alone", stage, helpers, type(e).__name__, e)
+                    logger.warning(
+                        "stage %d: replay with %d helper(s) failed (%s: %s); replaying alone",
+                        stage,
+                        helpers,
+                        type(e).__name__,
+                        e,
+                    )
             if res is None and helpers <= 0 and job.workers > 1:
                 try:
                     res = replay(job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
                 except ReplayOrderError as e:
                     logger.warning("stage %d: %s; replaying alone", stage, e.message)
             if res is None:
-                res = replay(job.replace(workers=1), factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
+                res = replay(
+                    job.replace(workers=1), factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared
+                )
         except (ReplayError, CheckpointError) as e:
-            raise ReplacementFallback(
-                f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}"
-            ) from e
+            raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}") from e
         finally:
             for s in opened:
                 try:
@@ -341,17 +413,15 @@ def recover_stage(
                 except Exception:
                     logger.debug("closing a source failed", exc_info=True)
         if not res.verified:
-            raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {res.report.unverified_reason}")
+            raise ReplacementFallback(
+                f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {res.report.unverified_reason}"
+            )
         if res.states is not None:
             mine = next(st for st in res.states if st.stage == stage)
             st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
         else:
-            rck = load_checkpoint(
-                res.outputs[stage], storage_options=job.output_options or None
-            )
-            st_mod, st_opt, st_sched = (factory or load_object(model))(
-                stage, num_stages, rck, **(model_args or {})
-            )
+            rck = load_checkpoint(res.outputs[stage], storage_options=job.output_options or None)
+            st_mod, st_opt, st_sched = (factory or load_object(model))(stage, num_stages, rck, **(model_args or {}))
             rck.apply(st_mod, st_opt, st_sched)
         rep = res.report
         nbytes = sum(s.bytes for s in opened)
@@ -367,14 +437,28 @@ def recover_stage(
             "workers": res.job.workers,  # processes that replayed (the replacement and its helpers)
             "total_s": time.monotonic() - t0,
         }
-        return RecoveredStage(st_mod, st_opt, st_sched, resume, ck_it, ck_uri, True, rep.digests_checked,
-                              rep.records_fetched, nbytes, timings, list(rep.warnings))  # fmt: skip
+        return RecoveredStage(
+            st_mod,
+            st_opt,
+            st_sched,
+            resume,
+            ck_it,
+            ck_uri,
+            True,
+            rep.digests_checked,
+            rep.records_fetched,
+            nbytes,
+            timings,
+            list(rep.warnings),
+        )
     finally:
         if helpers > 0:
             _release_helpers(store, keys.replay_job(generation, stage))
 
 
-def _committed_metas(store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range) -> SourceSpec | None:
+def _committed_metas(
+    store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range
+) -> SourceSpec | None:
     """The META documents of ``stages`` over ``iterations`` that the commit step stored (see
     ``trainer_client.commit``), as a source; None when there are none (no commit store, a run
     without META). A store error is logged, never raised: the logs may still hold them."""
@@ -411,10 +495,18 @@ def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
 
 
 def _replay_with_helpers(
-    store: dist.Store, keys: RecoveryKeys, generation: int, stage: int, job: ReplayJob, helpers: int,
-    sources: Sequence[Any], factory: Callable[..., Any] | None, timeout: datetime.timedelta, prepared: PreparedStates | None = None,
+    store: dist.Store,
+    keys: RecoveryKeys,
+    generation: int,
+    stage: int,
+    job: ReplayJob,
+    helpers: int,
+    sources: Sequence[Any],
+    factory: Callable[..., Any] | None,
+    timeout: datetime.timedelta,
+    prepared: PreparedStates | None = None,
     loss_fn: Callable[..., Any] | None = None,
-) -> ReplayResult:  # fmt: skip
+) -> ReplayResult:
     """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
     from replay.parallel import result_of, worker_main
 
@@ -423,8 +515,18 @@ def _replay_with_helpers(
     prefix = keys.replay_rendezvous(generation, stage)
     store.set(keys.replay_job(generation, stage), json.dumps({"job": job.to_dict(), "world": world, "prefix": prefix}))
     t0 = time.perf_counter()
-    doc = worker_main(0, world, job, store=dist.PrefixStore(prefix, store), sources=sources, factory=factory, loss_fn=loss_fn, keep_states=True,
-                      timeout=timeout, prepared=prepared)
+    doc = worker_main(
+        0,
+        world,
+        job,
+        store=dist.PrefixStore(prefix, store),
+        sources=sources,
+        factory=factory,
+        loss_fn=loss_fn,
+        keep_states=True,
+        timeout=timeout,
+        prepared=prepared,
+    )
     assert doc is not None  # rank 0 always returns the result
     return result_of(job, doc, time.perf_counter() - t0, states=doc["states"])
 
@@ -459,13 +561,29 @@ def serve_replay_helper(
     keys = RecoveryKeys(run_id, commit_prefix)
     key = keys.replay_job(generation, stage)
     # a short poll period: the replacement (rank 0) waits for this helper at the rendezvous
-    got = wait_for_keys(store, [key], timeout=timeout, what=f"replay helper {rank} of stage {stage}: waiting for the job", max_poll_s=0.002)
+    got = wait_for_keys(
+        store,
+        [key],
+        timeout=timeout,
+        what=f"replay helper {rank} of stage {stage}: waiting for the job",
+        max_poll_s=0.002,
+    )
     doc = json.loads(got[key])
     if "cancel" in doc or rank >= int(doc["world"]):
-        logger.info("replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}"))
+        logger.info(
+            "replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}")
+        )
         return False
-    worker_main(rank, int(doc["world"]), ReplayJob.from_dict(doc["job"]), store=dist.PrefixStore(doc["prefix"], store), factory=factory,
-                loss_fn=loss_fn, timeout=timeout, prepared=prepared)
+    worker_main(
+        rank,
+        int(doc["world"]),
+        ReplayJob.from_dict(doc["job"]),
+        store=dist.PrefixStore(doc["prefix"], store),
+        factory=factory,
+        loss_fn=loss_fn,
+        timeout=timeout,
+        prepared=prepared,
+    )
     return True
 
 
@@ -500,4 +618,3 @@ def report_fallback(
     keys = RecoveryKeys(run_id, commit_prefix)
     store.set(keys.fallback(generation), reason)
     store.set(keys.wake(generation), "fallback")
-

@@ -106,8 +106,13 @@ def _validation_problem(exc: RequestValidationError) -> Problem:
                 return Problem(422, "invalid_name", 2, plain_message(e), e.hint)
         where = ".".join(loc) or "request"
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return Problem(422, "invalid_request", 2, "; ".join(parts)[:2000] or "invalid request",
-                   "see /openapi.json for the expected parameters and body")  # fmt: skip
+    return Problem(
+        422,
+        "invalid_request",
+        2,
+        "; ".join(parts)[:2000] or "invalid request",
+        "see /openapi.json for the expected parameters and body",
+    )
 
 
 def _allowed_methods(app: FastAPI, path: str) -> list[str]:
@@ -141,7 +146,9 @@ def _install_handlers(app: FastAPI, redact: Callable[[Problem], Problem]) -> Non
         msg = str(exc.detail)
         if exc.status_code == 404 and msg == "Not Found":
             msg = f"no such endpoint: {request.method} {request.url.path}"
-        resp = _respond(Problem(exc.status_code, code, 2, msg, "see /openapi.json" if exc.status_code in (404, 405) else None))
+        resp = _respond(
+            Problem(exc.status_code, code, 2, msg, "see /openapi.json" if exc.status_code in (404, 405) else None)
+        )
         for k, v in (exc.headers or {}).items():
             resp.headers[k] = v
         if exc.status_code == 405:

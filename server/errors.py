@@ -130,7 +130,12 @@ _TABLE: tuple[tuple[type[BaseException], int, str, int], ...] = (
     (ColdTierUnavailableError, 503, "cold_tier_unavailable", EXIT_UNAVAILABLE),
     (StoreClosedError, 503, "store_closed", EXIT_UNAVAILABLE),
     (StoreFullError, 507, "store_full", EXIT_UNAVAILABLE),
-    (WriterFencedError, 409, "writer_fenced", EXIT_PROBLEMS),  # an earlier incarnation's segments: never shipped over a later one's
+    (
+        WriterFencedError,
+        409,
+        "writer_fenced",
+        EXIT_PROBLEMS,
+    ),  # an earlier incarnation's segments: never shipped over a later one's
     (ColdTierError, 502, "cold_tier_error", EXIT_UNAVAILABLE),
     (StoreError, 500, "store_error", EXIT_UNAVAILABLE),
 )
@@ -152,8 +157,22 @@ def classify(exc: BaseException) -> Problem:
         key = getattr(exc, "key", None)
         for cls, status, code, exit_code in _TABLE:
             if isinstance(exc, cls):
-                return Problem(status, code, exit_code, plain_message(exc), exc.hint,
-                               None if key is None else str(key), bool(exc.retryable))
-        return Problem(500, "internal_error", EXIT_PROBLEMS, plain_message(exc), exc.hint, None if key is None else str(key))
-    return Problem(500, "internal_error", EXIT_PROBLEMS, f"internal error: {type(exc).__name__}",
-                   "this is a bug in swiftlog; the server log has the traceback")
+                return Problem(
+                    status,
+                    code,
+                    exit_code,
+                    plain_message(exc),
+                    exc.hint,
+                    None if key is None else str(key),
+                    bool(exc.retryable),
+                )
+        return Problem(
+            500, "internal_error", EXIT_PROBLEMS, plain_message(exc), exc.hint, None if key is None else str(key)
+        )
+    return Problem(
+        500,
+        "internal_error",
+        EXIT_PROBLEMS,
+        f"internal error: {type(exc).__name__}",
+        "this is a bug in swiftlog; the server log has the traceback",
+    )

@@ -39,13 +39,21 @@ class _StoreCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         records = GaugeMetricFamily("swiftlog_store_records", "Records per run and tier", labels=["run", "tier"])
-        stored = GaugeMetricFamily("swiftlog_store_stored_bytes", "Encoded record bytes per run and tier", labels=["run", "tier"])
+        stored = GaugeMetricFamily(
+            "swiftlog_store_stored_bytes", "Encoded record bytes per run and tier", labels=["run", "tier"]
+        )
         raw = GaugeMetricFamily("swiftlog_store_raw_bytes", "Raw tensor bytes per run and tier", labels=["run", "tier"])
-        disk = GaugeMetricFamily("swiftlog_store_hot_disk_bytes", "Hot tier bytes on disk (index and segments)", labels=["run"])
+        disk = GaugeMetricFamily(
+            "swiftlog_store_hot_disk_bytes", "Hot tier bytes on disk (index and segments)", labels=["run"]
+        )
         objects = GaugeMetricFamily("swiftlog_store_cold_object_bytes", "Cold tier object bytes", labels=["run"])
         segments = GaugeMetricFamily("swiftlog_store_hot_segments", "Hot segments per state", labels=["run", "state"])
-        wms = GaugeMetricFamily("swiftlog_store_watermark_iteration", "Newest durable checkpoint per stage", labels=["run", "stage"])
-        age = GaugeMetricFamily("swiftlog_store_summary_age_seconds", "Age of the summary these values come from", labels=["run"])
+        wms = GaugeMetricFamily(
+            "swiftlog_store_watermark_iteration", "Newest durable checkpoint per stage", labels=["run", "stage"]
+        )
+        age = GaugeMetricFamily(
+            "swiftlog_store_summary_age_seconds", "Age of the summary these values come from", labels=["run"]
+        )
         now = time.time()
         try:
             runs = self.node.run_names()
@@ -83,9 +91,12 @@ class ServerMetrics:
             "swiftlog_http_requests", "HTTP requests", ["method", "route", "status"], registry=self.registry
         )
         self.latency = Histogram(
-            "swiftlog_http_request_duration_seconds", "HTTP request latency", ["method", "route"],
-            buckets=_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "swiftlog_http_request_duration_seconds",
+            "HTTP request latency",
+            ["method", "route"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_StoreCollector(node))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:

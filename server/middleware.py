@@ -24,9 +24,17 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 async def _send_problem(send: Send, problem: Problem) -> None:
     body = json.dumps(problem.body()).encode()
-    await send({"type": "http.response.start", "status": problem.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": problem.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -38,7 +46,14 @@ def _split_host(value: str) -> tuple[str, int | None] | None:
         name, port = parts.hostname, parts.port
     except ValueError:
         return None
-    if not name or parts.username is not None or parts.password is not None or parts.path or parts.query or parts.fragment:
+    if (
+        not name
+        or parts.username is not None
+        or parts.password is not None
+        or parts.path
+        or parts.query
+        or parts.fragment
+    ):
         return None
     return name.rstrip(".").lower(), port
 
@@ -67,18 +82,38 @@ class HostOriginMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {name: value.decode("latin-1") for name, value in scope.get("headers", ()) if name in (b"host", b"origin", b"sec-fetch-site")}
+        headers = {
+            name: value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+            if name in (b"host", b"origin", b"sec-fetch-site")
+        }
         host = _split_host(headers.get(b"host", ""))
         if host is None or not self._allowed(host[0]):
             got = headers.get(b"host")
-            await _send_problem(send, Problem(421, "misdirected_request", 2,
-                                              f"this server does not answer to the host {got[:100]!r}" if got else "the request has no Host header",
-                                              "use the server's name or address; an operator adds names with --allowed-host"))  # fmt: skip
+            await _send_problem(
+                send,
+                Problem(
+                    421,
+                    "misdirected_request",
+                    2,
+                    f"this server does not answer to the host {got[:100]!r}"
+                    if got
+                    else "the request has no Host header",
+                    "use the server's name or address; an operator adds names with --allowed-host",
+                ),
+            )
             return
         if scope.get("method") not in _SAFE_METHODS and not self._same_origin(scope, host, headers):
-            await _send_problem(send, Problem(403, "cross_origin_request", 2,
-                                              "a state-changing request from a page of another origin is refused",
-                                              "send it from a program (curl, swiftlog), not from a web page"))  # fmt: skip
+            await _send_problem(
+                send,
+                Problem(
+                    403,
+                    "cross_origin_request",
+                    2,
+                    "a state-changing request from a page of another origin is refused",
+                    "send it from a program (curl, swiftlog), not from a web page",
+                ),
+            )
             return
         await self.app(scope, receive, send)
 
@@ -96,7 +131,11 @@ class HostOriginMiddleware:
             return False
         mine = scope.get("scheme", "http")
         default = _DEFAULT_PORTS.get(mine)
-        return scheme.lower() == mine and theirs[0] == host[0] and (theirs[1] or _DEFAULT_PORTS.get(scheme.lower())) == (host[1] or default)
+        return (
+            scheme.lower() == mine
+            and theirs[0] == host[0]
+            and (theirs[1] or _DEFAULT_PORTS.get(scheme.lower())) == (host[1] or default)
+        )
 
 
 class BodyLimitMiddleware:
@@ -112,8 +151,13 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     def _problem(self) -> Problem:
-        return Problem(413, "payload_too_large", 2, f"request body exceeds {self.max_bytes} bytes",
-                       "request bodies of this API are small JSON documents")  # fmt: skip
+        return Problem(
+            413,
+            "payload_too_large",
+            2,
+            f"request body exceeds {self.max_bytes} bytes",
+            "request bodies of this API are small JSON documents",
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,10 +178,22 @@ class BodyLimitMiddleware:
             elif name == b"content-type":
                 content_type = value
         mime = content_type.split(b";")[0].strip().lower()
-        if has_body and scope.get("method") in ("POST", "PUT", "PATCH") and not (mime == b"application/json" or mime.endswith(b"+json")):
+        if (
+            has_body
+            and scope.get("method") in ("POST", "PUT", "PATCH")
+            and not (mime == b"application/json" or mime.endswith(b"+json"))
+        ):
             got = content_type.decode("latin-1")[:100] or "none"
-            await _send_problem(send, Problem(415, "unsupported_media_type", 2, f"the request body must be JSON, sent as Content-Type: application/json (got {got!r})",
-                                              "e.g. curl -H 'Content-Type: application/json' -d '{\"confirm\": true}' ..."))  # fmt: skip
+            await _send_problem(
+                send,
+                Problem(
+                    415,
+                    "unsupported_media_type",
+                    2,
+                    f"the request body must be JSON, sent as Content-Type: application/json (got {got!r})",
+                    "e.g. curl -H 'Content-Type: application/json' -d '{\"confirm\": true}' ...",
+                ),
+            )
             return
         seen = 0
         limit = self.max_bytes

@@ -55,7 +55,9 @@ MAX_STAGE = 0xFFFF
 # Iterations the API accepts: the largest integer a JSON number (an IEEE double in most clients)
 # holds exactly. Keys go to 2**63-1, but beyond 2**53 JSON clients silently round.
 MAX_API_ITERATION = 2**53 - 1
-KIND_NAMES = tuple(k.name.lower() for k in Kind)  # "activation", "gradient", ..., "reduced": every channel kind the store has
+KIND_NAMES = tuple(
+    k.name.lower() for k in Kind
+)  # "activation", "gradient", ..., "reduced": every channel kind the store has
 KindName = Literal[KIND_NAMES]  # type: ignore[valid-type]
 
 
@@ -146,8 +148,11 @@ class HotTierSummary(TierRange):
     collected: list[Collected] = Field(
         default_factory=list, description="what GC deleted from this node's hot tiers, per owner stage"
     )
-    unreadable: dict[str, str] = Field(default_factory=dict, description="writers whose index was left out (damaged, truncated, missing), and why: "
-                                       "their records are counted only where the cold tier has them")  # fmt: skip
+    unreadable: dict[str, str] = Field(
+        default_factory=dict,
+        description="writers whose index was left out (damaged, truncated, missing), and why: "
+        "their records are counted only where the cold tier has them",
+    )
 
 
 class ColdTierSummary(TierRange):
@@ -186,7 +191,9 @@ class RunSummary(_Model):
     cold: ColdTierSummary | None = Field(None, description="None when no cold tier is configured")
     raw_bytes: int = Field(description="raw tensor bytes held on this node (hot tier)")
     stored_bytes: int = Field(description="encoded bytes held on this node (hot tier)")
-    compression_ratio: float | None = Field(None, description="raw / stored over the hot tier (the cold tier if the hot one is empty)")
+    compression_ratio: float | None = Field(
+        None, description="raw / stored over the hot tier (the cold tier if the hot one is empty)"
+    )
     checkpoints: list[Checkpoint]
     watermarks: list[Watermark]
     gaps: list[Gap]
@@ -237,15 +244,23 @@ class RecordDetail(RecordEntry):
     raw_checksum: str = Field(description="xxh3-64 of the raw tensor bytes, from the record header (hex)")
     stats: TensorStats | None = None
     stats_skipped: str | None = Field(None, description="why stats is None")
-    meta: dict[str, Any] | None = Field(None, description="a META record's document (the stage's schedule, order, seeds, loss function... of the iteration)")
+    meta: dict[str, Any] | None = Field(
+        None,
+        description="a META record's document (the stage's schedule, order, seeds, loss function... of the iteration)",
+    )
 
 
 # ---------------------------------------------------------------------------------- checkpoints, gc, flush
 class CheckpointRequest(_Model):
     stage: int = Field(ge=0, le=MAX_STAGE)
     iteration: int = Field(ge=0, le=MAX_API_ITERATION)
-    uri: str | None = Field(None, min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$",
-                            description="where the checkpoint is readable from a replacement (no control characters)")
+    uri: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="where the checkpoint is readable from a replacement (no control characters)",
+    )
     meta: dict[str, Any] = Field(
         default_factory=dict,
         description=f"free-form JSON object: valid Unicode, finite numbers, at most {MAX_META_DEPTH} levels deep "
@@ -267,6 +282,7 @@ class CheckpointRequest(_Model):
         except ValueError as e:
             raise ValueError(f"meta is not portable JSON within the limits: {e}") from e
         return v
+
     force: StrictBool = Field(
         False,
         description="register even a stage beyond the run's logged stages, an iteration beyond its logs, or a local uri "
@@ -351,8 +367,11 @@ class FlushResult(_Model):
         description="still open in their writer: only the writer seals them (at a segment boundary, "
         "on its flush/close, or when it restarts), so they are not in the cold tier yet"
     )
-    skipped_writers: dict[str, str] = Field(default_factory=dict, description="writers whose index was left out (damaged, truncated, missing), "
-                                            "and why: nothing of theirs was shipped")  # fmt: skip
+    skipped_writers: dict[str, str] = Field(
+        default_factory=dict,
+        description="writers whose index was left out (damaged, truncated, missing), "
+        "and why: nothing of theirs was shipped",
+    )
 
 
 class VerifyProblem(_Model):

@@ -88,11 +88,15 @@ def encode_cursor(key: RecordKey) -> str:
 def decode_cursor(cursor: str) -> RecordKey:
     """Inverse of :func:`encode_cursor`; BadRequestError for anything else."""
     if not isinstance(cursor, str) or not _CURSOR_RE.match(cursor):
-        raise BadRequestError(f"invalid cursor {cursor[:80]!r}", hint="pass back next_cursor from the previous page unchanged")
+        raise BadRequestError(
+            f"invalid cursor {cursor[:80]!r}", hint="pass back next_cursor from the previous page unchanged"
+        )
     try:
         return RecordKey.decode(bytes.fromhex(cursor))
     except SwiftlogError:
-        raise BadRequestError(f"invalid cursor {cursor!r}", hint="pass back next_cursor from the previous page unchanged") from None
+        raise BadRequestError(
+            f"invalid cursor {cursor!r}", hint="pass back next_cursor from the previous page unchanged"
+        ) from None
 
 
 def _hex(x: int) -> str:
@@ -276,8 +280,9 @@ class Node:
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
         if cold_url is not None and cold_refresh_interval:
-            self._refresher = threading.Thread(target=self._refresh_loop, args=(cold_refresh_interval,),
-                                               name="swiftlog-cold-refresh", daemon=True)  # fmt: skip
+            self._refresher = threading.Thread(
+                target=self._refresh_loop, args=(cold_refresh_interval,), name="swiftlog-cold-refresh", daemon=True
+            )
             self._refresher.start()
 
     def _refresh_loop(self, interval: float) -> None:
@@ -337,7 +342,9 @@ class Node:
                 key=run,
                 hint="`swiftlog ls` lists the runs of this root; check --root / SWIFTLOG_ROOT",
             )
-        st = LogStore(StoreConfig(root=self.root, run=run, writer=None, cold_url=self.cold_url, cold_options=self.cold_options))
+        st = LogStore(
+            StoreConfig(root=self.root, run=run, writer=None, cold_url=self.cold_url, cold_options=self.cold_options)
+        )
         with self._lock:
             other = self._stores.get(run)
             if other is not None:  # another thread won the race
@@ -383,7 +390,10 @@ class Node:
         wm: dict[int, int] = {}
         try:
             cps = st.checkpoints()
-        except (ColdTierUnavailableError, ColdTierError) as e:  # unreachable or refusing: what this node registered itself, and the watermarks it last saw
+        except (
+            ColdTierUnavailableError,
+            ColdTierError,
+        ) as e:  # unreachable or refusing: what this node registered itself, and the watermarks it last saw
             cold_error = f"checkpoints: {e.message}"
             cps, wm = st.checkpoints(hot_only=True), st.watermarks(max_age=math.inf)
             incomplete += ["checkpoints", "watermarks", "gaps"]
@@ -403,30 +413,51 @@ class Node:
             for tier, lo_l, hi_l in (("hot", hot_lo, hot_hi), ("cold", cold_lo, cold_hi)):
                 t = tiers.get(tier)
                 if t and t["records"] > 0:
-                    ranges[tier] = TierRange(records=t["records"], stored_bytes=t["stored_bytes"], raw_bytes=t["raw_bytes"],
-                                             first_iteration=t["lo"], last_iteration=t["hi"])
+                    ranges[tier] = TierRange(
+                        records=t["records"],
+                        stored_bytes=t["stored_bytes"],
+                        raw_bytes=t["raw_bytes"],
+                        first_iteration=t["lo"],
+                        last_iteration=t["hi"],
+                    )
                     lo_l.append(t["lo"])
                     hi_l.append(t["hi"])
-            channels.append(ChannelSummary(name=ch.name, kind=_kind_name(ch.kind), src=ch.src, dst=ch.dst, owner=ch.owner, **ranges))
+            channels.append(
+                ChannelSummary(name=ch.name, kind=_kind_name(ch.kind), src=ch.src, dst=ch.dst, owner=ch.owner, **ranges)
+            )
         h = stats["hot"]
         segs = h["segments"]
         hot = HotTierSummary(
-            records=h["records"], stored_bytes=h["stored_bytes"], raw_bytes=h["raw_bytes"],
-            first_iteration=min(hot_lo, default=None), last_iteration=max(hot_hi, default=None),
-            disk_bytes=h["disk_bytes"], writers=self._writers(run), unreadable=st.unreadable_writers(),
+            records=h["records"],
+            stored_bytes=h["stored_bytes"],
+            raw_bytes=h["raw_bytes"],
+            first_iteration=min(hot_lo, default=None),
+            last_iteration=max(hot_hi, default=None),
+            disk_bytes=h["disk_bytes"],
+            writers=self._writers(run),
+            unreadable=st.unreadable_writers(),
             collected=[Collected(stage=k, **c) for k, c in sorted(h["collected"].items())],
-            segments=SegmentStates(open=segs.get("open", 0), sealed=segs.get("sealed", 0),
-                                   uploaded=segs.get("uploaded", 0), evicted=segs.get("evicted", 0)),
-        )  # fmt: skip
+            segments=SegmentStates(
+                open=segs.get("open", 0),
+                sealed=segs.get("sealed", 0),
+                uploaded=segs.get("uploaded", 0),
+                evicted=segs.get("evicted", 0),
+            ),
+        )
         cold = None
         if stats["cold"] is not None:
             c = stats["cold"]
             err = "; ".join(e for e in (c.get("error"), cold_error) if e) or None
             cold = ColdTierSummary(
-                records=c["records"], stored_bytes=c["stored_bytes"], raw_bytes=c["raw_bytes"],
-                first_iteration=min(cold_lo, default=None), last_iteration=max(cold_hi, default=None),
-                segments=c["segments"], object_bytes=c["object_bytes"], error=err,
-            )  # fmt: skip
+                records=c["records"],
+                stored_bytes=c["stored_bytes"],
+                raw_bytes=c["raw_bytes"],
+                first_iteration=min(cold_lo, default=None),
+                last_iteration=max(cold_hi, default=None),
+                segments=c["segments"],
+                object_bytes=c["object_bytes"],
+                error=err,
+            )
         ratio = stats["compression_ratio"]
         if ratio is None and cold is not None and cold.stored_bytes:
             ratio = cold.raw_bytes / cold.stored_bytes
@@ -467,18 +498,29 @@ class Node:
             try:
                 kinds = [Kind[kind.upper()]]
             except KeyError:
-                raise BadRequestError(f"unknown kind {kind!r}", hint="use " + ", ".join(_kind_name(k) for k in Kind)) from None
+                raise BadRequestError(
+                    f"unknown kind {kind!r}", hint="use " + ", ".join(_kind_name(k) for k in Kind)
+                ) from None
             if ch is not None and ch.kind not in kinds:
                 raise BadRequestError(f"channel {ch.name} is not of kind {kind}", hint="drop one of the two filters")
         if it_hi is not None and it_hi < it_lo:
-            raise BadRequestError(f"it_hi {it_hi} is below it_lo {it_lo}", hint="the iteration range is it_lo <= iteration < it_hi")
+            raise BadRequestError(
+                f"it_hi {it_hi} is below it_lo {it_lo}", hint="the iteration range is it_lo <= iteration < it_hi"
+            )
         after = decode_cursor(cursor) if cursor else None
         cold_error: str | None = None
         try:
-            infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1)
-        except (ColdTierUnavailableError, ColdTierError) as e:  # unreachable or refusing: an operator still sees what this node holds, and is told what is missing
+            infos = st.list_records(
+                ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1
+            )
+        except (
+            ColdTierUnavailableError,
+            ColdTierError,
+        ) as e:  # unreachable or refusing: an operator still sees what this node holds, and is told what is missing
             cold_error = f"{e.message}: only the hot tier is listed (records only the cold tier holds are missing)"
-            infos = st.list_records(ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1, hot_only=True)
+            infos = st.list_records(
+                ch, it_lo, it_hi, kinds=kinds, micro_batch=micro_batch, after=after, limit=limit + 1, hot_only=True
+            )
         more = len(infos) > limit
         infos = infos[:limit]
         return RecordPage(
@@ -489,7 +531,9 @@ class Node:
         )
 
     def _locate(self, st: LogStore, key: RecordKey) -> RecordInfo | None:
-        infos = st.list_records(key.channel, key.iteration, key.iteration + 1, micro_batch=key.micro_batch, limit=key.part + 1)
+        infos = st.list_records(
+            key.channel, key.iteration, key.iteration + 1, micro_batch=key.micro_batch, limit=key.part + 1
+        )
         return next((i for i in infos if i.key == key), None)
 
     def blob(self, run: str, key: str) -> tuple[RecordKey, bytes, codec.TensorHeader]:
@@ -531,9 +575,15 @@ class Node:
         k, blob, header = self.blob(run, key)
         try:
             info = self._locate(st, k)
-        except ColdTierUnavailableError:  # the bytes came from the hot tier; its listing of both tiers needs the cold one
+        except (
+            ColdTierUnavailableError
+        ):  # the bytes came from the hot tier; its listing of both tiers needs the cold one
             info = None
-        entry = _entry(info) if info is not None else _entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
+        entry = (
+            _entry(info)
+            if info is not None
+            else _entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
+        )
         entry["raw_bytes"] = header.raw_len
         stats, skipped, document = None, None, None
         if k.channel.kind == Kind.META:  # a JSON document stored as bytes: show the document
@@ -550,7 +600,9 @@ class Node:
         elif not with_stats:
             skipped = "not requested"
         elif header.raw_len > self.max_tensor_stats_bytes:
-            skipped = f"record has {header.raw_len} raw bytes, above max_tensor_stats_bytes={self.max_tensor_stats_bytes}"
+            skipped = (
+                f"record has {header.raw_len} raw bytes, above max_tensor_stats_bytes={self.max_tensor_stats_bytes}"
+            )
         else:
             t = codec.decode_tensor(blob, key=k)
             try:
@@ -623,30 +675,54 @@ class Node:
                 "(swiftlog plan says whether a replay can start there)"
             )
         if st.cold is None:
-            notes.append("no cold tier: the registration is withdrawn from this node's hot indexes only; "
-                         "a node that holds its own copy keeps it until unregistered there")  # fmt: skip
+            notes.append(
+                "no cold tier: the registration is withdrawn from this node's hot indexes only; "
+                "a node that holds its own copy keeps it until unregistered there"
+            )
 
         def preview(r: Any) -> GcPreview:
-            return GcPreview(hot_records=r.hot_records, hot_segments=r.hot_segments, hot_bytes=r.hot_bytes,
-                             cold_segments=r.cold_segments, cold_bytes=r.cold_bytes)  # fmt: skip
+            return GcPreview(
+                hot_records=r.hot_records,
+                hot_segments=r.hot_segments,
+                hot_bytes=r.hot_bytes,
+                cold_segments=r.cold_segments,
+                cold_bytes=r.cold_bytes,
+            )
 
         return UnregisterResult(
-            run=run, dry_run=not req.confirm, checkpoint=_checkpoint(p.checkpoint),
+            run=run,
+            dry_run=not req.confirm,
+            checkpoint=_checkpoint(p.checkpoint),
             watermarks_before=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_before.items())],
             watermarks_after=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_after.items())],
-            gc_before=preview(p.gc_before), gc_after=preview(p.gc_after), notes=notes,
-        )  # fmt: skip
+            gc_before=preview(p.gc_before),
+            gc_after=preview(p.gc_after),
+            notes=notes,
+        )
 
     def _check_registration(self, run: str, req: CheckpointRequest) -> None:
         s = self.summary(run, fresh=True)  # the newest iteration may be seconds old
         named = {st for c in s.channels for st in (c.src, c.dst)}
         if named and req.stage > max(named):
-            raise BadRequestError(f"stage {req.stage} is beyond the stages of run {run!r} (its channels name stages {min(named)}..{max(named)})",
-                                  hint='check the stage; pass "force": true to register it anyway')  # fmt: skip
-        last = max((t.last_iteration for c in s.channels for t in (c.hot, c.cold) if t is not None and t.last_iteration is not None), default=None)
+            raise BadRequestError(
+                f"stage {req.stage} is beyond the stages of run {run!r} (its channels name stages {min(named)}..{max(named)})",
+                hint='check the stage; pass "force": true to register it anyway',
+            )
+        last = max(
+            (
+                t.last_iteration
+                for c in s.channels
+                for t in (c.hot, c.cold)
+                if t is not None and t.last_iteration is not None
+            ),
+            default=None,
+        )
         if last is not None and req.iteration > last + 1:
-            raise BadRequestError(f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
-                                  f"record stage {req.stage} received garbage", hint='check the iteration; pass "force": true to register it anyway')  # fmt: skip
+            raise BadRequestError(
+                f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
+                f"record stage {req.stage} received garbage",
+                hint='check the iteration; pass "force": true to register it anyway',
+            )
         if req.uri is None:
             raise BadRequestError(
                 f"a registration of stage {req.stage} at iteration {req.iteration} without a uri cannot be checked",
@@ -729,12 +805,18 @@ class Node:
             uploaded_bytes=rep["uploaded_bytes"],
             already_uploaded=rep["already_uploaded"],
             open_segments=[
-                OpenSegment(writer=o["writer"], channel=o["channel"], first_iteration=o["lo"], last_iteration=o["hi"],
-                            records=o["records"], bytes=o["bytes"])
+                OpenSegment(
+                    writer=o["writer"],
+                    channel=o["channel"],
+                    first_iteration=o["lo"],
+                    last_iteration=o["hi"],
+                    records=o["records"],
+                    bytes=o["bytes"],
+                )
                 for o in rep["open"]
             ],
             skipped_writers=st.unreadable_writers(),
-        )  # fmt: skip
+        )
 
     def verify(self, run: str, progress: Callable[[str, int, int], None] | None = None) -> VerifyResult:
         """Every checksum of both tiers; problems are listed, never raised."""
@@ -768,11 +850,21 @@ class Node:
         if not failed_stages:
             raise BadRequestError("no failed stage given", hint="name at least one failed stage")
         fn = load_planner(self.planner)
-        options = {k: v for k, v in (("target_iteration", target_iteration), ("bandwidth_mbps", bandwidth_mbps), ("workers", workers)) if v is not None}
+        options = {
+            k: v
+            for k, v in (
+                ("target_iteration", target_iteration),
+                ("bandwidth_mbps", bandwidth_mbps),
+                ("workers", workers),
+            )
+            if v is not None
+        }
         try:
             plan = fn(store=st, failed_stages=sorted(set(failed_stages)), **options)
         except SwiftlogError:
             raise
         except (ValueError, KeyError) as e:
             raise BadRequestError(f"recovery planner refused the request: {e}") from e
-        return RecoveryPlan(run=run, failed_stages=sorted(set(failed_stages)), planner=self.planner, plan=to_jsonable(plan))
+        return RecoveryPlan(
+            run=run, failed_stages=sorted(set(failed_stages)), planner=self.planner, plan=to_jsonable(plan)
+        )

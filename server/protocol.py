@@ -74,8 +74,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            self._refuse(Problem(503, "too_many_connections", 2, f"the server has {self.limits.max_connections} connections open",
-                                 "retry later, or reuse one connection for several requests", retryable=True))  # fmt: skip
+            self._refuse(
+                Problem(
+                    503,
+                    "too_many_connections",
+                    2,
+                    f"the server has {self.limits.max_connections} connections open",
+                    "retry later, or reuse one connection for several requests",
+                    retryable=True,
+                )
+            )
             return
         self._arm_deadline()
 
@@ -133,9 +141,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # ------------------------------------------------------------------ bounds
     def _head_problem(self) -> Problem:
-        return Problem(431, "request_header_fields_too_large", 2,
-                       f"the request line and headers exceed {self.limits.max_head_bytes} bytes",
-                       "requests of this API need a few short headers")  # fmt: skip
+        return Problem(
+            431,
+            "request_header_fields_too_large",
+            2,
+            f"the request line and headers exceed {self.limits.max_head_bytes} bytes",
+            "requests of this API need a few short headers",
+        )
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:
@@ -154,8 +166,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refused = True
             self.transport.close()
             return
-        self._refuse(Problem(408, "request_timeout", 2, f"the request did not arrive whole within {self.limits.read_timeout:g} s",
-                             "send the request at once", retryable=True))  # fmt: skip
+        self._refuse(
+            Problem(
+                408,
+                "request_timeout",
+                2,
+                f"the request did not arrive whole within {self.limits.read_timeout:g} s",
+                "send the request at once",
+                retryable=True,
+            )
+        )
 
     def _refuse(self, problem: Problem) -> None:
         """Answer ``problem`` and close the connection; the request (if any) never reaches the app.
@@ -170,8 +190,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
         body = json.dumps(problem.body()).encode()
-        head = [STATUS_LINE[problem.status], b"content-type: application/json\r\n",
-                b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]  # fmt: skip
+        head = [
+            STATUS_LINE[problem.status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+        ]
         if problem.retryable:
             head.append(b"retry-after: 5\r\n")
         self.transport.write(b"".join([*head, b"\r\n", body]))

@@ -25,8 +25,17 @@ def written_store(tmp_path_factory: pytest.TempPathFactory) -> StoreFixture:
     Read-only: mutate a :func:`store_copy`."""
     base = tmp_path_factory.mktemp("written")
     fx = StoreFixture(root=base / "node", cold_dir=base / "cold")
-    write_run(fx.root, fx.run, stages=fx.stages, iterations=fx.iterations, micro_batches=fx.micro_batches,
-              cold_url=fx.cold_url, flush_stages=(2, 3), evict_stages=(3,), gap_at=fx.gap_at)  # fmt: skip
+    write_run(
+        fx.root,
+        fx.run,
+        stages=fx.stages,
+        iterations=fx.iterations,
+        micro_batches=fx.micro_batches,
+        cold_url=fx.cold_url,
+        flush_stages=(2, 3),
+        evict_stages=(3,),
+        gap_at=fx.gap_at,
+    )
     return fx
 
 

@@ -30,8 +30,11 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
     """The uvicorn configuration ``swiftlog serve`` runs ``app`` with (loaded: the TLS files are read).
 
     Raises ConfigError naming a certificate or key that cannot be used."""
-    limits = HttpLimits(max_head_bytes=settings.max_header_bytes, read_timeout=settings.request_read_timeout,
-                        max_connections=settings.max_connections)  # fmt: skip
+    limits = HttpLimits(
+        max_head_bytes=settings.max_header_bytes,
+        read_timeout=settings.request_read_timeout,
+        max_connections=settings.max_connections,
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -49,8 +52,10 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
     try:
         config.load()
     except (OSError, ssl.SSLError) as e:
-        raise ConfigError(f"cannot use the TLS certificate {str(settings.tls_certfile)!r} / key {str(settings.tls_keyfile)!r}: {e}",
-                          hint="give a PEM certificate chain and its private key (--tls-cert, --tls-key)") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot use the TLS certificate {str(settings.tls_certfile)!r} / key {str(settings.tls_keyfile)!r}: {e}",
+            hint="give a PEM certificate chain and its private key (--tls-cert, --tls-key)",
+        ) from None
     return config
 
 
@@ -63,8 +68,12 @@ def serve(settings: Settings) -> None:
             hint=f"set {ENV_TOKEN} or pass --token, or bind 127.0.0.1",
         )
     if not is_loopback(settings.host) and settings.tls_certfile is None:
-        logger.warning("serving %s without TLS: the token crosses the network in clear (clients refuse to send it); "
-                       "pass --tls-cert/--tls-key (or %s)", settings.host, ENV_TLS_CERT)  # fmt: skip
+        logger.warning(
+            "serving %s without TLS: the token crosses the network in clear (clients refuse to send it); "
+            "pass --tls-cert/--tls-key (or %s)",
+            settings.host,
+            ENV_TLS_CERT,
+        )
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     server.run()
     if not server.started:

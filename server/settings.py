@@ -124,10 +124,13 @@ class Settings(BaseModel):
     cold_refresh_interval: float = Field(
         3.0, ge=0.5, le=3600.0, description="seconds between background cold-tier listings of recently used runs"
     )
-    max_open_runs: int = Field(64, ge=1, le=10_000, description="read-only stores kept open (least recently used closed)")
+    max_open_runs: int = Field(
+        64, ge=1, le=10_000, description="read-only stores kept open (least recently used closed)"
+    )
     planner: str = Field("replay.plan:plan_recovery", description="'module:function' of the recovery planner")
     allowed_hosts: tuple[str, ...] = Field(
-        (), description="more names and addresses clients may put in the Host header, besides the bound address, "
+        (),
+        description="more names and addresses clients may put in the Host header, besides the bound address, "
         "this machine's host name and the loopback names ('*.example.org' matches subdomains, '*' any name)",
     )
     tls_certfile: Path | None = Field(None, description="PEM certificate chain: serve https (the key may be in it)")
@@ -143,7 +146,9 @@ class Settings(BaseModel):
     @classmethod
     def _token_strength(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and len(v.get_secret_value()) < MIN_TOKEN_LENGTH:
-            raise ValueError(f"token must have at least {MIN_TOKEN_LENGTH} characters (use e.g. `openssl rand -hex 24`)")
+            raise ValueError(
+                f"token must have at least {MIN_TOKEN_LENGTH} characters (use e.g. `openssl rand -hex 24`)"
+            )
         return v
 
     @field_validator("planner")
@@ -204,7 +209,7 @@ class Settings(BaseModel):
 
     @property
     def auth_mode(self) -> str:
-        """"token", "insecure-loopback" or "read-only" (mutations refused)."""
+        """ "token", "insecure-loopback" or "read-only" (mutations refused)."""
         if self.token is not None:
             return "token"
         return "insecure-loopback" if self.allow_insecure_loopback_writes else "read-only"
@@ -223,7 +228,9 @@ class Settings(BaseModel):
             try:
                 values["cold_options"] = json.loads(env[ENV_COLD_OPTIONS])
             except ValueError as e:
-                raise ConfigError(f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}') from None
+                raise ConfigError(
+                    f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}'
+                ) from None
         if env.get(ENV_TOKEN):
             values["token"] = env[ENV_TOKEN]
         if env.get(ENV_HOST):

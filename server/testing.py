@@ -103,9 +103,16 @@ def _write_stage(args: argparse.Namespace) -> None:
     cfg: dict[str, Any] = {"segment_iters": args.segment_iters, "upload": args.flush or args.hot_max_bytes is not None}
     if args.hot_max_bytes is not None:
         cfg["hot_max_bytes"] = args.hot_max_bytes
-    store = LogStore(StoreConfig(root=args.root, run=args.run, writer=args.writer or f"stage{args.stage}",
-                                 cold_url=args.cold_url, **cfg))  # fmt: skip
-    chans = stage_channels(args.stage, args.stages) if not args.channels else [Channel.parse(c) for c in args.channels.split(",")]
+    store = LogStore(
+        StoreConfig(
+            root=args.root, run=args.run, writer=args.writer or f"stage{args.stage}", cold_url=args.cold_url, **cfg
+        )
+    )
+    chans = (
+        stage_channels(args.stage, args.stages)
+        if not args.channels
+        else [Channel.parse(c) for c in args.channels.split(",")]
+    )
     shape = tuple(int(x) for x in args.shape.split(","))
     deadline = time.monotonic() + args.duration if args.duration else None
     it = args.start
@@ -131,8 +138,20 @@ def _write_stage(args: argparse.Namespace) -> None:
 
 
 def _writer_cmd(root: Path, run: str, stage: int, stages: int, **kw: Any) -> list[str]:
-    cmd = [sys.executable, "-m", "server.testing", "write", "--root", str(root), "--run", run,
-           "--stage", str(stage), "--stages", str(stages)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.testing",
+        "write",
+        "--root",
+        str(root),
+        "--run",
+        run,
+        "--stage",
+        str(stage),
+        "--stages",
+        str(stages),
+    ]
     for k, v in kw.items():
         if v is None or v is False:
             continue
@@ -165,13 +184,28 @@ def write_run(
     """
     procs = []
     for k in range(stages):
-        procs.append(subprocess.Popen(
-            _writer_cmd(Path(root), run, k, stages, iterations=iterations, micro_batches=micro_batches, cold_url=cold_url,
-                        flush=k in flush_stages, hot_max_bytes=1 if k in evict_stages else None,
-                        gap_at=gap_at if k == 1 else None, segment_iters=segment_iters,
-                        shape=",".join(str(s) for s in shape)),
-            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                _writer_cmd(
+                    Path(root),
+                    run,
+                    k,
+                    stages,
+                    iterations=iterations,
+                    micro_batches=micro_batches,
+                    cold_url=cold_url,
+                    flush=k in flush_stages,
+                    hot_max_bytes=1 if k in evict_stages else None,
+                    gap_at=gap_at if k == 1 else None,
+                    segment_iters=segment_iters,
+                    shape=",".join(str(s) for s in shape),
+                ),
+                env=subprocess_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     errors = []
     for k, p in enumerate(procs):
         try:
@@ -201,9 +235,22 @@ def start_writer(
 ) -> subprocess.Popen[str]:
     """Start a writer process that logs ``channels`` from iteration ``start`` on until
     ``duration`` passes or it is sent SIGTERM/SIGINT (stop it with :func:`stop_writer`)."""
-    cmd = _writer_cmd(Path(root), run, 0, 1, writer=writer, channels=",".join(c.name for c in channels), start=start,
-                      duration=duration, micro_batches=micro_batches, shape=",".join(str(s) for s in shape),
-                      sleep=sleep or None, cold_url=cold_url, segment_iters=segment_iters, iterations=1 << 62)  # fmt: skip
+    cmd = _writer_cmd(
+        Path(root),
+        run,
+        0,
+        1,
+        writer=writer,
+        channels=",".join(c.name for c in channels),
+        start=start,
+        duration=duration,
+        micro_batches=micro_batches,
+        shape=",".join(str(s) for s in shape),
+        sleep=sleep or None,
+        cold_url=cold_url,
+        segment_iters=segment_iters,
+        iterations=1 << 62,
+    )
     return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -292,8 +339,21 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--root", str(self.root), "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", *self.args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--root",
+            str(self.root),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *self.args,
+        ]
         if self.cold_url:
             cmd += ["--cold-url", self.cold_url]
         env = subprocess_env(self.env)
@@ -308,7 +368,10 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/v1/health", headers=self.headers(), timeout=1.0, verify=verify).status_code == 200:
+                if (
+                    httpx.get(self.url + "/v1/health", headers=self.headers(), timeout=1.0, verify=verify).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass

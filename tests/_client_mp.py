@@ -68,10 +68,26 @@ def run_pipeline(
     root = str(base / "store")
     cold_url = f"file://{base / 'cold'}" if cold else None
     out = str(base / "out")
-    args = ["--run-id", run_id, "--store-root", root, "--schedule", schedule, "--iters", str(iters), "--seed", str(SEED),
-            "--segment-iters", "2", *(["--cold-url", cold_url] if cold_url else []), *(["--ckpt-at", ckpt_at] if ckpt_at else []),
-            *(extra or [])]  # fmt: skip
-    launch = launch_pipeline(args, num_stages=NUM_STAGES, out_dir=out, per_stage=per_stage, timeout_s=timeout_s, method="forkserver")
+    args = [
+        "--run-id",
+        run_id,
+        "--store-root",
+        root,
+        "--schedule",
+        schedule,
+        "--iters",
+        str(iters),
+        "--seed",
+        str(SEED),
+        "--segment-iters",
+        "2",
+        *(["--cold-url", cold_url] if cold_url else []),
+        *(["--ckpt-at", ckpt_at] if ckpt_at else []),
+        *(extra or []),
+    ]
+    launch = launch_pipeline(
+        args, num_stages=NUM_STAGES, out_dir=out, per_stage=per_stage, timeout_s=timeout_s, method="forkserver"
+    )
     assert launch.ok, launch.describe()
     run = PipelineRun(run_id, root, cold_url, out, launch)
     run.results = {k: load_stage_result(out, k) for k in range(NUM_STAGES)}

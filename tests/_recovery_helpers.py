@@ -30,8 +30,16 @@ import torch
 from replay.launcher import DEFAULT_SCRIPT, KillSpec, RecoveryRun, run_with_failures, states_equal
 
 __all__ = [
-    "CKPTS", "ITERS", "NUM_STAGES", "PG_TIMEOUT_S", "Reference", "References", "assert_same_as", "pipeline_args", "run",
-]  # fmt: skip
+    "CKPTS",
+    "ITERS",
+    "NUM_STAGES",
+    "PG_TIMEOUT_S",
+    "Reference",
+    "References",
+    "assert_same_as",
+    "pipeline_args",
+    "run",
+]
 
 ITERS = 6
 CKPTS = "2,4"
@@ -43,18 +51,53 @@ _STATE_PARTS = ("model", "optimizer", "lr_scheduler")
 
 
 def pipeline_args(base: Path, schedule: str, extra: Sequence[str] = ()) -> list[str]:
-    return ["--schedule", schedule, "--iters", str(ITERS), "--ckpt-at", CKPTS, "--seed", "1234", "--segment-iters", "2",
-            "--cold-url", f"file://{base / 'cold'}", "--pg-timeout", str(PG_TIMEOUT_S),
-            "--rejoin-timeout", str(PG_TIMEOUT_S), *extra]  # fmt: skip
+    return [
+        "--schedule",
+        schedule,
+        "--iters",
+        str(ITERS),
+        "--ckpt-at",
+        CKPTS,
+        "--seed",
+        "1234",
+        "--segment-iters",
+        "2",
+        "--cold-url",
+        f"file://{base / 'cold'}",
+        "--pg-timeout",
+        str(PG_TIMEOUT_S),
+        "--rejoin-timeout",
+        str(PG_TIMEOUT_S),
+        *extra,
+    ]
 
 
-def run(base: Path, schedule: str, kills: Sequence[KillSpec] = (), *, mode: str = "swift", extra: Sequence[str] = ("--data-source",),
-        replay_workers: int = 1, timeout_s: float = 150.0, groups: Sequence[int] | None = None) -> RecoveryRun:  # fmt: skip
+def run(
+    base: Path,
+    schedule: str,
+    kills: Sequence[KillSpec] = (),
+    *,
+    mode: str = "swift",
+    extra: Sequence[str] = ("--data-source",),
+    replay_workers: int = 1,
+    timeout_s: float = 150.0,
+    groups: Sequence[int] | None = None,
+) -> RecoveryRun:
     """One pipeline run under ``base`` (recreated); asserts that it finished."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    r = run_with_failures(pipeline_args(base, schedule, extra), run_id="rec", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}",
-                          kills=kills, mode=mode, num_stages=NUM_STAGES, replay_workers=replay_workers, timeout_s=timeout_s, groups=groups)  # fmt: skip
+    r = run_with_failures(
+        pipeline_args(base, schedule, extra),
+        run_id="rec",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        kills=kills,
+        mode=mode,
+        num_stages=NUM_STAGES,
+        replay_workers=replay_workers,
+        timeout_s=timeout_s,
+        groups=groups,
+    )
     assert r.ok, r.describe()
     return r
 
@@ -82,15 +125,23 @@ class References:
         self._fingerprint: str | None = None
         self.ran: list[str] = []  # the keys run in this session (the rest came from memory or disk)
 
-    def get(self, schedule: str = "1f1b", *, extra: Sequence[str] = ("--data-source",),
-            groups: Sequence[int] | None = None) -> Reference:  # fmt: skip
+    def get(
+        self, schedule: str = "1f1b", *, extra: Sequence[str] = ("--data-source",), groups: Sequence[int] | None = None
+    ) -> Reference:
         """The failure-free :func:`run` of ``schedule`` with ``extra`` arguments."""
         args = lambda base: pipeline_args(base, schedule, extra)  # noqa: E731
         return self.failure_free(args, run_id="rec", num_stages=NUM_STAGES, groups=groups)
 
-    def failure_free(self, args: Callable[[Path], Sequence[str]], *, run_id: str, num_stages: int,
-                     script: str = DEFAULT_SCRIPT, groups: Sequence[int] | None = None,
-                     timeout_s: float = 150.0) -> Reference:  # fmt: skip
+    def failure_free(
+        self,
+        args: Callable[[Path], Sequence[str]],
+        *,
+        run_id: str,
+        num_stages: int,
+        script: str = DEFAULT_SCRIPT,
+        groups: Sequence[int] | None = None,
+        timeout_s: float = 150.0,
+    ) -> Reference:
         """The failure-free run of ``script`` with ``args(base)`` (``base``: the run's directory)."""
         key = self._key(list(args(Path("/BASE"))), run_id, num_stages, script, groups)
         if key in self._runs:
@@ -100,9 +151,16 @@ class References:
             base = self.work / key
             shutil.rmtree(base, ignore_errors=True)
             base.mkdir(parents=True)
-            r = run_with_failures(list(args(base)), run_id=run_id, base_dir=str(base),
-                                  checkpoint_url=f"file://{base / 'ckpt'}",
-                                  num_stages=num_stages, timeout_s=timeout_s, groups=groups, script=script)  # fmt: skip
+            r = run_with_failures(
+                list(args(base)),
+                run_id=run_id,
+                base_dir=str(base),
+                checkpoint_url=f"file://{base / 'ckpt'}",
+                num_stages=num_stages,
+                timeout_s=timeout_s,
+                groups=groups,
+                script=script,
+            )
             assert r.ok, r.describe()
             ref = Reference({k: {p: res.get(p) for p in _STATE_PARTS} for k, res in r.results.items()})
             self.ran.append(key)
@@ -111,8 +169,14 @@ class References:
         return ref
 
     def _key(self, args: list[str], run_id: str, num_stages: int, script: str, groups: Sequence[int] | None) -> str:
-        what = {"args": args, "run_id": run_id, "num_stages": num_stages, "script": script,
-                "groups": None if groups is None else list(groups), "fingerprint": self.fingerprint()}  # fmt: skip
+        what = {
+            "args": args,
+            "run_id": run_id,
+            "num_stages": num_stages,
+            "script": script,
+            "groups": None if groups is None else list(groups),
+            "fingerprint": self.fingerprint(),
+        }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
     def fingerprint(self) -> str:
@@ -146,8 +210,5 @@ class References:
 
 def assert_same_as(run_: RecoveryRun | Reference, reference: RecoveryRun | Reference) -> None:
     """Every stage's final parameters, optimizer state and scheduler equal the reference bitwise."""
-    diffs = {
-        k: states_equal(run_.results[k], reference.results[k])
-        for k in range(NUM_STAGES)
-    }
+    diffs = {k: states_equal(run_.results[k], reference.results[k]) for k in range(NUM_STAGES)}
     assert not any(diffs.values()), {k: v[:5] for k, v in diffs.items() if v}

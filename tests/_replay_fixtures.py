@@ -13,8 +13,19 @@ from logstore.testing.s3servers import MotoServer
 from tests._client_mp import run_pipeline
 from tests._replay_helpers import CKPT, ITERS, Run, file_run
 
-__all__ = ["gpipe_s3_run", "f1b_run", "groups_run", "gap_run", "batchnorm_run", "clip_run", "autocast_run", "recompute_bn_run", "recompute_bn_gpipe_run", "tied_run",
-           "raw_tied_run"]
+__all__ = [
+    "gpipe_s3_run",
+    "f1b_run",
+    "groups_run",
+    "gap_run",
+    "batchnorm_run",
+    "clip_run",
+    "autocast_run",
+    "recompute_bn_run",
+    "recompute_bn_gpipe_run",
+    "tied_run",
+    "raw_tied_run",
+]
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +35,16 @@ def gpipe_s3_run(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServ
     if not moto_server.is_running:  # a fault-injection test may have stopped it
         moto_server.restart()
     url = moto_server.url(f"replay-gpipe-{uuid.uuid4().hex[:8]}")
-    extra = ["--cold-url", url, "--cold-endpoint", moto_server.endpoint_url, "--cold-key", moto_server.access_key,
-             "--cold-secret", moto_server.secret_key]  # fmt: skip
+    extra = [
+        "--cold-url",
+        url,
+        "--cold-endpoint",
+        moto_server.endpoint_url,
+        "--cold-key",
+        moto_server.access_key,
+        "--cold-secret",
+        moto_server.secret_key,
+    ]
     pipe = run_pipeline(base, "gpipe-s3", schedule="gpipe", iters=ITERS, ckpt_at=str(CKPT), cold=False, extra=extra)
     return Run(pipe, url, dict(moto_server.storage_options))
 
@@ -51,13 +70,20 @@ def recompute_bn_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """1F1B with a BatchNorm inside activation recomputation: the backward re-runs each block's
     forward, so the running statistics are also updated in the backward, and where depends on how
     the live stage interleaved forwards and backwards."""
-    return file_run(tmp_path_factory.mktemp("recompute-bn"), "recompute-bn", "1f1b", extra=["--mlp-norm", "batch", "--recompute"])
+    return file_run(
+        tmp_path_factory.mktemp("recompute-bn"), "recompute-bn", "1f1b", extra=["--mlp-norm", "batch", "--recompute"]
+    )
 
 
 @pytest.fixture(scope="session")
 def recompute_bn_gpipe_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The same under GPipe: every stage ran one order (all forwards, then all backwards)."""
-    return file_run(tmp_path_factory.mktemp("recompute-bn-gpipe"), "recompute-bn-gpipe", "gpipe", extra=["--mlp-norm", "batch", "--recompute"])
+    return file_run(
+        tmp_path_factory.mktemp("recompute-bn-gpipe"),
+        "recompute-bn-gpipe",
+        "gpipe",
+        extra=["--mlp-norm", "batch", "--recompute"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +102,12 @@ def autocast_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 def tied_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """1F1B with the first stage's embedding tied to the last stage's head: their gradients summed
     over the two stages by client.all_reduce_grads_ each iteration, then clipped to a global norm."""
-    return file_run(tmp_path_factory.mktemp("tied"), "tied", "1f1b", extra=["--tie-embeddings", "client", "--clip-grad-norm", "0.05"])
+    return file_run(
+        tmp_path_factory.mktemp("tied"),
+        "tied",
+        "1f1b",
+        extra=["--tie-embeddings", "client", "--clip-grad-norm", "0.05"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -87,4 +118,9 @@ def raw_tied_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="session")
 def gap_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return file_run(tmp_path_factory.mktemp("gap"), "gap", "gpipe", per_stage={0: ["--max-queue-bytes", "1024", "--overflow", "gap"]})
+    return file_run(
+        tmp_path_factory.mktemp("gap"),
+        "gap",
+        "gpipe",
+        per_stage={0: ["--max-queue-bytes", "1024", "--overflow", "gap"]},
+    )

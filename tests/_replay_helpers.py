@@ -30,7 +30,18 @@ from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
 from trainer_client import Checkpoint
 
-__all__ = ["CKPT", "ITERS", "NUM_STAGES", "SEED", "Run", "file_run", "state_bytes_differ", "checkpoint_vs_live", "corrupt_hot_record", "copy_run_files"]
+__all__ = [
+    "CKPT",
+    "ITERS",
+    "NUM_STAGES",
+    "SEED",
+    "Run",
+    "file_run",
+    "state_bytes_differ",
+    "checkpoint_vs_live",
+    "corrupt_hot_record",
+    "copy_run_files",
+]
 
 CKPT = 2
 ITERS = 6
@@ -61,13 +72,20 @@ class Run:
         return self.pipe.gpt
 
     def store(self, *, cold: bool = True, root: str | None = None) -> LogStore:
-        return LogStore.open(root or self.root, self.run_id, cold_url=self.cold_url if cold else None, cold_options=dict(self.cold_options))
+        return LogStore.open(
+            root or self.root,
+            self.run_id,
+            cold_url=self.cold_url if cold else None,
+            cold_options=dict(self.cold_options),
+        )
 
     def cold_store(self, url: str | None = None) -> LogStore:
         return cold_only_store(url or self.cold_url, self.run_id, self.cold_options)
 
     def spec(self, *, cold: bool = True) -> SourceSpec:
-        return SourceSpec(kind="store", location=self.root, cold_url=self.cold_url if cold else None, options=dict(self.cold_options))
+        return SourceSpec(
+            kind="store", location=self.root, cold_url=self.cold_url if cold else None, options=dict(self.cold_options)
+        )
 
     def cold_spec(self, url: str | None = None) -> SourceSpec:
         return SourceSpec(kind="cold", location=url or self.cold_url, options=dict(self.cold_options))
@@ -77,8 +95,12 @@ class Run:
         return {"model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
 
 
-def file_run(base: Path, run_id: str, schedule: str, extra: Sequence[str] = (), per_stage: dict[int, list[str]] | None = None) -> Run:
-    pipe = run_pipeline(base, run_id, schedule=schedule, iters=ITERS, ckpt_at=str(CKPT), extra=list(extra), per_stage=per_stage)
+def file_run(
+    base: Path, run_id: str, schedule: str, extra: Sequence[str] = (), per_stage: dict[int, list[str]] | None = None
+) -> Run:
+    pipe = run_pipeline(
+        base, run_id, schedule=schedule, iters=ITERS, ckpt_at=str(CKPT), extra=list(extra), per_stage=per_stage
+    )
     assert pipe.cold_url is not None
     return Run(pipe, pipe.cold_url, {})
 
@@ -124,7 +146,7 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
     root = dst / "store"
     cold = dst / "cold"
     shutil.copytree(run.root, root)
-    shutil.copytree(run.cold_url[len("file://"):], cold)
+    shutil.copytree(run.cold_url[len("file://") :], cold)
     return str(root), f"file://{cold}"
 
 
@@ -179,7 +201,9 @@ def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, *
     def count(mod: Any, args: Any) -> None:
         calls[0] += 1
         if calls[0] > quiet_calls:
-            mod.late_count.data.add_(1)  # through .data: no version-counter bump (as BatchNorm's kernel), only the contents show it
+            mod.late_count.data.add_(
+                1
+            )  # through .data: no version-counter bump (as BatchNorm's kernel), only the contents show it
 
     module.register_forward_pre_hook(count)
     return module, optimizer, scheduler

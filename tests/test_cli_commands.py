@@ -28,14 +28,37 @@ def test_ls_runs_and_records(written_store: StoreFixture) -> None:
     p, pj, pr, pt = swiftlog_all(
         ("ls", "--root", root),
         ("ls", "--json", {"SWIFTLOG_ROOT": str(root)}),  # SWIFTLOG_ROOT instead of --root
-        ("ls", "--root", root, "--run", "run-a", "--kind", "gradient", "--it-lo", "6", "--mb", "1",
-         "--cold-url", written_store.cold_url, "--limit", "2", "--all", "--json"),
+        (
+            "ls",
+            "--root",
+            root,
+            "--run",
+            "run-a",
+            "--kind",
+            "gradient",
+            "--it-lo",
+            "6",
+            "--mb",
+            "1",
+            "--cold-url",
+            written_store.cold_url,
+            "--limit",
+            "2",
+            "--all",
+            "--json",
+        ),
         ("ls", "--root", root, "-r", "run-a", "-c", "act_0_1", "-n", "3"),
-    )  # fmt: skip
+    )
     assert "run-a" in _ok(p).stdout and "stage0, stage1, stage2, stage3" in p.stdout
-    assert json.loads(_ok(pj).stdout) == {"runs": [{"run": "run-a", "writers": ["stage0", "stage1", "stage2", "stage3"]}]}
+    assert json.loads(_ok(pj).stdout) == {
+        "runs": [{"run": "run-a", "writers": ["stage0", "stage1", "stage2", "stage3"]}]
+    }
     page = json.loads(_ok(pr).stdout)
-    want = [str(k) for k in written_store.keys() if k.channel.kind.name == "GRADIENT" and k.iteration >= 6 and k.micro_batch == 1]
+    want = [
+        str(k)
+        for k in written_store.keys()
+        if k.channel.kind.name == "GRADIENT" and k.iteration >= 6 and k.micro_batch == 1
+    ]
     assert [r["key"] for r in page["records"]] == want and page["next_cursor"] is None
     assert {r["tier"] for r in page["records"]} == {"hot", "cold"}  # stage 3's gradients are cold-only
     table = _ok(pt).stdout
@@ -47,12 +70,31 @@ def test_ls_lists_the_hot_tier_with_a_warning_while_the_cold_tier_is_unreachable
     records, a warning on stderr saying the cold tier's are missing, and ``cold_error`` in JSON."""
     from logstore.testing import free_port
 
-    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    dead = {
+        "SWIFTLOG_COLD_OPTIONS": json.dumps(
+            {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+        )
+    }
     pj, pt = swiftlog_all(
-        ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--all", "--limit", "500", "--json", dead),
+        (
+            "ls",
+            "--root",
+            written_store.root,
+            "--run",
+            "run-a",
+            "--cold-url",
+            "s3://gone/x",
+            "--all",
+            "--limit",
+            "500",
+            "--json",
+            dead,
+        ),
         ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "-c", "act_0_1", dead),
     )
-    assert pj.returncode == pt.returncode == 4 and "Traceback" not in pj.stderr + pt.stderr  # printed, but not the whole run
+    assert (
+        pj.returncode == pt.returncode == 4 and "Traceback" not in pj.stderr + pt.stderr
+    )  # printed, but not the whole run
     page = json.loads(pj.stdout)
     # every record here was written on this node: its index knows even those evicted to the cold tier
     assert [r["key"] for r in page["records"]] == [str(k) for k in written_store.keys()]
@@ -67,11 +109,19 @@ def test_verify_with_the_object_store_unreachable_exits_unavailable(written_stor
     list; like ls and stat it exits 4 (unavailable), after checking the hot tier."""
     from logstore.testing import free_port
 
-    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
-    (p,) = swiftlog_all(("verify", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--json", dead))
+    dead = {
+        "SWIFTLOG_COLD_OPTIONS": json.dumps(
+            {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+        )
+    }
+    (p,) = swiftlog_all(
+        ("verify", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://gone/x", "--json", dead)
+    )
     assert p.returncode == 4 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
     rep = json.loads(p.stdout)["runs"][0]
-    assert rep["hot_checked"] > 0 and [pr["error"][:16] for pr in rep["problems"]] == ["cannot be listed"], rep["problems"]
+    assert rep["hot_checked"] > 0 and [pr["error"][:16] for pr in rep["problems"]] == ["cannot be listed"], rep[
+        "problems"
+    ]
 
 
 def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_copy: StoreFixture) -> None:
@@ -82,7 +132,11 @@ def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_
 
     with LogStore.open(store_copy.root, store_copy.run, writer="stage1", cold_url=store_copy.cold_url) as s:
         s.register_checkpoint(2, 4, uri="file:///ckpt/stage2/4.pt")
-    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    dead = {
+        "SWIFTLOG_COLD_OPTIONS": json.dumps(
+            {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+        )
+    }
     pj, pt = swiftlog_all(
         ("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", "s3://gone/x", "--json", dead),
         ("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", "s3://gone/x", dead),
@@ -90,9 +144,15 @@ def test_stat_says_what_it_cannot_know_while_the_cold_tier_is_unreachable(store_
     assert pj.returncode == pt.returncode == 4 and "Traceback" not in pj.stderr + pt.stderr, (pj.stderr, pt.stderr)
     doc = json.loads(pj.stdout)
     assert doc["incomplete"] == ["checkpoints", "cold", "gaps", "watermarks"] and "127.0.0.1" in doc["cold"]["error"]
-    assert [(c["stage"], c["iteration"]) for c in doc["checkpoints"]] == [(2, 4)] and doc["watermarks"] == [{"stage": 2, "iteration": 4}]
+    assert [(c["stage"], c["iteration"]) for c in doc["checkpoints"]] == [(2, 4)] and doc["watermarks"] == [
+        {"stage": 2, "iteration": 4}
+    ]
     assert "incomplete: checkpoints, cold, gaps" in pt.stdout and "stage 2 @ 4" in pt.stdout
-    ok = _ok(swiftlog("stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", store_copy.cold_url, "--json"))
+    ok = _ok(
+        swiftlog(
+            "stat", "--root", store_copy.root, "--run", store_copy.run, "--cold-url", store_copy.cold_url, "--json"
+        )
+    )
     assert json.loads(ok.stdout)["incomplete"] == []
 
 
@@ -102,8 +162,30 @@ def test_a_cold_tier_that_refuses_is_handled_as_one_that_is_down(written_store: 
     exited 4 with the refusal only; now they list what the node holds, as for an outage."""
     env = {"SWIFTLOG_COLD_OPTIONS": json.dumps(moto_server.storage_options)}
     pj, sj = swiftlog_all(
-        ("ls", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://no-such-bucket-here/x", "-c", "act_0_1", "--json", env),
-        ("stat", "--root", written_store.root, "--run", "run-a", "--cold-url", "s3://no-such-bucket-here/x", "--json", env),
+        (
+            "ls",
+            "--root",
+            written_store.root,
+            "--run",
+            "run-a",
+            "--cold-url",
+            "s3://no-such-bucket-here/x",
+            "-c",
+            "act_0_1",
+            "--json",
+            env,
+        ),
+        (
+            "stat",
+            "--root",
+            written_store.root,
+            "--run",
+            "run-a",
+            "--cold-url",
+            "s3://no-such-bucket-here/x",
+            "--json",
+            env,
+        ),
     )
     assert pj.returncode == sj.returncode == 4, (pj.stderr, sj.stderr)
     page, summary = json.loads(pj.stdout), json.loads(sj.stdout)
@@ -127,7 +209,9 @@ def test_stat_and_show(written_store: StoreFixture) -> None:
     d = json.loads(_ok(dj).stdout)
     want = sample_tensor(key.channel, 4, 1).to(torch.float64)
     assert d["shape"] == [2, 8, 16] and d["dtype"] == "float32" and d["tier"] == "hot"
-    assert d["stats"]["norm"] == pytest.approx(float(want.norm())) and d["stats"]["mean"] == pytest.approx(float(want.mean()))
+    assert d["stats"]["norm"] == pytest.approx(float(want.norm())) and d["stats"]["mean"] == pytest.approx(
+        float(want.mean())
+    )
     out = _ok(dt).stdout
     assert "cold / stage3" in out and "min / max" in out
 
@@ -137,8 +221,11 @@ def test_export_pt_and_npy(written_store: StoreFixture, tmp_path: Path) -> None:
     want = sample_tensor(key.channel, 2, 0)
     pt, npy = tmp_path / "a.pt", tmp_path / "a.npy"
     common = ("--root", written_store.root, "--run", "run-a")
-    p_pt, p_npy, p_fmt = swiftlog_all(("export", str(key), *common, "-o", pt), ("export", str(key), *common, "-o", npy, "--json"),
-                                      ("export", str(key), *common, "-o", tmp_path / "a.txt"))  # fmt: skip
+    p_pt, p_npy, p_fmt = swiftlog_all(
+        ("export", str(key), *common, "-o", pt),
+        ("export", str(key), *common, "-o", npy, "--json"),
+        ("export", str(key), *common, "-o", tmp_path / "a.txt"),
+    )
     _ok(p_pt)
     assert torch.equal(torch.load(pt), want) and torch.load(pt).dtype == torch.bfloat16
     meta = json.loads(_ok(p_npy).stdout)
@@ -147,8 +234,10 @@ def test_export_pt_and_npy(written_store: StoreFixture, tmp_path: Path) -> None:
     _fails(p_fmt, 2, "*.pt or *.npy")
     _fails(swiftlog("export", str(key), *common, "-o", npy), 2, "exists", "--force")
     # QA checks: a directory that does not exist gave a FileNotFoundError traceback; a bad --format blamed the file name
-    no_dir, bad_fmt = swiftlog_all(("export", str(key), *common, "-o", tmp_path / "no" / "such" / "a.pt"),
-                                   ("export", str(key), *common, "-o", tmp_path / "b.pt", "--format", "npz"))  # fmt: skip
+    no_dir, bad_fmt = swiftlog_all(
+        ("export", str(key), *common, "-o", tmp_path / "no" / "such" / "a.pt"),
+        ("export", str(key), *common, "-o", tmp_path / "b.pt", "--format", "npz"),
+    )
     _fails(no_dir, 2, "cannot write", "directory exists")
     _fails(bad_fmt, 2, "--format 'npz' is not pt or npy")
 
@@ -197,8 +286,19 @@ def test_gc_dry_run_then_confirm(store_copy: StoreFixture) -> None:
 
 def test_flush(store_copy: StoreFixture) -> None:
     _fails(swiftlog("flush", "--root", store_copy.root, "--run", "run-a"), 2, "no cold tier configured", "--cold-url")
-    rep = json.loads(_ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--json",
-                                  env={"SWIFTLOG_COLD_URL": store_copy.cold_url})).stdout)  # fmt: skip
+    rep = json.loads(
+        _ok(
+            swiftlog(
+                "flush",
+                "--root",
+                store_copy.root,
+                "--run",
+                "run-a",
+                "--json",
+                env={"SWIFTLOG_COLD_URL": store_copy.cold_url},
+            )
+        ).stdout
+    )
     assert rep["uploaded_segments"] > 0 and rep["open_segments"] == []
     out = _ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)).stdout
     assert "uploaded 0 segment(s)" in out
@@ -206,7 +306,11 @@ def test_flush(store_copy: StoreFixture) -> None:
     data = store_copy.root / "run-a" / "stage0" / "index" / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)
     p = swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url, "--json")
-    assert p.returncode == 1 and list(json.loads(p.stdout)["skipped_writers"]) == ["stage0"], (p.returncode, p.stdout, p.stderr[-1000:])
+    assert p.returncode == 1 and list(json.loads(p.stdout)["skipped_writers"]) == ["stage0"], (
+        p.returncode,
+        p.stdout,
+        p.stderr[-1000:],
+    )
 
 
 def test_flush_of_an_earlier_incarnations_segments_is_refused_by_name(tmp_path: Path) -> None:
@@ -223,12 +327,20 @@ def test_flush_of_an_earlier_incarnations_segments_is_refused_by_name(tmp_path: 
         w.put_many([(RecordKey(act, it, 0), torch.full((4,), value)) for it in range(2)])
         w.close()
     _ok(swiftlog("flush", "--root", tmp_path / "replacement", "--run", "r1", "--cold-url", cold))
-    _fails(swiftlog("flush", "--root", tmp_path / "zombie", "--run", "r1", "--cold-url", cold), 1, "later incarnation of this writer")
+    _fails(
+        swiftlog("flush", "--root", tmp_path / "zombie", "--run", "r1", "--cold-url", cold),
+        1,
+        "later incarnation of this writer",
+    )
 
 
 ERRORS = [
     (("ls", "--root", "/nonexistent/swiftlog-root"), 3, "does not exist"),
-    (("ls", "--run", "run-a", "--cold-url", "file:///nonexistent/cold"), 3, "cold tier directory '/nonexistent/cold' does not exist"),
+    (
+        ("ls", "--run", "run-a", "--cold-url", "file:///nonexistent/cold"),
+        3,
+        "cold tier directory '/nonexistent/cold' does not exist",
+    ),
     (("stat", "--run", "no-such-run"), 3, "run 'no-such-run' not found"),
     (("stat", "--run", "../etc"), 2, "invalid run id"),
     (("show", "act_0_1/it999", "--run", "run-a"), 3, "not found"),
@@ -237,21 +349,31 @@ ERRORS = [
     (("plan", "--run", "run-a", "--stage", "9"), 2, "outside the pipeline"),
     (("plan", "--run", "run-a", "-s", "1", "--root", "/a", "--root", "/b"), 2, "reads one node's store root, got 2"),
     # the planner is pluggable; a missing one says so and exits 4 (unavailable)
-    (("plan", "--run", "run-a", "-s", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"), 4,
-     "the recovery planner cannot be loaded"),
+    (
+        ("plan", "--run", "run-a", "-s", "1", "--planner", "swiftlog_no_such_planner:plan_recovery"),
+        4,
+        "the recovery planner cannot be loaded",
+    ),
 ]
 
 
 def test_errors_say_what_to_do_and_exit_codes_mean_something(written_store: StoreFixture) -> None:
     env = {"SWIFTLOG_ROOT": str(written_store.root)}
     help_code = "import sys; from server.cli import main; sys.argv = ['swiftlog', '--help']; main()"
-    results = swiftlog_all(*[(*args, env) for args, _, _ in ERRORS], ("show", "--root", written_store.root), ("--help",))
+    results = swiftlog_all(
+        *[(*args, env) for args, _, _ in ERRORS], ("show", "--root", written_store.root), ("--help",)
+    )
     for (_args, code, needle), p in zip(ERRORS, results, strict=False):
         _fails(p, code, needle)
     usage, help_ = results[-2:]
     assert usage.returncode == 2 and "Missing" in usage.stderr and "Traceback" not in usage.stderr
-    p = subprocess.run([sys.executable, "-c", help_code], env=subprocess_env({"COLUMNS": "200"}),
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", help_code],
+        env=subprocess_env({"COLUMNS": "200"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0 and help_.returncode == 0 and "Usage: swiftlog" in p.stdout
     for cmd in ("ls", "stat", "show", "export", "verify", "gc", "flush", "plan", "serve", "demo"):
         assert f" {cmd} " in p.stdout and f" {cmd} " in help_.stdout

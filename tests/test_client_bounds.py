@@ -117,15 +117,23 @@ def test_overflow_wait_gives_up_after_its_limit_records_a_gap_and_says_so(tmp_pa
     """overflow="wait" (the default) on a hung store: a send that does not fit waits
     ``overflow_wait``, then is dropped as a gap with an "overflow_timeout" fault; later sends do not
     wait again until the writer frees memory, and once the store is back they are written again."""
-    cfg = ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), max_queue_bytes=1000,
-                       overflow_wait=datetime.timedelta(seconds=0.5))  # fmt: skip
+    cfg = ClientConfig(
+        run_id="r",
+        stage=0,
+        num_stages=2,
+        store_root=str(tmp_path),
+        max_queue_bytes=1000,
+        overflow_wait=datetime.timedelta(seconds=0.5),
+    )
     client = SwiftlogClient(cfg)
     act = Channel.activation(0)
     with _hung(client.store):
         assert client.log_send(torch.zeros(200), 1, "activation", 0, 0)  # 800 bytes: admitted, the writer hangs on it
         client.writer.kick()
         result: list[bool] = []
-        t = threading.Thread(target=lambda: result.append(client.log_send(torch.zeros(200), 1, "activation", 0, 1)), daemon=True)
+        t = threading.Thread(
+            target=lambda: result.append(client.log_send(torch.zeros(200), 1, "activation", 0, 1)), daemon=True
+        )
         t.start()
         t.join(60)
         assert not t.is_alive(), "the training thread is still blocked on the queue bound"

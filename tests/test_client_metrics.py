@@ -90,8 +90,10 @@ def test_a_port_in_use_is_a_config_error_naming_it_and_nothing_is_left_open(tmp_
     again.close()
 
 
-@pytest.mark.parametrize("kw", [{"metrics_port": -1}, {"metrics_port": 70000}, {"metrics_port": "9100"},
-                                {"metrics_port": 0, "metrics_host": ""}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [{"metrics_port": -1}, {"metrics_port": 70000}, {"metrics_port": "9100"}, {"metrics_port": 0, "metrics_host": ""}],
+)
 def test_bad_metrics_settings_are_refused_naming_the_field(tmp_path, kw):
     with pytest.raises(ConfigError, match=next(iter(kw)) if len(kw) == 1 else "metrics_host"):
         _config(tmp_path, **kw)
@@ -103,13 +105,21 @@ def test_ship_lag_is_exported_once_the_cold_tier_falls_behind(tmp_path, single_r
     with socket.socket() as s:  # a loopback port nothing listens on: the object store is down
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    cfg = ClientConfig(run_id="m", stage=0, num_stages=1, store_root=str(tmp_path / "store"), metrics_port=0,
-                       cold_url="s3://swiftlog-dead/logs", checkpoint_url=str(tmp_path / "ckpt"),
-                       cold_options={"endpoint_url": f"http://127.0.0.1:{dead}", "key": "k", "secret": "s"},
-                       ship_wait=datetime.timedelta(seconds=0.5))  # fmt: skip
+    cfg = ClientConfig(
+        run_id="m",
+        stage=0,
+        num_stages=1,
+        store_root=str(tmp_path / "store"),
+        metrics_port=0,
+        cold_url="s3://swiftlog-dead/logs",
+        checkpoint_url=str(tmp_path / "ckpt"),
+        cold_options={"endpoint_url": f"http://127.0.0.1:{dead}", "key": "k", "secret": "s"},
+        ship_wait=datetime.timedelta(seconds=0.5),
+    )
     client = SwiftlogClient(cfg)
-    stage = client.pipeline_stage(torch.nn.Linear(8, 5), "cpu", input_args=torch.zeros(2, 8),
-                                  output_args=torch.zeros(2, 5, requires_grad=True))  # fmt: skip
+    stage = client.pipeline_stage(
+        torch.nn.Linear(8, 5), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
     for it in range(3):
         g = torch.Generator().manual_seed(it)

@@ -42,12 +42,20 @@ CKPT = 2  # checkpoints at 0 and 2; GC makes everything below 2 garbage
 
 @pytest.fixture(scope="module")
 def gpipe_run(tmp_path_factory):
-    return run_pipeline(tmp_path_factory.mktemp("gpipe"), "gpipe-run", schedule="gpipe", ckpt_at=f"0,{CKPT}", extra=["--record-received"])
+    return run_pipeline(
+        tmp_path_factory.mktemp("gpipe"),
+        "gpipe-run",
+        schedule="gpipe",
+        ckpt_at=f"0,{CKPT}",
+        extra=["--record-received"],
+    )
 
 
 @pytest.fixture(scope="module")
 def f1b_run(tmp_path_factory):
-    return run_pipeline(tmp_path_factory.mktemp("1f1b"), "1f1b-run", schedule="1f1b", ckpt_at=f"0,{CKPT}", extra=["--record-received"])
+    return run_pipeline(
+        tmp_path_factory.mktemp("1f1b"), "1f1b-run", schedule="1f1b", ckpt_at=f"0,{CKPT}", extra=["--record-received"]
+    )
 
 
 @pytest.fixture(params=[pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
@@ -113,7 +121,9 @@ def test_replay_of_each_stage_is_bit_exact(logged_run):
     n_mb = run.gpt.n_microbatches
     for k in range(NUM_STAGES):
         state = stage_from_checkpoint(run, k, CKPT)
-        report = replay_stage(state, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, compare_logged=True)
+        report = replay_stage(
+            state, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, compare_logged=True
+        )
         assert state_differences(state, run.results[k]) == [], f"stage {k}"
         sends = (k < NUM_STAGES - 1) + (k > 0)
         assert report.ok, (report.digest_mismatches, report.digests_missing, report.record_mismatches)
@@ -159,19 +169,33 @@ def test_gc_after_checkpoint_leaves_nothing_below_watermark(logged_run):
         replay_stage(state, LogReader(store), num_stages=NUM_STAGES, stop_iteration=CKPT, loss_fn=loss_fn)
     assert str(ei.value.key) == "meta_1/it0/mb0/p0"
     with pytest.raises(ReplayInputMissingError) as ei:  # without META the first missing input is named
-        replay_stage(state, LogReader(store), num_stages=NUM_STAGES, stop_iteration=CKPT, loss_fn=loss_fn, n_microbatches=run.gpt.n_microbatches)
+        replay_stage(
+            state,
+            LogReader(store),
+            num_stages=NUM_STAGES,
+            stop_iteration=CKPT,
+            loss_fn=loss_fn,
+            n_microbatches=run.gpt.n_microbatches,
+        )
     assert str(ei.value.key) == "act_0_1/it0/mb0/p0" and "act_0_1" in str(ei.value)
 
 
 # ------------------------------------------------------------------------------ (d)
 def test_logging_groups_log_only_boundaries_and_replay_per_group(tmp_path, f1b_run):
-    run = run_pipeline(tmp_path, "groups-run", schedule="1f1b", ckpt_at=f"{CKPT}", extra=["--groups", "2,2", "--data-source"])
+    run = run_pipeline(
+        tmp_path, "groups-run", schedule="1f1b", ckpt_at=f"{CKPT}", extra=["--groups", "2,2", "--data-source"]
+    )
     store = run.store()
     names = {c.name for c in store.channels()}
     assert names == {"act_1_2", "grad_2_1", "digest_1_2", "digest_2_1", "meta_0", "meta_1", "meta_2", "meta_3"}, names
     sel = {k: run.results[k]["stats"]["selective"] for k in range(NUM_STAGES)}
     act_bytes = run.gpt.micro_batch_size * run.gpt.seq * run.gpt.hidden * 4 * run.gpt.n_microbatches * ITERS
-    assert sel[0] == {"logging_groups": [2, 2], "logged_send_bytes": 0, "skipped_send_bytes": act_bytes, "skipped_send_records": ITERS * 4}
+    assert sel[0] == {
+        "logging_groups": [2, 2],
+        "logged_send_bytes": 0,
+        "skipped_send_bytes": act_bytes,
+        "skipped_send_records": ITERS * 4,
+    }
     assert sel[1]["logged_send_bytes"] == act_bytes and sel[1]["skipped_send_bytes"] == act_bytes  # logs 1->2, not 1->0
     assert sel[2]["logged_send_bytes"] == act_bytes and sel[2]["skipped_send_bytes"] == act_bytes  # logs 2->1, not 2->3
     assert sel[3]["logged_send_bytes"] == 0 and sel[3]["skipped_send_bytes"] == act_bytes
@@ -183,7 +207,9 @@ def test_logging_groups_log_only_boundaries_and_replay_per_group(tmp_path, f1b_r
     reader = LogReader(store)
     for group in ([0, 1], [2, 3]):
         states = [stage_from_checkpoint(run, k, CKPT) for k in group]
-        report = replay_stages(states, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, data_source=data)
+        report = replay_stages(
+            states, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, data_source=data
+        )
         for st in states:
             assert state_differences(st, run.results[st.stage]) == [], f"stage {st.stage} of group {group}"
         assert report.ok and report.digests_checked == (ITERS - CKPT) * run.gpt.n_microbatches
@@ -205,7 +231,12 @@ def test_faults_do_not_stop_or_change_training_and_are_reported(tmp_path, gpipe_
     w = {k: run.results[k]["stats"]["writer"] for k in range(NUM_STAGES)}
     close = {k: run.results[k]["close"] for k in range(NUM_STAGES)}
     # stage 0: queue bound with "wait": the training thread waited, nothing was lost
-    assert w[0]["overflow_waits"] > 0 and w[0]["records_dropped"] == 0 and w[0]["queue_peak_bytes"] <= 8192 and close[0]["ok"]
+    assert (
+        w[0]["overflow_waits"] > 0
+        and w[0]["records_dropped"] == 0
+        and w[0]["queue_peak_bytes"] <= 8192
+        and close[0]["ok"]
+    )
     # stage 1: object store down: records stay in the hot tier, flush/close report the upload error
     assert w[1]["records_dropped"] == 0 and w[1]["faults_by_kind"] == {"flush": 1}
     assert not close[1]["ok"] and "ColdTierUnavailableError" in close[1]["error"]
@@ -232,7 +263,9 @@ def _mismatch_rank(rank: int, port: int, root: str, out: str) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     client = SwiftlogClient(ClientConfig(run_id="mis", stage=rank, num_stages=2, store_root=root))
     mod = torch.nn.Linear(8, 8)
     inp = torch.zeros(2, 8) if rank == 0 else torch.zeros(2, 8, requires_grad=True)
@@ -256,9 +289,13 @@ def test_a_stage_sending_other_than_it_declared_is_stopped_by_the_client(tmp_pat
     import torch.multiprocessing as mp
 
     host = loopback_store()
-    mp.start_processes(_mismatch_rank, args=(host.port, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _mismatch_rank, args=(host.port, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
-    assert res[0]["outcome"].startswith("ConfigError: stage 0 sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]"), res[0]
+    assert res[0]["outcome"].startswith(
+        "ConfigError: stage 0 sends output 0 as bfloat16 [2, 8] but declared float32 [2, 8]"
+    ), res[0]
     assert [k for k, _ in res[0]["faults"]] == ["send_mismatch"]
     assert res[1]["outcome"] != "stepped" and res[1]["faults"] == []
 
@@ -291,8 +328,12 @@ def _kwargs_rank(rank: int, port: int, base: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
-    client = SwiftlogClient(ClientConfig(run_id="kw", stage=rank, num_stages=2, seed=3, store_root=f"{base}/n{rank}", cold_url=f"file://{base}/cold"),
-                            commit_store=store)  # fmt: skip
+    client = SwiftlogClient(
+        ClientConfig(
+            run_id="kw", stage=rank, num_stages=2, seed=3, store_root=f"{base}/n{rank}", cold_url=f"file://{base}/cold"
+        ),
+        commit_store=store,
+    )
     torch.manual_seed(rank)
     mod = _Gated()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
@@ -303,7 +344,11 @@ def _kwargs_rank(rank: int, port: int, base: str) -> None:
         if it == 1:
             uri = client.checkpoint(1, mod, opt)
         g = torch.Generator().manual_seed(100 + it)
-        x, y, mask = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g), (torch.rand(4, 8, generator=g) > 0.3).float()
+        x, y, mask = (
+            torch.randn(4, 8, generator=g),
+            torch.randn(4, 8, generator=g),
+            (torch.rand(4, 8, generator=g) > 0.3).float(),
+        )
         client.step(it, x, target=y, mask=mask, temperature=0.5)  # the same call on every stage
         client.commit(it)
         opt.step()
@@ -337,7 +382,13 @@ def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path)
         final = torch.load(tmp_path / f"final{k}.pt", weights_only=False)
         mod = _Gated()
         opt = torch.optim.SGD(mod.parameters(), lr=0.1, momentum=0.9)
-        rep = replay_stage(StageState.from_checkpoint(load_checkpoint(final["uri"]), mod, opt), LogReader(stores), num_stages=2, stop_iteration=4, loss_fn=_mse)
+        rep = replay_stage(
+            StageState.from_checkpoint(load_checkpoint(final["uri"]), mod, opt),
+            LogReader(stores),
+            num_stages=2,
+            stop_iteration=4,
+            loss_fn=_mse,
+        )
         assert rep.ok and rep.digests_checked == rep.sends_generated > 0, (k, rep.to_dict())
         assert all(torch.equal(v, final["model"][n]) for n, v in mod.state_dict().items()), k
     for s in stores:

@@ -47,14 +47,40 @@ from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 
 def test_public_api_is_pinned():
-    assert sorted(trainer_client.__all__) == sorted([
-        "ClientConfig", "SwiftlogClient", "LoggingPipelineStage", "CommitReport", "FlushReport", "DataSource",
-        "SUPPORTED_SCHEDULES", "encode_meta", "decode_meta", "CommitCoordinator", "CommitResult", "Checkpoint",
-        "save_checkpoint", "load_checkpoint", "derive_seed", "seed_micro_batch", "tensor_digest", "AsyncLogWriter",
-        "Fault", "WriterStats", "ClientError", "CommitError", "IterationAbortedError", "CommitStoreError",
-        "CheckpointError", "UnsupportedScheduleError", "ResilientLoop", "RecoveryConfig", "RecoveryFailedError",
-        "RecoveryTimeoutError",
-    ])  # fmt: skip
+    assert sorted(trainer_client.__all__) == sorted(
+        [
+            "ClientConfig",
+            "SwiftlogClient",
+            "LoggingPipelineStage",
+            "CommitReport",
+            "FlushReport",
+            "DataSource",
+            "SUPPORTED_SCHEDULES",
+            "encode_meta",
+            "decode_meta",
+            "CommitCoordinator",
+            "CommitResult",
+            "Checkpoint",
+            "save_checkpoint",
+            "load_checkpoint",
+            "derive_seed",
+            "seed_micro_batch",
+            "tensor_digest",
+            "AsyncLogWriter",
+            "Fault",
+            "WriterStats",
+            "ClientError",
+            "CommitError",
+            "IterationAbortedError",
+            "CommitStoreError",
+            "CheckpointError",
+            "UnsupportedScheduleError",
+            "ResilientLoop",
+            "RecoveryConfig",
+            "RecoveryFailedError",
+            "RecoveryTimeoutError",
+        ]
+    )
     for name in trainer_client.__all__:
         assert getattr(trainer_client, name) is not None
 
@@ -88,7 +114,10 @@ def test_config_defaults_and_boundaries(tmp_path):
     assert c.writer == "stage2" and c.commit_prefix == "swiftlog/r" and c.logs_forward_send() and c.logs_backward_send()
     assert c.resolved_checkpoint_url() == os.path.join(str(tmp_path), "r", "checkpoint-files")
     assert group_starts([2, 2], 4) == {0, 2} and group_starts(None, 3) == {0, 1, 2}
-    g = [ClientConfig(run_id="r", stage=k, num_stages=4, store_root=str(tmp_path), logging_groups=[2, 2]) for k in range(4)]
+    g = [
+        ClientConfig(run_id="r", stage=k, num_stages=4, store_root=str(tmp_path), logging_groups=[2, 2])
+        for k in range(4)
+    ]
     assert [x.logs_forward_send() for x in g] == [False, True, False, False]
     assert [x.logs_backward_send() for x in g] == [False, False, True, False]
     assert [x.group_of() for x in g] == [(0, 1), (0, 1), (2, 3), (2, 3)]
@@ -103,8 +132,13 @@ def test_a_torchrun_restart_commits_under_its_own_prefix(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r/restart2"
-    assert ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), commit_prefix="mine").commit_prefix == "mine"
+    assert (
+        ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r/restart2"
+    )
+    assert (
+        ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), commit_prefix="mine").commit_prefix
+        == "mine"
+    )
 
 
 # ------------------------------------------------------------------------------ seeds and digests
@@ -165,7 +199,9 @@ def test_writer_writes_in_order_and_markers_see_everything_before(store):
         for part, t in enumerate(ts):
             assert torch.equal(store.get(RecordKey(Channel.activation(0), it, mb, part)), t)
     st = w.stats()
-    assert st.records_written == 24 and st.bytes_written == st.bytes_submitted and st.queue_bytes == 0 and st.faults == 0
+    assert (
+        st.records_written == 24 and st.bytes_written == st.bytes_submitted and st.queue_bytes == 0 and st.faults == 0
+    )
     assert w.close(10)
 
 
@@ -173,7 +209,9 @@ def test_writer_chooses_its_encode_threads_at_the_first_record(store):
     w = AsyncLogWriter(store, encode_threads=None)
     assert w.stats().encode_threads == 0  # nothing captured yet: the device is not known
     assert w.submit(Channel.activation(0), 0, 0, [torch.randn(16)]) and w.drain(30)
-    assert w.stats().encode_threads == 1 == auto_encode_threads(on_gpu=False)  # a CPU stage: its compute needs the cores
+    assert (
+        w.stats().encode_threads == 1 == auto_encode_threads(on_gpu=False)
+    )  # a CPU stage: its compute needs the cores
     assert 1 <= auto_encode_threads(on_gpu=True) <= 4
     assert store.get(RecordKey(Channel.activation(0), 0, 0)).shape == (16,)
     assert w.close(10)
@@ -237,7 +275,11 @@ def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
 
     a, b = torch.randn(2, 3), torch.randn(4)
     if "is_root_arg" in inspect.signature(torch_stage._RecvInfo).parameters:  # the installed torch's own classes
-        infos = (torch_stage._RecvInfo("x", None, None, None, is_root_arg=True), torch_stage._RecvInfo("h", 0, a, None), torch_stage._RecvInfo("g", 0, None, None))
+        infos = (
+            torch_stage._RecvInfo("x", None, None, None, is_root_arg=True),
+            torch_stage._RecvInfo("h", 0, a, None),
+            torch_stage._RecvInfo("g", 0, None, None),
+        )
     else:
         infos = (torch_stage._RootArgPlaceholder(a), torch_stage._RecvInfo("h", 0, a))
     assert _received_buffers(infos) == [a]
@@ -282,7 +324,9 @@ def test_overflow_wait_blocks_until_the_writer_frees_memory(store):
     w.mark(gate.wait)
     w.submit(Channel.activation(0), 0, 0, [torch.zeros(200)])  # 800 bytes: admitted
     done = threading.Event()
-    threading.Thread(target=lambda: (w.submit(Channel.activation(0), 0, 1, [torch.zeros(200)]), done.set()), daemon=True).start()
+    threading.Thread(
+        target=lambda: (w.submit(Channel.activation(0), 0, 1, [torch.zeros(200)]), done.set()), daemon=True
+    ).start()
     assert not done.wait(0.3)  # blocked on the bound
     gate.set()
     assert done.wait(10)
@@ -319,8 +363,14 @@ def tcp_store():
 
 
 def _coordinators(tcp_store, n=4, timeout=5.0):
-    clients = [dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30)) for _ in range(n)]
-    return [CommitCoordinator(c, stage=k, num_stages=n, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=timeout)) for k, c in enumerate(clients)]
+    clients = [
+        dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        for _ in range(n)
+    ]
+    return [
+        CommitCoordinator(c, stage=k, num_stages=n, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=timeout))
+        for k, c in enumerate(clients)
+    ]
 
 
 def _commit_all(coords, it, stages=None, meta=None):
@@ -360,8 +410,13 @@ def test_commit_stores_each_meta_with_the_done_mark_and_a_checkpoint_forgets_old
     for it in range(3, 7):
         out = _commit_all(coords, it, meta=doc)
         assert all(not isinstance(r, Exception) for r in out.values()), out
-    assert stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {it: doc(1, it) for it in range(3, 7)}  # some missing: key by key
-    assert stored_metas(tcp_store, "swiftlog/t", 0, range(4, 6)) == {4: doc(0, 4), 5: doc(0, 5)}  # all there: one multi_get
+    assert stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {
+        it: doc(1, it) for it in range(3, 7)
+    }  # some missing: key by key
+    assert stored_metas(tcp_store, "swiftlog/t", 0, range(4, 6)) == {
+        4: doc(0, 4),
+        5: doc(0, 5),
+    }  # all there: one multi_get
     assert coords[1].forget_metas(5) == 2  # from the first committed iteration (3) up to the checkpoint
     assert sorted(stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9))) == [5, 6]
     assert coords[1].forget_metas(5) == 0
@@ -375,7 +430,10 @@ def test_abort_by_one_stage_aborts_everyone(tcp_store):
     coords = _coordinators(tcp_store)
     assert coords[2].abort(0, "peer closed the connection") == "abort"
     out = _commit_all(coords, 0, stages={0, 1, 3})
-    assert all(isinstance(r, IterationAbortedError) and r.reason == "aborted by stage 2: peer closed the connection" for r in out.values()), out
+    assert all(
+        isinstance(r, IterationAbortedError) and r.reason == "aborted by stage 2: peer closed the connection"
+        for r in out.values()
+    ), out
     assert coords[2].abort(0) == "abort"  # decided once, forever
 
 
@@ -407,13 +465,23 @@ def test_commit_with_the_store_host_gone_raises_commit_store_error_and_abort_nev
     import subprocess
     import sys
 
-    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d\n"
-                             "from trainer_client.commit import loopback_store\ns = loopback_store()\n"
-                             "print(s.port, flush=True)\ntime.sleep(600)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch.distributed as d\n"
+            "from trainer_client.commit import loopback_store\ns = loopback_store()\n"
+            "print(s.port, flush=True)\ntime.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(host.stdout.readline())
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
-        coord = CommitCoordinator(client, stage=0, num_stages=1, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=3))
+        coord = CommitCoordinator(
+            client, stage=0, num_stages=1, prefix="swiftlog/t", timeout=datetime.timedelta(seconds=3)
+        )
         assert coord.commit(0).iteration == 0  # alone in the pipeline: committed at once
         host.kill()
         host.wait()
@@ -434,7 +502,18 @@ def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     mod(torch.randn(2, 4)).sum().backward()
     opt.step()
     sched.step()
-    uri = save_checkpoint(str(tmp_path / "ck" / "s0.pt"), run_id="r", stage=0, num_stages=1, iteration=1, seed=9, model=mod, optimizer=opt, lr_scheduler=sched, extra={"note": "x"})
+    uri = save_checkpoint(
+        str(tmp_path / "ck" / "s0.pt"),
+        run_id="r",
+        stage=0,
+        num_stages=1,
+        iteration=1,
+        seed=9,
+        model=mod,
+        optimizer=opt,
+        lr_scheduler=sched,
+        extra={"note": "x"},
+    )
     assert uri == f"file://{tmp_path}/ck/s0.pt" and os.listdir(tmp_path / "ck") == ["s0.pt"]
     ck = load_checkpoint(uri)
     assert (ck.stage, ck.iteration, ck.seed, ck.extra) == (0, 1, 9, {"note": "x"})
@@ -452,21 +531,32 @@ def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     assert not torch.equal(st1["exp_avg"], st2["exp_avg"])  # stepping one never moves the other
     assert torch.equal(st2["exp_avg"], ck.optimizer["state"][0]["exp_avg"])
     assert torch.equal(m2.weight, mod.weight) and pair[1][2].state_dict() == sched.state_dict()
-    mem = save_checkpoint("memory://swiftlog-test/ck/s0.pt", run_id="r", stage=0, num_stages=1, iteration=2, seed=9, model=mod)
+    mem = save_checkpoint(
+        "memory://swiftlog-test/ck/s0.pt", run_id="r", stage=0, num_stages=1, iteration=2, seed=9, model=mod
+    )
     assert load_checkpoint(mem).iteration == 2
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(CheckpointError) as ei:
-        save_checkpoint(str(blocker / "sub" / "ck.pt"), run_id="r", stage=0, num_stages=1, iteration=0, seed=0, model=mod)
+        save_checkpoint(
+            str(blocker / "sub" / "ck.pt"), run_id="r", stage=0, num_stages=1, iteration=0, seed=0, model=mod
+        )
     assert "could not write checkpoint" in str(ei.value) and ei.value.__cause__ is not None
     with pytest.raises(CheckpointError):
         load_checkpoint(str(tmp_path / "missing.pt"))
     # loaded into objects it does not fit: an error naming the checkpoint and what does not fit
-    with pytest.raises(CheckpointError, match=r"(?s)checkpoint file://\S+s0.pt of stage 0 \(iteration 1\) does not fit the model Linear: .*size mismatch for weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)checkpoint file://\S+s0.pt of stage 0 \(iteration 1\) does not fit the model Linear: .*size mismatch for weight",
+    ):
         ck.apply(torch.nn.Linear(5, 3))
     two_groups = torch.nn.Linear(4, 3)
-    with pytest.raises(CheckpointError, match=r"its optimizer state does not fit the optimizer AdamW: .*parameter group") as ei:
-        ck.apply(two_groups, torch.optim.AdamW([{"params": [two_groups.weight]}, {"params": [two_groups.bias]}], lr=0.1))
+    with pytest.raises(
+        CheckpointError, match=r"its optimizer state does not fit the optimizer AdamW: .*parameter group"
+    ) as ei:
+        ck.apply(
+            two_groups, torch.optim.AdamW([{"params": [two_groups.weight]}, {"params": [two_groups.bias]}], lr=0.1)
+        )
     assert "same parameter groups" in (ei.value.hint or "")
 
 
@@ -475,7 +565,12 @@ def test_close_leaves_no_garbage_in_the_cold_tier(tmp_path):
     open segments (older iterations among them), so garbage stayed in the cold tier for good (a
     new user's run: grad_1_0 of iterations 8-13 after a checkpoint at 14). A GC follows the flush now."""
     root, cold = tmp_path / "store", f"file://{tmp_path / 'cold'}"
-    clients = [SwiftlogClient(ClientConfig(run_id="tail", stage=k, num_stages=2, store_root=str(root), cold_url=cold, segment_iters=4)) for k in (0, 1)]
+    clients = [
+        SwiftlogClient(
+            ClientConfig(run_id="tail", stage=k, num_stages=2, store_root=str(root), cold_url=cold, segment_iters=4)
+        )
+        for k in (0, 1)
+    ]
     for it in range(14):
         assert clients[0].log_send(torch.randn(2, 3), 1, "activation", it, 0)
         assert clients[1].log_send(torch.randn(2, 3), 0, "gradient", it, 0)
@@ -538,7 +633,14 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     )
 
     cfg = GPTConfig(n_microbatches=3)
-    config = ClientConfig(run_id="one", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=5, cold_url=f"file://{tmp_path}/cold")
+    config = ClientConfig(
+        run_id="one",
+        stage=0,
+        num_stages=1,
+        store_root=str(tmp_path / "store"),
+        seed=5,
+        cold_url=f"file://{tmp_path}/cold",
+    )
     client = SwiftlogClient(config)
     mod = build_stage_module(cfg, 0, 1, seed=5)
     opt, data = make_optimizer(mod), SyntheticTokens(cfg, seed=5)
@@ -573,7 +675,10 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     rep = replay_stage(state, LogReader(st), num_stages=1, stop_iteration=4, loss_fn=loss_fn)
     assert rep.ok and rep.digests_checked == 0 and rep.micro_batches == 9
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), mod.parameters(), strict=True))
-    assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in opt.state_dict()["state"])
+    assert all(
+        torch.equal(fopt.state_dict()["state"][i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"])
+        for i in opt.state_dict()["state"]
+    )
 
 
 class _Masked(torch.nn.Module):
@@ -588,7 +693,9 @@ class _Masked(torch.nn.Module):
             self.lin.weight.copy_(torch.randn(5, 8, generator=g))
         self.drop = torch.nn.Dropout(0.3)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = self.drop(self.lin(x))
         if mask is not None:
             h = h * mask
@@ -599,15 +706,27 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def _train_one_stage(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, *, iters: int = 4, schedule: str = "1f1b",
-                     sched: Any = None, out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
-                     step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None] | None = None,
-                     apply: Callable[[int], Any] | None = None, sched_after: Callable[[int], bool] = lambda it: True) -> str:  # fmt: skip
+def _train_one_stage(
+    client: SwiftlogClient,
+    mod: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    iters: int = 4,
+    schedule: str = "1f1b",
+    sched: Any = None,
+    out_dtype: torch.dtype = torch.float32,
+    loss_fn: Callable[..., torch.Tensor] = _mse,
+    step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None] | None = None,
+    apply: Callable[[int], Any] | None = None,
+    sched_after: Callable[[int], bool] = lambda it: True,
+) -> str:
     """``mod`` (8 features in, 5 out) as ``client``'s one-stage pipeline for ``iters`` iterations, a
     checkpoint at 1 (with ``sched``); per iteration ``step(client, module, optimizer, it, generator)``
     (default: the schedule step on random data), the commit, ``apply(it)`` (default: the optimizer
     step), the scheduler step (if ``sched_after(it)``), zero_grad. Returns the checkpoint's URI."""
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True))
+    stage = client.pipeline_stage(
+        mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, dtype=out_dtype, requires_grad=True)
+    )
     client.schedule(stage, schedule, n_microbatches=2, loss_fn=loss_fn)
     uri = ""
     for it in range(iters):
@@ -625,16 +744,25 @@ def _train_one_stage(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.op
     return uri
 
 
-def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
-                     step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None], *,
-                     schedule: str = "1f1b", out_dtype: torch.dtype = torch.float32, loss_fn: Callable[..., torch.Tensor] = _mse,
-                     replay_loss: Callable[..., torch.Tensor] | None = _mse) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:  # fmt: skip
+def _single_rank_run(
+    tmp_path: Path,
+    run_id: str,
+    make_opt: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    step: Callable[[SwiftlogClient, torch.nn.Module, torch.optim.Optimizer, int, torch.Generator], None],
+    *,
+    schedule: str = "1f1b",
+    out_dtype: torch.dtype = torch.float32,
+    loss_fn: Callable[..., torch.Tensor] = _mse,
+    replay_loss: Callable[..., torch.Tensor] | None = _mse,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, LogStore, torch.nn.Module, torch.optim.Optimizer, Any]:
     """Train ``_Masked`` as a one-stage pipeline for 4 iterations (checkpoint at 1; ``step(client, module,
     optimizer, it, generator)`` runs the schedule step and whatever goes before the commit), then replay it from the
     checkpoint on a fresh module. ``loss_fn``: the schedule's; ``replay_loss``: the replay's (None:
     the one META names). Returns (live module, live optimizer, logs, replayed module, its
     optimizer, replay report)."""
-    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = make_opt(mod)
     uri = _train_one_stage(client, mod, opt, schedule=schedule, out_dtype=out_dtype, loss_fn=loss_fn, step=step)
@@ -642,7 +770,13 @@ def _single_rank_run(tmp_path: Path, run_id: str, make_opt: Callable[[torch.nn.M
     logs = LogStore.open(tmp_path / "store", run_id)
     fresh = _Masked()
     fopt = make_opt(fresh)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=replay_loss)
+    rep = replay_stage(
+        StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+        LogReader(logs),
+        num_stages=1,
+        stop_iteration=4,
+        loss_fn=replay_loss,
+    )
     return mod, opt, logs, fresh, fopt, rep
 
 
@@ -654,17 +788,31 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(tmp_path, single_rank_group, moto_server, caplog):
+def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_check(
+    tmp_path, single_rank_group, moto_server, caplog
+):
     """A first / last stage's commit waits for its logged inputs / targets to reach the cold tier.
     With the object store down that wait ends at ``ship_wait`` once, as a "ship_timeout" fault
     naming what is missing; later commits only check, so training goes on at its own pace, and
     say every ``ship_lag_report`` that the data is still behind ("ship_lag"); once the store is
     back and the backlog is up, commits wait (and succeed) again."""
-    client = SwiftlogClient(ClientConfig(run_id="dead", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9,
-                                         cold_url=moto_server.url(f"dead-{os.getpid()}"), cold_options=moto_server.storage_options,
-                                         checkpoint_url=str(tmp_path / "ckpt"), ship_wait=datetime.timedelta(seconds=3),
-                                         ship_lag_report=datetime.timedelta(seconds=1)))  # fmt: skip
-    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client = SwiftlogClient(
+        ClientConfig(
+            run_id="dead",
+            stage=0,
+            num_stages=1,
+            store_root=str(tmp_path / "store"),
+            seed=9,
+            cold_url=moto_server.url(f"dead-{os.getpid()}"),
+            cold_options=moto_server.storage_options,
+            checkpoint_url=str(tmp_path / "ckpt"),
+            ship_wait=datetime.timedelta(seconds=3),
+            ship_lag_report=datetime.timedelta(seconds=1),
+        )
+    )
+    stage = client.pipeline_stage(
+        _Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
 
     seen: list[Any] = []
@@ -676,17 +824,25 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
         seen.extend(faults)
         return faults
 
-    assert [f for f in iteration(0) if f.kind == "ship_timeout"] == []  # the store is up: the commit waited, and it was there
+    assert [
+        f for f in iteration(0) if f.kind == "ship_timeout"
+    ] == []  # the store is up: the commit waited, and it was there
     waited = client.stats()["commit"]["ship_wait_s"]
     moto_server.kill()
     try:
         faults = [f for it in range(1, 5) for f in iteration(it)]
         ship = [f for f in faults if f.kind == "ship_timeout"]
-        assert len(ship) == 1 and ship[0].iteration == 1 and "input_0/target_0 not in the cold tier after 3 s" in ship[0].message, faults
+        assert (
+            len(ship) == 1
+            and ship[0].iteration == 1
+            and "input_0/target_0 not in the cold tier after 3 s" in ship[0].message
+        ), faults
         assert client.stats()["commit"]["ship_wait_s"] - waited >= 3.0  # one full wait; the others only checked
         time.sleep(1.1)
         lag = [f for f in iteration(5) if f.kind == "ship_lag"]  # still behind, a report interval later: said again
-        assert len(lag) == 1 and "input_0/target_0 are still not all in the cold tier since iteration 1" in lag[0].message, lag
+        assert (
+            len(lag) == 1 and "input_0/target_0 are still not all in the cold tier since iteration 1" in lag[0].message
+        ), lag
     finally:
         moto_server.restart()
     assert client.store.wait_shipped([Channel.input(0), Channel.target(0)], 5, 300)  # the backlog goes up
@@ -698,7 +854,11 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
     assert [f for f in iteration(it) if f.kind in ("ship_timeout", "ship_lag")] == []  # waits again, and ships in time
     assert client.store.wait_shipped([Channel.input(0), Channel.target(0)], it, 0.0)
     rep = client.close()  # everything went up; the faults are still on the record
-    assert rep.drained and rep.error is None and rep.faults_total == len(seen) == 1 + len([f for f in seen if f.kind == "ship_lag"]), seen
+    assert (
+        rep.drained
+        and rep.error is None
+        and rep.faults_total == len(seen) == 1 + len([f for f in seen if f.kind == "ship_lag"])
+    ), seen
 
 
 @pytest.mark.s3
@@ -706,9 +866,18 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
 def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_back(tmp_path, moto_server):
     """Registration retries a few times at once, then every ``retry_s`` in the background (it used
     to give up after four attempts: the checkpoint was never registered, its logs never garbage)."""
-    client = SwiftlogClient(ClientConfig(run_id="reg", stage=0, num_stages=2, store_root=str(tmp_path / "store"), seed=9,
-                                         cold_url=moto_server.url(f"reg-{os.getpid()}"), cold_options=moto_server.storage_options,
-                                         checkpoint_url=str(tmp_path / "ckpt")))  # fmt: skip
+    client = SwiftlogClient(
+        ClientConfig(
+            run_id="reg",
+            stage=0,
+            num_stages=2,
+            store_root=str(tmp_path / "store"),
+            seed=9,
+            cold_url=moto_server.url(f"reg-{os.getpid()}"),
+            cold_options=moto_server.storage_options,
+            checkpoint_url=str(tmp_path / "ckpt"),
+        )
+    )
     client._maint.retry_s = 0.5
     model = torch.nn.Linear(4, 4)
     moto_server.kill()
@@ -717,7 +886,9 @@ def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_bac
         deadline = time.monotonic() + 30
         while not client.stats()["checkpoints"]["unregistered"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert client.stats()["checkpoints"]["unregistered"] == [[0, 3, client.stats()["checkpoints"]["unregistered"][0][2]]]
+        assert client.stats()["checkpoints"]["unregistered"] == [
+            [0, 3, client.stats()["checkpoints"]["unregistered"][0][2]]
+        ]
         time.sleep(1.5)  # a few quiet retries against the dead store
         faults = [f for f in client.writer.take_faults() if f.kind == "checkpoint_register"]
         assert len(faults) == 4 and "attempt 4" in faults[-1].message, faults
@@ -728,7 +899,9 @@ def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_bac
         time.sleep(0.1)
     ck = client.stats()["checkpoints"]
     assert ck["unregistered"] == [] and [r[:2] for r in ck["registered"]] == [[0, 3]]
-    assert [(c.stage, c.iteration) for c in client.store.checkpoints()] == [(0, 3)] and client.store.watermarks() == {0: 3}
+    assert [(c.stage, c.iteration) for c in client.store.checkpoints()] == [(0, 3)] and client.store.watermarks() == {
+        0: 3
+    }
     client.close()
 
 
@@ -740,7 +913,11 @@ def test_keep_checkpoints_withdraws_then_deletes_the_older_ones(tmp_path):
     with pytest.raises(ConfigError, match="keep_checkpoints must be None or an int >= 2"):
         ClientConfig(run_id="keep", stage=0, num_stages=2, store_root=str(tmp_path / "s"), keep_checkpoints=1)
     cold = f"file://{tmp_path / 'cold'}"
-    client = SwiftlogClient(ClientConfig(run_id="keep", stage=1, num_stages=2, store_root=str(tmp_path / "store"), cold_url=cold, keep_checkpoints=2))
+    client = SwiftlogClient(
+        ClientConfig(
+            run_id="keep", stage=1, num_stages=2, store_root=str(tmp_path / "store"), cold_url=cold, keep_checkpoints=2
+        )
+    )
     model = torch.nn.Linear(4, 4)
     uris = [client.checkpoint(it, model) for it in (0, 2, 4, 6)]
     client.flush()
@@ -751,7 +928,7 @@ def test_keep_checkpoints_withdraws_then_deletes_the_older_ones(tmp_path):
     assert rep.faults_total == 0, rep
     ck = client.stats()["checkpoints"]
     assert [r[:2] for r in ck["retired"]] == [[1, 0], [1, 2], [1, 4]]
-    assert [os.path.exists(u[len("file://"):]) for u in uris] == [False, False, False, True]
+    assert [os.path.exists(u[len("file://") :]) for u in uris] == [False, False, False, True]
     with LogStore.open(tmp_path / "reader", "keep", cold_url=cold) as r:
         assert [(c.stage, c.iteration) for c in r.checkpoints()] == [(0, 6), (1, 6), (1, 8)]
 
@@ -759,9 +936,20 @@ def test_keep_checkpoints_withdraws_then_deletes_the_older_ones(tmp_path):
 def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp_path, single_rank_group):
     """The data wait of the commit overlaps the iteration: once the schedule step logged every
     micro-batch's inputs and targets, they are sealed and shipped without waiting for the commit."""
-    client = SwiftlogClient(ClientConfig(run_id="early", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9,
-                                         cold_url=f"file://{tmp_path}/cold", checkpoint_url=str(tmp_path / "ckpt")))  # fmt: skip
-    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client = SwiftlogClient(
+        ClientConfig(
+            run_id="early",
+            stage=0,
+            num_stages=1,
+            store_root=str(tmp_path / "store"),
+            seed=9,
+            cold_url=f"file://{tmp_path}/cold",
+            checkpoint_url=str(tmp_path / "ckpt"),
+        )
+    )
+    stage = client.pipeline_stage(
+        _Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
     g = torch.Generator().manual_seed(0)
     client.step(0, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
@@ -770,7 +958,12 @@ def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp
         with LogStore.open(tmp_path / "elsewhere", "early", cold_url=f"file://{tmp_path}/cold") as other:
             shipped = other.keys(Channel.input(0)) + other.keys(Channel.target(0))
         time.sleep(0.05)
-    assert sorted(str(k) for k in shipped) == ["input_0/it0/mb0/p0", "input_0/it0/mb1/p0", "target_0/it0/mb0/p0", "target_0/it0/mb1/p0"]
+    assert sorted(str(k) for k in shipped) == [
+        "input_0/it0/mb0/p0",
+        "input_0/it0/mb1/p0",
+        "target_0/it0/mb0/p0",
+        "target_0/it0/mb1/p0",
+    ]
     assert client.commit(0).logging_faults == []
     client.close()
 
@@ -782,13 +975,20 @@ def test_a_data_source_may_give_keyword_inputs(tmp_path, single_rank_group):
     def source(it: int) -> tuple[Any, torch.Tensor]:
         g = torch.Generator().manual_seed(it)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
-        return (x, {"mask": (torch.rand(4, 5, generator=g) > 0.5).float(), "scale": torch.rand(4, 1, generator=g) + 0.5}), y
+        return (
+            x,
+            {"mask": (torch.rand(4, 5, generator=g) > 0.5).float(), "scale": torch.rand(4, 1, generator=g) + 0.5},
+        ), y
 
-    client = SwiftlogClient(ClientConfig(run_id="src", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9, log_data=False),
-                            data_source=source)  # fmt: skip
+    client = SwiftlogClient(
+        ClientConfig(run_id="src", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9, log_data=False),
+        data_source=source,
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    stage = client.pipeline_stage(
+        mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
     for it in range(4):
         if it == 1:
@@ -802,34 +1002,81 @@ def test_a_data_source_may_give_keyword_inputs(tmp_path, single_rank_group):
     assert logs.keys(Channel.input(0)) == []
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse,
-                       data_source=source)  # fmt: skip
+    rep = replay_stage(
+        StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+        LogReader(logs),
+        num_stages=1,
+        stop_iteration=4,
+        loss_fn=_mse,
+        data_source=source,
+    )
     assert rep.ok and _same_state(mod, fresh)
 
 
 def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 5, generator=g)
         mask, scale = (torch.rand(4, 5, generator=g) > 0.5).float(), torch.rand(4, 1, generator=g) + 0.5
         client.step(it, x, target=y, mask=mask, scale=scale)
 
-    mod, opt, logs, fresh, fopt, rep = _single_rank_run(tmp_path, "kw", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), step)
+    mod, opt, logs, fresh, fopt, rep = _single_rank_run(
+        tmp_path, "kw", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), step
+    )
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
-    assert meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
+    assert (
+        meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3
+    )  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
     assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
-    assert torch.equal(fopt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fopt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+    )
 
 
 def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
     from trainer_client.examples import train_pipeline, train_resilient
 
-    argv = ["--stage", "1", "--num-stages", "4", "--store-port", "1", "--out", "o", "--run-id", "r", "--store-root", "/tmp/x",
-            "--cold-url", "s3://b/p", "--cold-endpoint", "http://127.0.0.1:9", "--max-queue-bytes", "1000", "--overflow", "gap",
-            "--max-backlog-bytes", "5000", "--encode-threads", "2", "--groups", "2,2"]  # fmt: skip
+    argv = [
+        "--stage",
+        "1",
+        "--num-stages",
+        "4",
+        "--store-port",
+        "1",
+        "--out",
+        "o",
+        "--run-id",
+        "r",
+        "--store-root",
+        "/tmp/x",
+        "--cold-url",
+        "s3://b/p",
+        "--cold-endpoint",
+        "http://127.0.0.1:9",
+        "--max-queue-bytes",
+        "1000",
+        "--overflow",
+        "gap",
+        "--max-backlog-bytes",
+        "5000",
+        "--encode-threads",
+        "2",
+        "--groups",
+        "2,2",
+    ]
     for mod in (train_pipeline, train_resilient):
         cfg = train_pipeline.config_from_args(mod.build_parser().parse_args(argv))
-        assert (cfg.stage, cfg.max_queue_bytes, cfg.overflow, cfg.max_backlog_bytes, cfg.encode_threads) == (1, 1000, "gap", 5000, 2)
-        assert cfg.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(cfg.logging_groups) == [2, 2]
+        assert (cfg.stage, cfg.max_queue_bytes, cfg.overflow, cfg.max_backlog_bytes, cfg.encode_threads) == (
+            1,
+            1000,
+            "gap",
+            5000,
+            2,
+        )
+        assert cfg.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(
+            cfg.logging_groups
+        ) == [2, 2]
 
 
 def test_survivors_wake_when_every_replacement_is_ready_or_on_fallback_and_time_out_otherwise(tcp_store):
@@ -851,7 +1098,9 @@ def test_survivors_wake_when_every_replacement_is_ready_or_on_fallback_and_time_
     assert wait_until_woken(tcp_store, keys, 1, timeout=datetime.timedelta(seconds=10), what="survivor 0") == "fallback"
 
 
-def _torch_clip(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _torch_clip(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """What ``torch.nn.utils.clip_grad_norm_`` makes of copies of ``grads``: (total norm, clipped copies)."""
     refs = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for r, g in zip(refs, grads, strict=True):
@@ -861,8 +1110,12 @@ def _torch_clip(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2
 
 
 def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
-        with pytest.raises(RuntimeError, match="between client.step"):  # before the first step, or after a commit (META is gone)
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
+        with pytest.raises(
+            RuntimeError, match="between client.step"
+        ):  # before the first step, or after a commit (META is gone)
             client.clip_grad_norm_(mod.parameters(), 1.0)
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         want_norm, want = _torch_clip([p.grad for p in mod.parameters()], 0.05)
@@ -874,11 +1127,18 @@ def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, 
             with pytest.raises(ValueError, match=r"parameters \[0\] .* are not parameters of the stage's module"):
                 client.clip_grad_norm_([torch.nn.Parameter(torch.zeros(1))], 1.0)
 
-    mod, opt, logs, fresh, fopt, rep = _single_rank_run(tmp_path, "clip", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, schedule="gpipe")
+    mod, opt, logs, fresh, fopt, rep = _single_rank_run(
+        tmp_path, "clip", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, schedule="gpipe"
+    )
     clips = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["grad_clip"]
-    assert [c["params"] for c in clips] == [None, [0]] and clips[1]["max_norm"] == 0.001 and clips[0]["dtype"] == "float32"
+    assert (
+        [c["params"] for c in clips] == [None, [0]] and clips[1]["max_norm"] == 0.001 and clips[0]["dtype"] == "float32"
+    )
     assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
-    assert all(torch.equal(fopt.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"]) for i in opt.state_dict()["state"])
+    assert all(
+        torch.equal(fopt.state_dict()["state"][i]["exp_avg_sq"], opt.state_dict()["state"][i]["exp_avg_sq"])
+        for i in opt.state_dict()["state"]
+    )
 
 
 def test_a_divergence_after_a_matching_first_iteration_points_at_the_update():
@@ -899,9 +1159,13 @@ def test_example_args_that_cannot_carry_gradients_are_refused_up_front(tmp_path)
     outputs") when a stage's floating output_args (or a later stage's input_args) do not require
     grad: pipeline_stage says so before anything runs (two new users hit it)."""
     mod = torch.nn.Linear(4, 4)
-    for stage, kw, needle in ((0, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "output_args requires grad"),
-                              (1, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "input_args requires grad")):  # fmt: skip
-        client = SwiftlogClient(ClientConfig(run_id="args", stage=stage, num_stages=2, store_root=str(tmp_path / f"s{stage}")))
+    for stage, kw, needle in (
+        (0, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "output_args requires grad"),
+        (1, {"input_args": torch.zeros(2, 4), "output_args": torch.zeros(2, 4)}, "input_args requires grad"),
+    ):
+        client = SwiftlogClient(
+            ClientConfig(run_id="args", stage=stage, num_stages=2, store_root=str(tmp_path / f"s{stage}"))
+        )
         with pytest.raises(ConfigError, match=needle) as ei:
             client.pipeline_stage(mod, "cpu", **kw)
         assert "requires_grad=True" in (ei.value.hint or "")
@@ -909,13 +1173,20 @@ def test_example_args_that_cannot_carry_gradients_are_refused_up_front(tmp_path)
 
 
 def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, single_rank_group):
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
 
-    mod, _, logs, fresh, _, rep = _single_rank_run(tmp_path, "amp", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, out_dtype=torch.bfloat16)
+    mod, _, logs, fresh, _, rep = _single_rank_run(
+        tmp_path, "amp", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, out_dtype=torch.bfloat16
+    )
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
-    assert meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}] and not meta["autocast_varies"]
+    assert (
+        meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}]
+        and not meta["autocast_varies"]
+    )
     assert rep.ok and rep.micro_batches == 6 and _same_state(fresh, mod)
 
 
@@ -930,7 +1201,9 @@ def test_a_send_that_differs_from_the_declared_output_is_refused(tmp_path):
     client.recorder.check_declared_sends([torch.zeros(4, 32)], declared)
     client.recorder.check_declared_sends([torch.zeros(4, 32)], None)  # nothing declared: nothing to compare
     assert client.writer.take_faults() == []
-    with pytest.raises(ConfigError, match=r"stage 0 sends output 0 as bfloat16 \[4, 32\] but declared float32 \[4, 32\]"):
+    with pytest.raises(
+        ConfigError, match=r"stage 0 sends output 0 as bfloat16 \[4, 32\] but declared float32 \[4, 32\]"
+    ):
         client.recorder.check_declared_sends([torch.zeros(4, 32, dtype=torch.bfloat16)], declared)
     (fault,) = client.writer.take_faults()
     assert fault.kind == "send_mismatch" and "bfloat16 [4, 32] but declared float32 [4, 32]" in fault.message
@@ -950,10 +1223,20 @@ def test_a_buffer_snapshot_sees_changes_by_content_and_puts_them_back():
     assert snap.changed(named_buffers({"": m})) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
     m.zero.neg_()  # -0.0: equal as numbers, different bits
     m.register_buffer("grown", torch.ones(3))
-    assert snap.changed(named_buffers({"": m})) == ["1.num_batches_tracked", "1.running_mean", "1.running_var", "grown", "zero"]
+    assert snap.changed(named_buffers({"": m})) == [
+        "1.num_batches_tracked",
+        "1.running_mean",
+        "1.running_var",
+        "grown",
+        "zero",
+    ]
     m[1].running_var = torch.ones(7)  # replaced by a tensor of another shape
     snap.restore(m)
-    assert torch.equal(m[1].running_mean, torch.zeros(4)) and torch.equal(m[1].running_var, torch.ones(4)) and int(m[1].num_batches_tracked) == 0
+    assert (
+        torch.equal(m[1].running_mean, torch.zeros(4))
+        and torch.equal(m[1].running_var, torch.ones(4))
+        and int(m[1].num_batches_tracked) == 0
+    )
     assert not torch.signbit(m.zero).any()
     assert m.grown is None and "grown" not in m.state_dict()  # appeared during the discarded iteration: gone again
     assert snap.changed(named_buffers({"": m})) == []
@@ -964,13 +1247,18 @@ def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tm
     sets them in a way the replay does not repeat (here by hand, in iteration 2) stops the replay at
     that step, naming both, instead of replaying on to a state that differs."""
 
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         if it == 2:
             for group in opt.param_groups:
                 group["lr"] = 0.01
 
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint",
+    ):
         _single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
     meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
     assert meta["lrs"] == [0.05]
@@ -980,20 +1268,30 @@ def test_another_hyperparameter_set_by_hand_stops_the_replay_naming_it(tmp_path,
     """META also records each param group's other hyperparameters (``hparams``): a weight decay set by
     hand (here before the commit of iteration 2) stops the replay at that step, naming it."""
 
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         if it == 2:
             opt.param_groups[0]["weight_decay"] = 0.5
 
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: .*differ: weight_decay of param group 0: 0\.5 -> 0\.01 \(live -> replay\) \(hint"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 2: .*differ: weight_decay of param group 0: 0\.5 -> 0\.01 \(live -> replay\) \(hint",
+    ):
         _single_rank_run(tmp_path, "wd", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01), step)
 
 
-def _run_with_scheduler(tmp_path: Path, run_id: str, commit_store: Any, set_after_commit: Callable[[int, torch.optim.Optimizer], None]) -> tuple[SwiftlogClient, Any, str, torch.nn.Module]:
+def _run_with_scheduler(
+    tmp_path: Path, run_id: str, commit_store: Any, set_after_commit: Callable[[int, torch.optim.Optimizer], None]
+) -> tuple[SwiftlogClient, Any, str, torch.nn.Module]:
     """``_Masked`` as a one-stage pipeline, 4 iterations, AdamW under OneCycleLR (which also cycles
     the betas), a checkpoint at 1; ``set_after_commit(it, optimizer)`` runs between each commit and
     the optimizer step. Returns the client (closed), its close report, the checkpoint and the module."""
-    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9), commit_store=commit_store)
+    client = SwiftlogClient(
+        ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9),
+        commit_store=commit_store,
+    )
     mod = _Masked()
     opt = torch.optim.AdamW(mod.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
@@ -1004,11 +1302,17 @@ def _run_with_scheduler(tmp_path: Path, run_id: str, commit_store: Any, set_afte
 def _replay_with_scheduler(tmp_path: Path, run_id: str, uri: str, stop: int) -> tuple[Any, torch.nn.Module]:
     fresh = _Masked()
     fopt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
-    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, torch.optim.lr_scheduler.OneCycleLR(fopt, max_lr=0.1, total_steps=10))
-    return replay_stage(state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse), fresh
+    state = StageState.from_checkpoint(
+        load_checkpoint(uri), fresh, fopt, torch.optim.lr_scheduler.OneCycleLR(fopt, max_lr=0.1, total_steps=10)
+    )
+    return replay_stage(
+        state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse
+    ), fresh
 
 
-def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_at_that_step(tmp_path, single_rank_group, tcp_store):
+def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_at_that_step(
+    tmp_path, single_rank_group, tcp_store
+):
     """Set between ``client.commit`` and ``optimizer.step()`` (here in the last iteration, which no
     later META reveals), a learning rate was invisible: META holds the values at the commit, and the
     replay said "verified" with another state. The client sees the step (a pre-hook on the tracked
@@ -1023,31 +1327,54 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
 
     client, report, uri, _ = _run_with_scheduler(tmp_path, "after", store, halve_in_last)
     faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
-    assert len(faults) == 1 and faults[0].iteration == 3 and "the optimizer step is not what its META says" in faults[0].message, report.logging_faults
+    assert (
+        len(faults) == 1
+        and faults[0].iteration == 3
+        and "the optimizer step is not what its META says" in faults[0].message
+    ), report.logging_faults
     logs = LogStore.open(tmp_path / "store", "after")
     committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
     amended = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))
-    assert amended["lrs"] == [committed["lrs"][0] * 0.5] and amended["changed_after_commit"] == [f"lr of param group 0: {committed['lrs'][0]} -> {committed['lrs'][0] * 0.5}"]
-    assert committed["hparams"][0]["betas"] == amended["hparams"][0]["betas"] != trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
+    assert amended["lrs"] == [committed["lrs"][0] * 0.5] and amended["changed_after_commit"] == [
+        f"lr of param group 0: {committed['lrs'][0]} -> {committed['lrs'][0] * 0.5}"
+    ]
+    assert (
+        committed["hparams"][0]["betas"]
+        == amended["hparams"][0]["betas"]
+        != trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
+    )
     in_store = {it: json.loads(b) for it, b in stored_metas(store, client.coordinator.prefix, 0, range(1, 4)).items()}
-    assert in_store[3]["lrs"] == amended["lrs"] and in_store[3]["changed_after_commit"] and "changed_after_commit" not in in_store[2]
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live step differed from its META as committed: lr of param group 0: "):
+    assert (
+        in_store[3]["lrs"] == amended["lrs"]
+        and in_store[3]["changed_after_commit"]
+        and "changed_after_commit" not in in_store[2]
+    )
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live step differed from its META as committed: lr of param group 0: ",
+    ):
         _replay_with_scheduler(tmp_path, "after", uri, 4)
     rep, _ = _replay_with_scheduler(tmp_path, "after", uri, 3)  # the steps before it are what they were
     assert rep.ok
     from replay import plan_recovery  # the plan says so up front (it said "verifiable" and exit 0)
 
     plan = plan_recovery(LogStore.open(tmp_path / "store", "after"), [0])
-    assert not plan.possible and any("stage 0 iteration 3: the live optimizer step was not what its META says (lr of param group 0" in r
-                                     for r in plan.reasons), plan.reasons  # fmt: skip
+    assert not plan.possible and any(
+        "stage 0 iteration 3: the live optimizer step was not what its META says (lr of param group 0" in r
+        for r in plan.reasons
+    ), plan.reasons
 
 
-def _epoch_run(tmp_path: Path, run_id: str, iters: int, *, count_last: bool = True) -> tuple[FlushReport, str, torch.nn.Module, Any]:
+def _epoch_run(
+    tmp_path: Path, run_id: str, iters: int, *, count_last: bool = True
+) -> tuple[FlushReport, str, torch.nn.Module, Any]:
     """``_Masked`` under SGD with momentum and a StepLR stepped per "epoch" of two iterations (after
     even ones), ``iters`` iterations, checkpoint at 1. ``count_last=False``: close as if the stage
     had died before counting the last iteration's steps. Returns the close report, the checkpoint,
     the module and the scheduler."""
-    client = SwiftlogClient(ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id=run_id, stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -1062,7 +1389,9 @@ def _replay_epochs(tmp_path: Path, run_id: str, uri: str, stop: int) -> tuple[An
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     fsched = torch.optim.lr_scheduler.StepLR(fopt, step_size=1, gamma=0.5)
     state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, fsched)
-    rep = replay_stage(state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse)
+    rep = replay_stage(
+        state, LogReader(LogStore.open(tmp_path / "store", run_id)), num_stages=1, stop_iteration=stop, loss_fn=_mse
+    )
     return rep, fresh, fsched
 
 
@@ -1077,10 +1406,15 @@ def test_a_scheduler_stepped_per_epoch_is_replayed_as_it_ran(tmp_path, single_ra
     report, uri, live, live_sched = _epoch_run(tmp_path, "epoch", iters)
     assert report.ok and report.logging_faults == [], report.logging_faults
     logs = LogStore.open(tmp_path / "store", "epoch")
-    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 1, 1)))["apply"] == {"optimizer_steps": 1, "scheduler_steps": 0}
+    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 1, 1)))["apply"] == {
+        "optimizer_steps": 1,
+        "scheduler_steps": 0,
+    }
     rep, fresh, fsched = _replay_epochs(tmp_path, "epoch", uri, iters)
     assert rep.ok and _same_state(live, fresh) and fsched.state_dict() == live_sched.state_dict()
-    momenta = [[st["momentum_buffer"] for st in s.optimizer.state_dict()["state"].values()] for s in (live_sched, fsched)]
+    momenta = [
+        [st["momentum_buffer"] for st in s.optimizer.state_dict()["state"].values()] for s in (live_sched, fsched)
+    ]
     assert len(momenta[0]) == 2 and all(torch.equal(a, b) for a, b in zip(*momenta, strict=True))
 
 
@@ -1096,9 +1430,14 @@ def test_a_stage_lost_before_its_scheduler_count_reached_meta_is_not_replayed_to
     from replay import plan_recovery
 
     plan = plan_recovery(logs, [0])
-    assert not plan.possible and any("stage 0 iteration 3: the live loop did not step its optimizer and lr scheduler once per iteration" in r
-                                     for r in plan.reasons), plan.reasons  # fmt: skip
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop did not make exactly one optimizer and one lr-scheduler step"):
+    assert not plan.possible and any(
+        "stage 0 iteration 3: the live loop did not step its optimizer and lr scheduler once per iteration" in r
+        for r in plan.reasons
+    ), plan.reasons
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 3: the live loop did not make exactly one optimizer and one lr-scheduler step",
+    ):
         _replay_epochs(tmp_path, "lost", uri, 4)
     assert _replay_epochs(tmp_path, "lost", uri, 3)[0].ok
 
@@ -1107,8 +1446,12 @@ def test_a_second_schedule_step_of_one_iteration_is_refused(tmp_path, single_ran
     """Gradient accumulation over two ``client.step`` calls per optimizer step was accepted, and a
     recovery said "verified" with another state (a QA check): a replay repeats one schedule step
     per iteration. A second step of one iteration before its commit is refused, naming the way out."""
-    client = SwiftlogClient(ClientConfig(run_id="twice", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
-    stage = client.pipeline_stage(_Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    client = SwiftlogClient(
+        ClientConfig(run_id="twice", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
+    stage = client.pipeline_stage(
+        _Masked(), "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
     x, y = torch.randn(4, 8), torch.randn(4, 5)
     client.step(0, x, target=y)
@@ -1125,11 +1468,15 @@ def test_an_optimizer_step_before_the_commit_is_counted_too(tmp_path, single_ran
     """The optimizer stepped between the schedule step and the commit (not the documented order, but
     replayable): counted as the iteration's step, no fault, and the replay equals the live run."""
 
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         opt.step()
 
-    client = SwiftlogClient(ClientConfig(run_id="early", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="early", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
     uri = _train_one_stage(client, mod, opt, step=step, apply=lambda it: None)
@@ -1137,29 +1484,41 @@ def test_an_optimizer_step_before_the_commit_is_counted_too(tmp_path, single_ran
     logs = LogStore.open(tmp_path / "store", "early")
     assert all(k.micro_batch == 0 for k in logs.keys(Channel.meta(0))), "nothing amended"
     fresh = _Masked()
-    state = StageState.from_checkpoint(load_checkpoint(uri), fresh, torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9))
-    assert replay_stage(state, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse).ok and _same_state(fresh, mod)
+    state = StageState.from_checkpoint(
+        load_checkpoint(uri), fresh, torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    )
+    assert replay_stage(state, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse).ok and _same_state(
+        fresh, mod
+    )
 
 
 def test_an_iteration_without_an_optimizer_step_stops_the_replay_there(tmp_path, single_rank_group):
     """Accumulating over iterations (an optimizer step every other commit) cannot be replayed: the
     client counts the steps, reports the iteration without one (``no_optimizer_step``), amends its
     META, and the plan and the replay stop there."""
-    client = SwiftlogClient(ClientConfig(run_id="accum", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="accum", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05)
     uri = _train_one_stage(client, mod, opt, iters=4, apply=lambda it: opt.step() if it % 2 == 1 else None)
     assert client.close().drained  # not "ok": a fault was reported
     faults = [f for f in client.writer.recent_faults() if f.kind == "no_optimizer_step"]  # reported by commit(3)
-    assert [f.iteration for f in faults] == [2] and "gradients accumulated over iterations" in faults[0].message, client.writer.recent_faults()
+    assert [f.iteration for f in faults] == [2] and "gradients accumulated over iterations" in faults[0].message, (
+        client.writer.recent_faults()
+    )
     from replay import plan_recovery
 
     logs = LogStore.open(tmp_path / "store", "accum")
     plan = plan_recovery(logs, [0])
-    assert not plan.possible and any("stage 0 iteration 2: the live loop made no optimizer step after it" in r for r in plan.reasons), plan.reasons
+    assert not plan.possible and any(
+        "stage 0 iteration 2: the live loop made no optimizer step after it" in r for r in plan.reasons
+    ), plan.reasons
     fresh = _Masked()
     state = StageState.from_checkpoint(load_checkpoint(uri), fresh, torch.optim.SGD(fresh.parameters(), lr=0.05))
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 2: the live loop made no optimizer step after this iteration"):
+    with pytest.raises(
+        ReplayError, match=r"stage 0 iteration 2: the live loop made no optimizer step after this iteration"
+    ):
         replay_stage(state, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
 
 
@@ -1177,10 +1536,19 @@ def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_p
 
     client, report, uri, _ = _run_with_scheduler(tmp_path, "torchclip", None, clip)
     faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
-    assert len(faults) == 1 and "lin.weight, lin.bias" in faults[0].message and "client.clip_grad_norm_" in faults[0].message, report.logging_faults
-    amended = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "torchclip").get(RecordKey(Channel.meta(0), 3, 1)))
+    assert (
+        len(faults) == 1
+        and "lin.weight, lin.bias" in faults[0].message
+        and "client.clip_grad_norm_" in faults[0].message
+    ), report.logging_faults
+    amended = trainer_client.decode_meta(
+        LogStore.open(tmp_path / "store", "torchclip").get(RecordKey(Channel.meta(0), 3, 1))
+    )
     assert amended["grads_changed"] == ["lin.weight", "lin.bias"]
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop changed gradients after the schedule's backward .*lin\.weight"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 3: the live loop changed gradients after the schedule's backward .*lin\.weight",
+    ):
         _replay_with_scheduler(tmp_path, "torchclip", uri, 4)
     assert _replay_with_scheduler(tmp_path, "torchclip", uri, 3)[0].ok
 
@@ -1189,7 +1557,9 @@ def test_a_grad_scaler_step_is_seen_although_its_unscale_leaves_the_version_coun
     """torch.amp.GradScaler's unscale kernel changes every gradient without bumping their version
     counters (torch 2.13, CPU): a recovery said "verified" with another state (a QA check). The
     client recognises a step that comes from a GradScaler and amends META; the replay stops there."""
-    client = SwiftlogClient(ClientConfig(run_id="amp", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="amp", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
@@ -1201,8 +1571,13 @@ def test_a_grad_scaler_step_is_seen_although_its_unscale_leaves_the_version_coun
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
     with pytest.raises(ReplayError, match=r"stage 0 iteration 1: the live loop changed gradients .*GradScaler"):
-        replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(LogStore.open(tmp_path / "store", "amp")),
-                     num_stages=1, stop_iteration=3, loss_fn=_mse)  # fmt: skip
+        replay_stage(
+            StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+            LogReader(LogStore.open(tmp_path / "store", "amp")),
+            num_stages=1,
+            stop_iteration=3,
+            loss_fn=_mse,
+        )
 
 
 def test_gradients_changed_without_their_version_counters_after_the_commit_stop_the_replay(tmp_path, single_rank_group):
@@ -1219,12 +1594,22 @@ def test_gradients_changed_without_their_version_counters_after_the_commit_stop_
 
     client, report, uri, _ = _run_with_scheduler(tmp_path, "dataw", None, halve_through_data)
     faults = [f for f in report.logging_faults if f.kind == "step_after_commit"]
-    assert len(faults) == 1 and faults[0].iteration == 3 and "without touching their version counters" in faults[0].message, report.logging_faults
+    assert (
+        len(faults) == 1 and faults[0].iteration == 3 and "without touching their version counters" in faults[0].message
+    ), report.logging_faults
     logs = LogStore.open(tmp_path / "store", "dataw")
     committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
-    assert len(committed["grad_digests"]) == 2 and all(isinstance(d, str) and len(d) == 16 for d in committed["grad_digests"])
-    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))["grads_changed"] == ["lin.weight", "lin.bias"]
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop changed gradients .*without touching their version counters"):
+    assert len(committed["grad_digests"]) == 2 and all(
+        isinstance(d, str) and len(d) == 16 for d in committed["grad_digests"]
+    )
+    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))["grads_changed"] == [
+        "lin.weight",
+        "lin.bias",
+    ]
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 3: the live loop changed gradients .*without touching their version counters",
+    ):
         _replay_with_scheduler(tmp_path, "dataw", uri, 4)
     rep, _ = _replay_with_scheduler(tmp_path, "dataw", uri, 3)
     assert rep.ok and rep.steps_checked == 2 and rep.grad_mismatches == []  # (one stage: no send to verify)
@@ -1237,12 +1622,16 @@ def test_gradients_changed_before_the_commit_outside_the_replay_make_it_unverifi
     one included, where no later send could show it. The report names the iteration and the
     parameters, is not verified, and ``raise_for_mismatch`` says why."""
 
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         _plain_step(client, mod, opt, it, g)
         if it == 3:
             mod.lin.bias.grad.data.add_(1e-3)
 
-    client = SwiftlogClient(ClientConfig(run_id="before", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="before", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
     uri = _train_one_stage(client, mod, opt, step=step)
@@ -1250,11 +1639,22 @@ def test_gradients_changed_before_the_commit_outside_the_replay_make_it_unverifi
     logs = LogStore.open(tmp_path / "store", "before")
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-    rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
+    rep = replay_stage(
+        StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+        LogReader(logs),
+        num_stages=1,
+        stop_iteration=4,
+        loss_fn=_mse,
+    )
     assert rep.first_mismatch is None and rep.steps_checked == 3
     assert rep.grad_mismatches == [{"stage": 0, "iteration": 3, "params": ["lin.bias"]}] and not rep.ok
-    assert "stage 0 iteration 3: the gradients the optimizer step used differ from the live step's (lin.bias)" in rep.unverified_reason
-    with pytest.raises(ReplayMismatchError, match=r"iteration 3: the gradients the optimizer step used differ .*a collective"):
+    assert (
+        "stage 0 iteration 3: the gradients the optimizer step used differ from the live step's (lin.bias)"
+        in rep.unverified_reason
+    )
+    with pytest.raises(
+        ReplayMismatchError, match=r"iteration 3: the gradients the optimizer step used differ .*a collective"
+    ):
         rep.raise_for_mismatch()
     again = ReplayReport.from_dict(rep.to_dict())
     assert again.grad_mismatches == rep.grad_mismatches and again.steps_checked == 3 and not again.verified
@@ -1266,7 +1666,9 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
     a record per call, and the replay checks its own gradients against those digests, puts the
     logged ones in their place and clips after it as the live loop did. Misuse is named."""
 
-    def step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+    def step(
+        client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+    ) -> None:
         _plain_step(client, mod, opt, it, g)
         client.clip_grad_norm_(mod.parameters(), 10.0)
         if it == 3:
@@ -1278,8 +1680,12 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
         with pytest.raises(ValueError, match="no parameters given"):
             client.all_reduce_grads_([])
 
-    client = SwiftlogClient(ClientConfig(run_id="reduce", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
-    with pytest.raises(RuntimeError, match=r"all_reduce_grads_ belongs between client.step\(it\) and client.commit\(it\)"):
+    client = SwiftlogClient(
+        ClientConfig(run_id="reduce", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
+    with pytest.raises(
+        RuntimeError, match=r"all_reduce_grads_ belongs between client.step\(it\) and client.commit\(it\)"
+    ):
         client.all_reduce_grads_([torch.nn.Parameter(torch.zeros(2))])
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
@@ -1288,7 +1694,12 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
     logs = LogStore.open(tmp_path / "store", "reduce")
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     (call,) = meta["grad_reduce"]
-    assert [c["seq"] for c in meta["grad_clip"]] == [0, 2] and call["seq"] == 1 and call["params"] == [1, 0] and call["world"] == 1
+    assert (
+        [c["seq"] for c in meta["grad_clip"]] == [0, 2]
+        and call["seq"] == 1
+        and call["params"] == [1, 0]
+        and call["world"] == 1
+    )
     assert call["average"] is True and len(call["pre"]) == 2
     bias, weight = logs.get(RecordKey(Channel.reduced(0), 2, 0, 0)), logs.get(RecordKey(Channel.reduced(0), 2, 0, 1))
     assert bias.shape == mod.lin.bias.shape and weight.shape == mod.lin.weight.shape
@@ -1296,14 +1707,29 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
     def again(stop: int) -> tuple[Any, torch.nn.Module]:
         fresh = _Masked()
         fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-        return replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=stop, loss_fn=_mse), fresh
+        return replay_stage(
+            StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+            LogReader(logs),
+            num_stages=1,
+            stop_iteration=stop,
+            loss_fn=_mse,
+        ), fresh
 
     rep, fresh = again(3)
     assert rep.ok and rep.steps_checked == 2
-    rep, fresh = again(4)  # the logged sum replaces the replay's own gradients: the state is the live one, but the inputs to the call differed
+    rep, fresh = again(
+        4
+    )  # the logged sum replaces the replay's own gradients: the state is the live one, but the inputs to the call differed
     assert _same_state(fresh, mod) and rep.steps_checked == 3
-    assert rep.grad_mismatches == [{"stage": 0, "iteration": 3, "params": ["lin.bias"], "at": "before all_reduce_grads_ call 0"}] and rep.diverged
-    assert "stage 0 iteration 3: the gradients before all_reduce_grads_ call 0 differ from the live ones (lin.bias)" in rep.unverified_reason
+    assert (
+        rep.grad_mismatches
+        == [{"stage": 0, "iteration": 3, "params": ["lin.bias"], "at": "before all_reduce_grads_ call 0"}]
+        and rep.diverged
+    )
+    assert (
+        "stage 0 iteration 3: the gradients before all_reduce_grads_ call 0 differ from the live ones (lin.bias)"
+        in rep.unverified_reason
+    )
 
 
 def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path, single_rank_group):
@@ -1313,7 +1739,9 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     names its classes and the load refuses another class, or (older checkpoints) a state with
     other fields; the same class computing other rates (another lambda) is caught after the last
     replayed step wherever the next iteration's META is in the logs."""
-    client = SwiftlogClient(ClientConfig(run_id="sched", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="sched", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
     uri = _train_one_stage(client, mod, opt, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e)))
@@ -1326,21 +1754,31 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
         return StageState.from_checkpoint(ck or load_checkpoint(uri), fresh, fopt, make_sched(fopt))
 
     assert load_checkpoint(uri).classes == {"optimizer": "SGD", "lr_scheduler": "LambdaLR"}
-    with pytest.raises(CheckpointError, match=r"was saved from a LambdaLR lr scheduler, not the StepLR it is loaded into"):
+    with pytest.raises(
+        CheckpointError, match=r"was saved from a LambdaLR lr scheduler, not the StepLR it is loaded into"
+    ):
         state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
     with pytest.raises(CheckpointError, match=r"was saved from a SGD optimizer, not the AdamW"):
         StageState.from_checkpoint(load_checkpoint(uri), (m := _Masked()), torch.optim.AdamW(m.parameters()))
     older = load_checkpoint(uri)
     older.classes = {}
-    with pytest.raises(CheckpointError, match=r"its lr scheduler state does not fit the lr scheduler StepLR: fields \['lr_lambdas'\] only in"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"its lr scheduler state does not fit the lr scheduler StepLR: fields \['lr_lambdas'\] only in",
+    ):
         state(lambda o: torch.optim.lr_scheduler.StepLR(o, 1), older)
     unchecked = load_checkpoint(uri)
     unchecked.sched_next = None  # an older checkpoint: the replay's first step shows it
     other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR set the learning rates \[0.025\] where the live"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR set the learning rates \[0.025\] where the live",
+    ):
         replay_stage(other_lambda, LogReader(logs), num_stages=1, stop_iteration=2, loss_fn=_mse)
     # nothing to replay (a stage lost in its checkpoint's iteration): the load itself compares the next step's rates
-    with pytest.raises(CheckpointError, match=r"would set the learning rates \[0.025\] at its next step, the training's set \[0.0166"):
+    with pytest.raises(
+        CheckpointError, match=r"would set the learning rates \[0.025\] at its next step, the training's set \[0.0166"
+    ):
         state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5))
     resumed = _Masked()  # a user resuming with another schedule on purpose
     ropt = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
@@ -1353,7 +1791,10 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     assert meta["sched_next"] == [0.05 * (1.0 / (1 + 4))]  # base_lr * lambda(epoch), as the scheduler computes it
     # where the next META is logged and the formula is not (an older record), the rates are compared with it
     plain = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
-    metas = {RecordKey(Channel.meta(0), it, 0): trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in range(1, 4)}
+    metas = {
+        RecordKey(Channel.meta(0), it, 0): trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0)))
+        for it in range(1, 4)
+    }
 
     class _OlderMeta:  # the logs, with META documents as an older client wrote them (no sched_next)
         def get(self, key: RecordKey) -> torch.Tensor:
@@ -1367,10 +1808,18 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
         def gaps(self) -> list[dict[str, Any]]:
             return logs.gaps()
 
-    with pytest.raises(ReplayError, match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of",
+    ):
         replay_stage(plain, LogReader(_OlderMeta()), num_stages=1, stop_iteration=2, loss_fn=_mse)
-    assert replay_stage(state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e))), LogReader(logs), num_stages=1,
-                        stop_iteration=2, loss_fn=_mse).ok  # fmt: skip
+    assert replay_stage(
+        state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e))),
+        LogReader(logs),
+        num_stages=1,
+        stop_iteration=2,
+        loss_fn=_mse,
+    ).ok
 
 
 def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_path, single_rank_group):
@@ -1379,10 +1828,14 @@ def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_
     replay said only that gradients differed "by a collective or a .data write". The client sees
     the stepped gradients untouched at the next schedule step (a ``grads_not_zeroed`` fault, META
     ``grads_carried``), and the plan and the replay stop there naming it. Zeroing in place counts."""
-    client = SwiftlogClient(ClientConfig(run_id="nozero", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="nozero", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
-    stage = client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
+    stage = client.pipeline_stage(
+        mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True)
+    )
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=_mse)
     uri = ""
     for it in range(4):
@@ -1395,22 +1848,37 @@ def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_
             opt.zero_grad(set_to_none=it != 1)  # in place after iteration 1
     assert client.close().drained  # not "ok": a fault was reported (by commit(3))
     faults = [f for f in client.writer.recent_faults() if f.kind == "grads_not_zeroed"]
-    assert len(faults) == 1 and "lin.weight, lin.bias" in faults[0].message and "optimizer.zero_grad()" in faults[0].message, client.writer.recent_faults()
+    assert (
+        len(faults) == 1
+        and "lin.weight, lin.bias" in faults[0].message
+        and "optimizer.zero_grad()" in faults[0].message
+    ), client.writer.recent_faults()
     logs = LogStore.open(tmp_path / "store", "nozero")
     metas = {it: trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in (2, 3)}
     assert metas[2]["grads_carried"] == [] and metas[3]["grads_carried"] == ["lin.weight", "lin.bias"]
     from replay import plan_recovery
 
     plan = plan_recovery(logs, [0])
-    assert not plan.possible and any("stage 0 iteration 3: the live loop did not zero the gradients" in r for r in plan.reasons), plan.reasons
+    assert not plan.possible and any(
+        "stage 0 iteration 3: the live loop did not zero the gradients" in r for r in plan.reasons
+    ), plan.reasons
 
     def again(stop: int) -> Any:
         fresh = _Masked()
         fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-        return replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(logs), num_stages=1, stop_iteration=stop, loss_fn=_mse)
+        return replay_stage(
+            StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+            LogReader(logs),
+            num_stages=1,
+            stop_iteration=stop,
+            loss_fn=_mse,
+        )
 
     assert again(3).ok
-    with pytest.raises(ReplayError, match=r"stage 0 iteration 3: the live loop did not zero the gradients after the previous optimizer step"):
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 0 iteration 3: the live loop did not zero the gradients after the previous optimizer step",
+    ):
         again(4)
 
 
@@ -1419,7 +1887,9 @@ def test_reductions_and_clips_name_parameters_by_their_place_in_the_stage_module
     submodule, which the replay looked up in the whole stage (the sum went to another parameter,
     or the shapes clashed); and with ``average=True`` a rank outside the group (torch's all_reduce
     does nothing there) divided by its "size", -1, negating its gradients."""
-    client = SwiftlogClient(ClientConfig(run_id="pos", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="pos", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 5))
     client.pipeline_stage(mod, "cpu", input_args=torch.zeros(2, 8), output_args=torch.zeros(2, 5, requires_grad=True))
     client.begin_iteration(0)
@@ -1442,9 +1912,13 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
     sched_mod = torch.optim.lr_scheduler
 
     def seq(o: torch.optim.Optimizer, second: Callable[[torch.optim.Optimizer], Any]) -> Any:
-        return sched_mod.SequentialLR(o, [sched_mod.LinearLR(o, start_factor=0.5, total_iters=2), second(o)], milestones=[2])
+        return sched_mod.SequentialLR(
+            o, [sched_mod.LinearLR(o, start_factor=0.5, total_iters=2), second(o)], milestones=[2]
+        )
 
-    client = SwiftlogClient(ClientConfig(run_id="seq", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="seq", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _Masked()
     opt = torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9)
     uri = _train_one_stage(client, mod, opt, sched=seq(opt, lambda o: sched_mod.LambdaLR(o, lambda e: 1.0 / (1 + e))))
@@ -1453,28 +1927,50 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
     assert ck.classes["lr_scheduler"] == "SequentialLR[LinearLR,LambdaLR]"
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-    with pytest.raises(CheckpointError, match=r"saved from a SequentialLR\[LinearLR,LambdaLR\] lr scheduler, not the SequentialLR\[LinearLR,ExponentialLR\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved from a SequentialLR\[LinearLR,LambdaLR\] lr scheduler, not the SequentialLR\[LinearLR,ExponentialLR\]",
+    ):
         StageState.from_checkpoint(ck, fresh, fopt, seq(fopt, lambda o: sched_mod.ExponentialLR(o, 0.9)))
     ck.classes = {}  # an older checkpoint: the parts' fields are compared
-    with pytest.raises(CheckpointError, match=r"fields \['lr_lambdas'\] only in the checkpoint, \['gamma'\] only in the scheduler \(its scheduler 1\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"fields \['lr_lambdas'\] only in the checkpoint, \['gamma'\] only in the scheduler \(its scheduler 1\)",
+    ):
         StageState.from_checkpoint(ck, fresh, fopt, seq(fopt, lambda o: sched_mod.ExponentialLR(o, 0.9)))
     # the parts' classes agree but the inner lambda does not: the step's rates differ from those META carries
     logs = LogStore.open(tmp_path / "store", "seq")
     fresh = _Masked()
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
-    with pytest.raises(CheckpointError, match=r"the lr scheduler SequentialLR\[LinearLR,LambdaLR\] loaded with its state would set the learning rates"):
-        StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
+    with pytest.raises(
+        CheckpointError,
+        match=r"the lr scheduler SequentialLR\[LinearLR,LambdaLR\] loaded with its state would set the learning rates",
+    ):
+        StageState.from_checkpoint(
+            load_checkpoint(uri), fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5))
+        )
     older = load_checkpoint(uri)
     older.sched_next = None  # an older checkpoint: a replayed step shows it
     st = StageState.from_checkpoint(older, fresh, fopt, seq(fopt, lambda o: sched_mod.LambdaLR(o, lambda e: 0.5)))
-    with pytest.raises(ReplayError, match=r"stage 0 iteration \d: after the step, the lr scheduler SequentialLR set the learning rates"):
+    with pytest.raises(
+        ReplayError, match=r"stage 0 iteration \d: after the step, the lr scheduler SequentialLR set the learning rates"
+    ):
         replay_stage(st, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
     # stepping a scheduler for META and putting it back leaves it as it was, OneCycleLR's momentum included
-    for make in (lambda o: seq(o, lambda o2: sched_mod.CosineAnnealingLR(o2, 5)), lambda o: sched_mod.OneCycleLR(o, max_lr=0.1, total_steps=10),
-                 lambda o: sched_mod.ChainedScheduler([sched_mod.ExponentialLR(o, 0.9), sched_mod.LambdaLR(o, lambda e: 0.9**e)])):  # fmt: skip
+    for make in (
+        lambda o: seq(o, lambda o2: sched_mod.CosineAnnealingLR(o2, 5)),
+        lambda o: sched_mod.OneCycleLR(o, max_lr=0.1, total_steps=10),
+        lambda o: sched_mod.ChainedScheduler(
+            [sched_mod.ExponentialLR(o, 0.9), sched_mod.LambdaLR(o, lambda e: 0.9**e)]
+        ),
+    ):
         a_opt, b_opt = (torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.05, momentum=0.9) for _ in range(2))
         a, b = make(a_opt), make(b_opt)
-        probe = SwiftlogClient(ClientConfig(run_id="probe", stage=0, num_stages=1, store_root=str(tmp_path / "probe"), seed=9, enabled=False))
+        probe = SwiftlogClient(
+            ClientConfig(
+                run_id="probe", stage=0, num_stages=1, store_root=str(tmp_path / "probe"), seed=9, enabled=False
+            )
+        )
         probe.track_lr_scheduler(a)
         for _ in range(4):
             nxt = probe._sched_next()
@@ -1486,9 +1982,15 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
         probe.close()
     # parts swapped: torch's own load fails; named, not a KeyError
     c_opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.05)
-    chained = sched_mod.ChainedScheduler([sched_mod.ExponentialLR(c_opt, 0.9), sched_mod.LambdaLR(c_opt, lambda e: 1.0)])
-    swapped = sched_mod.ChainedScheduler([sched_mod.LambdaLR(c_opt, lambda e: 1.0), sched_mod.ExponentialLR(c_opt, 0.9)])
-    bad = trainer_client.checkpoint.Checkpoint("r", 0, 1, 0, 1, torch.nn.Linear(2, 2).state_dict(), lr_scheduler=chained.state_dict())
+    chained = sched_mod.ChainedScheduler(
+        [sched_mod.ExponentialLR(c_opt, 0.9), sched_mod.LambdaLR(c_opt, lambda e: 1.0)]
+    )
+    swapped = sched_mod.ChainedScheduler(
+        [sched_mod.LambdaLR(c_opt, lambda e: 1.0), sched_mod.ExponentialLR(c_opt, 0.9)]
+    )
+    bad = trainer_client.checkpoint.Checkpoint(
+        "r", 0, 1, 0, 1, torch.nn.Linear(2, 2).state_dict(), lr_scheduler=chained.state_dict()
+    )
     with pytest.raises(CheckpointError, match=r"lr scheduler"):
         bad.apply(torch.nn.Linear(2, 2), None, swapped)
 
@@ -1517,7 +2019,9 @@ class _FunctionalBatchNormInRecompute(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
 
 
-def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_the_live_order(tmp_path, single_rank_group):
+def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_the_live_order(
+    tmp_path, single_rank_group
+):
     """A replay that cannot follow the live order (a parallel share, a group with other orders:
     here a ``select`` hook, as parallel replay uses) compared only the buffers' version counters
     around each backward; F.batch_norm updates a module's statistics without touching them, and
@@ -1525,7 +2029,9 @@ def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_th
     bytes too and stops with ReplayOrderError. Alone, the live order (GPipe: F0 F1 B0 B1) is exact."""
     from replay import ReplayHooks, ReplayOrderError
 
-    client = SwiftlogClient(ClientConfig(run_id="fbn", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9))
+    client = SwiftlogClient(
+        ClientConfig(run_id="fbn", stage=0, num_stages=1, store_root=str(tmp_path / "store"), seed=9)
+    )
     mod = _FunctionalBatchNormInRecompute()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     uri = _train_one_stage(client, mod, opt, iters=3, schedule="gpipe")
@@ -1534,17 +2040,28 @@ def test_buffers_a_backward_changes_without_a_version_bump_are_caught_outside_th
     def replay_it(**kw: Any) -> tuple[Any, torch.nn.Module]:
         fresh = _FunctionalBatchNormInRecompute()
         fopt = torch.optim.SGD(fresh.parameters(), lr=0.1)
-        rep = replay_stage(StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt), LogReader(LogStore.open(tmp_path / "store", "fbn")),
-                           num_stages=1, stop_iteration=3, loss_fn=_mse, **kw)  # fmt: skip
+        rep = replay_stage(
+            StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt),
+            LogReader(LogStore.open(tmp_path / "store", "fbn")),
+            num_stages=1,
+            stop_iteration=3,
+            loss_fn=_mse,
+            **kw,
+        )
         return rep, fresh
 
     rep, fresh = replay_it()
     assert rep.ok and torch.equal(fresh.rm, mod.rm) and torch.equal(fresh.rv, mod.rv) and _same_state(fresh, mod)
-    with pytest.raises(ReplayOrderError, match=r"iteration 1 micro-batch 0: the backward changed module buffers \(stage 0 rm, stage 0 rv\)"):
+    with pytest.raises(
+        ReplayOrderError,
+        match=r"iteration 1 micro-batch 0: the backward changed module buffers \(stage 0 rm, stage 0 rv\)",
+    ):
         replay_it(hooks=ReplayHooks(select=lambda it, order: order))
 
 
-def _plain_step(client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator) -> None:
+def _plain_step(
+    client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
+) -> None:
     client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
 
 
@@ -1558,13 +2075,21 @@ def test_importable_name_names_only_what_another_process_can_import():
     assert importable_name(_mse) == f"{_mse.__module__}:_mse"
     assert importable_name(torch.nn.functional.mse_loss) == "torch.nn.functional:mse_loss"
     assert importable_name(_Huber.forward) == f"{_Huber.__module__}:_Huber.forward"
-    for unnamed in (lambda o, t: _mse(o, t), _Huber(), __import__("functools").partial(_mse), _Huber().forward, print.__self__):
+    for unnamed in (
+        lambda o, t: _mse(o, t),
+        _Huber(),
+        __import__("functools").partial(_mse),
+        _Huber().forward,
+        print.__self__,
+    ):
         assert importable_name(unnamed) is None, unnamed
 
 
 def test_a_replay_of_the_last_stage_imports_the_loss_function_meta_names(tmp_path, single_rank_group):
     """No loss function given: the replay uses the live schedule's, by the name META recorded."""
-    mod, _, logs, fresh, _, rep = _single_rank_run(tmp_path, "named", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, replay_loss=None)
+    mod, _, logs, fresh, _, rep = _single_rank_run(
+        tmp_path, "named", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, replay_loss=None
+    )
     meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert meta["loss"] == f"{_mse.__module__}:_mse"
     assert rep.ok and _same_state(mod, fresh)  # (one stage: no sends to verify; the state is the check)
@@ -1573,8 +2098,20 @@ def test_a_replay_of_the_last_stage_imports_the_loss_function_meta_names(tmp_pat
 def test_a_loss_function_meta_cannot_name_must_be_passed_to_the_replay(tmp_path, single_rank_group):
     """A callable instance has no importable name: META says what it was, and the replay asks for it
     instead of replaying with some other loss."""
-    with pytest.raises(ReplayError, match=r"replaying the last stage \(0\) needs its loss function: the live schedule's loss_fn \(_Huber\(\)\) has no importable name") as e:
-        _single_rank_run(tmp_path, "unnamed", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, loss_fn=_Huber(), replay_loss=None)
+    with pytest.raises(
+        ReplayError,
+        match=r"replaying the last stage \(0\) needs its loss function: the live schedule's loss_fn \(_Huber\(\)\) has no importable name",
+    ) as e:
+        _single_rank_run(
+            tmp_path,
+            "unnamed",
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            _plain_step,
+            loss_fn=_Huber(),
+            replay_loss=None,
+        )
     assert "--loss module:attr" in (e.value.hint or "")
-    meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "unnamed").get(RecordKey(Channel.meta(0), 2, 0)))
+    meta = trainer_client.decode_meta(
+        LogStore.open(tmp_path / "store", "unnamed").get(RecordKey(Channel.meta(0), 2, 0))
+    )
     assert meta["loss"] is None and meta["loss_repr"] == "_Huber()"

@@ -65,10 +65,27 @@ def realistic(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
 
 def test_table_covers_every_required_dtype() -> None:
     required = [
-        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    ]  # fmt: skip
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    ]
     for name in required:
         dt = getattr(torch, name, None)
         if dt is not None:
@@ -79,17 +96,40 @@ def test_table_covers_every_required_dtype() -> None:
 
 def test_dtype_codes_are_pinned() -> None:
     # the wire format: these numbers must never change
-    for name, code in [("bool", 1), ("int64", 9), ("float16", 16), ("bfloat16", 17), ("float32", 18),
-                       ("float64", 19), ("complex64", 25), ("float8_e4m3fn", 32), ("float8_e5m2", 33)]:  # fmt: skip
+    for name, code in [
+        ("bool", 1),
+        ("int64", 9),
+        ("float16", 16),
+        ("bfloat16", 17),
+        ("float32", 18),
+        ("float64", 19),
+        ("complex64", 25),
+        ("float8_e4m3fn", 32),
+        ("float8_e5m2", 33),
+    ]:
         assert codec._DTYPE_TO_CODE[getattr(torch, name)] == code
 
 
 # -- property roundtrips -----------------------------------------------------------------------
 
 SPECIALS = [
-    math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, -2.5, 1e-40, -1e-45, 5e-324, 1e-8,
-    6e-8, 3.4e38, -65504.0, 1e300,
-]  # fmt: skip
+    math.nan,
+    -math.nan,
+    math.inf,
+    -math.inf,
+    0.0,
+    -0.0,
+    1.0,
+    -2.5,
+    1e-40,
+    -1e-45,
+    5e-324,
+    1e-8,
+    6e-8,
+    3.4e38,
+    -65504.0,
+    1e300,
+]
 
 
 @st.composite
@@ -166,17 +206,25 @@ def test_roundtrip_realistic_floats(dtype: torch.dtype, n: int, scale: float, co
 def test_special_float_bit_patterns(dtype: torch.dtype, codec_name: str) -> None:
     bits = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32, torch.float64: 64}[dtype]
     it = {16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]
-    exp_mask = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000,
-                torch.float64: 0x7FF0000000000000}[dtype]  # fmt: skip
+    exp_mask = {
+        torch.bfloat16: 0x7F80,
+        torch.float16: 0x7C00,
+        torch.float32: 0x7F800000,
+        torch.float64: 0x7FF0000000000000,
+    }[dtype]
     sign = 1 << (bits - 1)
     patterns = [
         exp_mask | 1,  # signalling NaN, payload 1
         exp_mask | (exp_mask >> 1 & ~exp_mask) | 0x15,  # quiet NaN with a payload
         sign | exp_mask | 3,  # negative NaN
-        exp_mask, sign | exp_mask,  # +-inf
-        0, sign,  # +-0.0
-        1, sign | 1, (exp_mask >> 1) & ~exp_mask & (exp_mask - 1),  # subnormals
-    ]  # fmt: skip
+        exp_mask,
+        sign | exp_mask,  # +-inf
+        0,
+        sign,  # +-0.0
+        1,
+        sign | 1,
+        (exp_mask >> 1) & ~exp_mask & (exp_mask - 1),  # subnormals
+    ]
     ints = [p - (1 << bits) if p >= sign else p for p in patterns] * 50
     t = torch.tensor(ints, dtype=it).view(dtype)
     out = decode_tensor(encode_tensor(t, codec=codec_name))
@@ -219,8 +267,13 @@ def test_segments_decide_raw_or_compressed_independently() -> None:
 
 
 def test_zero_d_and_empty() -> None:
-    for t in [torch.tensor(3.5, dtype=torch.bfloat16), torch.tensor(True), torch.empty(0, 7),
-              torch.empty(3, 0, 2, dtype=torch.int64), torch.empty((), dtype=torch.float8_e5m2)]:  # fmt: skip
+    for t in [
+        torch.tensor(3.5, dtype=torch.bfloat16),
+        torch.tensor(True),
+        torch.empty(0, 7),
+        torch.empty(3, 0, 2, dtype=torch.int64),
+        torch.empty((), dtype=torch.float8_e5m2),
+    ]:
         for name in ["auto", *FORCED]:
             blob = encode_tensor(t, codec=name)
             assert_same(decode_tensor(blob), t)

@@ -253,7 +253,16 @@ def test_invalid_segment_name_and_prefix(cold_tier: ColdTier) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["file://relative/dir", "ftp://host/x", "s3://B_ad/x", "s3://bucket/../x", "s3://bucket/a//b", "", "s3:/logs/swiftlog", "file:/abs/dir"],
+    [
+        "file://relative/dir",
+        "ftp://host/x",
+        "s3://B_ad/x",
+        "s3://bucket/../x",
+        "s3://bucket/a//b",
+        "",
+        "s3:/logs/swiftlog",
+        "file:/abs/dir",
+    ],
 )
 def test_bad_urls_rejected(url: str) -> None:
     with pytest.raises(ConfigError):

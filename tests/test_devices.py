@@ -56,11 +56,15 @@ def _optim(m: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_sc
     return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.5, total_iters=10)
 
 
-def _train_two_stages(root: str, device: str, iterations: int = 4, checkpoint_at: int = 1) -> tuple[list, list, list[str]]:
+def _train_two_stages(
+    root: str, device: str, iterations: int = 4, checkpoint_at: int = 1
+) -> tuple[list, list, list[str]]:
     """A hand-written two-stage pipeline in one process (both stages on ``device``), logged through
     the client's explicit API exactly as a custom runtime would: inputs, sends, receive digests,
     targets, seeds. Returns the live modules, optimizers and the checkpoint URIs."""
-    clients = [SwiftlogClient(ClientConfig(run_id="dev", stage=k, num_stages=2, store_root=root, seed=7)) for k in (0, 1)]
+    clients = [
+        SwiftlogClient(ClientConfig(run_id="dev", stage=k, num_stages=2, store_root=root, seed=7)) for k in (0, 1)
+    ]
     mods = _stage_modules(device)
     opts = [_optim(m) for m in mods]
     data = torch.Generator().manual_seed(3)
@@ -103,8 +107,16 @@ def test_a_stage_trained_on_a_device_replays_there_bit_for_bit_and_verified(tmp_
         opt, sched = _optim(fresh)
         state = StageState.from_checkpoint(load_checkpoint(uris[k]), fresh, opt, sched)
         assert replay_device([state]).type == device
-        rep = replay_stage(state, LogReader(LogStore.open(root, "dev")), num_stages=2, stop_iteration=4,
-                           loss_fn=F.cross_entropy, n_microbatches=N_MB, scale_grads=True, prefetch=1)  # fmt: skip
+        rep = replay_stage(
+            state,
+            LogReader(LogStore.open(root, "dev")),
+            num_stages=2,
+            stop_iteration=4,
+            loss_fn=F.cross_entropy,
+            n_microbatches=N_MB,
+            scale_grads=True,
+            prefetch=1,
+        )
         assert rep.verified and rep.digests_checked == 3 * N_MB, rep.to_dict()
         for a, b in zip(fresh.parameters(), live[k].parameters(), strict=True):
             assert a.device == b.device and torch.equal(a, b)
@@ -119,7 +131,9 @@ def test_a_replay_refuses_stages_spread_over_devices(tmp_path):
     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ReplayError, match="several devices"):
         replay_device([StageState(0, m, torch.optim.SGD(m[0].parameters(), lr=0.1))])
-    assert replay_device([StageState(0, torch.nn.ReLU(), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))]) == torch.device("cpu")
+    assert replay_device(
+        [StageState(0, torch.nn.ReLU(), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))]
+    ) == torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------ the writer's CUDA path
@@ -141,7 +155,14 @@ def _busy_gpu(seconds: float = 0.3) -> None:
 def test_cuda_records_are_the_device_tensors_bit_for_bit(store):
     w = AsyncLogWriter(store, encode_threads=2)
     base = torch.randn(33, 17, device="cuda")
-    sent = [base, base.to(torch.bfloat16), base.to(torch.float16), torch.arange(100, device="cuda") * 7, base.t(), base[::2, 3:]]
+    sent = [
+        base,
+        base.to(torch.bfloat16),
+        base.to(torch.float16),
+        torch.arange(100, device="cuda") * 7,
+        base.t(),
+        base[::2, 3:],
+    ]
     for mb, t in enumerate(sent):
         assert w.submit(Channel.activation(0), 0, mb, [t])
     assert w.drain(30)
@@ -185,7 +206,9 @@ def test_cuda_received_buffer_is_hashed_before_the_next_receive_overwrites_it(st
     assert not torch.cuda.current_stream().query(), "submit_digests synchronised with the GPU"
     buf.fill_(-1)  # the next receive into the same buffer: must wait for the copy
     assert w.drain(30)
-    assert digest_from_record(store.get(RecordKey(Channel.digest(1, 0), 0, 0))) == tensor_digest(torch.full((4096,), 7.0))
+    assert digest_from_record(store.get(RecordKey(Channel.digest(1, 0), 0, 0))) == tensor_digest(
+        torch.full((4096,), 7.0)
+    )
     assert torch.equal(buf.cpu(), torch.full((4096,), -1.0))
     assert w.close(10)
 
@@ -228,14 +251,25 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
     META, a checkpoint of CUDA state; the replay on the GPU equals the live stage bit for bit."""
     import torch.distributed as dist
 
-    from trainer_client.examples.gpt import GPTConfig, SyntheticTokens, build_stage_module, example_io, loss_fn, make_lr_scheduler, make_optimizer
+    from trainer_client.examples.gpt import (
+        GPTConfig,
+        SyntheticTokens,
+        build_stage_module,
+        example_io,
+        loss_fn,
+        make_lr_scheduler,
+        make_optimizer,
+    )
 
     root = str(tmp_path / "store")
     cfg = GPTConfig(n_microbatches=3)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
     try:
         source = SyntheticTokens(cfg, seed=5) if schedule == "1f1b" else None
-        client = SwiftlogClient(ClientConfig(run_id="g", stage=0, num_stages=1, store_root=root, seed=5, log_data=source is None), data_source=source)
+        client = SwiftlogClient(
+            ClientConfig(run_id="g", stage=0, num_stages=1, store_root=root, seed=5, log_data=source is None),
+            data_source=source,
+        )
         mod = build_stage_module(cfg, 0, 1, seed=5).to("cuda")
         opt = make_optimizer(mod)
         sched, data = make_lr_scheduler(opt), SyntheticTokens(cfg, seed=5)
@@ -260,7 +294,15 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
     fresh = build_stage_module(cfg, 0, 1, seed=5).to("cuda")
     fopt = make_optimizer(fresh)
     state = StageState.from_checkpoint(load_checkpoint(uri), fresh, fopt, make_lr_scheduler(fopt))
-    rep = replay_stage(state, LogReader(LogStore.open(root, "g")), num_stages=1, stop_iteration=4, loss_fn=loss_fn, prefetch=2, data_source=source)
+    rep = replay_stage(
+        state,
+        LogReader(LogStore.open(root, "g")),
+        num_stages=1,
+        stop_iteration=4,
+        loss_fn=loss_fn,
+        prefetch=2,
+        data_source=source,
+    )
     assert rep.ok and rep.micro_batches == 9 and not rep.warnings, rep.to_dict()
     for a, b in zip(fresh.parameters(), mod.parameters(), strict=True):
         assert a.is_cuda and torch.equal(a, b)
@@ -269,16 +311,30 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
     # the same through a job (what `swiftlog replay --device cuda` runs): the example factory builds on CPU, the job moves it
     from replay import ReplayJob, SourceSpec, replay
 
-    job = ReplayJob(run="g", num_stages=1, stages=[0], stop_iteration=4, checkpoints={0: uri}, sources=[SourceSpec(kind="store", location=root)],
-                    model_args=cfg.to_dict(), data_source=None if source is None else "replay.examples:gpt_data", device="cuda",
-                    output=str(tmp_path / "out"))  # fmt: skip
+    job = ReplayJob(
+        run="g",
+        num_stages=1,
+        stages=[0],
+        stop_iteration=4,
+        checkpoints={0: uri},
+        sources=[SourceSpec(kind="store", location=root)],
+        model_args=cfg.to_dict(),
+        data_source=None if source is None else "replay.examples:gpt_data",
+        device="cuda",
+        output=str(tmp_path / "out"),
+    )
     res = replay(job)
     assert res.report.ok and res.report.micro_batches == 9
-    assert all(a.is_cuda and torch.equal(a, b) for a, b in zip(res.states[0].module.parameters(), mod.parameters(), strict=True))
+    assert all(
+        a.is_cuda and torch.equal(a, b)
+        for a, b in zip(res.states[0].module.parameters(), mod.parameters(), strict=True)
+    )
     assert torch.equal(load_checkpoint(res.outputs[0]).model["blocks.0.fc1.weight"], mod.blocks[0].fc1.weight.cpu())
     # the same logs replayed on CPU: the replay says it cannot be the GPU run's kernels or masks
     cpu = build_stage_module(cfg, 0, 1, seed=5)
     copt = make_optimizer(cpu)
     state = StageState.from_checkpoint(load_checkpoint(uri), cpu, copt, make_lr_scheduler(copt))
-    rep = replay_stage(state, LogReader(LogStore.open(root, "g")), num_stages=1, stop_iteration=2, loss_fn=loss_fn, data_source=source)
+    rep = replay_stage(
+        state, LogReader(LogStore.open(root, "g")), num_stages=1, stop_iteration=2, loss_fn=loss_fn, data_source=source
+    )
     assert any("cuda_device" in w and "replay on cpu" in w for w in rep.warnings), rep.warnings

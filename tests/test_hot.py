@@ -45,11 +45,11 @@ def test_second_writer_refused_reader_allowed(tmp_path: Path) -> None:
         from logstore.hot import HotTier
         from logstore.errors import StoreError
         try:
-            HotTier({str(tmp_path / 'r' / 'w')!r}, owner=True)
+            HotTier({str(tmp_path / "r" / "w")!r}, owner=True)
             print("WROTE")
         except StoreError as e:
             print("REFUSED", e)
-        r = HotTier({str(tmp_path / 'r' / 'w')!r}, owner=False)
+        r = HotTier({str(tmp_path / "r" / "w")!r}, owner=False)
         print("READ", len(r.keys()))
         """
     )
@@ -200,8 +200,13 @@ def test_a_lost_index_is_rebuilt_from_the_segment_files_and_none_is_overwritten(
         p.unlink()
     with caplog.at_level("WARNING", logger="logstore.hot"):
         h = HotTier(d, owner=True, segment_iters=1)
-    assert caplog.text.count("was not in the index: re-indexed 2 record(s) of act_0_1") == 4 and "from its frames" in caplog.text
-    assert h.orphan_files() == [] and [(m.id, m.lo, m.hi, m.state, m.live) for m in h.segments()] == [(i + 1, i, i, SEALED, 2) for i in range(4)]
+    assert (
+        caplog.text.count("was not in the index: re-indexed 2 record(s) of act_0_1") == 4
+        and "from its frames" in caplog.text
+    )
+    assert h.orphan_files() == [] and [(m.id, m.lo, m.hi, m.state, m.live) for m in h.segments()] == [
+        (i + 1, i, i, SEALED, 2) for i in range(4)
+    ]
     for it in range(4):
         for mb in range(2):
             assert h.read_local(h.lookup(RecordKey(ACT, it, mb))) == _blob(it * 10 + mb)
@@ -222,7 +227,10 @@ def test_a_segment_file_no_index_can_take_is_kept_and_numbered_past(tmp_path: Pa
     stray.write_bytes(b"not a segment")
     with caplog.at_level("WARNING", logger="logstore.hot"):
         h = HotTier(d, owner=True, segment_iters=1)
-    assert "0000000007.seg is not in the index and cannot be re-indexed" in caplog.text and "numbered from 8" in caplog.text
+    assert (
+        "0000000007.seg is not in the index and cannot be re-indexed" in caplog.text
+        and "numbered from 8" in caplog.text
+    )
     assert h.orphan_files() == [stray]
     h.append([(RecordKey(ACT, 1, 0), _blob(1), 1000)])
     assert stray.read_bytes() == b"not a segment" and [m.id for m in h.segments()] == [1, 8]
@@ -262,7 +270,10 @@ def test_an_older_copy_of_the_index_loses_no_acknowledged_record(tmp_path: Path,
     h = HotTier(d, owner=True, segment_iters=2)
     h.append([(RecordKey(ACT, 2, 0), _blob(20), 1000)])  # segment 2 open with one record
     shutil.copytree(d / "index", tmp_path / "old-index")
-    h.append([(RecordKey(ACT, 2, mb), _blob(20 + mb), 1000) for mb in range(1, 4)] + [(RecordKey(ACT, 4, 0), _blob(40), 1000)])
+    h.append(
+        [(RecordKey(ACT, 2, mb), _blob(20 + mb), 1000) for mb in range(1, 4)]
+        + [(RecordKey(ACT, 4, 0), _blob(40), 1000)]
+    )
     h.close()
     shutil.rmtree(d / "index")
     shutil.copytree(tmp_path / "old-index", d / "index")

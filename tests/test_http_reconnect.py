@@ -40,8 +40,10 @@ class _ClosingServer:
             self.connections += 1
             with conn:
                 conn.recv(65536)
-                head = (f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.blob)}\r\nContent-Type: application/octet-stream\r\n"
-                        f"X-Swiftlog-Checksum: {blob_checksum(self.blob):016x}\r\n\r\n")  # fmt: skip
+                head = (
+                    f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.blob)}\r\nContent-Type: application/octet-stream\r\n"
+                    f"X-Swiftlog-Checksum: {blob_checksum(self.blob):016x}\r\n\r\n"
+                )
                 conn.sendall(head.encode() + self.blob)
                 conn.recv(65536)  # the next request: closed unanswered
 

@@ -42,10 +42,15 @@ def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
 FAST_KILLS = {("1f1b", 1, "forward"), ("gpipe", 3, "backward")}
 
 
-@pytest.mark.parametrize(("schedule", "stage", "phase"), [
-    pytest.param(s, k, p, marks=() if (s, k, p) in FAST_KILLS else pytest.mark.slow, id=f"{p}-{k}-{s}")
-    for s in ("gpipe", "1f1b") for k in (0, 1, 3) for p in ("forward", "backward")
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("schedule", "stage", "phase"),
+    [
+        pytest.param(s, k, p, marks=() if (s, k, p) in FAST_KILLS else pytest.mark.slow, id=f"{p}-{k}-{s}")
+        for s in ("gpipe", "1f1b")
+        for k in (0, 1, 3)
+        for p in ("forward", "backward")
+    ],
+)
 def test_kill_stage_in_compute(
     references: References,
     tmp_path: Path,
@@ -62,12 +67,13 @@ def test_kill_stage_in_compute(
 
 @pytest.mark.parametrize(
     "phase,resume",
-    [("commit", 3), pytest.param("optimizer", 4, marks=pytest.mark.slow),
-     pytest.param("checkpoint", 4, marks=pytest.mark.slow)],
+    [
+        ("commit", 3),
+        pytest.param("optimizer", 4, marks=pytest.mark.slow),
+        pytest.param("checkpoint", 4, marks=pytest.mark.slow),
+    ],
 )
-def test_kill_stage_outside_compute(
-    references: References, tmp_path: Path, phase: str, resume: int
-) -> None:
+def test_kill_stage_outside_compute(references: References, tmp_path: Path, phase: str, resume: int) -> None:
     """commit: dies before reporting done (others abort by the scheduler's / heartbeat's mark);
     optimizer: dies after "commit" was decided (survivors applied 3, fail in 4; replay to 4);
     checkpoint: dies before writing its checkpoint at 4 (replay from 2 to 4)."""
@@ -92,12 +98,8 @@ def test_logged_data_of_a_stage_that_dies_right_after_a_commit(
 
 
 @pytest.mark.slow
-def test_two_failures_one_after_the_other(
-    references: References, tmp_path: Path
-) -> None:
-    r = run(
-        tmp_path, "gpipe", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 5, 1, "backward")]
-    )
+def test_two_failures_one_after_the_other(references: References, tmp_path: Path) -> None:
+    r = run(tmp_path, "gpipe", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 5, 1, "backward")])
     assert [t["failed_stages"] for t in r.timings] == [[1], [3]]
     assert [t["resume"] for t in r.timings] == [3, 5]
     assert all(t["verified"] for t in r.timings)
@@ -107,11 +109,12 @@ def test_two_failures_one_after_the_other(
 def test_two_stages_at_once(references: References, tmp_path: Path) -> None:
     """Both die after their step of iteration 3, before the commit (the same instant, as far as
     the scheduler can tell): they are replaced together, each replayed from its own checkpoint."""
-    r = run(
-        tmp_path, "1f1b", [KillSpec(0, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")]
-    )
+    r = run(tmp_path, "1f1b", [KillSpec(0, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")])
     assert r.timings[0]["failed_stages"] == [0, 2]
-    assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {0: True, 2: True}  # each one's, not the first's only
+    assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {
+        0: True,
+        2: True,
+    }  # each one's, not the first's only
     assert_same_as(r, references.get("1f1b"))
 
 
@@ -133,9 +136,7 @@ def test_global_rollback(references: References, tmp_path: Path) -> None:
     assert_same_as(r, references.get("1f1b"))
 
 
-def test_logs_gone_fall_back_to_rollback(
-    references: References, tmp_path: Path
-) -> None:
+def test_logs_gone_fall_back_to_rollback(references: References, tmp_path: Path) -> None:
     """Nothing logged: the replacement cannot replay, says so, and every stage restarts from 2."""
     r = run(
         tmp_path,
@@ -148,9 +149,7 @@ def test_logs_gone_fall_back_to_rollback(
     assert_same_as(r, references.get("1f1b"))
 
 
-def test_parallel_replay_replacement(
-    references: References, tmp_path: Path
-) -> None:
+def test_parallel_replay_replacement(references: References, tmp_path: Path) -> None:
     """The replacement replays as rank 0 with a helper the scheduler started with it (exact
     gradient reduction order), and keeps the recovered state in memory."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], replay_workers=2)
@@ -175,8 +174,9 @@ def test_in_place_recovery_with_batchnorm_autocast_and_a_global_clip(references:
 
 
 @pytest.mark.slow
-def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(references: References,
-                                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_stage_whose_backward_changes_buffers_is_replayed_alone_in_its_live_order(
+    references: References, tmp_path: Path
+) -> None:
     """BatchNorm inside activation recomputation: the statistics also change in the backward, so
     only the live interleaving of forwards and backwards reproduces them. The replacement was
     given a helper; the parallel replay stops at its first backward (it cannot follow that order),
@@ -200,7 +200,9 @@ def test_weights_tied_across_stages_recover_in_place_bit_for_bit(references: Ref
     ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(0, 3, 1, "backward")], extra=extra)
     _check_recovered(r, [0], 3)
-    assert torch.equal(r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"])  # still one weight
+    assert torch.equal(
+        r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"]
+    )  # still one weight
     assert_same_as(r, ref)
 
 
@@ -219,9 +221,7 @@ def test_the_failed_stages_meta_comes_from_the_commit_store(references: Referenc
 
 
 @pytest.mark.slow
-def test_parallel_helpers_when_replay_is_impossible(
-    references: References, tmp_path: Path
-) -> None:
+def test_parallel_helpers_when_replay_is_impossible(references: References, tmp_path: Path) -> None:
     """Nothing logged: the replay fails in the replacement and in its helper alike (naming the
     missing record), nobody hangs, and the scheduler rolls back."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], extra=("--data-source", "--no-logging"), replay_workers=2)
@@ -250,9 +250,7 @@ def test_sweep_every_stage_and_edge_micro_batches(
 
 
 @pytest.mark.slow
-def test_logging_groups_replay_the_whole_group(
-    references: References, tmp_path: Path
-) -> None:
+def test_logging_groups_replay_the_whole_group(references: References, tmp_path: Path) -> None:
     """Groups [2, 2]: only the 1|2 boundary is logged. Stage 1 dies; its group mate stage 0 is taken
     down too, and both are replayed together from checkpoint 2 (verified at the logged boundary)."""
     ref = references.get("1f1b", extra=("--data-source", "--groups", "2,2"), groups=[2, 2])
@@ -270,9 +268,7 @@ def test_logging_groups_replay_the_whole_group(
 
 
 @pytest.mark.slow
-def test_kill_during_log_upload(
-    references: References, tmp_path: Path
-) -> None:
+def test_kill_during_log_upload(references: References, tmp_path: Path) -> None:
     """SIGKILL in the uploader thread while a segment goes to the cold tier (iteration 3 or 4,
     depending on when the background upload runs): recovery is still exact."""
     r = run(tmp_path, "gpipe", [KillSpec(1, 3, 0, "upload")])
@@ -282,9 +278,7 @@ def test_kill_during_log_upload(
 
 
 @pytest.mark.slow
-def test_parallel_helpers_released_when_nothing_to_replay(
-    references: References, tmp_path: Path
-) -> None:
+def test_parallel_helpers_released_when_nothing_to_replay(references: References, tmp_path: Path) -> None:
     """A failure right at a checkpoint (iteration 4): the replacement loads it, replays nothing and
     releases its helper, which exits without taking part."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 4, 0, "forward")], replay_workers=2)
@@ -294,13 +288,18 @@ def test_parallel_helpers_released_when_nothing_to_replay(
     assert_same_as(r, references.get("1f1b"))
 
 
-@pytest.mark.parametrize(("stage", "iteration", "phase", "cold", "workers"),
-                         [(1, 5, "forward", True, 1), pytest.param(2, 6, "forward", True, 2, marks=pytest.mark.slow),
-                          pytest.param(0, 6, "forward", False, 1, marks=pytest.mark.slow),
-                          pytest.param(1, 6, "optimizer", True, 1, marks=pytest.mark.slow)])  # fmt: skip
-def test_a_script_of_your_own_recovers_in_place_through_the_public_api(references: References, tmp_path: Path,
-                                                                      stage: int, iteration: int, phase: str,
-                                                                      cold: bool, workers: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "iteration", "phase", "cold", "workers"),
+    [
+        (1, 5, "forward", True, 1),
+        pytest.param(2, 6, "forward", True, 2, marks=pytest.mark.slow),
+        pytest.param(0, 6, "forward", False, 1, marks=pytest.mark.slow),
+        pytest.param(1, 6, "optimizer", True, 1, marks=pytest.mark.slow),
+    ],
+)
+def test_a_script_of_your_own_recovers_in_place_through_the_public_api(
+    references: References, tmp_path: Path, stage: int, iteration: int, phase: str, cold: bool, workers: int
+) -> None:
     """``trainer_client/examples/minimal_resilient.py``, the template for a script of one's own
     (its own MLP, SGD with momentum, StepLR, loss; nothing of the example GPT), run by the launcher:
     the killed stage (a middle one; the last one, whose loss function the replay takes from META)
@@ -321,9 +320,17 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(reference
     ref = references.failure_free(args, run_id="mine", num_stages=3, script=script, timeout_s=120)
     base = tmp_path / "kill"
     base.mkdir()
-    r = run_with_failures(args(base), run_id="mine", base_dir=str(base), checkpoint_url=f"file://{base / 'ckpt'}",
-                          num_stages=3, kills=[KillSpec(stage, iteration, 0, phase)], timeout_s=120,
-                          replay_workers=workers, script=script)  # fmt: skip
+    r = run_with_failures(
+        args(base),
+        run_id="mine",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        num_stages=3,
+        kills=[KillSpec(stage, iteration, 0, phase)],
+        timeout_s=120,
+        replay_workers=workers,
+        script=script,
+    )
     assert r.ok, r.describe()
     assert {k: states_equal(r.results[k], ref.results[k]) for k in range(3)} == {0: [], 1: [], 2: []}
     resume = iteration + (phase == "optimizer")  # a kill after the commit: the iteration was applied
@@ -338,15 +345,22 @@ def test_a_script_of_your_own_recovers_in_place_through_the_public_api(reference
 
 
 @pytest.mark.slow
-def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(references: References,
-                                                                           tmp_path: Path) -> None:  # fmt: skip
+def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(
+    references: References, tmp_path: Path
+) -> None:
     """Stage 1 dies in iteration 3; stage 3 reports as a survivor and dies too, while the
     replacement replays. In-place recovery cannot finish (the new group would miss stage 3): the
     scheduler restarts every stage from the checkpoint at 2, and the run ends as a failure-free one."""
     r = run(tmp_path, "1f1b", [KillSpec(1, 3, 0, "forward"), KillSpec(3, 0, 0, "recovering")])
     rollbacks = [e for e in r.timeline if e["what"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["checkpoint"] == 2 and "during the recovery of generation 0" in rollbacks[0]["reason"], r.timeline
-    assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", r.fallback  # the reason in-place recovery was abandoned
+    assert (
+        len(rollbacks) == 1
+        and rollbacks[0]["checkpoint"] == 2
+        and "during the recovery of generation 0" in rollbacks[0]["reason"]
+    ), r.timeline
+    assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", (
+        r.fallback
+    )  # the reason in-place recovery was abandoned
     assert_same_as(r, references.get("1f1b"))
 
 
@@ -356,8 +370,13 @@ def test_two_kills_of_one_stage_are_refused_not_dropped(tmp_path: Path) -> None:
     from replay.launcher import run_with_failures
 
     with pytest.raises(ValueError, match=r"more than one KillSpec for stage\(s\) \[1\]"):
-        run_with_failures([], run_id="twice", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path}/ckpt",
-                          kills=[KillSpec(1, 2), KillSpec(1, 6), KillSpec(2, 3)])  # fmt: skip
+        run_with_failures(
+            [],
+            run_id="twice",
+            base_dir=str(tmp_path),
+            checkpoint_url=f"file://{tmp_path}/ckpt",
+            kills=[KillSpec(1, 2), KillSpec(1, 6), KillSpec(2, 3)],
+        )
     assert not (tmp_path / "out").exists()  # refused before anything started
 
 
@@ -368,10 +387,21 @@ def test_a_stage_that_raises_the_same_error_again_is_not_replaced_in_a_loop(tmp_
     once, naming the error."""
     from replay.launcher import run_with_failures
 
-    r = run_with_failures(["--iters", "3", "--ckpt-at", "0"], run_id="bug", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path / 'ckpt'}",
-                          num_stages=3, timeout_s=120, script="tests._raising_script")  # fmt: skip
+    r = run_with_failures(
+        ["--iters", "3", "--ckpt-at", "0"],
+        run_id="bug",
+        base_dir=str(tmp_path),
+        checkpoint_url=f"file://{tmp_path / 'ckpt'}",
+        num_stages=3,
+        timeout_s=120,
+        script="tests._raising_script",
+    )
     assert not r.ok and not r.timed_out
-    assert r.error is not None and "stage 1 raised the same error again" in r.error and "RuntimeError: a bug in stage 1's own code" in r.error, r.describe()
+    assert (
+        r.error is not None
+        and "stage 1 raised the same error again" in r.error
+        and "RuntimeError: a bug in stage 1's own code" in r.error
+    ), r.describe()
     assert [e["name"] for e in r.timeline if e["what"] == "start" and e["stage"] == 1] == ["stage1-g0", "stage1-g1"]
     assert "error=stage 1 raised" in r.describe()
 
@@ -384,12 +414,24 @@ def test_a_bug_every_stage_meets_ends_the_run_at_once(tmp_path):
     raised: the run ends without a rollback, naming it."""
     from replay.launcher import run_with_failures
 
-    r = run_with_failures(["--iters", "3", "--ckpt-at", "0"], run_id="bugs", base_dir=str(tmp_path), checkpoint_url=f"file://{tmp_path / 'ckpt'}",
-                          num_stages=3, timeout_s=120, script="tests._raising_everywhere")  # fmt: skip
+    r = run_with_failures(
+        ["--iters", "3", "--ckpt-at", "0"],
+        run_id="bugs",
+        base_dir=str(tmp_path),
+        checkpoint_url=f"file://{tmp_path / 'ckpt'}",
+        num_stages=3,
+        timeout_s=120,
+        script="tests._raising_everywhere",
+    )
     assert not r.ok and not r.timed_out and r.fallback is None
-    assert r.error is not None and "a bug in the script" in r.error and "call client.schedule(...)" in r.error, r.describe()
+    assert r.error is not None and "a bug in the script" in r.error and "call client.schedule(...)" in r.error, (
+        r.describe()
+    )
     # the exits seen at once, or the first one's replacement raising it again: never a rollback
-    assert not [e for e in r.timeline if e["what"] == "rollback"] and len([e for e in r.timeline if e["what"] == "start"]) <= 6, r.timeline
+    assert (
+        not [e for e in r.timeline if e["what"] == "rollback"]
+        and len([e for e in r.timeline if e["what"] == "start"]) <= 6
+    ), r.timeline
 
 
 def test_a_failure_free_reference_runs_once_and_comes_back_from_the_cache_bit_for_bit(tmp_path: Path) -> None:

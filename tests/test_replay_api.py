@@ -5,12 +5,30 @@ from __future__ import annotations
 import replay
 
 EXPECTED = {
-    "plan_recovery", "RecoveryPlan", "ReplayUnit", "FetchItem",
-    "replay", "ReplayJob", "SourceSpec", "ReplayResult", "ReplayProgress", "jobs_from_plan",
-    "replay_stages", "replay_stage", "StageState", "ReplayReport", "ReplayHooks",
-    "LogReader", "RecordSource", "RemoteLogReader", "HttpRecordSource",
-    "ReplayError", "ReplayInputMissingError", "ReplayMismatchError", "ReplayOrderError",
-}  # fmt: skip
+    "plan_recovery",
+    "RecoveryPlan",
+    "ReplayUnit",
+    "FetchItem",
+    "replay",
+    "ReplayJob",
+    "SourceSpec",
+    "ReplayResult",
+    "ReplayProgress",
+    "jobs_from_plan",
+    "replay_stages",
+    "replay_stage",
+    "StageState",
+    "ReplayReport",
+    "ReplayHooks",
+    "LogReader",
+    "RecordSource",
+    "RemoteLogReader",
+    "HttpRecordSource",
+    "ReplayError",
+    "ReplayInputMissingError",
+    "ReplayMismatchError",
+    "ReplayOrderError",
+}
 
 
 def test_public_names_are_pinned():

@@ -44,22 +44,53 @@ def test_parallel_replay_from_the_cli_json(f1b_run, tmp_path):
 
 
 def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path):
-    r = runner.invoke(app, ["replay", "--run", gap_run.run_id, "--root", gap_run.root, "--cold-url", gap_run.cold_url, "-s", "1",
-                            "-t", str(ITERS), "-o", str(tmp_path)])  # fmt: skip
-    assert r.exit_code == 1 and "IMPOSSIBLE" in r.stdout and "gap was recorded" in r.stdout and "fallback: restart every stage" in r.stdout
+    r = runner.invoke(
+        app,
+        [
+            "replay",
+            "--run",
+            gap_run.run_id,
+            "--root",
+            gap_run.root,
+            "--cold-url",
+            gap_run.cold_url,
+            "-s",
+            "1",
+            "-t",
+            str(ITERS),
+            "-o",
+            str(tmp_path),
+        ],
+    )
+    assert (
+        r.exit_code == 1
+        and "IMPOSSIBLE" in r.stdout
+        and "gap was recorded" in r.stdout
+        and "fallback: restart every stage" in r.stdout
+    )
     assert not any(tmp_path.iterdir())
     r = runner.invoke(app, _args(f1b_run, "-s", "1"))
     assert r.exit_code == 2 and "--output is required" in r.output
     r = runner.invoke(app, _args(f1b_run, "-s", "9", "--plan-only"))
     assert r.exit_code == 2 and "outside the pipeline" in r.output
-    r = runner.invoke(app, ["replay", "--run", "x", "-s", "1", "--plan-only"], env={"SWIFTLOG_ROOT": "", "SWIFTLOG_COLD_URL": ""})
+    r = runner.invoke(
+        app, ["replay", "--run", "x", "-s", "1", "--plan-only"], env={"SWIFTLOG_ROOT": "", "SWIFTLOG_COLD_URL": ""}
+    )
     assert r.exit_code == 2 and "no log source" in r.output
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(blocker / "out")))  # refused before the replay, not when writing
-    assert r.exit_code == 2 and "--output" in r.output and "is not a directory swiftlog can write in" in r.output, r.output
-    r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path / "o"), "--loss", "tests._replay_helpers:no_such_loss"))
-    assert r.exit_code == 2 and "--loss" in r.output and "no_such_loss" in r.output, r.output  # stage 1 needs no loss: named all the same
+    r = runner.invoke(
+        app, _args(f1b_run, "-s", "1", "-o", str(blocker / "out"))
+    )  # refused before the replay, not when writing
+    assert r.exit_code == 2 and "--output" in r.output and "is not a directory swiftlog can write in" in r.output, (
+        r.output
+    )
+    r = runner.invoke(
+        app, _args(f1b_run, "-s", "1", "-o", str(tmp_path / "o"), "--loss", "tests._replay_helpers:no_such_loss")
+    )
+    assert r.exit_code == 2 and "--loss" in r.output and "no_such_loss" in r.output, (
+        r.output
+    )  # stage 1 needs no loss: named all the same
     blocker.unlink()
     r = runner.invoke(app, _args(f1b_run, "-s", "1", "-o", str(tmp_path), "--device", "gpu0"))
     assert r.exit_code == 2 and "'gpu0' is not a torch device" in r.output
@@ -73,9 +104,15 @@ def test_swiftlog_plan_uses_the_replay_planner(f1b_run):
     r = runner.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["planner"] == "replay.plan:plan_recovery" and doc["plan"]["possible"] and doc["plan"]["units"][0]["stages"] == [2]
+    assert (
+        doc["planner"] == "replay.plan:plan_recovery"
+        and doc["plan"]["possible"]
+        and doc["plan"]["units"][0]["stages"] == [2]
+    )
     text = runner.invoke(app, args)
-    assert text.exit_code == 0 and "stages [2]: replay [2, 6)" in text.stdout and "{" not in text.stdout, text.output  # text, as replay --plan-only
+    assert text.exit_code == 0 and "stages [2]: replay [2, 6)" in text.stdout and "{" not in text.stdout, (
+        text.output
+    )  # text, as replay --plan-only
 
 
 def test_plan_and_replay_spell_each_option_alike_and_plans_old_spelling_still_works(f1b_run):
@@ -90,8 +127,9 @@ def test_plan_and_replay_spell_each_option_alike_and_plans_old_spelling_still_wo
     p, r = json.loads(plan.stdout)["plan"], json.loads(replay.stdout)
     assert p["failed_stages"] == r["failed_stages"] == [1] and p["target_iteration"] == r["target_iteration"] == ITERS
     assert p["units"][0]["estimate"]["workers"] == r["units"][0]["estimate"]["workers"] == 2
-    old = runner.invoke(app, ["plan", *base, "--failed", "1", "--target-iteration", str(ITERS), "--workers", "2",
-                              "--json"])  # fmt: skip
+    old = runner.invoke(
+        app, ["plan", *base, "--failed", "1", "--target-iteration", str(ITERS), "--workers", "2", "--json"]
+    )
     assert old.exit_code == 0, old.output
     timeless = lambda d: {k: v for k, v in d.items() if k != "planned_at"}  # noqa: E731
     assert timeless(json.loads(old.stdout)["plan"]) == timeless(p)
@@ -116,23 +154,29 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
     import datetime
     from pathlib import Path
 
-
     from logstore import Channel, RecordKey
     from logstore.testing import free_port
     from tests._replay_helpers import copy_run_files
     from trainer_client.commit import meta_key
 
     _, cold = copy_run_files(f1b_run, tmp_path)
-    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+    for p in (Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
         p.unlink()
     host = loopback_store(datetime.timedelta(seconds=30))
     with f1b_run.spec().open(f1b_run.run_id) as st:
         for it in range(CKPT, ITERS):
-            host.set(meta_key(f"swiftlog/{f1b_run.run_id}", 1, it), st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes())
+            host.set(
+                meta_key(f"swiftlog/{f1b_run.run_id}", 1, it),
+                st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes(),
+            )
     args = ["replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1"]
     alone = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
     # alone: a neighbour's META stands in; every send matches, but the last step is unproven: NOT verified, exit 1
-    assert alone.exit_code == 1 and "using stage 0's" in alone.stdout and "NOT verified (32/32 sends checked)" in alone.stdout, alone.output
+    assert (
+        alone.exit_code == 1
+        and "using stage 0's" in alone.stdout
+        and "NOT verified (32/32 sends checked)" in alone.stdout
+    ), alone.output
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "b"), "--commit-store", f"127.0.0.1:{host.port}"])
     assert r.exit_code == 0 and "verified" in r.stdout and "warning" not in r.stdout, r.output
     assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
@@ -156,7 +200,9 @@ def test_without_the_cold_tier_the_failed_stages_checkpoint_is_unknown_and_the_p
     assert r.exit_code == 1, r.output
     assert "no registered checkpoint of stage(s) [1] in the given stores" in r.stdout and "--cold-url" in r.stdout
     assert "the given stores register no checkpoint of stage(s) [1]" in r.stdout and "if none was ever made" in r.stdout
-    r = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--root", root, "--cold-url", cold, "-s", "1", "--plan-only"])
+    r = runner.invoke(
+        app, ["replay", "--run", f1b_run.run_id, "--root", root, "--cold-url", cold, "-s", "1", "--plan-only"]
+    )
     assert r.exit_code == 0 and "replay [2, 6)" in r.stdout, r.output
 
 
@@ -176,12 +222,23 @@ def test_show_prints_a_meta_records_document(f1b_run):
     from logstore import Channel, RecordKey
 
     key = str(RecordKey(Channel.meta(3), 3, 0))
-    r = runner.invoke(app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "--json"])
+    r = runner.invoke(
+        app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url, "--json"]
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["meta"]["stage"] == 3 and d["meta"]["iteration"] == 3 and d["meta"]["loss"] == "trainer_client.examples.gpt:loss_fn" and d["stats"] is None
-    text = runner.invoke(app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url])
-    assert text.exit_code == 0 and '"schedule": "Schedule1F1B"' in text.stdout and "min / max" not in text.stdout, text.output
+    assert (
+        d["meta"]["stage"] == 3
+        and d["meta"]["iteration"] == 3
+        and d["meta"]["loss"] == "trainer_client.examples.gpt:loss_fn"
+        and d["stats"] is None
+    )
+    text = runner.invoke(
+        app, ["show", key, "--root", f1b_run.root, "--run", f1b_run.run_id, "--cold-url", f1b_run.cold_url]
+    )
+    assert text.exit_code == 0 and '"schedule": "Schedule1F1B"' in text.stdout and "min / max" not in text.stdout, (
+        text.output
+    )
 
 
 def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tmp_path):
@@ -189,13 +246,19 @@ def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tm
     the node's disk held everything: they now use the hot tiers, say so, and are exact."""
     from logstore.testing import free_port
 
-    dead = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
+    dead = {
+        "SWIFTLOG_COLD_OPTIONS": json.dumps(
+            {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+        )
+    }
     args = ["replay", "--run", f1b_run.run_id, "--root", f1b_run.root, "--cold-url", "s3://gone/x", "-s", "1"]
     r = runner.invoke(app, [*args, "--plan-only", "--json"], env=dead)
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
     assert plan["possible"] and plan["units"][0]["checkpoint_iteration"] == CKPT
-    assert any("cannot be read" in w and "planned from that root's hot tiers only" in w for w in plan["warnings"]), plan["warnings"]
+    assert any("cannot be read" in w and "planned from that root's hot tiers only" in w for w in plan["warnings"]), (
+        plan["warnings"]
+    )
     r = runner.invoke(app, [*args, "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"], env=dead)
     assert r.exit_code == 0, r.output
     assert "verified (32/32 sends checked)" in r.stdout
@@ -217,7 +280,7 @@ def test_replay_through_node_servers_plans_from_what_the_servers_hold(f1b_run, t
     from tests._replay_helpers import copy_run_files
 
     root, cold = copy_run_files(f1b_run, tmp_path)
-    shutil.rmtree(Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "act_0_1")  # only on the node's disk
+    shutil.rmtree(Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "act_0_1")  # only on the node's disk
     with ServerProcess(Path(root)) as srv:
         args = ["replay", "--run", f1b_run.run_id, "--server", srv.url, "--cold-url", cold, "-s", "1"]
         p = runner.invoke(app, [*args, "--plan-only", "--json"])
@@ -228,8 +291,12 @@ def test_replay_through_node_servers_plans_from_what_the_servers_hold(f1b_run, t
         r = runner.invoke(app, [*args, "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"])
         assert r.exit_code == 0 and "verified (32/32 sends checked)" in r.stdout, r.output
         assert checkpoint_vs_live(load_checkpoint(r.stdout.split("stage 1: ")[1].split()[0]), f1b_run.results[1]) == []
-        alone = runner.invoke(app, ["replay", "--run", f1b_run.run_id, "--server", srv.url, "-s", "1", "-t", str(ITERS), "--plan-only"])
-        assert alone.exit_code == 0 and f"replay [{CKPT}, {ITERS})" in alone.stdout, alone.output  # a target with servers alone
+        alone = runner.invoke(
+            app, ["replay", "--run", f1b_run.run_id, "--server", srv.url, "-s", "1", "-t", str(ITERS), "--plan-only"]
+        )
+        assert alone.exit_code == 0 and f"replay [{CKPT}, {ITERS})" in alone.stdout, (
+            alone.output
+        )  # a target with servers alone
 
 
 def test_json_errors_of_an_unreachable_commit_store_and_a_corrupt_record(f1b_run, tmp_path):
@@ -253,10 +320,22 @@ def test_json_errors_of_an_unreachable_commit_store_and_a_corrupt_record(f1b_run
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x40]))
     store, corrupt = swiftlog_all(
-        ("replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1", "-o", tmp_path / "o",
-         "--commit-store", f"127.0.0.1:{free_port()}", "--json"),
+        (
+            "replay",
+            "--run",
+            f1b_run.run_id,
+            "--cold-url",
+            cold,
+            "-s",
+            "1",
+            "-o",
+            tmp_path / "o",
+            "--commit-store",
+            f"127.0.0.1:{free_port()}",
+            "--json",
+        ),
         ("show", str(key), "--root", root, "--run", f1b_run.run_id, "--json"),
-    )  # fmt: skip
+    )
     assert json_error(store, 4, "cannot reach the commit store")["type"] == "unavailable"
     err = json_error(corrupt, 1, str(key))
     assert err["type"] == "corrupt_record" and err["key"] == str(key)

@@ -34,8 +34,16 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import LogReader, ReplayError, ReplayInputMissingError, StageState, _passes, _Plan, locate_logs
-from replay.core import ReplayHooks
+from replay.core import (
+    LogReader,
+    ReplayError,
+    ReplayHooks,
+    ReplayInputMissingError,
+    StageState,
+    _passes,
+    _Plan,
+    locate_logs,
+)
 from replay.engine import build_states, checkpoint_of
 from replay.examples import gpt_stage
 from server.testing import ServerProcess
@@ -59,8 +67,15 @@ def _job(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
     stages = [stage_or_stages] if isinstance(stage_or_stages, int) else list(stage_or_stages)
     kw.setdefault("sources", [run.spec()])
     kw.setdefault("output", str(tmp_path / "out"))
-    return ReplayJob(run=run.run_id, num_stages=NUM_STAGES, stages=stages, stop_iteration=ITERS,
-                     checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages}, **run.job_fields(), **kw)  # fmt: skip
+    return ReplayJob(
+        run=run.run_id,
+        num_stages=NUM_STAGES,
+        stages=stages,
+        stop_iteration=ITERS,
+        checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
+        **run.job_fields(),
+        **kw,
+    )
 
 
 @pytest.fixture(params=[pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
@@ -80,11 +95,16 @@ def test_sequential_replay_of_every_stage_is_bit_exact(any_run, tmp_path):
         st = res.states[0]
         assert state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), ck.model, ck.optimizer) == []
         src = load_checkpoint(run.results[k]["checkpoints"][CKPT], storage_options=run.cold_options or None)
-        assert st.checkpoint.iteration == CKPT and state_bytes_differ(st.checkpoint.model, st.checkpoint.optimizer, src.model, src.optimizer) == []
+        assert (
+            st.checkpoint.iteration == CKPT
+            and state_bytes_differ(st.checkpoint.model, st.checkpoint.optimizer, src.model, src.optimizer) == []
+        )
         rep = res.report
         sends = (k < NUM_STAGES - 1) + (k > 0)
         assert res.verified and rep.verified and rep.first_mismatch is None
-        assert rep.steps_checked == ITERS - CKPT and rep.grad_mismatches == []  # every step's gradients are the live ones
+        assert (
+            rep.steps_checked == ITERS - CKPT and rep.grad_mismatches == []
+        )  # every step's gradients are the live ones
         assert rep.sends_generated == rep.digests_checked == sends * (ITERS - CKPT) * n_mb
         assert rep.micro_batches == (ITERS - CKPT) * n_mb and rep.iterations_done == ITERS - CKPT and rep.warnings == []
         if k == NUM_STAGES - 1:
@@ -109,15 +129,21 @@ def test_clipping_to_a_global_norm_replays_bit_for_bit(clip_run, tmp_path):
             assert min(norms) > 0.05 and max(norms) - min(norms) <= 1e-6 * max(norms)  # active; one global norm
     for stage, workers in ((1, 1), (3, 2)):
         res = replay(_job(clip_run, stage, tmp_path / f"s{stage}", workers=workers))
-        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), clip_run.results[stage]) == [], f"stage {stage}"
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), clip_run.results[stage]) == [], (
+            f"stage {stage}"
+        )
 
 
 def test_a_run_under_autocast_replays_under_it_bit_for_bit(autocast_run, tmp_path):
     with autocast_run.store() as st:
-        assert LogReader(st).meta(2, CKPT)["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}]
+        assert LogReader(st).meta(2, CKPT)["autocast"] == [
+            {"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}
+        ]
     for stage, workers in ((3, 1), (1, 2)):
         res = replay(_job(autocast_run, stage, tmp_path / f"s{stage}", workers=workers))
-        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), autocast_run.results[stage]) == [], f"stage {stage}"
+        assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), autocast_run.results[stage]) == [], (
+            f"stage {stage}"
+        )
 
 
 def test_the_report_counts_the_micro_batches_that_ran(f1b_run):
@@ -142,8 +168,14 @@ def test_the_report_counts_the_micro_batches_that_ran(f1b_run):
     state = StageState.from_checkpoint(ck, *gpt_stage(1, NUM_STAGES, ck, **f1b_run.gpt.to_dict()))
     with f1b_run.store() as st, pytest.raises(Stop):
         hooks = ReplayHooks(after_backward=after_backward)
-        replay_stages([state], st, num_stages=NUM_STAGES, stop_iteration=ITERS, hooks=hooks,
-                      on_iteration=lambda it, rep: seen.append(rep))  # fmt: skip
+        replay_stages(
+            [state],
+            st,
+            num_stages=NUM_STAGES,
+            stop_iteration=ITERS,
+            hooks=hooks,
+            on_iteration=lambda it, rep: seen.append(rep),
+        )
     assert len(seen) == 1 and [it for it, _ in ran] == [CKPT] * n_mb + [CKPT + 1] * 2  # one iteration and two backwards
     assert seen[0].micro_batches == n_mb + 2 and seen[0].iterations_done == 1
     ck = load_checkpoint(f1b_run.results[1]["checkpoints"][CKPT])
@@ -157,11 +189,22 @@ def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, t
     seen = []
     a = replay(_job(f1b_run, 1, tmp_path / "a", prefetch=0))
     b = replay(_job(f1b_run, 1, tmp_path / "b", prefetch=3), on_progress=seen.append)
-    assert state_bytes_differ(a.states[0].module.state_dict(), a.states[0].optimizer.state_dict(),
-                              b.states[0].module.state_dict(), b.states[0].optimizer.state_dict()) == []  # fmt: skip
+    assert (
+        state_bytes_differ(
+            a.states[0].module.state_dict(),
+            a.states[0].optimizer.state_dict(),
+            b.states[0].module.state_dict(),
+            b.states[0].optimizer.state_dict(),
+        )
+        == []
+    )
     assert a.verified and b.verified
     assert [p.done for p in seen] == [1, 2, 3, 4] and {p.total for p in seen} == {ITERS - CKPT}
-    assert [p.iteration for p in seen] == list(range(CKPT, ITERS)) and seen[-1].eta_s == 0 and all(p.rate > 0 for p in seen)
+    assert (
+        [p.iteration for p in seen] == list(range(CKPT, ITERS))
+        and seen[-1].eta_s == 0
+        and all(p.rate > 0 for p in seen)
+    )
     assert seen[-1].micro_batches == (ITERS - CKPT) * f1b_run.gpt.n_microbatches
     assert b.report.records_fetched == a.report.records_fetched > 0  # every record read once, ahead or not
     assert b.to_dict()["report"]["verified"] is True
@@ -207,7 +250,9 @@ def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
     res = replay(job)
     for k in (0, 1):
         assert checkpoint_vs_live(checkpoint_of(res, k), groups_run.results[k]) == [], f"stage {k}"
-    assert res.verified and res.report.digests_checked == (ITERS - CKPT) * groups_run.gpt.n_microbatches  # act 1->2 only
+    assert (
+        res.verified and res.report.digests_checked == (ITERS - CKPT) * groups_run.gpt.n_microbatches
+    )  # act 1->2 only
     # two adjacent stages of a fully logged run can also replay chained in one process
     res2 = replay(_job(f1b_run, [1, 2], tmp_path / "12"))
     for k in (1, 2):
@@ -249,14 +294,26 @@ def test_the_python_api_plans_and_replays_over_a_node_server_and_a_root(f1b_run,
     its API, jobs_from_plan turns each source object into its spec, the replay is exact."""
     from replay.remote import HttpRecordSource
 
-    with ServerProcess(Path(f1b_run.root)) as srv, HttpRecordSource(srv.url, f1b_run.run_id) as http, \
-            LogStore.open(f1b_run.root, f1b_run.run_id) as st, f1b_run.cold_store() as cold:  # fmt: skip
+    with (
+        ServerProcess(Path(f1b_run.root)) as srv,
+        HttpRecordSource(srv.url, f1b_run.run_id) as http,
+        LogStore.open(f1b_run.root, f1b_run.run_id) as st,
+        f1b_run.cold_store() as cold,
+    ):
         plan = plan_recovery([http, st, cold], [1])
         # inputs and digests from the server (first, and it holds them hot); the failed stage's own META from the cold tier
         # (its hot copy is on the failed stage's node: read only if nothing else has it)
-        assert plan.possible and {(f.purpose, f.source) for f in plan.units[0].fetch} == {("input", 0), ("verify", 0), ("meta", 2)}
+        assert plan.possible and {(f.purpose, f.source) for f in plan.units[0].fetch} == {
+            ("input", 0),
+            ("verify", 0),
+            ("meta", 2),
+        }
         (job,) = jobs_from_plan(plan, sources=[http, st, cold], output=str(tmp_path / "out"), **f1b_run.job_fields())
-        assert [(sp.kind, sp.location) for sp in job.sources] == [("http", srv.url), ("store", f1b_run.root), ("cold", f1b_run.cold_url)]
+        assert [(sp.kind, sp.location) for sp in job.sources] == [
+            ("http", srv.url),
+            ("store", f1b_run.root),
+            ("cold", f1b_run.cold_url),
+        ]
         res = replay(job)
     assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
 
@@ -298,7 +355,7 @@ def test_a_corrupt_record_fails_the_replay_naming_it(f1b_run, tmp_path):
 
 def test_a_missing_record_fails_the_replay_naming_it(f1b_run, tmp_path):
     _, cold = copy_run_files(f1b_run, tmp_path)
-    seg_dir = Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "grad_2_1"
+    seg_dir = Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "grad_2_1"
     for p in seg_dir.glob("000000000004-*"):
         p.unlink()
     src = SourceSpec(kind="cold", location=cold)
@@ -317,8 +374,16 @@ def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
     rep = replay_stage(st, LogReader(f1b_run.store()), num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
     assert not rep.verified and not rep.ok
     first_mb = 0
-    assert rep.first_mismatch == {"key": f"act_2_3/it{CKPT}/mb{first_mb}/p0", "iteration": CKPT, "micro_batch": first_mb, "channel": "act_2_3", "part": 0}
-    with pytest.raises(ReplayMismatchError, match=rf"first divergence at iteration {CKPT} micro-batch 0 channel act_2_3"):
+    assert rep.first_mismatch == {
+        "key": f"act_2_3/it{CKPT}/mb{first_mb}/p0",
+        "iteration": CKPT,
+        "micro_batch": first_mb,
+        "channel": "act_2_3",
+        "part": 0,
+    }
+    with pytest.raises(
+        ReplayMismatchError, match=rf"first divergence at iteration {CKPT} micro-batch 0 channel act_2_3"
+    ):
         rep.raise_for_mismatch()
     # the same through the engine from a perturbed checkpoint file: the result is not "verified"
     ck = load_checkpoint(job.checkpoints[2])
@@ -327,11 +392,22 @@ def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
     mod, opt, sched = gpt_stage(2, NUM_STAGES, ck, **f1b_run.gpt.to_dict())
     ck.apply(mod, opt, sched)
     mod.load_state_dict(bad)
-    uri = save_checkpoint(str(tmp_path / "bad.pt"), run_id=ck.run_id, stage=2, num_stages=NUM_STAGES, iteration=CKPT, seed=ck.seed,
-                          model=mod, optimizer=opt, lr_scheduler=sched)  # fmt: skip
+    uri = save_checkpoint(
+        str(tmp_path / "bad.pt"),
+        run_id=ck.run_id,
+        stage=2,
+        num_stages=NUM_STAGES,
+        iteration=CKPT,
+        seed=ck.seed,
+        model=mod,
+        optimizer=opt,
+        lr_scheduler=sched,
+    )
     res = replay(job.replace(checkpoints={2: uri}, output=str(tmp_path / "bad-out")))
     assert not res.verified and res.first_mismatch["iteration"] == CKPT and res.first_mismatch["channel"] == "act_2_3"
-    assert res.outputs == {} and not (tmp_path / "bad-out").exists()  # a wrong state is never written as a recovered checkpoint
+    assert (
+        res.outputs == {} and not (tmp_path / "bad-out").exists()
+    )  # a wrong state is never written as a recovered checkpoint
 
 
 def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
@@ -345,10 +421,18 @@ def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
     def two_things(stage, num_stages, checkpoint, **kw):
         return gpt_stage(stage, num_stages, checkpoint, **kw)[:2]
 
-    with pytest.raises(ReplayError, match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional arguments") as e:
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional arguments",
+    ) as e:
         build_states(job, factory=two_args)
-    assert "fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)" in e.value.hint
-    with pytest.raises(ReplayError, match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, optimizer, lr_scheduler or None\)"):
+    assert (
+        "fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)" in e.value.hint
+    )
+    with pytest.raises(
+        ReplayError,
+        match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, optimizer, lr_scheduler or None\)",
+    ):
         build_states(job, factory=two_things)
 
 
@@ -360,17 +444,31 @@ def test_checkpoints_must_agree(f1b_run, tmp_path):
     with pytest.raises(Exception, match="stage 2, not run"):
         replay(wrong)
     assert ReplayJob.from_dict(job.to_dict()) == job
-    states = [StageState.from_checkpoint(load_checkpoint(job.checkpoints[k]), *gpt_stage(k, NUM_STAGES, load_checkpoint(job.checkpoints[k]), **f1b_run.gpt.to_dict())) for k in (1, 2)]
+    states = [
+        StageState.from_checkpoint(
+            load_checkpoint(job.checkpoints[k]),
+            *gpt_stage(k, NUM_STAGES, load_checkpoint(job.checkpoints[k]), **f1b_run.gpt.to_dict()),
+        )
+        for k in (1, 2)
+    ]
     rep = replay_stages(states, f1b_run.store(), num_stages=NUM_STAGES, stop_iteration=CKPT)  # nothing to do is fine
     # and verified: the result is the durable checkpoint (a torchrun restart replays every stage to f, and some are there already)
     assert rep.iterations_done == 0 and rep.micro_batches == 0 and rep.verified
-    last = load_checkpoint(f1b_run.results[3]["checkpoints"][CKPT])  # the last stage needs no loss function for nothing (it asked for one)
-    rep = replay_stages([StageState.from_checkpoint(last, *gpt_stage(3, NUM_STAGES, last, **f1b_run.gpt.to_dict()))], f1b_run.store(),
-                        num_stages=NUM_STAGES, stop_iteration=CKPT)  # fmt: skip
+    last = load_checkpoint(
+        f1b_run.results[3]["checkpoints"][CKPT]
+    )  # the last stage needs no loss function for nothing (it asked for one)
+    rep = replay_stages(
+        [StageState.from_checkpoint(last, *gpt_stage(3, NUM_STAGES, last, **f1b_run.gpt.to_dict()))],
+        f1b_run.store(),
+        num_stages=NUM_STAGES,
+        stop_iteration=CKPT,
+    )
     assert rep.iterations_done == 0 and rep.verified
 
 
-def _other_model(stage: int, num_stages: int, checkpoint: object, **kw: object) -> tuple[torch.nn.Module, torch.optim.Optimizer, None]:
+def _other_model(
+    stage: int, num_stages: int, checkpoint: object, **kw: object
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, None]:
     m = torch.nn.Linear(3, 3)
     return m, torch.optim.SGD(m.parameters(), lr=0.1), None
 
@@ -378,7 +476,10 @@ def _other_model(stage: int, num_stages: int, checkpoint: object, **kw: object) 
 def test_a_stage_factory_that_builds_another_model_is_told_what_to_pass(f1b_run, tmp_path):
     """A user who forgets --model gets the example GPT's factory: the checkpoint does not fit it,
     and the error says which keys and what to pass, instead of a traceback from load_state_dict."""
-    with pytest.raises(ReplayError, match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing key\(s\)") as e:
+    with pytest.raises(
+        ReplayError,
+        match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing key\(s\)",
+    ) as e:
         replay(_job(f1b_run, 1, tmp_path), factory=_other_model)
     assert "--model module:function" in (e.value.hint or "")
 
@@ -387,7 +488,7 @@ def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbour
     """The replay of the last stage uses the loss function META names; without the stage's own META
     (an offline replay after its node died), the one the stage before it names, and says so."""
     _, cold = copy_run_files(f1b_run, tmp_path)
-    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / f"meta_{NUM_STAGES - 1}").glob("*"):
+    for p in (Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / f"meta_{NUM_STAGES - 1}").glob("*"):
         p.unlink()
     res = replay(_job(f1b_run, NUM_STAGES - 1, tmp_path, sources=[SourceSpec(kind="cold", location=cold)]))
     assert res.job.loss is None and res.report.ok  # every send matched; the last step is not proven (below)
@@ -412,8 +513,11 @@ def test_an_error_in_the_users_model_names_where_the_replay_was(f1b_run, tmp_pat
         built[0].forward = boom
         return built
 
-    with pytest.raises(ReplayError, match=rf"stage 1 iteration {CKPT} micro-batch 0: the stage's forward raised RuntimeError: mat1 and mat2 "
-                                          r"shapes cannot be multiplied \(4x8 and 16x8\) \(hint: ") as e:  # fmt: skip
+    with pytest.raises(
+        ReplayError,
+        match=rf"stage 1 iteration {CKPT} micro-batch 0: the stage's forward raised RuntimeError: mat1 and mat2 "
+        r"shapes cannot be multiplied \(4x8 and 16x8\) \(hint: ",
+    ) as e:
         replay(job, factory=broken)
     assert "--model" in (e.value.hint or "") and isinstance(e.value.__cause__, RuntimeError)
 
@@ -432,7 +536,7 @@ def test_a_job_names_the_device_it_replays_on(f1b_run, tmp_path):
 def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
     # the failed stage's META lived on its node and never reached the cold tier: the replay still works
     _, cold = copy_run_files(f1b_run, tmp_path)
-    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+    for p in (Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
         p.unlink()
     src = SourceSpec(kind="cold", location=cold)
     with src.open(f1b_run.run_id) as st:
@@ -440,10 +544,16 @@ def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
     assert plan.possible and any("stands in" in w for w in plan.units[0].warnings)
     assert {f.channel for f in plan.units[0].fetch if f.purpose == "meta"} == {"meta_0"}
     res = replay(_job(f1b_run, 1, tmp_path, sources=[src]))
-    assert checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []  # this run neither clips nor sets rates by hand
+    assert (
+        checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
+    )  # this run neither clips nor sets rates by hand
     assert any("using stage 0's" in w for w in res.report.warnings)
     # but a run that did would differ after the last step, which no later send checks: not "verified"
-    assert res.report.ok and not res.verified and f"the last iteration ({ITERS - 1}) was replayed with stage 0's META" in " ".join(res.report.warnings)
+    assert (
+        res.report.ok
+        and not res.verified
+        and f"the last iteration ({ITERS - 1}) was replayed with stage 0's META" in " ".join(res.report.warnings)
+    )
     assert not checkpoint_of(res, 1).extra["recovered"]["verified"]
 
 
@@ -452,10 +562,12 @@ def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, t
     commit step kept in the decision store come as a "metas" source (plain values: a job carries
     them to helper processes), and the replay uses the stage's own META, not a neighbour's."""
     _, cold = copy_run_files(f1b_run, tmp_path)
-    for p in (Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
+    for p in (Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "meta_1").glob("*"):
         p.unlink()
     with f1b_run.spec().open(f1b_run.run_id) as st:
-        docs = {f"1/{it}": st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes().decode() for it in range(CKPT, ITERS)}
+        docs = {
+            f"1/{it}": st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes().decode() for it in range(CKPT, ITERS)
+        }
     metas = SourceSpec(kind="metas", location="the commit store", docs=docs)
     job = _job(f1b_run, 1, tmp_path, sources=[metas, SourceSpec(kind="cold", location=cold)])
     assert ReplayJob.from_dict(job.to_dict()).sources[0] == metas
@@ -463,7 +575,9 @@ def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, t
     assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
     assert not any("META" in w for w in res.report.warnings), res.report.warnings
     src = metas.open(f1b_run.run_id)  # META records only, never another channel's
-    assert [k.iteration for k in src.keys(Channel.meta(1))] == list(range(CKPT, ITERS)) and src.keys(Channel.activation(0)) == []
+    assert [k.iteration for k in src.keys(Channel.meta(1))] == list(range(CKPT, ITERS)) and src.keys(
+        Channel.activation(0)
+    ) == []
     with pytest.raises(KeyError, match="no META document"):
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     with pytest.raises(ValueError, match="carries docs"):
@@ -475,7 +589,10 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
     from replay.plan import cold_only_store
 
     dead = f"http://127.0.0.1:{free_port()}"
-    with cold_only_store(f1b_run.cold_url, f1b_run.run_id) as cold, RemoteLogReader(dead, f1b_run.run_id, fallback=[cold], retries=1) as reader:
+    with (
+        cold_only_store(f1b_run.cold_url, f1b_run.run_id) as cold,
+        RemoteLogReader(dead, f1b_run.run_id, fallback=[cold], retries=1) as reader,
+    ):
         st = build_states(_job(f1b_run, 1, tmp_path))[0]
         rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
     assert rep.verified
@@ -485,11 +602,16 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     assert ei.value.retryable and "unavailable" in str(ei.value)
     # every source unlistable: no plan of zero iterations "verified" (a QA check: a node server answering 500), but why not
-    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(ValueError, match=r"no source could be read: listing channels of"):
+    with (
+        HttpRecordSource(dead, f1b_run.run_id, retries=1) as src,
+        pytest.raises(ValueError, match=r"no source could be read: listing channels of"),
+    ):
         plan_recovery([src], [1])
     with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src:  # the checkpoints known, the logs not
         plan = plan_recovery([src], [1], num_stages=NUM_STAGES)
-    assert not plan.possible and plan.units[0].reasons[0].startswith("no source could list the run's logs: listing channels of"), plan.reasons
+    assert not plan.possible and plan.units[0].reasons[0].startswith(
+        "no source could list the run's logs: listing channels of"
+    ), plan.reasons
 
 
 def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path):
@@ -498,7 +620,6 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     import datetime
     import json
 
-
     from replay.replacement import recover_stage
     from trainer_client.survivor import RecoveryKeys
 
@@ -506,16 +627,31 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     keys = RecoveryKeys(f1b_run.run_id)
     store.set(keys.failed_stages(0), json.dumps([1]))
     for k in (0, 2, 3):  # the survivors' reports: where they stand and where their logs are
-        store.set(keys.survivor(0, k), json.dumps({"resume": ITERS, "store_root": f1b_run.root, "cold_url": f1b_run.cold_url}))
+        store.set(
+            keys.survivor(0, k), json.dumps({"resume": ITERS, "store_root": f1b_run.root, "cold_url": f1b_run.cold_url})
+        )
     ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
-    rec = recover_stage(store, run_id=f1b_run.run_id, stage=1, num_stages=NUM_STAGES, generation=0, checkpoint_url=ck_base,
-                        sources=None, model_args=f1b_run.gpt.to_dict(), n_microbatches=f1b_run.gpt.n_microbatches, threads=1,
-                        helpers=1, timeout=datetime.timedelta(seconds=3))  # fmt: skip
+    rec = recover_stage(
+        store,
+        run_id=f1b_run.run_id,
+        stage=1,
+        num_stages=NUM_STAGES,
+        generation=0,
+        checkpoint_url=ck_base,
+        sources=None,
+        model_args=f1b_run.gpt.to_dict(),
+        n_microbatches=f1b_run.gpt.n_microbatches,
+        threads=1,
+        helpers=1,
+        timeout=datetime.timedelta(seconds=3),
+    )
     assert rec.verified and rec.resume == ITERS and rec.checkpoint_iteration == CKPT
     assert rec.timings["workers"] == 1  # replayed alone after the helper did not come
     assert json.loads(store.get(keys.replay_job(0, 1)))["world"] == 2  # the job was published for it
     live = f1b_run.results[1]
-    assert state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
+    assert (
+        state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
+    )
 
 
 def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_path, caplog):
@@ -532,8 +668,15 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
         return gpt_stage(*a, **kw)
 
     job = _job(f1b_run, 1, tmp_path, output=None)
-    ahead = PreparedStates(run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints=job.checkpoints, model=job.model,
-                           model_args=job.model_args, factory=counting)  # fmt: skip
+    ahead = PreparedStates(
+        run=job.run,
+        num_stages=NUM_STAGES,
+        stages=[1],
+        checkpoints=job.checkpoints,
+        model=job.model,
+        model_args=job.model_args,
+        factory=counting,
+    )
     assert not ahead.matches(job.replace(model_args={**job.model_args, "dropout": 0.0}))
     assert ahead.take(job.replace(checkpoints={1: job.checkpoints[1] + ".other"})) is None and builds == [1]
     live = f1b_run.results[1]
@@ -543,14 +686,27 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
     assert builds == [1, 1] and second.states[0].module is not first.states[0].module
     for res in (first, second):
         st = res.states[0]
-        assert res.verified and state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), live["model"], live["optimizer"]) == []
+        assert (
+            res.verified
+            and state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), live["model"], live["optimizer"])
+            == []
+        )
     # the replacement's guess: the newest common checkpoint under the checkpoint URL
     ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
-    assert prepare_states(ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model_args=job.model_args).matches(job)
+    assert prepare_states(
+        ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model_args=job.model_args
+    ).matches(job)
     # nothing to guess from, or a guess that fails: nothing is handed out and nothing raises
     with caplog.at_level("INFO", logger="replay.engine"):
-        assert prepare_states(str(tmp_path / "no-checkpoints"), run_id=job.run, stages=[1], num_stages=NUM_STAGES).take(job) is None
-        broken = PreparedStates(run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints={1: str(tmp_path / "missing.pt")})
+        assert (
+            prepare_states(str(tmp_path / "no-checkpoints"), run_id=job.run, stages=[1], num_stages=NUM_STAGES).take(
+                job
+            )
+            is None
+        )
+        broken = PreparedStates(
+            run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints={1: str(tmp_path / "missing.pt")}
+        )
         assert broken.take(job) is None
     assert "building stages [1] ahead failed" in caplog.text
 
@@ -655,11 +811,17 @@ def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     def rep(**kw: Any) -> ReplayReport:
         return ReplayReport(stages=[1], start_iteration=4, stop_iteration=6, **kw)
 
-    assert "act_1_2/it5/mb0/p0 differs from the log" in _unverified(rep(sends_generated=4, digests_checked=4, digest_mismatches=["act_1_2/it5/mb0/p0"]))
+    assert "act_1_2/it5/mb0/p0 differs from the log" in _unverified(
+        rep(sends_generated=4, digests_checked=4, digest_mismatches=["act_1_2/it5/mb0/p0"])
+    )
     assert "made no boundary send" in _unverified(rep())
-    missing = _unverified(rep(sends_generated=4, digests_checked=2, digests_missing=["grad_1_0/it4/mb0/p0", "grad_1_0/it4/mb1/p0"]))
+    missing = _unverified(
+        rep(sends_generated=4, digests_checked=2, digests_missing=["grad_1_0/it4/mb0/p0", "grad_1_0/it4/mb1/p0"])
+    )
     assert "2 of its 4 sends have no digest in the logs to check them against (first: grad_1_0/it4/mb0/p0)" in missing
-    assert "its last iteration (5) was replayed with another stage's META" in _unverified(rep(sends_generated=4, digests_checked=4, unknown_steps=[5]))
+    assert "its last iteration (5) was replayed with another stage's META" in _unverified(
+        rep(sends_generated=4, digests_checked=4, unknown_steps=[5])
+    )
 
 
 @pytest.mark.slow
@@ -677,17 +839,29 @@ def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reducti
         assert res.report.steps_checked == n_reduced and res.report.grad_mismatches == []
     par = replay(_job(tied_run, 0, tmp_path / "par", workers=2))
     assert par.verified and checkpoint_vs_live(checkpoint_of(par, 0), tied_run.results[0]) == []
-    with ServerProcess(Path(tied_run.root), cold_url=tied_run.cold_url) as srv:  # the node server lists and serves reduced_* too
-        with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/v1/runs/{tied_run.run_id}", headers=srv.headers())) as resp:
+    with ServerProcess(
+        Path(tied_run.root), cold_url=tied_run.cold_url
+    ) as srv:  # the node server lists and serves reduced_* too
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{srv.url}/v1/runs/{tied_run.run_id}", headers=srv.headers())
+        ) as resp:
             assert "reduced_0" in {c["name"] for c in json.load(resp)["channels"]}
         res = replay(_job(tied_run, 0, tmp_path / "srv", sources=[SourceSpec.parse(srv.url)]))
-        assert res.verified and res.report.iterations_done == ITERS - CKPT and checkpoint_vs_live(checkpoint_of(res, 0), tied_run.results[0]) == []
+        assert (
+            res.verified
+            and res.report.iterations_done == ITERS - CKPT
+            and checkpoint_vs_live(checkpoint_of(res, 0), tied_run.results[0]) == []
+        )
     with tied_run.store() as st:
-        assert len(st.keys(Channel.reduced(0))) == ITERS - CKPT  # one call per iteration, one part (the embedding); older ones GC-ed
+        assert (
+            len(st.keys(Channel.reduced(0))) == ITERS - CKPT
+        )  # one call per iteration, one part (the embedding); older ones GC-ed
         plan = plan_recovery(st, [0])
-    assert plan.possible and any(f.channel == "reduced_0" and f.purpose == "input" for f in plan.units[0].fetch), plan.units[0].fetch
+    assert plan.possible and any(f.channel == "reduced_0" and f.purpose == "input" for f in plan.units[0].fetch), (
+        plan.units[0].fetch
+    )
     _, cold = copy_run_files(tied_run, tmp_path / "copy")
-    for p in (Path(cold[len("file://"):]) / tied_run.run_id / "segments" / "reduced_0").glob("*"):
+    for p in (Path(cold[len("file://") :]) / tied_run.run_id / "segments" / "reduced_0").glob("*"):
         p.unlink()
     src = SourceSpec(kind="cold", location=cold)
     with LogStore.open(tmp_path / "empty-root", tied_run.run_id, cold_url=cold) as st:
@@ -707,8 +881,17 @@ def test_a_plain_all_reduce_of_tied_weights_makes_the_replay_unverified(raw_tied
     res = replay(_job(raw_tied_run, k, tmp_path))
     assert not res.verified and res.outputs == {}
     assert res.report.grad_mismatches[0] == {"stage": k, "iteration": CKPT, "params": ["head.weight"]}
-    assert f"stage {k} iteration {CKPT}: the gradients the optimizer step used differ from the live step's (head.weight)" in res.report.unverified_reason
+    assert (
+        f"stage {k} iteration {CKPT}: the gradients the optimizer step used differ from the live step's (head.weight)"
+        in res.report.unverified_reason
+    )
     job = _job(raw_tied_run, k, tmp_path / "last")
     last = replay(job.replace(stop_iteration=CKPT + 1))
-    assert not last.verified and [g["iteration"] for g in last.report.grad_mismatches] == [CKPT] and last.report.first_mismatch is None
-    assert last.outputs == {} and not (tmp_path / "last" / "out").exists()  # its sends all matched, but its state is wrong
+    assert (
+        not last.verified
+        and [g["iteration"] for g in last.report.grad_mismatches] == [CKPT]
+        and last.report.first_mismatch is None
+    )
+    assert (
+        last.outputs == {} and not (tmp_path / "last" / "out").exists()
+    )  # its sends all matched, but its state is wrong

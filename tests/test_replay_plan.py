@@ -35,16 +35,29 @@ def test_plan_of_one_stage_names_checkpoint_target_sources_and_estimate(f1b_run)
     assert plan.logging_groups == [[0], [1], [2], [3]] and plan.groups_from.startswith("META")
     (u,) = plan.units
     assert (u.stages, u.failed, u.rolled_back) == ([2], [2], [])
-    assert u.checkpoint_iteration == CKPT and u.stop_iteration == ITERS == u.logged_through and u.iterations == ITERS - CKPT
+    assert (
+        u.checkpoint_iteration == CKPT
+        and u.stop_iteration == ITERS == u.logged_through
+        and u.iterations == ITERS - CKPT
+    )
     assert u.checkpoints[2].endswith("stage00002/it000000000002.pt") and u.n_microbatches == f1b_run.gpt.n_microbatches
     assert u.verifiable and not u.needs_data_source
     by = {(f.channel, f.purpose) for f in u.fetch}
-    assert by == {("act_1_2", "input"), ("grad_3_2", "input"), ("meta_2", "meta"), ("digest_2_3", "verify"), ("digest_2_1", "verify")}
+    assert by == {
+        ("act_1_2", "input"),
+        ("grad_3_2", "input"),
+        ("meta_2", "meta"),
+        ("digest_2_3", "verify"),
+        ("digest_2_1", "verify"),
+    }
     n_mb = f1b_run.gpt.n_microbatches
     inputs = [f for f in u.fetch if f.purpose == "input"]
     assert sum(f.records for f in inputs) == 2 * (ITERS - CKPT) * n_mb
     # survivors' hot tiers are preferred; the failed stage's own META comes from the cold tier
-    assert {(f.channel, f.tier, f.writer) for f in inputs} == {("act_1_2", "hot", "stage1"), ("grad_3_2", "hot", "stage3")}
+    assert {(f.channel, f.tier, f.writer) for f in inputs} == {
+        ("act_1_2", "hot", "stage1"),
+        ("grad_3_2", "hot", "stage3"),
+    }
     assert [(f.tier, f.on_failed_node) for f in u.fetch if f.purpose == "meta"] == [("cold", False)]
     assert u.bytes == sum(f.bytes for f in u.fetch) > 0 and plan.bytes == u.bytes
     est = u.estimate
@@ -55,7 +68,11 @@ def test_plan_of_one_stage_names_checkpoint_target_sources_and_estimate(f1b_run)
     assert d["units"][0]["checkpoints"] == {"2": u.checkpoints[2]}
     again = RecoveryPlan.from_dict(d)
     assert again.units[0].fetch == u.fetch and again.units[0].checkpoints == u.checkpoints
-    assert plan.fallback["kind"] == "global_rollback" and plan.fallback["iteration"] == CKPT and plan.fallback["lost_iterations"] == ITERS - CKPT
+    assert (
+        plan.fallback["kind"] == "global_rollback"
+        and plan.fallback["iteration"] == CKPT
+        and plan.fallback["lost_iterations"] == ITERS - CKPT
+    )
 
 
 def test_plan_estimates_scale_with_bandwidth_and_workers(f1b_run):
@@ -66,7 +83,9 @@ def test_plan_estimates_scale_with_bandwidth_and_workers(f1b_run):
     assert s["replay_seconds"] == f["replay_seconds"] == pytest.approx(0.5 * (ITERS - CKPT))
     assert s["fetch_seconds"] == pytest.approx(slow.units[0].bytes / 1e3)  # 0.001 MB/s
     assert s["total_seconds"] == pytest.approx(s["fetch_seconds"] * (1 + 1 / (ITERS - CKPT)))  # fetch-bound
-    assert f["total_seconds"] == pytest.approx(f["replay_seconds"] / 2 + f["fetch_seconds"] * (1 + 1 / (ITERS - CKPT)), rel=1e-6, abs=1e-3)
+    assert f["total_seconds"] == pytest.approx(
+        f["replay_seconds"] / 2 + f["fetch_seconds"] * (1 + 1 / (ITERS - CKPT)), rel=1e-6, abs=1e-3
+    )
 
 
 def test_two_failed_stages_with_a_logged_boundary_replay_separately(f1b_run):
@@ -88,14 +107,18 @@ def test_adjacent_failed_stages_whose_sends_to_each_other_are_gone_replay_togeth
 
     _, cold = copy_run_files(f1b_run, tmp_path)
     for ch in ("act_1_2", "grad_2_1"):
-        shutil.rmtree(Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / ch)
+        shutil.rmtree(Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / ch)
     with cold_only_store(cold, f1b_run.run_id) as st:
         plan = plan_recovery(st, [1, 2])
         apart = plan_recovery(st, [1], target_iteration=ITERS)
     assert plan.possible and plan.target_iteration == ITERS and [u.stages for u in plan.units] == [[1, 2]]
     assert any("replayed together" in w for w in plan.warnings)
-    assert not apart.possible and "grad_2_1" in apart.reasons[0]  # stage 2 did not fail: its sends to stage 1 are needed
-    (job,) = jobs_from_plan(plan, sources=[SourceSpec(kind="cold", location=cold)], output=str(tmp_path / "out"), **f1b_run.job_fields())
+    assert (
+        not apart.possible and "grad_2_1" in apart.reasons[0]
+    )  # stage 2 did not fail: its sends to stage 1 are needed
+    (job,) = jobs_from_plan(
+        plan, sources=[SourceSpec(kind="cold", location=cold)], output=str(tmp_path / "out"), **f1b_run.job_fields()
+    )
     assert isinstance(job, ReplayJob)
     res = replay(job)
     assert res.verified
@@ -110,8 +133,13 @@ def test_a_failed_logging_group_replays_together_with_its_survivors(groups_run):
     assert plan.logging_groups == [[0, 1], [2, 3]]
     (u,) = plan.units
     assert (u.stages, u.failed, u.rolled_back) == ([0, 1], [1], [0]) and plan.possible
-    assert {(f.channel, f.purpose) for f in u.fetch} == {("input_0", "input"), ("grad_2_1", "input"), ("meta_0", "meta"), ("meta_1", "meta"),
-                                                         ("digest_1_2", "verify")}  # fmt: skip
+    assert {(f.channel, f.purpose) for f in u.fetch} == {
+        ("input_0", "input"),
+        ("grad_2_1", "input"),
+        ("meta_0", "meta"),
+        ("meta_1", "meta"),
+        ("digest_1_2", "verify"),
+    }
     assert u.verifiable and u.checkpoints.keys() == {0, 1}
     assert [x.stages for x in both.units] == [[0, 1], [2, 3]] and [x.rolled_back for x in both.units] == [[0], [3]]
     # without META the groups are inferred from which boundary channels exist
@@ -142,7 +170,7 @@ def test_a_recorded_gap_makes_the_plan_impossible_and_names_it(gap_run):
 
 def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
     root, cold = copy_run_files(f1b_run, tmp_path)
-    seg = next((Path(cold[len("file://"):]) / f1b_run.run_id / "segments" / "act_1_2").glob("000000000004-*"))
+    seg = next((Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "act_1_2").glob("000000000004-*"))
     for p in seg.parent.glob(seg.name + "*"):
         p.unlink()  # the cold object of act_1_2, iterations 4..5, and its commit marker
     from replay.plan import cold_only_store
@@ -151,7 +179,9 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         default = plan_recovery(st, [2])
         full = plan_recovery(st, [2], target_iteration=ITERS)
     assert default.possible and default.target_iteration == 4 and default.units[0].logged_through == 4
-    assert any("stages committed up to iteration 5: if the survivors stand past 4" in w for w in default.warnings), default.warnings
+    assert any("stages committed up to iteration 5: if the survivors stand past 4" in w for w in default.warnings), (
+        default.warnings
+    )
     assert not full.possible and full.units[0].missing[0] == "act_1_2/it4/mb0/p0"
     assert "first missing record act_1_2/it4/mb0/p0" in full.reasons[0]
     # a target before every checkpoint: nothing to restart from but the beginning
@@ -164,8 +194,15 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
         far = plan_recovery(st, [2], target_iteration=2**53 - 1)
     assert not far.possible and far.units[0].iterations == 2**53 - 1 - 2
     reasons = far.units[0].reasons
-    assert len(reasons) == 3 and reasons[0] == f"iteration {ITERS}: no stage has a META record (no stage committed it, or it was garbage-collected)", reasons
-    assert reasons[-1] == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"
+    assert (
+        len(reasons) == 3
+        and reasons[0]
+        == f"iteration {ITERS}: no stage has a META record (no stage committed it, or it was garbage-collected)"
+    ), reasons
+    assert (
+        reasons[-1]
+        == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"
+    )
     shutil.rmtree(root)
 
 
@@ -178,7 +215,12 @@ def test_check_records_names_a_corrupt_record(f1b_run, tmp_path):
     with LogStore.open(root, f1b_run.run_id) as st:  # the node's hot tiers only
         assert plan_recovery(st, [2]).possible  # indexes alone cannot see it
         plan = plan_recovery(st, [2], check_records=True)
-    assert not plan.possible and str(key) in plan.units[0].missing and str(key) in plan.reasons[0] and "corrupt" in plan.reasons[0]
+    assert (
+        not plan.possible
+        and str(key) in plan.units[0].missing
+        and str(key) in plan.reasons[0]
+        and "corrupt" in plan.reasons[0]
+    )
     # META and digests are read by the replay too: a corrupt one is named as well (was "verifiable", then exit 3)
     for other in (RecordKey(Channel.meta(2), 4, 0), RecordKey(Channel.digest(2, 1), 4, 1)):
         root, _ = copy_run_files(f1b_run, tmp_path / other.channel.name)
@@ -215,7 +257,10 @@ def test_a_target_below_a_newer_checkpoint_whose_gc_removed_the_logs_says_so(f1b
         assert plan_recovery(st, [2]).possible  # from the newer one, to the end of the logs
     u = plan.units[0]
     assert not plan.possible and u.checkpoint_iteration == CKPT and u.newest_checkpoint == 4
-    assert u.reasons[0] == f"the logs of [{CKPT}, 4) were garbage-collected when stage(s) [2] registered their checkpoint at 4: a replay starts from it and reaches only iterations from 4 on", u.reasons
+    assert (
+        u.reasons[0]
+        == f"the logs of [{CKPT}, 4) were garbage-collected when stage(s) [2] registered their checkpoint at 4: a replay starts from it and reaches only iterations from 4 on"
+    ), u.reasons
     assert not any("beyond the logs" in r for r in u.reasons), u.reasons
     shutil.rmtree(root)
 
@@ -234,4 +279,8 @@ def test_a_checkpoint_registered_without_a_uri_is_not_planned_from(f1b_run, tmp_
     with LogStore.open(tmp_path / "bare", "bare", writer="admin") as st:
         st.register_checkpoint(1, 0)  # the only one of stage 1, without a URI
         bare = plan_recovery(st, [1], num_stages=2)
-    assert not bare.possible and "the checkpoints of stage(s) [1] were registered without a URI: nothing to load them from" in bare.reasons[0], bare.reasons
+    assert (
+        not bare.possible
+        and "the checkpoints of stage(s) [1] were registered without a URI: nothing to load them from"
+        in bare.reasons[0]
+    ), bare.reasons

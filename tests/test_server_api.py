@@ -73,8 +73,19 @@ def test_records_pagination_covers_every_record_once(client: httpx.Client, writt
     tiers = {r["channel"]: r["tier"] for r in got}
     assert tiers["grad_3_2"] == "cold" and tiers["act_0_1"] == "hot"
     r0 = got[0]
-    assert set(r0) == {"key", "channel", "kind", "iteration", "micro_batch", "part", "tier", "writer",
-                       "stored_bytes", "raw_bytes", "checksum"}  # fmt: skip
+    assert set(r0) == {
+        "key",
+        "channel",
+        "kind",
+        "iteration",
+        "micro_batch",
+        "part",
+        "tier",
+        "writer",
+        "stored_bytes",
+        "raw_bytes",
+        "checksum",
+    }
 
 
 @pytest.mark.parametrize(
@@ -84,8 +95,10 @@ def test_records_pagination_covers_every_record_once(client: httpx.Client, writt
         ({"kind": "gradient"}, lambda k: k.channel.kind is Kind.GRADIENT),
         ({"kind": "target", "it_lo": 2, "it_hi": 5}, lambda k: k.channel.kind is Kind.TARGET and 2 <= k.iteration < 5),
         ({"micro_batch": 1, "it_lo": 6}, lambda k: k.micro_batch == 1 and k.iteration >= 6),
-        ({"channel": "grad_3_2", "micro_batch": 0, "it_hi": 3},
-         lambda k: k.channel == Channel.gradient(3) and k.micro_batch == 0 and k.iteration < 3),
+        (
+            {"channel": "grad_3_2", "micro_batch": 0, "it_hi": 3},
+            lambda k: k.channel == Channel.gradient(3) and k.micro_batch == 0 and k.iteration < 3,
+        ),
     ],
 )
 def test_record_filters(client: httpx.Client, written_store: StoreFixture, params: dict, pred) -> None:
@@ -95,15 +108,27 @@ def test_record_filters(client: httpx.Client, written_store: StoreFixture, param
 
 
 def test_record_detail_and_raw_download(client: httpx.Client) -> None:
-    for key in (RecordKey(Channel.activation(0), 3, 1), RecordKey(Channel.gradient(3), 5, 0), RecordKey(Channel.input(0), 0, 1)):
+    for key in (
+        RecordKey(Channel.activation(0), 3, 1),
+        RecordKey(Channel.gradient(3), 5, 0),
+        RecordKey(Channel.input(0), 0, 1),
+    ):
         want = sample_tensor(key.channel, key.iteration, key.micro_batch)
         d = client.get(f"/v1/runs/run-a/records/{key}")
         assert d.status_code == 200, d.text
         d = d.json()
-        assert d["key"] == str(key) and d["shape"] == list(want.shape) and d["dtype"] == str(want.dtype).removeprefix("torch.")
+        assert (
+            d["key"] == str(key)
+            and d["shape"] == list(want.shape)
+            and d["dtype"] == str(want.dtype).removeprefix("torch.")
+        )
         w64 = want.to(torch.float64)
-        assert d["stats"]["min"] == pytest.approx(float(w64.min())) and d["stats"]["max"] == pytest.approx(float(w64.max()))
-        assert d["stats"]["mean"] == pytest.approx(float(w64.mean())) and d["stats"]["norm"] == pytest.approx(float(w64.norm()))
+        assert d["stats"]["min"] == pytest.approx(float(w64.min())) and d["stats"]["max"] == pytest.approx(
+            float(w64.max())
+        )
+        assert d["stats"]["mean"] == pytest.approx(float(w64.mean())) and d["stats"]["norm"] == pytest.approx(
+            float(w64.norm())
+        )
         assert d["tier"] == ("cold" if key.channel.src == 3 else "hot")
         raw = client.get(f"/v1/runs/run-a/records/{key}/raw")
         assert raw.status_code == 200 and raw.headers["content-type"] == "application/octet-stream"
@@ -151,7 +176,10 @@ def test_recovery_plan_from_the_replay_planner(client: httpx.Client) -> None:
     assert client.get("/v1/runs/run-a/recovery-plan", params={"failed": [9]}).status_code == 400  # outside the pipeline
     assert client.get("/v1/runs/run-a/recovery-plan").status_code == 422  # failed stage is required
     # the planner's options pass through
-    r = client.get("/v1/runs/run-a/recovery-plan", params={"failed": [1], "target_iteration": 3, "bandwidth_mbps": 50, "workers": 2})
+    r = client.get(
+        "/v1/runs/run-a/recovery-plan",
+        params={"failed": [1], "target_iteration": 3, "bandwidth_mbps": 50, "workers": 2},
+    )
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["target_iteration"] == 3 and plan["assumptions"].get("bandwidth_mbps") == 50, plan["assumptions"]
@@ -166,7 +194,9 @@ def test_metrics(client: httpx.Client) -> None:
         assert f'swiftlog_http_requests_total{{method="GET",route="{route}",status="200"}}' in text, route
     assert "swiftlog_http_request_duration_seconds_bucket" in text
     for tier in ("hot", "cold"):
-        line = next(ln for ln in text.splitlines() if ln.startswith(f'swiftlog_store_stored_bytes{{run="run-a",tier="{tier}"}}'))
+        line = next(
+            ln for ln in text.splitlines() if ln.startswith(f'swiftlog_store_stored_bytes{{run="run-a",tier="{tier}"}}')
+        )
         assert float(line.split()[-1]) > 0
     assert 'swiftlog_store_hot_disk_bytes{run="run-a"}' in text
 
@@ -175,12 +205,20 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
     s = client.get("/openapi.json").json()
     paths = s["paths"]
     expected = {
-        ("get", "/v1/health"), ("get", "/v1/runs"), ("get", "/v1/runs/{run}"), ("get", "/v1/runs/{run}/records"),
-        ("get", "/v1/runs/{run}/records/{key}"), ("get", "/v1/runs/{run}/records/{key}/raw"),
-        ("get", "/v1/runs/{run}/checkpoints"), ("post", "/v1/runs/{run}/checkpoints"),
-        ("post", "/v1/runs/{run}/checkpoints/unregister"), ("post", "/v1/runs/{run}/gc"),
-        ("post", "/v1/runs/{run}/flush"), ("get", "/v1/runs/{run}/recovery-plan"), ("get", "/metrics"),
-    }  # fmt: skip
+        ("get", "/v1/health"),
+        ("get", "/v1/runs"),
+        ("get", "/v1/runs/{run}"),
+        ("get", "/v1/runs/{run}/records"),
+        ("get", "/v1/runs/{run}/records/{key}"),
+        ("get", "/v1/runs/{run}/records/{key}/raw"),
+        ("get", "/v1/runs/{run}/checkpoints"),
+        ("post", "/v1/runs/{run}/checkpoints"),
+        ("post", "/v1/runs/{run}/checkpoints/unregister"),
+        ("post", "/v1/runs/{run}/gc"),
+        ("post", "/v1/runs/{run}/flush"),
+        ("get", "/v1/runs/{run}/recovery-plan"),
+        ("get", "/metrics"),
+    }
     assert {(m, p) for p, ops in paths.items() for m in ops} == expected
     for p, ops in paths.items():
         for m, op in ops.items():
@@ -193,17 +231,36 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
             if m == "post":
                 assert op.get("security") == [{"bearerToken": []}], p
     schemas = s["components"]["schemas"]
-    assert {"RunSummary", "RecordPage", "RecordDetail", "ErrorResponse", "CheckpointRequest", "GcResult", "FlushResult"} <= set(schemas)
+    assert {
+        "RunSummary",
+        "RecordPage",
+        "RecordDetail",
+        "ErrorResponse",
+        "CheckpointRequest",
+        "GcResult",
+        "FlushResult",
+    } <= set(schemas)
 
 
 @pytest.mark.slow
 def test_reads_do_not_block_a_writing_process(store_copy: StoreFixture) -> None:
     """A training process keeps writing (same run, same node) while clients hammer the API."""
     live_ch = Channel.activation(4)
-    writer = start_writer(store_copy.root, store_copy.run, writer="stage4", channels=[live_ch], micro_batches=2,
-                          shape=(2, 64, 64), duration=60, sleep=0.02)  # fmt: skip
+    writer = start_writer(
+        store_copy.root,
+        store_copy.run,
+        writer="stage4",
+        channels=[live_ch],
+        micro_batches=2,
+        shape=(2, 64, 64),
+        duration=60,
+        sleep=0.02,
+    )
     try:
-        with ServerProcess(store_copy.root, cold_url=store_copy.cold_url) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with (
+            ServerProcess(store_copy.root, cold_url=store_copy.cold_url) as srv,
+            httpx.Client(base_url=srv.url, timeout=30) as c,
+        ):
             stop = threading.Event()
             errors: list[str] = []
             counts = [0]
@@ -263,6 +320,7 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
     st.close()
 
     with ServerProcess(tmp_path) as srv:
+
         def get(key: RecordKey) -> tuple[int, bytes, dict[str, str]]:
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
             conn.request("GET", f"/v1/runs/run-s/records/{key}/raw")
@@ -296,7 +354,9 @@ def test_node_server_lists_gaps_for_a_remote_planner(tmp_path) -> None:
     with ServerProcess(tmp_path) as srv:
         with HttpRecordSource(srv.url, "run-g") as src:
             gaps = src.gaps()
-        assert [(g["channel"], g["iteration"], g["micro_batch"], g["reason"]) for g in gaps] == [("act_1_2", 0, 1, "queue full (overflow=gap)")]
+        assert [(g["channel"], g["iteration"], g["micro_batch"], g["reason"]) for g in gaps] == [
+            ("act_1_2", 0, 1, "queue full (overflow=gap)")
+        ]
         with HttpRecordSource(srv.url, "no-such-run") as src:
             assert src.gaps() == []
 
@@ -306,12 +366,21 @@ def test_record_pages_list_the_hot_tier_while_the_object_store_is_unreachable(wr
     ``cold_error`` naming the endpoint (the summary says the same in ``cold.error``)."""
     from logstore.testing import free_port
 
-    env = {"SWIFTLOG_COLD_OPTIONS": json.dumps({"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"})}
-    with ServerProcess(written_store.root, cold_url="s3://gone/x", env=env) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+    env = {
+        "SWIFTLOG_COLD_OPTIONS": json.dumps(
+            {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+        )
+    }
+    with (
+        ServerProcess(written_store.root, cold_url="s3://gone/x", env=env) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+    ):
         r = c.get("/v1/runs/run-a/records", params={"channel": "act_0_1", "limit": 5})
         assert r.status_code == 200, r.text
         page = r.json()
-        assert [e["key"] for e in page["records"]] == [str(k) for k in written_store.keys() if k.channel.name == "act_0_1"][:5]
+        assert [e["key"] for e in page["records"]] == [
+            str(k) for k in written_store.keys() if k.channel.name == "act_0_1"
+        ][:5]
         assert "only the hot tier is listed" in page["cold_error"] and "127.0.0.1" in page["cold_error"]
         fine = c.get("/v1/runs/run-a/records", params={"channel": "act_0_1", "limit": 5, "cursor": page["next_cursor"]})
         assert fine.status_code == 200 and fine.json()["records"]
@@ -353,8 +422,10 @@ def test_a_deep_checkpoint_meta_is_refused_and_one_stored_earlier_is_served(stor
     from logstore.cold import ColdTier
 
     uri = _checkpoint_file(store_copy.root.parent / "ck" / "2-4.pt", 2, 4)
-    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
-            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c,
+    ):
         for meta, needle in ((_deep(400), "nested more than 16 levels deep"), ({"x": "y" * 20_000}, "more than 16384")):
             r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": uri, "meta": meta})
             assert r.status_code == 422 and needle in r.json()["error"]["message"], r.text
@@ -380,8 +451,10 @@ def test_unregister_previews_then_withdraws_a_wrong_registration(store_copy: Sto
     watermarks and a GC dry run with it and without it) and change nothing."""
     uri4 = _checkpoint_file(store_copy.root.parent / "ck" / "2-4.pt", 2, 4)
     base = ("--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)
-    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
-            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c,
+    ):
         assert c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": uri4}).status_code == 201
         wrong = {"stage": 2, "iteration": 7, "uri": "s3://elsewhere/ckpt/2/7.pt", "force": True}
         assert c.post("/v1/runs/run-a/checkpoints", json=wrong).status_code == 201

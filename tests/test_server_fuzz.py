@@ -107,8 +107,11 @@ def test_recovery_plan_conforms_to_its_schema(case: schemathesis.Case, api_serve
 
 #: the read routes the steering must reach with real answers
 STEERED_ROUTES = [
-    "/v1/runs/{run}", "/v1/runs/{run}/records", "/v1/runs/{run}/records/{key}", "/v1/runs/{run}/records/{key}/raw",
-]  # fmt: skip
+    "/v1/runs/{run}",
+    "/v1/runs/{run}/records",
+    "/v1/runs/{run}/records/{key}",
+    "/v1/runs/{run}/records/{key}/raw",
+]
 
 
 def test_fuzzing_reached_the_store(fuzz_server: ServerProcess) -> None:
@@ -116,8 +119,9 @@ def test_fuzzing_reached_the_store(fuzz_server: ServerProcess) -> None:
     and 422s. The test sends its own generated requests, so it holds when run alone too."""
     for route in STEERED_ROUTES:
 
-        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-                  database=None)  # fmt: skip
+        @settings(
+            max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+        )
         @given(case=schema[route]["GET"].as_strategy())
         def send(case: schemathesis.Case) -> None:
             case.call(base_url=fuzz_server.url, headers=AUTH, timeout=30)

@@ -10,7 +10,6 @@ import socket
 import threading
 from pathlib import Path
 
-
 from server.testing import TOKEN, ServerProcess
 
 MiB = 2**20
@@ -105,9 +104,11 @@ def test_the_head_bound_is_exact_for_a_head_sent_at_once(tmp_path: Path) -> None
     root = tmp_path / "node"
     root.mkdir()
     with ServerProcess(root, args=["--max-header-bytes", "4096"]) as srv:
+
         def head(pad: int) -> bytes:
-            return (b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"p" * pad
-                    + b"\r\nConnection: close\r\n\r\n")  # fmt: skip
+            return (
+                b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"p" * pad + b"\r\nConnection: close\r\n\r\n"
+            )
 
         assert _request(srv.port, head(3800)).startswith(b"HTTP/1.1 200 ")
         assert _request(srv.port, head(4200)).startswith(b"HTTP/1.1 431 ")
@@ -158,7 +159,9 @@ def test_connections_beyond_the_bound_are_refused_at_once(tmp_path: Path) -> Non
                 s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
             with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as extra:
-                response = _read_response(extra)  # answered without being asked: on a server without the bound, a timeout
+                response = _read_response(
+                    extra
+                )  # answered without being asked: on a server without the bound, a timeout
             assert response.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in response
             assert b"retry-after: 5" in response.lower()
         finally:

@@ -19,8 +19,8 @@ import torch
 from logstore.errors import ConfigError
 from logstore.keys import Channel, RecordKey
 from logstore.testing import free_port
-from server.settings import Settings
 from replay.remote import HttpRecordSource, RemoteLogReader
+from server.settings import Settings
 from server.testing import TOKEN, ServerProcess, StoreFixture, sample_tensor, start_writer, stop_writer, subprocess_env
 from tests._replay_helpers import corrupt_hot_record
 from trainer_client.checkpoint import save_checkpoint
@@ -57,10 +57,17 @@ def test_settings_refuse_non_loopback_without_token(tmp_path) -> None:
 
 
 def test_settings_sources_explicit_over_env_over_defaults(tmp_path) -> None:
-    env = {"SWIFTLOG_ROOT": str(tmp_path), "SWIFTLOG_TOKEN": TOKEN, "SWIFTLOG_PORT": "9000",
-           "SWIFTLOG_COLD_OPTIONS": '{"key": "k"}', "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES": "yes"}  # fmt: skip
+    env = {
+        "SWIFTLOG_ROOT": str(tmp_path),
+        "SWIFTLOG_TOKEN": TOKEN,
+        "SWIFTLOG_PORT": "9000",
+        "SWIFTLOG_COLD_OPTIONS": '{"key": "k"}',
+        "SWIFTLOG_ALLOW_INSECURE_LOOPBACK_WRITES": "yes",
+    }
     s = Settings.from_env(env, port=9100)
-    assert s.root == tmp_path and s.port == 9100 and s.token.get_secret_value() == TOKEN and s.cold_options == {"key": "k"}
+    assert (
+        s.root == tmp_path and s.port == 9100 and s.token.get_secret_value() == TOKEN and s.cold_options == {"key": "k"}
+    )
     assert s.allow_insecure_loopback_writes and s.host == "127.0.0.1"
     with pytest.raises(ConfigError, match="no store root"):
         Settings.from_env({})
@@ -69,8 +76,13 @@ def test_settings_sources_explicit_over_env_over_defaults(tmp_path) -> None:
 
 
 def test_serve_refuses_non_loopback_bind_without_token(tmp_path) -> None:
-    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0"],
-                       env={**subprocess_env(), "SWIFTLOG_TOKEN": ""}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--root", str(tmp_path), "--host", "0.0.0.0"],
+        env={**subprocess_env(), "SWIFTLOG_TOKEN": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "refusing to serve on non-loopback address '0.0.0.0' without a token" in p.stderr
     assert "Traceback" not in p.stderr
@@ -79,8 +91,11 @@ def test_serve_refuses_non_loopback_bind_without_token(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------ auth
 def test_mutations_need_the_token(api_server: ServerProcess) -> None:
     with httpx.Client(base_url=api_server.url, timeout=30) as c:
-        for method, path, body in (("POST", "/v1/runs/run-a/gc", {"confirm": True}), ("POST", "/v1/runs/run-a/flush", None),
-                                   ("POST", "/v1/runs/run-a/checkpoints", {"stage": 1, "iteration": 5})):  # fmt: skip
+        for method, path, body in (
+            ("POST", "/v1/runs/run-a/gc", {"confirm": True}),
+            ("POST", "/v1/runs/run-a/flush", None),
+            ("POST", "/v1/runs/run-a/checkpoints", {"stage": 1, "iteration": 5}),
+        ):
             r = c.request(method, path, json=body)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
             assert r.headers["www-authenticate"] == "Bearer"
@@ -95,7 +110,9 @@ def test_mutations_need_the_token(api_server: ServerProcess) -> None:
 
 
 def test_no_token_means_read_only_unless_insecure_loopback_dev_mode(store_copy: StoreFixture) -> None:
-    with ServerProcess(store_copy.root, cold_url=store_copy.cold_url, args=["--planner", "swiftlog_no_such_planner:plan_recovery"]) as srv:
+    with ServerProcess(
+        store_copy.root, cold_url=store_copy.cold_url, args=["--planner", "swiftlog_no_such_planner:plan_recovery"]
+    ) as srv:
         r = httpx.post(srv.url + "/v1/runs/run-a/gc", json={})
         assert r.status_code == 403 and "no token" in r.json()["error"]["message"]
         assert "--token" in r.json()["error"]["hint"]
@@ -129,9 +146,16 @@ def test_error_bodies_name_no_server_paths(store_copy: StoreFixture) -> None:
     not the client's business (the messages name the root, an index, a segment file)."""
     key = RecordKey(Channel.gradient(1), 2, 1)
     corrupt_hot_record(str(store_copy.root), "run-a", key)
-    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
-        for path, status in (("/v1/runs/no-such-run", 404), ("/v1/runs/no-such-run/records", 404),
-                             (f"/v1/runs/run-a/records/{key}", 409), (f"/v1/runs/run-a/records/{key}/raw", 409)):  # fmt: skip
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+    ):
+        for path, status in (
+            ("/v1/runs/no-such-run", 404),
+            ("/v1/runs/no-such-run/records", 404),
+            (f"/v1/runs/run-a/records/{key}", 409),
+            (f"/v1/runs/run-a/records/{key}/raw", 409),
+        ):
             r = c.get(path)
             assert r.status_code == status, (path, r.text)
             for where in (store_copy.root, store_copy.root.resolve(), store_copy.cold_dir, store_copy.root.parent):
@@ -144,11 +168,22 @@ def test_host_header_must_name_this_server(api_server: ServerProcess) -> None:
     """DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1 sends
     ``Host: attacker.example``; the server answers only to its own names."""
     url = api_server.url + "/v1/runs"
-    for host in ("attacker.example", f"attacker.example:{api_server.port}", "127.0.0.1.attacker.example", "localhost.:1@x"):
+    for host in (
+        "attacker.example",
+        f"attacker.example:{api_server.port}",
+        "127.0.0.1.attacker.example",
+        "localhost.:1@x",
+    ):
         r = httpx.get(url, headers={"Host": host})
         assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", (host, r.text)
         assert "--allowed-host" in r.json()["error"]["hint"]
-    for host in (f"127.0.0.1:{api_server.port}", "127.0.0.1", f"localhost:{api_server.port}", "LocalHost.", f"[::1]:{api_server.port}"):
+    for host in (
+        f"127.0.0.1:{api_server.port}",
+        "127.0.0.1",
+        f"localhost:{api_server.port}",
+        "LocalHost.",
+        f"[::1]:{api_server.port}",
+    ):
         assert httpx.get(url, headers={"Host": host}).status_code == 200, host
     # HTTP/1.0 without a Host header: no name, no answer
     with socket.create_connection(("127.0.0.1", api_server.port), timeout=10) as s:
@@ -158,9 +193,17 @@ def test_host_header_must_name_this_server(api_server: ServerProcess) -> None:
 
 def test_allowed_hosts_are_configurable(store_copy: StoreFixture) -> None:
     """Other nodes reach a node's server by its name or address: --allowed-host adds them."""
-    with ServerProcess(store_copy.root, args=["--allowed-host", "node7.cluster", "--allowed-host", "*.example.org"]) as srv:
-        for host, status in (("node7.cluster", 200), (f"NODE7.cluster:{srv.port}", 200), ("a.b.example.org", 200),
-                             ("example.org", 421), ("node7.cluster.evil", 421), ("127.0.0.1", 200)):  # fmt: skip
+    with ServerProcess(
+        store_copy.root, args=["--allowed-host", "node7.cluster", "--allowed-host", "*.example.org"]
+    ) as srv:
+        for host, status in (
+            ("node7.cluster", 200),
+            (f"NODE7.cluster:{srv.port}", 200),
+            ("a.b.example.org", 200),
+            ("example.org", 421),
+            ("node7.cluster.evil", 421),
+            ("127.0.0.1", 200),
+        ):
             assert httpx.get(srv.url + "/v1/runs", headers={"Host": host}).status_code == status, host
     with ServerProcess(store_copy.root, env={"SWIFTLOG_ALLOWED_HOSTS": "node8,10.0.0.8"}) as srv:
         assert httpx.get(srv.url + "/v1/runs", headers={"Host": "10.0.0.8:80"}).status_code == 200
@@ -175,16 +218,24 @@ def test_cross_origin_writes_are_refused(store_copy: StoreFixture) -> None:
     with ServerProcess(store_copy.root, cold_url=store_copy.cold_url, args=["--allow-insecure-loopback-writes"]) as srv:
         sealed = httpx.get(srv.url + "/v1/runs/run-a", params={"fresh": "true"}).json()["hot"]["segments"]["sealed"]
         assert sealed > 0
-        for headers in ({"Origin": "http://attacker.example"}, {"Origin": "http://localhost:3000"},
-                        {"Origin": f"https://127.0.0.1:{srv.port}"}, {"Origin": "null"},
-                        {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}):  # fmt: skip
+        for headers in (
+            {"Origin": "http://attacker.example"},
+            {"Origin": "http://localhost:3000"},
+            {"Origin": f"https://127.0.0.1:{srv.port}"},
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site"},
+            {"Sec-Fetch-Site": "same-site"},
+        ):
             r = httpx.post(srv.url + "/v1/runs/run-a/flush", headers=headers)
             assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_request", (headers, r.text)
         after = httpx.get(srv.url + "/v1/runs/run-a", params={"fresh": "true"}).json()["hot"]["segments"]["sealed"]
         assert after == sealed  # nothing was flushed
         # reads stay open to any origin (the browser does not show the page the answer), the server's own origin may write
         assert httpx.get(srv.url + "/v1/runs", headers={"Origin": "http://attacker.example"}).status_code == 200
-        r = httpx.post(srv.url + "/v1/runs/run-a/flush", headers={"Origin": f"http://127.0.0.1:{srv.port}", "Sec-Fetch-Site": "same-origin"})
+        r = httpx.post(
+            srv.url + "/v1/runs/run-a/flush",
+            headers={"Origin": f"http://127.0.0.1:{srv.port}", "Sec-Fetch-Site": "same-origin"},
+        )
         assert r.status_code == 200 and r.json()["uploaded_segments"] == sealed
 
 
@@ -200,15 +251,23 @@ def _self_signed(where: Path) -> tuple[Path, Path]:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "swiftlog test")])
     now = datetime.datetime.now(datetime.UTC)
     san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1)).add_extension(san, critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(san, critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = where / "cert.pem", where / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -227,11 +286,18 @@ def test_serve_over_tls(store_copy: StoreFixture, tmp_path: Path) -> None:
         k = RecordKey(Channel.activation(0), 3, 1)
         with HttpRecordSource(srv.url, "run-a", token=TOKEN, verify=trust) as src:
             assert src.get(k).equal(sample_tensor(k.channel, 3, 1))
-    for args, needle in ((["--tls-cert", str(tmp_path / "missing.pem")], "missing.pem"),
-                         (["--tls-cert", str(key), "--tls-key", str(key)], "cert"),
-                         (["--tls-key", str(key)], "tls_keyfile needs tls_certfile")):  # fmt: skip
-        p = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--root", str(store_copy.root), "--port", "0", *args],
-                           env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    for args, needle in (
+        (["--tls-cert", str(tmp_path / "missing.pem")], "missing.pem"),
+        (["--tls-cert", str(key), "--tls-key", str(key)], "cert"),
+        (["--tls-key", str(key)], "tls_keyfile needs tls_certfile"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "--root", str(store_copy.root), "--port", "0", *args],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
 
 
@@ -243,8 +309,13 @@ def test_the_token_never_goes_in_clear_to_another_host() -> None:
         assert "https://" in e.value.hint
         with pytest.raises(ConfigError, match="plain http"):
             RemoteLogReader([f"http://127.0.0.1:{free_port()}", url], "run-a", token=TOKEN)
-    for url, token in (("http://127.0.0.1:8765", TOKEN), ("http://localhost:8765", TOKEN), ("http://[::1]:8765", TOKEN),
-                       ("https://10.1.2.3:8765", TOKEN), ("http://10.1.2.3:8765", None)):  # fmt: skip
+    for url, token in (
+        ("http://127.0.0.1:8765", TOKEN),
+        ("http://localhost:8765", TOKEN),
+        ("http://[::1]:8765", TOKEN),
+        ("https://10.1.2.3:8765", TOKEN),
+        ("http://10.1.2.3:8765", None),
+    ):
         HttpRecordSource(url, "run-a", token=token).close()  # nothing is sent at construction
 
 
@@ -290,8 +361,11 @@ def test_request_bodies_are_bounded(api_server: ServerProcess) -> None:
         for _ in range(40):
             yield b"x" * 4096
 
-    r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", content=chunks(),
-                   headers={**AUTH, "content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        api_server.url + "/v1/runs/run-a/checkpoints",
+        content=chunks(),
+        headers={**AUTH, "content-type": "application/json"},
+    )
     assert r.status_code == 413, r.text
     json_ct = {**AUTH, "content-type": "application/json"}
     r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", content=b"{not json", headers=json_ct)
@@ -299,8 +373,16 @@ def test_request_bodies_are_bounded(api_server: ServerProcess) -> None:
     r = httpx.post(api_server.url + "/v1/runs/run-a/checkpoints", json={"stage": -1, "iteration": 2**70}, headers=AUTH)
     assert r.status_code == 422 and "stage" in r.json()["error"]["message"]
     # a body that is not JSON (curl -d without a content type sends a form) is a 415 that says what to send
-    r = httpx.post(api_server.url + "/v1/runs/run-a/gc", content=b'{"confirm": true}', headers={**AUTH, "content-type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type" and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(
+        api_server.url + "/v1/runs/run-a/gc",
+        content=b'{"confirm": true}',
+        headers={**AUTH, "content-type": "application/x-www-form-urlencoded"},
+    )
+    assert (
+        r.status_code == 415
+        and r.json()["error"]["code"] == "unsupported_media_type"
+        and "application/json" in r.json()["error"]["message"]
+    )
     # a destructive flag must be a JSON true, not something that looks like one
     for body in ({"confirm": "yes"}, {"confirm": 1}, {"confirm": "true"}):
         r = httpx.post(api_server.url + "/v1/runs/run-a/gc", json=body, headers=AUTH)
@@ -322,8 +404,17 @@ def _flush_checks(c: httpx.Client, store_copy: StoreFixture) -> None:
     assert c.post("/v1/runs/run-a/flush").json()["uploaded_segments"] == 0  # idempotent
     # a live writer's open segment is its own: listed, not touched, and the writer carries on
     ch = Channel.activation(4)
-    w = start_writer(store_copy.root, store_copy.run, writer="stage4", channels=[ch], micro_batches=1,
-                     shape=(2, 8, 8), sleep=0.05, segment_iters=1000, duration=60)  # fmt: skip
+    w = start_writer(
+        store_copy.root,
+        store_copy.run,
+        writer="stage4",
+        channels=[ch],
+        micro_batches=1,
+        shape=(2, 8, 8),
+        sleep=0.05,
+        segment_iters=1000,
+        duration=60,
+    )
     try:
         for _ in range(300):
             rep = c.post("/v1/runs/run-a/flush").json()
@@ -346,32 +437,59 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
     # (act_1_2, grad_3_2) and its own streams (digests it sent, its meta); nothing else
     garbage = {str(k) for k in store_copy.keys() if k.channel.owner == 2 and k.iteration < 4}
     keep = {str(k) for k in store_copy.keys()} - garbage
-    with ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv, \
-            httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c:  # fmt: skip
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c,
+    ):
         _flush_checks(c, store_copy)
         # what would make logs garbage for nothing is refused, naming it (a stage or iteration beyond the logs, a missing file)
-        for bad, needle in (({"stage": 9, "iteration": 4}, "stage 9 is beyond the stages of run 'run-a' (its channels name stages 0..5)"),
-                            ({"stage": 1, "iteration": 2**53 - 1}, "beyond the logs of run 'run-a' (last logged iteration"),
-                            ({"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"},
-                             "'file:///nonexistent/2/4' is not a readable swiftlog checkpoint")):  # fmt: skip
+        for bad, needle in (
+            (
+                {"stage": 9, "iteration": 4},
+                "stage 9 is beyond the stages of run 'run-a' (its channels name stages 0..5)",
+            ),
+            ({"stage": 1, "iteration": 2**53 - 1}, "beyond the logs of run 'run-a' (last logged iteration"),
+            (
+                {"stage": 2, "iteration": 4, "uri": "file:///nonexistent/2/4"},
+                "'file:///nonexistent/2/4' is not a readable swiftlog checkpoint",
+            ),
+        ):
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)  # (also a directory, an upper-case scheme: below)
-            assert r.status_code == 400 and needle in r.json()["error"]["message"] and '"force": true' in r.json()["error"]["hint"], r.text
-        for bad in ({"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()}, {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"},
-                    {"stage": 2, "iteration": 4, "uri": "../../etc/passwd"}):  # fmt: skip
+            assert (
+                r.status_code == 400
+                and needle in r.json()["error"]["message"]
+                and '"force": true' in r.json()["error"]["hint"]
+            ), r.text
+        for bad in (
+            {"stage": 2, "iteration": 4, "uri": store_copy.root.parent.as_uri()},
+            {"stage": 2, "iteration": 4, "uri": "FILE:///x.pt"},
+            {"stage": 2, "iteration": 4, "uri": "../../etc/passwd"},
+        ):
             r = c.post("/v1/runs/run-a/checkpoints", json=bad)
             needles = ("is not a readable swiftlog checkpoint", "must be lower case", "is a relative path")
             assert r.status_code == 400 and any(n in r.text for n in needles), r.text
         # QA checks: a lone surrogate in meta was stored, then broke every list of the run's checkpoints (500);
         # a string, a bool or a fractional stage / iteration, an empty uri and a NaN were taken as they came
-        for body in ('{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}', '{"stage": "2", "iteration": 4}', '{"stage": true, "iteration": 4}',
-                     '{"stage": 2, "iteration": 4.5}', '{"stage": 2, "iteration": 4, "uri": ""}', '{"stage": 2, "iteration": 4, "uri": "s3://b/x\\u0000y", "force": true}', '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}'):  # fmt: skip
-            r = c.post("/v1/runs/run-a/checkpoints", content=body.encode(), headers={"Content-Type": "application/json"})
+        for body in (
+            '{"stage": 2, "iteration": 4, "meta": {"a": "\\ud800"}}',
+            '{"stage": "2", "iteration": 4}',
+            '{"stage": true, "iteration": 4}',
+            '{"stage": 2, "iteration": 4.5}',
+            '{"stage": 2, "iteration": 4, "uri": ""}',
+            '{"stage": 2, "iteration": 4, "uri": "s3://b/x\\u0000y", "force": true}',
+            '{"stage": 2, "iteration": 4, "meta": {"x": NaN}}',
+        ):
+            r = c.post(
+                "/v1/runs/run-a/checkpoints", content=body.encode(), headers={"Content-Type": "application/json"}
+            )
             assert r.status_code == 422, (body, r.text)
         assert c.get("/v1/runs/run-a/checkpoints").json()["checkpoints"] == []
         ckpt = store_copy.root.parent / "ckpt-2-4.pt"
         model = torch.nn.Linear(2, 2)
         save_checkpoint(str(ckpt), run_id="run-a", stage=2, num_stages=6, iteration=4, seed=0, model=model)
-        r = c.post("/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": ckpt.as_uri(), "meta": {"step": 4}})
+        r = c.post(
+            "/v1/runs/run-a/checkpoints", json={"stage": 2, "iteration": 4, "uri": ckpt.as_uri(), "meta": {"step": 4}}
+        )
         assert r.status_code == 201 and r.json()["iteration"] == 4
         cps = c.get("/v1/runs/run-a/checkpoints").json()
         assert cps["watermarks"] == [{"stage": 2, "iteration": 4}] and cps["checkpoints"][0]["meta"] == {"step": 4}
@@ -385,7 +503,9 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
         dry2 = c.post("/v1/runs/run-a/gc", json={"confirm": False}).json()
         assert dry2 == {**dry, "aborted_uploads": dry2["aborted_uploads"]}  # the dry run deleted nothing
         done = c.post("/v1/runs/run-a/gc", json={"confirm": True}).json()
-        assert done["dry_run"] is False and set(done["keys"]) == garbage and set(done["segments"]) == set(dry["segments"])
+        assert (
+            done["dry_run"] is False and set(done["keys"]) == garbage and set(done["segments"]) == set(dry["segments"])
+        )
         again = c.post("/v1/runs/run-a/gc", json={"confirm": True}).json()
         assert again["hot_records"] == 0 and again["cold_segments"] == 0
         listed = {r["key"] for r in c.get("/v1/runs/run-a/records", params={"limit": 1000}).json()["records"]}
@@ -401,9 +521,18 @@ def test_faults_are_reported_not_500(store_copy: StoreFixture) -> None:
     key = RecordKey(Channel.gradient(1), 2, 1)
     corrupt_hot_record(str(store_copy.root), "run-a", key)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    opts = ["--cold-option", "key=k", "--cold-option", "secret=s", "--cold-option", "client_kwargs=" + json.dumps({"endpoint_url": dead})]
-    with ServerProcess(store_copy.root, token=TOKEN, cold_url="s3://swiftlog-test/cold", args=opts) as srv, \
-            httpx.Client(base_url=srv.url, timeout=120, headers=AUTH) as c:  # fmt: skip
+    opts = [
+        "--cold-option",
+        "key=k",
+        "--cold-option",
+        "secret=s",
+        "--cold-option",
+        "client_kwargs=" + json.dumps({"endpoint_url": dead}),
+    ]
+    with (
+        ServerProcess(store_copy.root, token=TOKEN, cold_url="s3://swiftlog-test/cold", args=opts) as srv,
+        httpx.Client(base_url=srv.url, timeout=120, headers=AUTH) as c,
+    ):
         for path in (f"/v1/runs/run-a/records/{key}", f"/v1/runs/run-a/records/{key}/raw"):
             r = c.get(path)
             assert r.status_code == 409, r.text

@@ -43,8 +43,12 @@ def _trained() -> State:
         opt.step()
         sched.step()
         opt.zero_grad()
-    s = {"model": copy.deepcopy(mod.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
-         "lr_scheduler": copy.deepcopy(sched.state_dict()), "iters": 2}  # fmt: skip
+    s = {
+        "model": copy.deepcopy(mod.state_dict()),
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "lr_scheduler": copy.deepcopy(sched.state_dict()),
+        "iters": 2,
+    }
     s["model"]["0.weight"][0, 0] = 0.0
     s["optimizer"]["state"][1]["exp_avg"][0] = 0.0
     return s
@@ -168,8 +172,10 @@ ALL = {"model", "optimizer", "lr_scheduler"}
 COMPARISONS: dict[str, tuple[Callable[[State, State], list[str]], set[str]]] = {
     "states_equal": (states_equal, ALL),
     "states_equal, swapped": (lambda a, b: states_equal(b, a), ALL),
-    "state_bytes_differ": (lambda a, b: state_bytes_differ(a["model"], a["optimizer"], b["model"], b["optimizer"]),
-                           {"model", "optimizer"}),  # fmt: skip
+    "state_bytes_differ": (
+        lambda a, b: state_bytes_differ(a["model"], a["optimizer"], b["model"], b["optimizer"]),
+        {"model", "optimizer"},
+    ),
     "state_differences": (lambda a, b: state_differences(_stage_state(a), b), ALL),
     "checkpoint_vs_live": (lambda a, b: checkpoint_vs_live(_checkpoint(a), b), ALL),
 }

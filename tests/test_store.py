@@ -90,7 +90,7 @@ def test_reader_in_another_process_while_writing(tmp_path: Path, cold_backend) -
         f"""
         import torch
         from logstore import LogStore, Channel, RecordKey
-        r = LogStore.open({str(tmp_path / 'node')!r}, "run1", cold_url={url!r}, cold_options={opts!r})
+        r = LogStore.open({str(tmp_path / "node")!r}, "run1", cold_url={url!r}, cold_options={opts!r})
         seen = 0
         for _ in range(200):
             seen = max(seen, len(r.keys(Channel.activation(1))))
@@ -144,19 +144,31 @@ def test_stats_show_the_range_left_after_gc_inside_a_segment(tmp_path: Path) -> 
     assert s.gc().hot_records == 12
     hot = s.stats()["channels"][ACT.name]["hot"]
     assert (hot["lo"], hot["hi"], hot["records"]) == (6, 9, 8)
-    with pytest.raises(RecordNotFoundError, match=r"act_1_2/it11/mb0/p0 of run 'run1' not found in the hot tiers \(no cold tier given\)") as e:
+    with pytest.raises(
+        RecordNotFoundError,
+        match=r"act_1_2/it11/mb0/p0 of run 'run1' not found in the hot tiers \(no cold tier given\)",
+    ) as e:
         s.get(RecordKey(ACT, 11, 0))  # (a store opened without its cold tier says so)
     assert "--cold-url" in (e.value.hint or "")
     s.close()
 
 
 def test_a_segment_garbage_collected_during_its_upload_is_no_cold_tier_fault(tmp_path: Path, caplog) -> None:
-    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=2, upload=False)
+    s = LogStore.open(
+        tmp_path / "node",
+        "run1",
+        writer="stage1",
+        cold_url=f"file://{tmp_path / 'cold'}",
+        segment_iters=2,
+        upload=False,
+    )
     _fill(s, range(4))
     real = s.cold.put_segment
     gone: list[str] = []
 
-    def collected_first(name, source, **kw):  # a checkpoint's GC deletes the file between the uploader's check and its read
+    def collected_first(
+        name, source, **kw
+    ):  # a checkpoint's GC deletes the file between the uploader's check and its read
         if not gone:
             gone.append(source)
             Path(source).unlink()
@@ -185,7 +197,9 @@ def test_inputs_sealed_during_a_long_upload_pass_go_before_the_rest_of_its_backl
     inputs sealed meanwhile (what its commit waits for) are shipped next, not after the whole pass
     (they used to wait for it, so a stage that stopped waiting never caught up)."""
     inp = Channel.input(0)
-    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=1)
+    s = LogStore.open(
+        tmp_path / "node", "run1", writer="stage1", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=1
+    )
     real = s.cold.put_segment
     shipped: list[str] = []
     two_done = threading.Event()
@@ -216,13 +230,22 @@ def test_inputs_targets_and_meta_go_first_even_when_nobody_sealed_them_as_such(t
     """The inputs-first order lived in memory (channels given to seal()): a reopened writer, or
     another process's flush (swiftlog flush, POST /flush), uploaded by id. Inputs, targets and META
     now go first by their kind."""
-    s = LogStore.open(tmp_path / "node", "run1", writer="stage0", cold_url=f"file://{tmp_path / 'cold'}", segment_iters=1, upload=False)
+    s = LogStore.open(
+        tmp_path / "node",
+        "run1",
+        writer="stage0",
+        cold_url=f"file://{tmp_path / 'cold'}",
+        segment_iters=1,
+        upload=False,
+    )
     for it in range(4):  # rotation seals the segments of iterations 0..2
         _fill(s, range(it, it + 1))
         s.put(RecordKey(Channel.input(0), it, 0), _t(it, 0))
         s.put(RecordKey(Channel.meta(0), it, 0), _t(it, 0))
     s.close()  # sealed, nothing uploaded
-    other = LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{tmp_path / 'cold'}")  # another process: no writer
+    other = LogStore.open(
+        tmp_path / "node", "run1", cold_url=f"file://{tmp_path / 'cold'}"
+    )  # another process: no writer
     rep = other.upload_sealed()
     kinds = [n.split("/")[2].split("_")[0] for n in rep["uploaded"]]
     assert len(kinds) == 16 and sorted(kinds[:8]) == ["input"] * 4 + ["meta"] * 4, kinds
@@ -305,12 +328,15 @@ def test_a_corrupt_hot_copy_is_read_from_its_intact_cold_copy(tmp_path: Path, co
     hot_only.close()
     url, opts, _ = cold_backend
     if url.startswith("file://"):  # both copies corrupt: the error names both
-        obj = Path(url[len("file://"):]) / loc.segment.cold_name
+        obj = Path(url[len("file://") :]) / loc.segment.cold_name
         data = bytearray(obj.read_bytes())
         data[loc.offset + loc.length // 2] ^= 0x01
         obj.write_bytes(bytes(data))
         both = _open(tmp_path / "node", cold_backend, writer=None)
-        with pytest.raises(CorruptRecordError, match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: corrupt record grad_2_1/it1/mb1/p0 in cold object"):
+        with pytest.raises(
+            CorruptRecordError,
+            match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: corrupt record grad_2_1/it1/mb1/p0 in cold object",
+        ):
             both.get(key)
         both.close()
 
@@ -490,7 +516,7 @@ def test_damaged_cold_trailers_unreadable_and_truncated_hot_files_are_errors_nam
     r.close()
     # a damaged trailer in the cold tier, with no hot copy: an error naming the object, for reads and verify
     shutil.rmtree(tmp_path / "node" / "run1" / "stage1")
-    obj = Path(str(cold[0])[len("file://"):]) / loc.segment.cold_name
+    obj = Path(str(cold[0])[len("file://") :]) / loc.segment.cold_name
     raw = bytearray(obj.read_bytes())
     raw[-20] ^= 0xFF  # the trailer's entry count
     obj.write_bytes(bytes(raw))
@@ -532,7 +558,9 @@ def test_a_truncated_or_lost_index_is_listed_and_never_rewritten(tmp_path: Path)
     r = _open(tmp_path / "node", cold, writer=None)
     problems = r.verify().problems
     assert any(p["where"].endswith("stage1/index") and "is truncated" in p["error"] for p in problems), problems
-    assert list(r.unreadable_writers()) == ["stage1"] and "is truncated" in r.unreadable_writers()["stage1"]  # what stat shows
+    assert (
+        list(r.unreadable_writers()) == ["stage1"] and "is truncated" in r.unreadable_writers()["stage1"]
+    )  # what stat shows
     assert torch.equal(r.get(RecordKey(Channel.activation(2), 0, 0)), _t(0, 0))
     r.close()
     assert data.read_bytes() == before  # untouched
@@ -619,7 +647,6 @@ def test_gc_removes_cold_objects_left_without_a_marker_once_older_than_the_stale
     s.close()
 
 
-
 @pytest.mark.parametrize("evict", [True, False], ids=["hot-evicted", "hot-kept"])
 def test_gc_with_watermarks_inside_segments_keeps_every_record_at_or_above_them(
     tmp_path: Path, cold_backend, evict: bool
@@ -629,8 +656,15 @@ def test_gc_with_watermarks_inside_segments_keeps_every_record_at_or_above_them(
     a 4-iteration segment at a checkpoint at 6. Each tier is checked on its own, with watermarks
     inside segments: every record at or above the watermark survives, every one below is gone."""
     url, opts, _ = cold_backend
-    s = LogStore.open(tmp_path / "node", "run1", writer="stage1", cold_url=url, cold_options=opts, segment_iters=4,
-                      hot_max_bytes=1 if evict else None)  # fmt: skip
+    s = LogStore.open(
+        tmp_path / "node",
+        "run1",
+        writer="stage1",
+        cold_url=url,
+        cold_options=opts,
+        segment_iters=4,
+        hot_max_bytes=1 if evict else None,
+    )
     _fill(s, range(12))  # ACT (owner 2) and GRAD (owner 1): segments of iterations 0-3, 4-7, 8-11
     s.flush()
     assert ({m.state for m in s.hot.segments()} == {EVICTED}) == evict

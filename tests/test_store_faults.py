@@ -55,7 +55,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_disk_full_on_tmpfs_then_gc_frees_space(small_disk: Path, tmp_path: Path) -> None:
-    s = LogStore.open(small_disk, "run1", writer="stage0", cold_url=(tmp_path / "cold").as_uri(), codec="raw", segment_iters=1)
+    s = LogStore.open(
+        small_disk, "run1", writer="stage0", cold_url=(tmp_path / "cold").as_uri(), codec="raw", segment_iters=1
+    )
     acked: list[tuple[int, int]] = []
     with pytest.raises(StoreFullError, match="disk full"):
         for it in range(10_000):
@@ -87,7 +89,7 @@ def test_writing_on_after_the_disk_is_full_never_kills_the_writer(small_disk: Pa
         import torch
         from logstore import LogStore, Channel, RecordKey
         from logstore.errors import StoreFullError
-        s = LogStore.open({str(small_disk / 'node')!r}, "run1", writer="stage0", segment_iters=1)
+        s = LogStore.open({str(small_disk / "node")!r}, "run1", writer="stage0", segment_iters=1)
         full = 0
         for it in range(400):
             try:
@@ -115,7 +117,7 @@ def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
         from logstore import LogStore, Channel, RecordKey
         from logstore.errors import StoreFullError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        s = LogStore.open({str(tmp_path / 'node')!r}, "run1", writer="stage0", codec="raw", segment_max_bytes=64 << 20, segment_iters=100_000)
+        s = LogStore.open({str(tmp_path / "node")!r}, "run1", writer="stage0", codec="raw", segment_max_bytes=64 << 20, segment_iters=100_000)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
         n = 0
         try:
@@ -150,8 +152,14 @@ def test_close_is_bounded_when_the_object_store_hangs(moto_server, tmp_path: Pat
     previous = threading.excepthook
     threading.excepthook = lambda a: errors.append(a.exc_value)  # type: ignore[assignment]
     opts = {**moto_server.storage_options, "config_kwargs": {"read_timeout": 1.0, "connect_timeout": 1.0}}
-    s = LogStore.open(tmp_path / "node", "hang", writer="stage0", cold_url=moto_server.url(f"hang-{uuid.uuid4().hex[:6]}"),
-                      cold_options=opts, segment_iters=1)  # fmt: skip
+    s = LogStore.open(
+        tmp_path / "node",
+        "hang",
+        writer="stage0",
+        cold_url=moto_server.url(f"hang-{uuid.uuid4().hex[:6]}"),
+        cold_options=opts,
+        segment_iters=1,
+    )
     try:
         s.put(RecordKey(ACT, 0, 0), _t(0, 0))
         s.flush()  # the store works
@@ -194,17 +202,21 @@ def test_a_read_only_store_root_is_a_config_error_naming_it(tmp_path: Path) -> N
         pytest.skip(why)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], check=True)
     try:
-        with pytest.raises(ConfigError, match=r"store root .*ro/node.*: cannot write under .*: Read-only file system") as e:
+        with pytest.raises(
+            ConfigError, match=r"store root .*ro/node.*: cannot write under .*: Read-only file system"
+        ) as e:
             LogStore.open(mnt / "node", "run1", writer="stage0")
         assert "writable directory" in (e.value.hint or "")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_verify_reports_what_the_indexes_list_but_no_tier_holds_and_a_lost_cold_copy_is_uploaded_again(tmp_path) -> None:
+def test_verify_reports_what_the_indexes_list_but_no_tier_holds_and_a_lost_cold_copy_is_uploaded_again(
+    tmp_path,
+) -> None:
     """verify used to say ok (exit 0) when a record's segment file and cold object were both gone,
     and a writer never re-uploaded a segment whose cold object had disappeared."""
-    from logstore import LogStore, RecordKey, Channel
+    from logstore import Channel, LogStore, RecordKey
 
     act = Channel.activation(1)
     cold = tmp_path / "cold"
@@ -223,9 +235,11 @@ def test_verify_reports_what_the_indexes_list_but_no_tier_holds_and_a_lost_cold_
     stray.write_bytes(b"x")
     rep = LogStore.open(tmp_path / "node", "run1", cold_url=f"file://{cold}").verify()
     got = {(p["key"], p["error"].split(":")[0].split(" (")[0]) for p in rep.problems}
-    assert got == {("act_1_2/it0/mb0/p0", "uploaded, but the cold tier no longer has it"),
-                   ("act_1_2/it1/mb0/p0", "uploaded, but the cold tier no longer has it and the local file is gone"),
-                   ("", "segment file not in the writer's index")}, rep.problems  # fmt: skip
+    assert got == {
+        ("act_1_2/it0/mb0/p0", "uploaded, but the cold tier no longer has it"),
+        ("act_1_2/it1/mb0/p0", "uploaded, but the cold tier no longer has it and the local file is gone"),
+        ("", "segment file not in the writer's index"),
+    }, rep.problems
     assert not rep.ok
     stray.unlink()
     w = LogStore.open(tmp_path / "node", "run1", writer="w0", cold_url=f"file://{cold}", segment_iters=1)
@@ -271,7 +285,11 @@ def test_a_store_whose_index_was_lost_is_whole_again_when_its_writer_reopens(tmp
     from logstore import Channel, LogStore, RecordKey
 
     act = Channel.activation(1)
-    want = {RecordKey(act, it, mb): torch.randn(3, 5, generator=torch.Generator().manual_seed(it * 10 + mb)) for it in range(6) for mb in range(2)}
+    want = {
+        RecordKey(act, it, mb): torch.randn(3, 5, generator=torch.Generator().manual_seed(it * 10 + mb))
+        for it in range(6)
+        for mb in range(2)
+    }
     s = LogStore.open(tmp_path / "node", "run1", writer="w0", segment_iters=2)
     s.put_many(want.items())
     s.close()
@@ -281,14 +299,17 @@ def test_a_store_whose_index_was_lost_is_whole_again_when_its_writer_reopens(tmp
     for p in index.iterdir():
         p.unlink()
     r = LogStore.open(tmp_path / "node", "run1")
-    assert r.keys() == [] and [p["error"].split(":")[0] for p in r.verify().problems] == [f"the LMDB index of {index.parent} is missing (no {index / 'data.mdb'})"]
+    assert r.keys() == [] and [p["error"].split(":")[0] for p in r.verify().problems] == [
+        f"the LMDB index of {index.parent} is missing (no {index / 'data.mdb'})"
+    ]
     r.close()
     s = LogStore.open(tmp_path / "node", "run1", writer="w0", segment_iters=2)
     assert all(torch.equal(s.get(k), v) for k, v in want.items()) and s.keys() == sorted(want)
     s.close()
     after = LogStore.open(tmp_path / "node", "run1")
-    assert after.verify().ok and {k: after.stats()["hot"][k] for k in ("records", "raw_bytes", "stored_bytes")} == \
-        {k: before[k] for k in ("records", "raw_bytes", "stored_bytes")}  # fmt: skip
+    assert after.verify().ok and {k: after.stats()["hot"][k] for k in ("records", "raw_bytes", "stored_bytes")} == {
+        k: before[k] for k in ("records", "raw_bytes", "stored_bytes")
+    }
     after.close()
 
 
@@ -305,14 +326,15 @@ def test_a_writer_restarted_on_a_fresh_root_does_not_reuse_its_earlier_uploads_n
     old.flush()
     old.close()
     new = LogStore.open(tmp_path / "gen1", "run1", writer="stage0", cold_url=cold, segment_iters=1)
-    new.put_many([(RecordKey(inp, it, 0), torch.full((4,), 100.0 + it)) for it in range(3)])  # other bytes, same iterations
+    new.put_many(
+        [(RecordKey(inp, it, 0), torch.full((4,), 100.0 + it)) for it in range(3)]
+    )  # other bytes, same iterations
     new.seal([inp])
     assert new.wait_shipped([inp], 2, timeout=30)
     assert new.flush() == 0 and new.stats()["upload"]["errors"] == 0
     new.close()
     with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:  # the newest copy wins on read
         assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(3)] == [100.0, 101.0, 102.0]
-
 
 
 def test_a_name_clash_in_the_cold_tier_is_shipped_under_a_new_name(tmp_path, caplog) -> None:
@@ -326,11 +348,15 @@ def test_a_name_clash_in_the_cold_tier_is_shipped_under_a_new_name(tmp_path, cap
     with LogStore.open(tmp_path / "gen0", "run1", writer="stage0", cold_url=cold, segment_iters=1) as old:
         old.put_many([(RecordKey(inp, it, 0), torch.full((4,), float(it))) for it in range(3)])
         old.flush()
-    new = LogStore.open(tmp_path / "gen1", "run1", writer="stage0", cold_url=cold, segment_iters=1, upload=False)  # as if the listing at open failed
+    new = LogStore.open(
+        tmp_path / "gen1", "run1", writer="stage0", cold_url=cold, segment_iters=1, upload=False
+    )  # as if the listing at open failed
     new.put_many([(RecordKey(inp, it, 0), torch.full((4,), 100.0 + it)) for it in range(4)])
     with caplog.at_level("WARNING", logger="logstore"):
         assert new.flush() == 4
-    assert caplog.text.count("is taken in the cold tier by other bytes") == 3 and new.stats()["upload"]["errors"] == 0  # its first three
+    assert (
+        caplog.text.count("is taken in the cold tier by other bytes") == 3 and new.stats()["upload"]["errors"] == 0
+    )  # its first three
     new.close()
     with LogStore.open(tmp_path / "elsewhere", "run1", cold_url=cold) as r:
         assert [float(r.get(RecordKey(inp, it, 0))[0]) for it in range(4)] == [100.0, 101.0, 102.0, 103.0]
@@ -373,7 +399,9 @@ def test_an_earlier_incarnation_still_writing_never_wins_in_the_cold_tier(tmp_pa
     put(second, range(10, 11), 3.0)
     second.flush()
     put(zombie, range(10, 11), 1.0)
-    with pytest.raises(WriterFencedError, match=r"writer stage1 of run 'r1': .* was uploaded by a later incarnation of this writer"):
+    with pytest.raises(
+        WriterFencedError, match=r"writer stage1 of run 'r1': .* was uploaded by a later incarnation of this writer"
+    ):
         zombie.flush()
     with pytest.raises(WriterFencedError):  # for good
         zombie.flush()
@@ -396,7 +424,9 @@ def test_segments_shipped_by_another_process_carry_their_writers_incarnation(tmp
 
     zombie = LogStore.open(tmp_path / "zombie", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
     put(zombie, 1.0)
-    replacement = LogStore.open(tmp_path / "replacement", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False)
+    replacement = LogStore.open(
+        tmp_path / "replacement", "r1", writer="stage1", cold_url=cold, segment_iters=1, upload=False
+    )
     put(replacement, 2.0)
     replacement.close()  # sealed, not uploaded
     with LogStore.open(tmp_path / "replacement", "r1", cold_url=cold) as shipper:  # not the writer
@@ -534,8 +564,9 @@ def test_a_writer_reopens_a_segment_shorter_than_its_index_says_and_records_the_
         with pytest.raises(RecordNotFoundError):
             s.get(k)
     gaps = s.gaps()
-    assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in gaps] == [(ACT.name, k.iteration, k.micro_batch)
-                                                                                for k in lost]  # fmt: skip
+    assert [(g["channel"], g["iteration"], g["micro_batch"]) for g in gaps] == [
+        (ACT.name, k.iteration, k.micro_batch) for k in lost
+    ]
     assert all("torn" in g["reason"] for g in gaps), gaps
     s.put(RecordKey(ACT, 6, 0), _tensor(6, 0))  # logging goes on
     s.close()
@@ -613,8 +644,13 @@ def test_a_damaged_index_key_is_never_served_under_the_wrong_key(tmp_path: Path)
     assert "frame there holds" in rep.problems[0]["error"]
     assert torch.equal(r.get(RecordKey(ACT, 1, 1)), _tensor(1, 1))  # the others intact
     r.close()
-    show = subprocess.run([sys.executable, "-m", "server.cli", "show", str(p1), "--root", str(root), "--run", "run1"],
-                          capture_output=True, text=True, timeout=120, env=subprocess_env())  # fmt: skip
+    show = subprocess.run(
+        [sys.executable, "-m", "server.cli", "show", str(p1), "--root", str(root), "--run", "run1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
     assert show.returncode == 1 and "act_0_1/it1/mb0/p1" in show.stderr, (show.stdout, show.stderr)
     assert "Traceback" not in show.stderr
 
@@ -641,8 +677,18 @@ def test_the_api_and_the_cli_refuse_a_corrupt_record_whose_only_copy_is_cold(sto
     data[loc.offset + loc.length // 2] ^= 0x08
     obj.write_bytes(bytes(data))
     out = tmp_path / "x.pt"
-    p = swiftlog("export", str(key), "--root", store_copy.root, "--run", store_copy.run,
-                 "--cold-url", store_copy.cold_url, "-o", out)  # fmt: skip
+    p = swiftlog(
+        "export",
+        str(key),
+        "--root",
+        store_copy.root,
+        "--run",
+        store_copy.run,
+        "--cold-url",
+        store_copy.cold_url,
+        "-o",
+        out,
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
     assert f"corrupt record {key} in cold object {loc.segment.cold_name}" in p.stderr, p.stderr
     assert not out.exists()

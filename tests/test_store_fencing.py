@@ -34,8 +34,15 @@ def test_a_segment_whose_cold_copy_is_not_confirmed_is_never_evicted(tmp_path: P
     another uploader's bytes had replaced the object under its marker (two uploaders of one name;
     a store that does not fence writes lets the second through): its only copy was gone. Eviction
     now confirms the committed copy first; this one stays hot, readable, and is named."""
-    s = LogStore.open(tmp_path, "run1", writer="stage0", cold_url=cold_env.url, cold_options=cold_env.storage_options,
-                      segment_iters=2, hot_max_bytes=1)  # fmt: skip
+    s = LogStore.open(
+        tmp_path,
+        "run1",
+        writer="stage0",
+        cold_url=cold_env.url,
+        cold_options=cold_env.storage_options,
+        segment_iters=2,
+        hot_max_bytes=1,
+    )
     real = s.cold.put_segment
     replaced: list[str] = []
 

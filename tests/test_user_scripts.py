@@ -4,11 +4,11 @@ current directory, the loss function found through META."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 import textwrap
-import datetime
 from pathlib import Path
 
 import pytest
@@ -117,8 +117,10 @@ def stage_module(stage):
     return Second() if stage else First()
 """
 
-IO_NOGRAD = ("input_args=(torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16)) if rank else torch.zeros(2, 8), "
-             "output_args=torch.zeros(2, 5, requires_grad=True) if rank else (torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16))")
+IO_NOGRAD = (
+    "input_args=(torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16)) if rank else torch.zeros(2, 8), "
+    "output_args=torch.zeros(2, 5, requires_grad=True) if rank else (torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16))"
+)
 
 
 def _project(tmp_path: Path, name: str, top_level: str = "", net: str = NET, io: str = IO) -> Path:
@@ -139,7 +141,10 @@ def _train(proj: Path, script: str, how: str) -> tuple[Path, list[dict[str, torc
     root, out = proj / f"store-{how}", proj / f"final-{how}"
     host = loopback_store(datetime.timedelta(seconds=120))
     cmd = [sys.executable, script, str(root), str(out), str(host.port)]
-    procs = [subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True) for rank in (["spawn"] if how == "spawn" else ["0", "1"])]
+    procs = [
+        subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True)
+        for rank in (["spawn"] if how == "spawn" else ["0", "1"])
+    ]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
@@ -147,7 +152,9 @@ def _train(proj: Path, script: str, how: str) -> tuple[Path, list[dict[str, torc
 
 
 def _swiftlog(proj: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("swiftlog")  # the console script (not python -m: that would put the directory on sys.path)
+    exe = Path(sys.executable).with_name(
+        "swiftlog"
+    )  # the console script (not python -m: that would put the directory on sys.path)
     assert exe.exists(), f"{exe}: the project is installed with its console script (make test installs it)"
     return subprocess.run([str(exe), *args], cwd=proj, env=_env(), capture_output=True, text=True, timeout=300)
 
@@ -157,7 +164,11 @@ def _meta(root: Path, stage: int = 1) -> dict:
 
 
 def _replayed(out: str, stage: int) -> dict[str, torch.Tensor]:
-    (uri,) = [line.split(f"stage {stage}: ")[1].split()[0] for line in out.splitlines() if line.strip().startswith(f"stage {stage}: ")]
+    (uri,) = [
+        line.split(f"stage {stage}: ")[1].split()[0]
+        for line in out.splitlines()
+        if line.strip().startswith(f"stage {stage}: ")
+    ]
     return load_checkpoint(uri).model
 
 
@@ -181,8 +192,22 @@ def test_a_script_run_by_path_is_replayed_by_its_file_and_meta_names_its_loss(tm
     if how == "ranks":  # (the spawned variant differs only in how META names the loss)
         cases += [(0, "train_mine.py:make_stage", "1"), (1, "train_mine:make_stage", "2")]
     for stage, model, workers in cases:
-        r = _swiftlog(proj, "replay", "--run", "mine", "--root", str(root), "-s", str(stage), "--model", model, "-w", workers,
-                      "-o", str(tmp_path / f"out-{stage}-{workers}"))  # fmt: skip
+        r = _swiftlog(
+            proj,
+            "replay",
+            "--run",
+            "mine",
+            "--root",
+            str(root),
+            "-s",
+            str(stage),
+            "--model",
+            model,
+            "-w",
+            workers,
+            "-o",
+            str(tmp_path / f"out-{stage}-{workers}"),
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), (stage, model, workers)
 
@@ -198,8 +223,20 @@ def test_an_input_declared_without_gradient_is_replayed_without_one(tmp_path):
     root, live = _train(proj, "train_nograd.py", "ranks")
     assert _meta(root)["recv_requires_grad"] == [True, False]
     for stage in (0, 1):
-        r = _swiftlog(proj, "replay", "--run", "mine", "--root", str(root), "-s", str(stage), "--model", "train_nograd.py:make_stage",
-                      "-o", str(tmp_path / f"out-{stage}"))  # fmt: skip
+        r = _swiftlog(
+            proj,
+            "replay",
+            "--run",
+            "mine",
+            "--root",
+            str(root),
+            "-s",
+            str(stage),
+            "--model",
+            "train_nograd.py:make_stage",
+            "-o",
+            str(tmp_path / f"out-{stage}"),
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert " verified " in r.stdout and _same(_replayed(r.stdout, stage), live[stage]), stage
 
@@ -230,7 +267,20 @@ def test_a_replay_that_sends_fewer_parts_than_the_live_stage_is_not_verified(tmp
     proj = _project(tmp_path, "train_nograd.py", net=NET_NOGRAD, io=IO_NOGRAD)
     (proj / "short.py").write_text(SHORT)
     root, _ = _train(proj, "train_nograd.py", "ranks")
-    r = _swiftlog(proj, "replay", "--run", "mine", "--root", str(root), "-s", "0", "--model", "short.py:make_short", "-o", str(tmp_path / "out"))
+    r = _swiftlog(
+        proj,
+        "replay",
+        "--run",
+        "mine",
+        "--root",
+        str(root),
+        "-s",
+        "0",
+        "--model",
+        "short.py:make_short",
+        "-o",
+        str(tmp_path / "out"),
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "act_0_1/it1/mb0/p1" in r.stdout + r.stderr and " verified " not in r.stdout, r.stdout + r.stderr
 
@@ -241,19 +291,27 @@ def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_
     ``output_args`` received garbage silently (gloo aborts only when more arrives than declared).
     Each stage puts its declaration into the commit store; the receiver compares before its first
     step and raises, naming both."""
-    wide = IO.replace("torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0)", "torch.zeros(2, 17 if rank else 8, requires_grad=rank > 0)")
+    wide = IO.replace(
+        "torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0)",
+        "torch.zeros(2, 17 if rank else 8, requires_grad=rank > 0)",
+    )
     proj = _project(tmp_path, "train_wide.py", io=wide)
     host = loopback_store(datetime.timedelta(seconds=120))
     cmd = [sys.executable, "train_wide.py", str(proj / "store"), str(proj / "final"), str(host.port)]
-    procs = {rank: subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True) for rank in ("0", "1")}
+    procs = {
+        rank: subprocess.Popen([*cmd, rank], cwd=proj, env=_env(), stderr=subprocess.PIPE, text=True)
+        for rank in ("0", "1")
+    }
     try:
         _, err = procs["1"].communicate(timeout=120)
     finally:
         procs["0"].kill()
         procs["0"].communicate()
     assert procs["1"].returncode != 0
-    assert ("stage 1 declares that it receives float32 [2, 17] (input_args), but stage 0 declares that it sends float32 [2, 16] "
-            "(output_args)") in err, err[-3000:]
+    assert (
+        "stage 1 declares that it receives float32 [2, 17] (input_args), but stage 0 declares that it sends float32 [2, 16] "
+        "(output_args)"
+    ) in err, err[-3000:]
 
 
 @pytest.mark.slow
@@ -266,7 +324,19 @@ def test_a_script_that_runs_code_at_import_is_not_loaded_unasked(tmp_path):
     meta = _meta(root)
     script = f"{proj / 'train_loud.py'}:my_loss"
     assert meta["loss"] is None and meta["loss_script"] == script
-    args = ["replay", "--run", "mine", "--root", str(root), "-s", "1", "--model", "train_loud.py:make_stage", "-o", str(tmp_path / "out")]
+    args = [
+        "replay",
+        "--run",
+        "mine",
+        "--root",
+        str(root),
+        "-s",
+        "1",
+        "--model",
+        "train_loud.py:make_stage",
+        "-o",
+        str(tmp_path / "out"),
+    ]
     r = _swiftlog(proj, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"the live schedule's loss_fn is {script}" in r.stderr and f"--loss {script}" in r.stderr
@@ -277,7 +347,8 @@ def test_a_script_that_runs_code_at_import_is_not_loaded_unasked(tmp_path):
 
 def test_script_defines_only_reads_the_top_level(tmp_path):
     ok = tmp_path / "ok.py"
-    ok.write_text(textwrap.dedent('''
+    ok.write_text(
+        textwrap.dedent('''
         """doc"""
         import os
         try:
@@ -289,9 +360,16 @@ def test_script_defines_only_reads_the_top_level(tmp_path):
         class C: pass
         if __name__ == "__main__":
             f()
-        '''))
+        ''')
+    )
     assert script_defines_only(str(ok))
-    for body in ("f()\n", "for i in range(3): pass\n", 'if __name__ == "__main__":\n    pass\nelse:\n    print(1)\n', "def broken(:\n", "with open('x') as f: pass\n"):
+    for body in (
+        "f()\n",
+        "for i in range(3): pass\n",
+        'if __name__ == "__main__":\n    pass\nelse:\n    print(1)\n',
+        "def broken(:\n",
+        "with open('x') as f: pass\n",
+    ):
         bad = tmp_path / "bad.py"
         bad.write_text("import os\n" + body)
         assert not script_defines_only(str(bad)), body
@@ -302,15 +380,21 @@ def test_load_object_by_path_and_its_errors(tmp_path, monkeypatch):
     """A file is loaded once, under a name that is not ``__main__``; what is wrong is named."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / "helper_mod_for_load.py").write_text("VALUE = 41\n")
-    (tmp_path / "prog.py").write_text("import helper_mod_for_load\nRAN = []\nclass K:\n    def m(self): return helper_mod_for_load.VALUE + 1\n"
-                                      "if __name__ == '__main__':\n    raise SystemExit('main ran')\n")  # fmt: skip
+    (tmp_path / "prog.py").write_text(
+        "import helper_mod_for_load\nRAN = []\nclass K:\n    def m(self): return helper_mod_for_load.VALUE + 1\n"
+        "if __name__ == '__main__':\n    raise SystemExit('main ran')\n"
+    )
     (tmp_path / "boom.py").write_text("raise RuntimeError('no config file')\n")
     monkeypatch.chdir(tmp_path)
     try:
         k = load_object("prog.py:K")
         assert k().m() == 42 and load_object(f"{tmp_path / 'prog.py'}:K") is k  # once per process
         assert is_script_spec("a/b:c") and is_script_spec("b.py:c") and not is_script_spec("pkg.mod:c")
-        assert absolute_spec("prog.py:K") == f"{tmp_path / 'prog.py'}:K" and absolute_spec("pkg.mod:f") == "pkg.mod:f" and absolute_spec(None) is None
+        assert (
+            absolute_spec("prog.py:K") == f"{tmp_path / 'prog.py'}:K"
+            and absolute_spec("pkg.mod:f") == "pkg.mod:f"
+            and absolute_spec(None) is None
+        )
         with pytest.raises(ValueError, match=r"no such file .*nope\.py.* \(from 'nope\.py:f'\)"):
             load_object("nope.py:f")
         with pytest.raises(ValueError, match=r"loading .*boom\.py.* raised RuntimeError: no config file"):
@@ -320,6 +404,7 @@ def test_load_object_by_path_and_its_errors(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=r"is not 'module:attribute' or 'path/to/file.py:attribute'"):
             load_object("prog.py")
     finally:
-        for name in [n for n, m in sys.modules.items() if n.startswith("swiftlog_script_") or n == "helper_mod_for_load"]:
+        for name in [
+            n for n, m in sys.modules.items() if n.startswith("swiftlog_script_") or n == "helper_mod_for_load"
+        ]:
             del sys.modules[name]
-

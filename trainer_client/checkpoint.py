@@ -45,9 +45,16 @@ import torch
 from trainer_client.errors import CheckpointError
 
 __all__ = [
-    "Checkpoint", "CheckpointIdentity", "save_checkpoint", "load_checkpoint", "read_identity", "checkpoint_uri",
-    "scheduler_next_rates", "class_name", "FORMAT_VERSION",
-]  # fmt: skip
+    "Checkpoint",
+    "CheckpointIdentity",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_identity",
+    "checkpoint_uri",
+    "scheduler_next_rates",
+    "class_name",
+    "FORMAT_VERSION",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +112,10 @@ class Checkpoint:
         try:
             model.load_state_dict(self.model)
         except RuntimeError as e:  # missing / unexpected keys, shape mismatches
-            raise CheckpointError(f"{what} does not fit the model {type(model).__name__}: {str(e).strip()}",
-                                  hint="load it into the module the checkpoint was saved from") from None  # fmt: skip
+            raise CheckpointError(
+                f"{what} does not fit the model {type(model).__name__}: {str(e).strip()}",
+                hint="load it into the module the checkpoint was saved from",
+            ) from None
         if optimizer is not None:
             if self.optimizer is None:
                 raise CheckpointError(f"{what} has no optimizer state")
@@ -115,8 +124,10 @@ class Checkpoint:
             try:
                 optimizer.load_state_dict(_copy_state(self.optimizer))
             except (ValueError, KeyError, RuntimeError) as e:
-                raise CheckpointError(f"{what}: its optimizer state does not fit the optimizer {type(optimizer).__name__}: {e}",
-                                      hint="build the optimizer as the training did (the same parameter groups, in the same order)") from None  # fmt: skip
+                raise CheckpointError(
+                    f"{what}: its optimizer state does not fit the optimizer {type(optimizer).__name__}: {e}",
+                    hint="build the optimizer as the training did (the same parameter groups, in the same order)",
+                ) from None
         if lr_scheduler is not None:
             if self.lr_scheduler is None:
                 raise CheckpointError(f"{what} has no lr scheduler state")
@@ -124,27 +135,38 @@ class Checkpoint:
                 self._check_class("lr_scheduler", lr_scheduler, what)
                 diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
                 if diff:
-                    raise CheckpointError(f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
-                                          hint="build the lr scheduler the training used (the same class and arguments)")  # fmt: skip
+                    raise CheckpointError(
+                        f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
+                        hint="build the lr scheduler the training used (the same class and arguments)",
+                    )
             try:
                 lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
             except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-                raise CheckpointError(f"{what}: its lr scheduler state does not load into the lr scheduler {class_name(lr_scheduler)}: "
-                                      f"{type(e).__name__}: {e}", hint="build the lr scheduler the training used (the same class and arguments)") from None  # fmt: skip
-            if strict and self.sched_next is not None:  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
+                raise CheckpointError(
+                    f"{what}: its lr scheduler state does not load into the lr scheduler {class_name(lr_scheduler)}: "
+                    f"{type(e).__name__}: {e}",
+                    hint="build the lr scheduler the training used (the same class and arguments)",
+                ) from None
+            if (
+                strict and self.sched_next is not None
+            ):  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
                 mine = scheduler_next_rates(lr_scheduler)
                 if mine is not None and mine != [float(x) for x in self.sched_next]:
-                    raise CheckpointError(f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set the learning "
-                                          f"rates {mine} at its next step, the training's set {list(self.sched_next)}",
-                                          hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length); "
-                                               "to resume with another schedule on purpose: apply(..., strict=False)")  # fmt: skip
+                    raise CheckpointError(
+                        f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set the learning "
+                        f"rates {mine} at its next step, the training's set {list(self.sched_next)}",
+                        hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length); "
+                        "to resume with another schedule on purpose: apply(..., strict=False)",
+                    )
 
     def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
         saved = self.classes.get(what_obj)
         if saved is not None and saved != class_name(obj):
             label = what_obj.replace("_", " ")
-            raise CheckpointError(f"{what} was saved from a {saved} {label}, not the {class_name(obj)} it is loaded into",
-                                  hint=f"build the {label} the training used (the same class and arguments)")  # fmt: skip
+            raise CheckpointError(
+                f"{what} was saved from a {saved} {label}, not the {class_name(obj)} it is loaded into",
+                hint=f"build the {label} the training used (the same class and arguments)",
+            )
 
 
 def _torch_scheduler(sch: Any) -> bool:
@@ -189,7 +211,10 @@ def scheduler_next_rates(sch: Any) -> list[float] | None:
                     else:
                         g[k] = v
         except Exception:
-            logger.exception("putting the lr scheduler %s back after predicting its next rates failed: the schedule may have moved", type(sch).__name__)
+            logger.exception(
+                "putting the lr scheduler %s back after predicting its next rates failed: the schedule may have moved",
+                type(sch).__name__,
+            )
 
 
 def class_name(obj: Any) -> str:
@@ -215,7 +240,11 @@ def _state_fields_differ(saved: Any, mine: Any, where: str = "") -> str | None:
         if len(parts_a) != len(parts_b):
             return f"{len(parts_a)} schedulers chained in the checkpoint, {len(parts_b)} in the scheduler{where}"
         for i, (x, y) in enumerate(zip(parts_a, parts_b, strict=True)):
-            d = _state_fields_differ(x, y, f" (its scheduler {i}{where.replace(' (', ', ').rstrip(')')})" if where else f" (its scheduler {i})")
+            d = _state_fields_differ(
+                x,
+                y,
+                f" (its scheduler {i}{where.replace(' (', ', ').rstrip(')')})" if where else f" (its scheduler {i})",
+            )
             if d:
                 return d
     return None
@@ -269,7 +298,11 @@ def save_checkpoint(
         "model": model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-        "classes": {name: class_name(obj) for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)) if obj is not None},
+        "classes": {
+            name: class_name(obj)
+            for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler))
+            if obj is not None
+        },
         "sched_next": None if lr_scheduler is None else scheduler_next_rates(lr_scheduler),
         "extra": dict(extra or {}),
         "saved_at": time.time(),
@@ -320,7 +353,9 @@ def remove_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None
         fs.rm_file(path)
 
 
-def load_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(
+    uri: str, *, storage_options: dict[str, Any] | None = None, map_location: str | torch.device = "cpu"
+) -> Checkpoint:
     """Read a checkpoint written by :func:`save_checkpoint`. Every tensor is freshly allocated.
 
     Raises CheckpointError if it cannot be read or is not a swiftlog checkpoint.
@@ -436,7 +471,7 @@ def _not_a_checkpoint(uri: str) -> CheckpointError:
 
 def _local_path(uri: str) -> str | None:
     if uri.startswith("file://"):
-        return os.path.abspath(uri[len("file://"):])
+        return os.path.abspath(uri[len("file://") :])
     if "://" not in uri:
         return os.path.abspath(uri)
     return None

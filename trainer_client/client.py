@@ -40,12 +40,29 @@ from trainer_client.determinism import SEED_SCHEME, derive_seed, environment_fin
 from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
-from trainer_client.meta import META_VERSION, decode_meta, encode_meta, hparam_changes, importable_name, optimizer_hparams, script_name
+from trainer_client.meta import (
+    META_VERSION,
+    decode_meta,
+    encode_meta,
+    hparam_changes,
+    importable_name,
+    optimizer_hparams,
+    script_name,
+)
 from trainer_client.metrics import MetricsExporter
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter, Fault
 
-__all__ = ["SwiftlogClient", "CommitReport", "FlushReport", "DataSource", "SUPPORTED_SCHEDULES", "META_VERSION", "encode_meta", "decode_meta"]
+__all__ = [
+    "SwiftlogClient",
+    "CommitReport",
+    "FlushReport",
+    "DataSource",
+    "SUPPORTED_SCHEDULES",
+    "META_VERSION",
+    "encode_meta",
+    "decode_meta",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +153,18 @@ class SwiftlogClient:
             replay must be given the same source).
     """
 
-    def __init__(self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None) -> None:
+    def __init__(
+        self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None
+    ) -> None:
         self.metrics: MetricsExporter | None = None  # bound first: a port in use fails before anything is opened
         if config.metrics_port is not None:
             labels = {"run": config.run_id, "stage": str(config.stage), "writer": str(config.writer)}
-            self.metrics = MetricsExporter(functools.partial(_stats_of, weakref.ref(self)), labels,
-                                           host=config.metrics_host, port=config.metrics_port)  # fmt: skip
+            self.metrics = MetricsExporter(
+                functools.partial(_stats_of, weakref.ref(self)),
+                labels,
+                host=config.metrics_host,
+                port=config.metrics_port,
+            )
         try:
             self._open(config, commit_store, data_source)
         except BaseException:
@@ -155,7 +178,8 @@ class SwiftlogClient:
         if not config.log_data and data_source is None:
             logger.warning(
                 "stage %d: log_data=False without a data source: a replay of stage 0 / the last stage "
-                "needs the same deterministic data source", config.stage
+                "needs the same deterministic data source",
+                config.stage,
             )
         self.store = LogStore(
             StoreConfig(
@@ -204,45 +228,80 @@ class SwiftlogClient:
                 config.stage,
             )
         self._maint = CheckpointMaintenance(
-            self.store, self.writer, name, keep=config.keep_checkpoints, own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
-            storage_options=config.checkpoint_options(), shared=shared,
-        )  # fmt: skip
+            self.store,
+            self.writer,
+            name,
+            keep=config.keep_checkpoints,
+            own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
+            storage_options=config.checkpoint_options(),
+            shared=shared,
+        )
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
         self._iteration: int | None = None
         self._step_t0: float | None = None
         self._grad_clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
-        self._grad_reduces: list[dict[str, Any]] = []  # its all_reduce_grads_ calls (META "grad_reduce"; records reduced_{stage})
-        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # the tracked one (META "lrs", "hparams"; track_optimizer)
+        self._grad_reduces: list[
+            dict[str, Any]
+        ] = []  # its all_reduce_grads_ calls (META "grad_reduce"; records reduced_{stage})
+        self._optimizer: weakref.ref[torch.optim.Optimizer] | None = (
+            None  # the tracked one (META "lrs", "hparams"; track_optimizer)
+        )
         self._step_hook: Any = None  # its step pre-hook's handle
-        self._step_expect: tuple[int, dict[str, Any]] | None = None  # (iteration, META) committed, its optimizer step not yet seen
-        self._grad_versions: list[int] | None = None  # the stage's gradients' version counters after the schedule's step
+        self._step_expect: tuple[int, dict[str, Any]] | None = (
+            None  # (iteration, META) committed, its optimizer step not yet seen
+        )
+        self._grad_versions: list[int] | None = (
+            None  # the stage's gradients' version counters after the schedule's step
+        )
         self._lr_scheduler: weakref.ref[Any] | None = None  # the tracked one (META "sched_epoch"; track_lr_scheduler)
-        self._committed: tuple[int, dict[str, Any]] | None = None  # the last committed iteration and its META (amendments merged)
+        self._committed: tuple[int, dict[str, Any]] | None = (
+            None  # the last committed iteration and its META (amendments merged)
+        )
         self._amendment: dict[str, Any] | None = None  # what has been amended in that META (its micro-batch 1 record)
         self._apply_checked: int | None = None  # the last iteration whose optimizer / scheduler steps were counted
-        self._apply_irregular: int | None = None  # the first iteration not followed by exactly one of each (META "apply_irregular")
+        self._apply_irregular: int | None = (
+            None  # the first iteration not followed by exactly one of each (META "apply_irregular")
+        )
         self._warned_carried = False  # grads_not_zeroed reported (once)
-        self._stepped: int | None = None  # the iteration whose schedule step finished and is not yet committed or aborted
+        self._stepped: int | None = (
+            None  # the iteration whose schedule step finished and is not yet committed or aborted
+        )
         self._early_step: int | None = None  # an iteration whose optimizer step came before its commit
-        self._stepped_grads: list[tuple[Any, int] | None] | None = None  # each gradient at the last optimizer step (weakref, version)
-        self._carried: list[str] = []  # parameters whose gradients the current iteration's schedule step added to, not zeroed
-        self._declared_inputs: list[list[Any]] | None = None  # [dtype, shape] of each part input_args declare (None: not given)
+        self._stepped_grads: list[tuple[Any, int] | None] | None = (
+            None  # each gradient at the last optimizer step (weakref, version)
+        )
+        self._carried: list[
+            str
+        ] = []  # parameters whose gradients the current iteration's schedule step added to, not zeroed
+        self._declared_inputs: list[list[Any]] | None = (
+            None  # [dtype, shape] of each part input_args declare (None: not given)
+        )
         self._decl_checked = False  # input_args compared with what the stage before declares it sends
         self._commits = 0
         self._commit_wait_s = 0.0
         self._aborts = 0
         self._closed = False
         # the inputs / targets this stage logs: a replay of this stage needs them, and only this stage has them
-        self._own_data = [c for c in (
-            Channel.input(config.stage) if config.is_first else None,
-            Channel.target(config.stage) if config.is_last else None,
-        ) if c is not None] if config.log_data else []
+        self._own_data = (
+            [
+                c
+                for c in (
+                    Channel.input(config.stage) if config.is_first else None,
+                    Channel.target(config.stage) if config.is_last else None,
+                )
+                if c is not None
+            ]
+            if config.log_data
+            else []
+        )
         self._ship_lagging = False  # a ship wait timed out: commits only check until the cold tier catches up
         self._ship_lag_since = 0  # the iteration whose ship wait timed out
         self._ship_lag_noted = 0.0  # time.monotonic() of the last "ship_lag" fault
-        self._own_sealed: threading.Event | None = None  # set once this iteration's inputs / targets are written and sealed
+        self._own_sealed: threading.Event | None = (
+            None  # set once this iteration's inputs / targets are written and sealed
+        )
         self._ship_wait_s = 0.0
         self._ready = True  # built: a metrics scrape may read the stats
 
@@ -266,12 +325,21 @@ class SwiftlogClient:
         ``output_args`` of a stage before the last, or ``input_args`` of a stage after the first,
         none of which requires grad."""
         c = self.config
-        for what, args, needed in (("output_args", output_args, not c.is_last), ("input_args", input_args, not c.is_first)):
+        for what, args, needed in (
+            ("output_args", output_args, not c.is_last),
+            ("input_args", input_args, not c.is_first),
+        ):
             floats = [t for t in _tensors(args) if t.is_floating_point()]
             if needed and floats and not any(t.requires_grad for t in floats):
-                role = "receives the gradients of what it sends" if what == "output_args" else "sends back the gradients of what it receives"
-                raise ConfigError(f"stage {c.stage}: no floating tensor of {what} requires grad, but the stage {role}",
-                                  hint=f"create the example {what} with requires_grad=True (torch builds gradient buffers only for those)")  # fmt: skip
+                role = (
+                    "receives the gradients of what it sends"
+                    if what == "output_args"
+                    else "sends back the gradients of what it receives"
+                )
+                raise ConfigError(
+                    f"stage {c.stage}: no floating tensor of {what} requires grad, but the stage {role}",
+                    hint=f"create the example {what} with requires_grad=True (torch builds gradient buffers only for those)",
+                )
         self._publish_declaration(input_args, output_args)
         self._stage = LoggingPipelineStage(
             module,
@@ -307,7 +375,9 @@ class SwiftlogClient:
         backward (F/I/W) or multi-stage execution is not captured exactly.
         """
         if not isinstance(stage, LoggingPipelineStage) or stage.recorder is not self.recorder:
-            raise UnsupportedScheduleError("schedule() needs the LoggingPipelineStage built by this client's pipeline_stage()")
+            raise UnsupportedScheduleError(
+                "schedule() needs the LoggingPipelineStage built by this client's pipeline_stage()"
+            )
         cls: Any = SUPPORTED_SCHEDULES.get(schedule.lower()) if isinstance(schedule, str) else schedule
         if cls is None or not isinstance(cls, type) or not issubclass(cls, (ScheduleGPipe, Schedule1F1B)):
             raise UnsupportedScheduleError(
@@ -325,7 +395,9 @@ class SwiftlogClient:
             recorder.on_loss(target)
             return loss_fn(output, target, **kw)
 
-        self._schedule = cls(stage, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs)
+        self._schedule = cls(
+            stage, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs
+        )
         # all of an iteration's inputs / targets queued (its last forward / loss): seal them at once
         self.recorder.n_microbatches = n_microbatches
         self.recorder.on_data_complete = self._seal_own_data
@@ -374,8 +446,10 @@ class SwiftlogClient:
         batch of ``iteration`` is fetched from it. Returns what ``schedule.step`` returns.
         """
         if self._schedule is None:
-            raise RuntimeError("call client.schedule(...) before client.step(...) (under a ResilientLoop: the loop calls your rebuild(), which "
-                               "builds them, in loop.join() or in loop.run() without joined=True)")
+            raise RuntimeError(
+                "call client.schedule(...) before client.step(...) (under a ResilientLoop: the loop calls your rebuild(), which "
+                "builds them, in loop.join() or in loop.run() without joined=True)"
+            )
         if self._stepped is not None and self._stepped == iteration:
             raise RuntimeError(
                 f"client.step({iteration}) again before client.commit({iteration}): a replay repeats exactly one schedule step per "
@@ -431,26 +505,32 @@ class SwiftlogClient:
         iteration or after its commit. Never changes gradients other than by the torch clip.
         """
         if self._iteration is None or self._step_t0 is None:
-            raise RuntimeError("clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
+            raise RuntimeError(
+                "clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress"
+            )
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         index = self._param_positions("clip_grad_norm_", params, module)
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        if group is not None:  # in float64: every rank's part has one dtype whatever its parameters' (a float64 stage among float32 ones)
+        if (
+            group is not None
+        ):  # in float64: every rank's part has one dtype whatever its parameters' (a float64 stage among float32 ones)
             inf = norm_type == float("inf")
             part = (total if inf else total.pow(norm_type)).to(torch.float64)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
             total = (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
-        self._grad_clips.append({
-            "seq": self._grad_op_seq(),
-            "max_norm": float(max_norm),
-            "total_norm": float(total),  # a float32 / bf16 value is exact as a Python float (and in JSON)
-            "dtype": str(total.dtype).removeprefix("torch."),
-            "foreach": foreach,
-            "params": None if positions == list(range(len(index))) else positions,
-        })  # fmt: skip
+        self._grad_clips.append(
+            {
+                "seq": self._grad_op_seq(),
+                "max_norm": float(max_norm),
+                "total_norm": float(total),  # a float32 / bf16 value is exact as a Python float (and in JSON)
+                "dtype": str(total.dtype).removeprefix("torch."),
+                "foreach": foreach,
+                "params": None if positions == list(range(len(index))) else positions,
+            }
+        )
         if self._grad_versions is not None:  # a change the replay repeats
             self._grad_versions = self._grad_snapshot()
         return total
@@ -481,13 +561,17 @@ class SwiftlogClient:
         ``group``, RuntimeError outside an iteration or after its commit. Never changes a gradient other than by the reduction.
         """
         if self._iteration is None or self._step_t0 is None:
-            raise RuntimeError("all_reduce_grads_ belongs between client.step(it) and client.commit(it); no iteration is in progress")
+            raise RuntimeError(
+                "all_reduce_grads_ belongs between client.step(it) and client.commit(it); no iteration is in progress"
+            )
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         index = self._param_positions("all_reduce_grads_", params, module)
         if not params:
             raise ValueError("all_reduce_grads_: no parameters given")
         if dist.get_rank(group) < 0:
-            raise ValueError(f"all_reduce_grads_: this rank ({dist.get_rank()}) is not a member of the group given; call it on the group's ranks only")
+            raise ValueError(
+                f"all_reduce_grads_: this rank ({dist.get_rank()}) is not a member of the group given; call it on the group's ranks only"
+            )
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -497,10 +581,19 @@ class SwiftlogClient:
         for g, r in zip(grads, reduced, strict=True):
             g.copy_(r)
         call = len(self._grad_reduces)
-        self._grad_reduces.append({"seq": self._grad_op_seq(), "params": [index[id(p)] for p in params], "average": bool(average),
-                                   "world": dist.get_world_size(group), "pre": pre})  # fmt: skip
+        self._grad_reduces.append(
+            {
+                "seq": self._grad_op_seq(),
+                "params": [index[id(p)] for p in params],
+                "average": bool(average),
+                "world": dist.get_world_size(group),
+                "pre": pre,
+            }
+        )
         if self.recorder.enabled:
-            self.writer.submit(Channel.reduced(self.config.stage), self._iteration, call, reduced)  # `reduced` is ours alone: no copy
+            self.writer.submit(
+                Channel.reduced(self.config.stage), self._iteration, call, reduced
+            )  # `reduced` is ours alone: no copy
         if self._grad_versions is not None:  # a change the replay repeats
             self._grad_versions = self._grad_snapshot()
 
@@ -509,17 +602,23 @@ class SwiftlogClient:
         (META ``seq``: the replay repeats them in this order)."""
         return len(self._grad_clips) + len(self._grad_reduces)
 
-    def _param_positions(self, what: str, params: Sequence[torch.Tensor], module: torch.nn.Module | None) -> dict[int, int]:
+    def _param_positions(
+        self, what: str, params: Sequence[torch.Tensor], module: torch.nn.Module | None
+    ) -> dict[int, int]:
         """id -> position in the stage module's ``parameters()`` (the order a replay's stage has;
         ``module`` only when the client has no stage module, a hand-written runtime's), of every
         parameter of the stage; raises ValueError naming ``params`` not among them."""
         mod = self.stage_module if self.stage_module is not None else module
         if mod is None:
-            raise ValueError(f"{what} needs the stage's module: pass module=, or build the stage with client.pipeline_stage()")
+            raise ValueError(
+                f"{what} needs the stage's module: pass module=, or build the stage with client.pipeline_stage()"
+            )
         index = {id(p): i for i, p in enumerate(mod.parameters())}
         missing = [i for i, p in enumerate(params) if id(p) not in index]
         if missing:
-            raise ValueError(f"{what}: parameters {missing} (positions in the list given) are not parameters of the stage's module")
+            raise ValueError(
+                f"{what}: parameters {missing} (positions in the list given) are not parameters of the stage's module"
+            )
         return index
 
     def commit(self, iteration: int) -> CommitReport:
@@ -533,14 +632,20 @@ class SwiftlogClient:
         optimizer step, recover) and ValueError if ``iteration`` is not the current one.
         """
         if self._iteration is None or iteration != self._iteration:
-            raise ValueError(f"commit({iteration}) but the current iteration is {self._iteration}; call begin_iteration/step first")
+            raise ValueError(
+                f"commit({iteration}) but the current iteration is {self._iteration}; call begin_iteration/step first"
+            )
         self._stepped = None
         rec = self.recorder
         n_fwd = sum(1 for k, _ in rec.order if k == "F")
         n_bwd = sum(1 for k, _ in rec.order if k == "B")
         n_mb = self._schedule_info.get("n_microbatches")
         if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
-            self.writer.note_fault("incomplete_iteration", f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches", iteration=iteration)
+            self.writer.note_fault(
+                "incomplete_iteration",
+                f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches",
+                iteration=iteration,
+            )
         meta = None
         doc: dict[str, Any] | None = None
         sealed: threading.Event | None = None
@@ -552,7 +657,9 @@ class SwiftlogClient:
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
             if self.config.ship_data and self.store.cold is not None:
                 sealed = threading.Event()
-                self.writer.mark(functools.partial(_seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed))
+                self.writer.mark(
+                    functools.partial(_seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed)
+                )
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
         if sealed is not None and own and self.config.ship_wait is not None:
             # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
@@ -561,7 +668,14 @@ class SwiftlogClient:
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
-            logger.warning("stage %d iteration %d: %d logging fault(s), first: %s: %s", self.config.stage, iteration, len(faults), faults[0].kind, faults[0].message)
+            logger.warning(
+                "stage %d iteration %d: %d logging fault(s), first: %s: %s",
+                self.config.stage,
+                iteration,
+                len(faults),
+                faults[0].kind,
+                faults[0].message,
+            )
         decision = None
         if self.coordinator is not None:
             try:
@@ -608,9 +722,16 @@ class SwiftlogClient:
         schedule's step (version counters; a GradScaler's step). Never raises."""
         expect, self._step_expect = self._step_expect, None
         versions, self._grad_versions = self._grad_versions, None
-        if self._optimizer is not None and self._optimizer() is opt and self.stage_module is not None:  # seen again at the next step()
-            self._stepped_grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.stage_module.parameters()]
-        if expect is None and self._stepped is not None:  # stepped before its commit (not the documented order): counted all the same
+        if (
+            self._optimizer is not None and self._optimizer() is opt and self.stage_module is not None
+        ):  # seen again at the next step()
+            self._stepped_grads = [
+                None if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+                for p in self.stage_module.parameters()
+            ]
+        if (
+            expect is None and self._stepped is not None
+        ):  # stepped before its commit (not the documented order): counted all the same
             self._early_step = self._stepped
         if expect is None or self._optimizer is None or self._optimizer() is not opt:
             return
@@ -621,24 +742,39 @@ class SwiftlogClient:
             scaled = _stepped_by_grad_scaler(opt, kwargs)
             how = "a GradScaler unscaled them" if scaled else "torch's clip_grad_norm_, a manual scaling"
             if scaled and not grads:  # its unscale kernel leaves the version counters alone
-                grads = [n for n, p in (self.stage_module.named_parameters() if self.stage_module is not None else []) if p.grad is not None]
-            if not grads and doc.get("grad_digests") is not None and self.stage_module is not None:  # what leaves the counters alone
+                grads = [
+                    n
+                    for n, p in (self.stage_module.named_parameters() if self.stage_module is not None else [])
+                    if p.grad is not None
+                ]
+            if (
+                not grads and doc.get("grad_digests") is not None and self.stage_module is not None
+            ):  # what leaves the counters alone
                 now = grad_digests(self.stage_module)
                 if now is not None:
-                    grads = grad_digest_changes([n for n, _ in self.stage_module.named_parameters()], doc["grad_digests"], now)
+                    grads = grad_digest_changes(
+                        [n for n, _ in self.stage_module.named_parameters()], doc["grad_digests"], now
+                    )
                     how = "without touching their version counters: a collective such as dist.all_reduce, a write through .data"
             if lrs == doc["lrs"] and hparams == doc["hparams"] and not grads:
                 return
             changed = hparam_changes(doc["lrs"], doc["hparams"], lrs, hparams)
             if grads:
-                changed.append(f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
-                               f"the schedule's backward other than by client.clip_grad_norm_ or client.all_reduce_grads_ ({how})")  # fmt: skip
+                changed.append(
+                    f"the gradients of {len(grads)} parameter(s) ({', '.join(grads[:3])}{', ...' if len(grads) > 3 else ''}), changed after "
+                    f"the schedule's backward other than by client.clip_grad_norm_ or client.all_reduce_grads_ ({how})"
+                )
             changed = changed or ["the optimizer's hyperparameters"]
-            self._amend(it, doc, {"lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads})
-            self.writer.note_fault("step_after_commit", f"iteration {it}: the optimizer step is not what its META says: {'; '.join(changed)}; "
-                                   "a replay of this iteration stops there (recovery falls back to the checkpoint): change hyperparameters "
-                                   "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_ and client.all_reduce_grads_",
-                                   iteration=it)  # fmt: skip
+            self._amend(
+                it, doc, {"lrs": lrs, "hparams": hparams, "changed_after_commit": changed, "grads_changed": grads}
+            )
+            self.writer.note_fault(
+                "step_after_commit",
+                f"iteration {it}: the optimizer step is not what its META says: {'; '.join(changed)}; "
+                "a replay of this iteration stops there (recovery falls back to the checkpoint): change hyperparameters "
+                "before client.commit or through the lr scheduler, and gradients only through client.clip_grad_norm_ and client.all_reduce_grads_",
+                iteration=it,
+            )
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer step check: {type(e).__name__}: {e}", iteration=it)
 
@@ -649,8 +785,10 @@ class SwiftlogClient:
         if self.coordinator is None:
             return
         try:
-            self.coordinator.store.set(_declaration_key(self.coordinator.prefix, self.config.stage),
-                                       json.dumps({"inputs": self._declared_inputs, "outputs": _part_specs(output_args)}))  # fmt: skip
+            self.coordinator.store.set(
+                _declaration_key(self.coordinator.prefix, self.config.stage),
+                json.dumps({"inputs": self._declared_inputs, "outputs": _part_specs(output_args)}),
+            )
         except Exception as e:  # the store is the commit's: if it is gone, the commit says so
             logger.debug("stage %d: declaration not published: %s", self.config.stage, e)
 
@@ -668,14 +806,21 @@ class SwiftlogClient:
             self.coordinator.store.wait([key], datetime.timedelta(seconds=30))
             sent = json.loads(self.coordinator.store.get(key))["outputs"]
         except Exception as e:  # not published (another client version, a store hiccup): nothing to compare
-            logger.info("stage %d: the declaration of stage %d is not in the commit store (%s); not compared", self.config.stage, self.config.stage - 1, e)
+            logger.info(
+                "stage %d: the declaration of stage %d is not in the commit store (%s); not compared",
+                self.config.stage,
+                self.config.stage - 1,
+                e,
+            )
             return
         if sent is not None and sent != self._declared_inputs:
             k = self.config.stage
-            raise ConfigError(f"stage {k} declares that it receives {_fmt_parts(self._declared_inputs)} (input_args), but stage {k - 1} "
-                              f"declares that it sends {_fmt_parts(sent)} (output_args): torch receives into the declared buffers without conversion, so "
-                              "what arrives would not be what was sent (or gloo aborts the receiver)",
-                              hint="declare input_args exactly as the previous stage's output_args (dtype, shape, one tensor per part, in order)")  # fmt: skip
+            raise ConfigError(
+                f"stage {k} declares that it receives {_fmt_parts(self._declared_inputs)} (input_args), but stage {k - 1} "
+                f"declares that it sends {_fmt_parts(sent)} (output_args): torch receives into the declared buffers without conversion, so "
+                "what arrives would not be what was sent (or gloo aborts the receiver)",
+                hint="declare input_args exactly as the previous stage's output_args (dtype, shape, one tensor per part, in order)",
+            )
 
     def track_lr_scheduler(self, lr_scheduler: Any) -> None:
         """Count ``lr_scheduler``'s steps (its ``last_epoch``): META records it at every commit
@@ -720,16 +865,25 @@ class SwiftlogClient:
             irregular = opt_steps == 0 or (sched_steps is not None and sched_steps != 1)
             if irregular and self._apply_irregular is None:
                 self._apply_irregular = prev
-                logger.info("stage %d: iteration %d was followed by %s optimizer step(s) and %s lr-scheduler step(s); META records "
-                            "them from now on", self.config.stage, prev, opt_steps, sched_steps)  # fmt: skip
+                logger.info(
+                    "stage %d: iteration %d was followed by %s optimizer step(s) and %s lr-scheduler step(s); META records "
+                    "them from now on",
+                    self.config.stage,
+                    prev,
+                    opt_steps,
+                    sched_steps,
+                )
             if self._apply_irregular is None:
                 return
             self._amend(prev, doc, {"apply": {"optimizer_steps": opt_steps, "scheduler_steps": sched_steps}})
             if opt_steps == 0:
-                self.writer.note_fault("no_optimizer_step", f"iteration {prev}: no optimizer step between client.commit({prev}) and "
-                                       f"client.step({iteration}) (gradients accumulated over iterations?): a replay makes one after every "
-                                       "iteration, so a replay of this iteration stops there (recovery falls back to the checkpoint)",
-                                       iteration=prev)  # fmt: skip
+                self.writer.note_fault(
+                    "no_optimizer_step",
+                    f"iteration {prev}: no optimizer step between client.commit({prev}) and "
+                    f"client.step({iteration}) (gradients accumulated over iterations?): a replay makes one after every "
+                    "iteration, so a replay of this iteration stops there (recovery falls back to the checkpoint)",
+                    iteration=prev,
+                )
         except Exception as e:
             self.writer.note_fault("hook", f"optimizer / scheduler step count: {type(e).__name__}: {e}", iteration=prev)
 
@@ -777,18 +931,34 @@ class SwiftlogClient:
             if self._ship_lagging:  # caught up when every earlier iteration's data is there (no wait)
                 if not self.store.wait_shipped(own, iteration - 1, 0.0):
                     now = time.monotonic()
-                    if now - self._ship_lag_noted >= self.config.ship_lag_report.total_seconds():  # still behind: say so again, now and then
+                    if (
+                        now - self._ship_lag_noted >= self.config.ship_lag_report.total_seconds()
+                    ):  # still behind: say so again, now and then
                         self._ship_lag_noted = now
-                        self.writer.note_fault("ship_lag", f"iteration {iteration}: this stage's {'/'.join(c.name for c in own)} are still not all in the cold tier "
-                                               f"since iteration {self._ship_lag_since}: a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
+                        self.writer.note_fault(
+                            "ship_lag",
+                            f"iteration {iteration}: this stage's {'/'.join(c.name for c in own)} are still not all in the cold tier "
+                            f"since iteration {self._ship_lag_since}: a failure of this stage needs a rollback",
+                            iteration=iteration,
+                        )
                     return
                 self._ship_lagging = False
-                logger.info("stage %d: the cold tier caught up by iteration %d; commits wait for the data again", self.config.stage, iteration)
-            if sealed.wait(timeout) and self.store.wait_shipped(own, iteration, max(0.0, timeout - (time.perf_counter() - t0))):
+                logger.info(
+                    "stage %d: the cold tier caught up by iteration %d; commits wait for the data again",
+                    self.config.stage,
+                    iteration,
+                )
+            if sealed.wait(timeout) and self.store.wait_shipped(
+                own, iteration, max(0.0, timeout - (time.perf_counter() - t0))
+            ):
                 return
             self._ship_lagging, self._ship_lag_since, self._ship_lag_noted = True, iteration, time.monotonic()
-            self.writer.note_fault("ship_timeout", f"iteration {iteration}'s {'/'.join(c.name for c in own)} not in the cold tier after "
-                                   f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback", iteration=iteration)  # fmt: skip
+            self.writer.note_fault(
+                "ship_timeout",
+                f"iteration {iteration}'s {'/'.join(c.name for c in own)} not in the cold tier after "
+                f"{timeout:g} s: until it catches up, a failure of this stage needs a rollback",
+                iteration=iteration,
+            )
         finally:
             self._ship_wait_s += time.perf_counter() - t0
 
@@ -813,7 +983,16 @@ class SwiftlogClient:
         self.recorder.enabled = bool(enabled)
 
     # ================================================================ explicit logging API
-    def log_send(self, tensors: torch.Tensor | Sequence[torch.Tensor], dst_stage: int, kind: str, iteration: int, micro_batch: int, *, copy: bool = False) -> bool:
+    def log_send(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        dst_stage: int,
+        kind: str,
+        iteration: int,
+        micro_batch: int,
+        *,
+        copy: bool = False,
+    ) -> bool:
         """Log a hand-written point-to-point send (``kind`` "activation" or "gradient").
 
         ``copy=False`` promises that the tensors are not modified afterwards. Only sends that
@@ -823,7 +1002,9 @@ class SwiftlogClient:
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         return self.recorder.log_send(ts, dst_stage, kind, iteration, micro_batch, copy=copy)
 
-    def log_received(self, tensors: torch.Tensor | Sequence[torch.Tensor], src_stage: int, iteration: int, micro_batch: int) -> bool:
+    def log_received(
+        self, tensors: torch.Tensor | Sequence[torch.Tensor], src_stage: int, iteration: int, micro_batch: int
+    ) -> bool:
         """Record digests of a hand-written receive from ``src_stage`` (before reusing the buffers)."""
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         return self.recorder.log_received(ts, src_stage, iteration, micro_batch)
@@ -859,13 +1040,24 @@ class SwiftlogClient:
         there are reported like logging faults.
         """
         c = self.config
-        self._check_apply(iteration)  # taken between iterations: the previous one's optimizer / scheduler steps are made
+        self._check_apply(
+            iteration
+        )  # taken between iterations: the previous one's optimizer / scheduler steps are made
         uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
         opts = c.checkpoint_options()
         uri = save_checkpoint(
-            uri, run_id=c.run_id, stage=c.stage, num_stages=c.num_stages, iteration=iteration, seed=c.seed,
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra, storage_options=opts,
-        )  # fmt: skip
+            uri,
+            run_id=c.run_id,
+            stage=c.stage,
+            num_stages=c.num_stages,
+            iteration=iteration,
+            seed=c.seed,
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            extra=extra,
+            storage_options=opts,
+        )
         if optimizer is not None:  # from now on META records the learning rates each step uses
             self.track_optimizer(optimizer)
         if lr_scheduler is not None:  # and the scheduler's steps
@@ -873,10 +1065,14 @@ class SwiftlogClient:
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
-        if c.logging_groups is not None:  # a group is replayed from the checkpoint all its members have: GC keeps what that needs
+        if (
+            c.logging_groups is not None
+        ):  # a group is replayed from the checkpoint all its members have: GC keeps what that needs
             meta["logging_groups"] = list(c.logging_groups)
         self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.gc_after_checkpoint))
-        if self.coordinator is not None and c.gc_after_checkpoint:  # the META copies below it too (cheap store requests)
+        if (
+            self.coordinator is not None and c.gc_after_checkpoint
+        ):  # the META copies below it too (cheap store requests)
             self.coordinator.forget_metas(iteration)
         return uri
 
@@ -904,10 +1100,13 @@ class SwiftlogClient:
                 "skipped_send_records": rec.skipped_send_records,
             },
             "commit": {
-                "commits": self._commits, "aborts": self._aborts, "wait_s": self._commit_wait_s,
-                "ship_wait_s": self._ship_wait_s, "ship_lagging": self._ship_lagging,
+                "commits": self._commits,
+                "aborts": self._aborts,
+                "wait_s": self._commit_wait_s,
+                "ship_wait_s": self._ship_wait_s,
+                "ship_lagging": self._ship_lagging,
                 "ship_lag_since": self._ship_lag_since if self._ship_lagging else None,
-            },  # fmt: skip
+            },
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
                 "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
@@ -982,7 +1181,12 @@ class SwiftlogClient:
             self._step_hook.remove()
             self._step_hook = None
         if faults or error:
-            logger.warning("stage %d: closed with %d logging fault(s)%s", self.config.stage, len(faults), f"; {error}" if error else "")
+            logger.warning(
+                "stage %d: closed with %d logging fault(s)%s",
+                self.config.stage,
+                len(faults),
+                f"; {error}" if error else "",
+            )
         if self.metrics is not None:
             self.metrics.close()
         return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
@@ -1026,17 +1230,23 @@ class SwiftlogClient:
         if snap is None or mod is None:
             return []
         try:
-            carried = [n for (n, p), s in zip(mod.named_parameters(), snap, strict=False)
-                       if s is not None and p.grad is not None and s[0]() is p.grad and p.grad._version == s[1]]  # fmt: skip
+            carried = [
+                n
+                for (n, p), s in zip(mod.named_parameters(), snap, strict=False)
+                if s is not None and p.grad is not None and s[0]() is p.grad and p.grad._version == s[1]
+            ]
         except Exception as e:
             self.writer.note_fault("hook", f"gradient zeroing check: {type(e).__name__}: {e}")
             return []
         if carried and not self._warned_carried:
             self._warned_carried = True
-            self.writer.note_fault("grads_not_zeroed", f"the gradients of {len(carried)} parameter(s) ({', '.join(carried[:3])}"
-                                   f"{', ...' if len(carried) > 3 else ''}) were not zeroed after the last optimizer step: this step adds to "
-                                   "them, which a replay does not repeat (call optimizer.zero_grad() after each step); a replay of such an "
-                                   "iteration stops there")  # fmt: skip
+            self.writer.note_fault(
+                "grads_not_zeroed",
+                f"the gradients of {len(carried)} parameter(s) ({', '.join(carried[:3])}"
+                f"{', ...' if len(carried) > 3 else ''}) were not zeroed after the last optimizer step: this step adds to "
+                "them, which a replay does not repeat (call optimizer.zero_grad() after each step); a replay of such an "
+                "iteration stops there",
+            )
         return carried
 
     def _grads_changed(self, versions: list[int] | None) -> list[str]:
@@ -1059,7 +1269,9 @@ class SwiftlogClient:
         c = self.config
         rec = self.recorder
         n_mb = self._schedule_info.get("n_microbatches") or len({mb for _, mb in rec.order})
-        env = environment_fingerprint()  # now, not at construction: determinism flags or the GPU may be set up after the client
+        env = (
+            environment_fingerprint()
+        )  # now, not at construction: determinism flags or the GPU may be set up after the client
         return {
             "version": META_VERSION,
             "run_id": c.run_id,
@@ -1102,7 +1314,9 @@ def _stats_of(client: weakref.ref[SwiftlogClient]) -> dict[str, Any] | None:
     return c.stats() if c is not None and getattr(c, "_ready", False) else None
 
 
-def _all_reduce_flat(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, average: bool) -> list[torch.Tensor]:
+def _all_reduce_flat(
+    grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None, average: bool
+) -> list[torch.Tensor]:
     """The sums of ``grads`` over ``group`` (divided by its size with ``average``), as new tensors:
     one all_reduce per dtype and device over the gradients laid end to end."""
     out: list[torch.Tensor | None] = [None] * len(grads)

@@ -53,9 +53,16 @@ import torch.distributed as dist
 from trainer_client.errors import CommitStoreError, IterationAbortedError
 
 __all__ = [
-    "CommitCoordinator", "CommitResult", "SharedRegistrations", "COMMIT", "ABORT", "meta_key", "stored_metas",
-    "loopback_store", "gloo_on_loopback",
-]  # fmt: skip
+    "CommitCoordinator",
+    "CommitResult",
+    "SharedRegistrations",
+    "COMMIT",
+    "ABORT",
+    "meta_key",
+    "stored_metas",
+    "loopback_store",
+    "gloo_on_loopback",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +92,9 @@ def loopback_store(timeout: timedelta = timedelta(seconds=300)) -> dist.TCPStore
     except BaseException:
         sock.close()
         raise
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +246,15 @@ class CommitCoordinator:
                 if not self._floor_known:  # the lowest META key of this stage (kept if a predecessor set it)
                     self.store.compare_set(self._floor_key(), "", str(iteration))
                     self._floor_known = True
-                self.store.multi_set([meta_key(self.prefix, self.stage, iteration), f"{key}/done/{self.stage}"], [meta, b"1"])
+                self.store.multi_set(
+                    [meta_key(self.prefix, self.stage, iteration), f"{key}/done/{self.stage}"], [meta, b"1"]
+                )
             last_to_report = self.store.add(key + "/done", 1) >= self.num_stages
-            if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (COMMIT, self.stage, ""):
+            if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (
+                COMMIT,
+                self.stage,
+                "",
+            ):
                 self._forget(iteration - 2)
             deadline = t0 + self.timeout.total_seconds()
             sleep = 1e-4
@@ -272,7 +287,9 @@ class CommitCoordinator:
         if missing:
             msg += f"; stages that had not reported done: {missing}"
         logger.warning(msg)
-        raise IterationAbortedError(msg, iteration=iteration, generation=self.generation, reason=reason, missing=missing)
+        raise IterationAbortedError(
+            msg, iteration=iteration, generation=self.generation, reason=reason, missing=missing
+        )
 
     def abort(self, iteration: int, reason: str = "") -> str:
         """Write "abort" for ``iteration`` unless a decision exists; return the decision in force.
@@ -284,7 +301,9 @@ class CommitCoordinator:
         try:
             value = self.store.compare_set(self._it_key(iteration) + "/decision", "", f"{ABORT}:{self.stage}:{reason}")
             value = value.decode() if isinstance(value, bytes) else str(value)
-            logger.info("stage %d: abort of iteration %d requested (%s): decision is %s", self.stage, iteration, reason, value)
+            logger.info(
+                "stage %d: abort of iteration %d requested (%s): decision is %s", self.stage, iteration, reason, value
+            )
             return _parse(value)[0]
         except Exception as e:
             logger.warning("stage %d: could not write abort of iteration %d: %s", self.stage, iteration, e)
@@ -304,7 +323,9 @@ class CommitCoordinator:
                 self.store.set(floor_key, str(below))
             return max(0, below - low)
         except Exception as e:
-            logger.warning("stage %d: deleting META keys below iteration %d from the commit store failed: %s", self.stage, below, e)
+            logger.warning(
+                "stage %d: deleting META keys below iteration %d from the commit store failed: %s", self.stage, below, e
+            )
             return 0
 
     def mark_failed(self, who: str = "", generation: int | None = None) -> None:

@@ -188,10 +188,15 @@ class ClientConfig:
         if not isinstance(self.store_root, (str, os.PathLike)) or not str(self.store_root):
             raise ConfigError(f"store_root must be a directory path, got {self.store_root!r}")
         if self.keep_checkpoints is not None and (not _is_int(self.keep_checkpoints) or self.keep_checkpoints < 2):
-            raise ConfigError(f"keep_checkpoints must be None or an int >= 2, got {self.keep_checkpoints!r}",
-                              hint="a rollback restarts from the newest checkpoint every stage has, and a stage may not have finished its newest")  # fmt: skip
+            raise ConfigError(
+                f"keep_checkpoints must be None or an int >= 2, got {self.keep_checkpoints!r}",
+                hint="a rollback restarts from the newest checkpoint every stage has, and a stage may not have finished its newest",
+            )
         if self.cold_url is not None and (not isinstance(self.cold_url, str) or not self.cold_url):
-            raise ConfigError(f"cold_url must be None or a URL string, got {self.cold_url!r}", hint="e.g. file:///data/cold or s3://bucket/prefix")
+            raise ConfigError(
+                f"cold_url must be None or a URL string, got {self.cold_url!r}",
+                hint="e.g. file:///data/cold or s3://bucket/prefix",
+            )
         if not isinstance(self.cold_options, dict):
             raise ConfigError(f"cold_options must be a dict, got {type(self.cold_options).__name__}")
         if self.logging_groups is not None:
@@ -205,11 +210,18 @@ class ClientConfig:
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
         if not isinstance(self.overflow_wait, timedelta) or self.overflow_wait <= timedelta(0):
-            raise ConfigError(f"overflow_wait must be a positive timedelta, got {self.overflow_wait!r}",
-                              hint="e.g. timedelta(seconds=10); a hung store must not stop training for good")  # fmt: skip
+            raise ConfigError(
+                f"overflow_wait must be a positive timedelta, got {self.overflow_wait!r}",
+                hint="e.g. timedelta(seconds=10); a hung store must not stop training for good",
+            )
         if self.codec not in _CODECS:
             raise ConfigError(f"codec must be one of {_CODECS}, got {self.codec!r}")
-        for name, lo in (("max_queue_bytes", 1), ("write_batch_records", 1), ("write_batch_bytes", 1), ("segment_iters", 1)):
+        for name, lo in (
+            ("max_queue_bytes", 1),
+            ("write_batch_records", 1),
+            ("write_batch_bytes", 1),
+            ("segment_iters", 1),
+        ):
             v = getattr(self, name)
             if not _is_int(v) or v < lo:
                 raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -226,11 +238,14 @@ class ClientConfig:
         if not isinstance(self.commit_timeout, timedelta) or self.commit_timeout <= timedelta(0):
             raise ConfigError(f"commit_timeout must be a positive timedelta, got {self.commit_timeout!r}")
         if self.metrics_port is not None and (not _is_int(self.metrics_port) or not 0 <= self.metrics_port <= 65535):
-            raise ConfigError(f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}",
-                              hint="None turns the exporter off; 0 takes any free port")  # fmt: skip
+            raise ConfigError(
+                f"metrics_port must be None or an int in 0..65535, got {self.metrics_port!r}",
+                hint="None turns the exporter off; 0 takes any free port",
+            )
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
-            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}",
-                              hint="e.g. 127.0.0.1")  # fmt: skip
+            raise ConfigError(
+                f"metrics_host must be a host name or address, got {self.metrics_host!r}", hint="e.g. 127.0.0.1"
+            )
         if self.commit_prefix is None:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
             self.commit_prefix = f"swiftlog/{self.run_id}" + (f"/restart{restart}" if restart not in ("", "0") else "")

@@ -148,18 +148,16 @@ def environment_fingerprint() -> dict[str, Any]:
     return fp
 
 
-def environment_differences(recorded: dict[str, Any], current: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
+def environment_differences(
+    recorded: dict[str, Any], current: dict[str, Any] | None = None
+) -> dict[str, tuple[Any, Any]]:
     """Keys whose value differs between a recorded fingerprint and ``current`` (default: now).
 
     Returns ``{key: (recorded, current)}``; ``num_threads`` is left out because a replay sets it
     with :func:`num_threads`. Keys missing on either side are ignored.
     """
     cur = environment_fingerprint() if current is None else current
-    return {
-        k: (v, cur[k])
-        for k, v in recorded.items()
-        if k in cur and k != "num_threads" and cur[k] != v
-    }
+    return {k: (v, cur[k]) for k, v in recorded.items() if k in cur and k != "num_threads" and cur[k] != v}
 
 
 @contextlib.contextmanager
@@ -180,7 +178,11 @@ def autocast_state() -> list[dict[str, Any]] | None:
     """The autocast regions in force now (``torch.autocast`` around the schedule's step), as JSON:
     one ``{"device_type", "dtype", "cache_enabled"}`` per enabled device type, or None when none is."""
     out = [
-        {"device_type": d, "dtype": str(torch.get_autocast_dtype(d)).removeprefix("torch."), "cache_enabled": torch.is_autocast_cache_enabled()}
+        {
+            "device_type": d,
+            "dtype": str(torch.get_autocast_dtype(d)).removeprefix("torch."),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        }
         for d in AUTOCAST_DEVICE_TYPES
         if torch.is_autocast_enabled(d)
     ]
@@ -198,7 +200,9 @@ def autocast_as(state: list[dict[str, Any]] | None) -> Iterator[None]:
         for region in state:
             try:
                 dtype = getattr(torch, str(region["dtype"]))
-                ctx = torch.autocast(str(region["device_type"]), dtype=dtype, cache_enabled=bool(region.get("cache_enabled", True)))
+                ctx = torch.autocast(
+                    str(region["device_type"]), dtype=dtype, cache_enabled=bool(region.get("cache_enabled", True))
+                )
             except (KeyError, AttributeError, RuntimeError, TypeError) as e:
                 raise ValueError(f"cannot rebuild the autocast region {region!r}: {e}") from e
             stack.enter_context(ctx)

@@ -52,7 +52,9 @@ class IterationAbortedError(CommitError):
     stage can have committed). Not retryable within the same process-group generation.
     """
 
-    def __init__(self, message: str, *, iteration: int, generation: int, reason: str, missing: list[int] | None = None) -> None:
+    def __init__(
+        self, message: str, *, iteration: int, generation: int, reason: str, missing: list[int] | None = None
+    ) -> None:
         self.reason = reason
         self.missing = list(missing or [])
         super().__init__(

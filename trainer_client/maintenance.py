@@ -46,9 +46,17 @@ class CheckpointMaintenance:
     ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
     """
 
-    def __init__(self, store: LogStore, writer: AsyncLogWriter, name: str, *, keep: int | None = None,
-                 own_uri: Callable[[int, int], str] | None = None, storage_options: dict[str, Any] | None = None,
-                 shared: SharedRegistrations | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: LogStore,
+        writer: AsyncLogWriter,
+        name: str,
+        *,
+        keep: int | None = None,
+        own_uri: Callable[[int, int], str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        shared: SharedRegistrations | None = None,
+    ) -> None:
         self._store = store
         self._shared = shared  # registrations through the commit store: published always, adopted without a cold tier
         self._adopted: dict[int, int] = {}  # stage -> the newest iteration of its registration recorded here
@@ -134,7 +142,9 @@ class CheckpointMaintenance:
                 # the object store's refusals too (a bucket missing while it restarts): kept and retried
                 retryable = getattr(e, "retryable", False) or isinstance(e, ColdTierError)
                 if attempts > 1 or not retryable:  # a later retry of a refused one is not reported again
-                    self._writer.note_fault("checkpoint_register", f"attempt {attempt + 1}: {type(e).__name__}: {e}", iteration=iteration)
+                    self._writer.note_fault(
+                        "checkpoint_register", f"attempt {attempt + 1}: {type(e).__name__}: {e}", iteration=iteration
+                    )
                 if not retryable:
                     return True
                 if attempt + 1 < attempts:
@@ -150,10 +160,18 @@ class CheckpointMaintenance:
             return
         try:
             own = self._own_uri
-            mine = sorted((c for c in self._store.checkpoints() if c.stage == stage and c.uri and canonical_uri(c.uri) == canonical_uri(own(stage, c.iteration))),
-                          key=lambda c: c.iteration)  # fmt: skip
+            mine = sorted(
+                (
+                    c
+                    for c in self._store.checkpoints()
+                    if c.stage == stage and c.uri and canonical_uri(c.uri) == canonical_uri(own(stage, c.iteration))
+                ),
+                key=lambda c: c.iteration,
+            )
             for c in mine[: -self.keep]:
-                self._store.unregister_checkpoint(stage, c.iteration)  # first: no plan may start from a file about to go
+                self._store.unregister_checkpoint(
+                    stage, c.iteration
+                )  # first: no plan may start from a file about to go
                 assert c.uri is not None
                 remove_checkpoint(c.uri, storage_options=self._storage_options)
                 self.retired.append((stage, c.iteration, c.uri))
@@ -163,7 +181,13 @@ class CheckpointMaintenance:
     def _keep_unregistered(self, item: tuple[int, int, str, dict[str, Any], bool]) -> None:
         self.unregistered.append(item)
         del self.unregistered[:-8]  # the newest few: a newer checkpoint makes an older one's registration moot for GC
-        logger.warning("checkpoint of stage %d at iteration %d not registered (%s): retried every %g s", item[0], item[1], self._last_refusal, self.retry_s)
+        logger.warning(
+            "checkpoint of stage %d at iteration %d not registered (%s): retried every %g s",
+            item[0],
+            item[1],
+            self._last_refusal,
+            self.retry_s,
+        )
 
     def _retry_unregistered(self) -> None:
         """One attempt for each checkpoint the cold tier refused, oldest first; GC after the
@@ -214,4 +238,9 @@ class CheckpointMaintenance:
             return
         self.gc_runs += 1
         self.gc_deleted_records += rep.hot_records
-        self.last_gc = {"watermarks": rep.watermarks, "hot_records": rep.hot_records, "hot_segments": rep.hot_segments, "cold_segments": rep.cold_segments}
+        self.last_gc = {
+            "watermarks": rep.watermarks,
+            "hot_records": rep.hot_records,
+            "hot_segments": rep.hot_segments,
+            "cold_segments": rep.cold_segments,
+        }

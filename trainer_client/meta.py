@@ -68,7 +68,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["META_VERSION", "encode_meta", "decode_meta", "amend_meta", "optimizer_hparams", "hparam_changes", "importable_name", "script_name", "script_defines_only"]
+__all__ = [
+    "META_VERSION",
+    "encode_meta",
+    "decode_meta",
+    "amend_meta",
+    "optimizer_hparams",
+    "hparam_changes",
+    "importable_name",
+    "script_name",
+    "script_defines_only",
+]
 
 META_VERSION = 1
 
@@ -114,19 +124,31 @@ def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
-def hparam_changes(lrs: list[float] | None, hparams: list[dict[str, Any]] | None, new_lrs: list[float] | None,
-                   new_hparams: list[dict[str, Any]] | None) -> list[str]:
+def hparam_changes(
+    lrs: list[float] | None,
+    hparams: list[dict[str, Any]] | None,
+    new_lrs: list[float] | None,
+    new_hparams: list[dict[str, Any]] | None,
+) -> list[str]:
     """What differs between two snapshots of an optimizer (META ``lrs`` / ``hparams`` and now), as
     ``"lr of param group 0: 0.001 -> 0.0005"``; [] when nothing does. A side given as None is not
     compared."""
     out = []
     if lrs is not None and new_lrs is not None:
-        out += [f"lr of param group {g}: {a} -> {b}" for g, (a, b) in enumerate(zip(lrs, new_lrs, strict=False)) if float(a) != float(b)]
+        out += [
+            f"lr of param group {g}: {a} -> {b}"
+            for g, (a, b) in enumerate(zip(lrs, new_lrs, strict=False))
+            if float(a) != float(b)
+        ]
         if len(lrs) != len(new_lrs):
             out.append(f"param groups: {len(lrs)} -> {len(new_lrs)}")
     if hparams is not None and new_hparams is not None:
         for g, (a, b) in enumerate(zip(hparams, new_hparams, strict=False)):
-            out += [f"{k} of param group {g}: {a.get(k)} -> {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            out += [
+                f"{k} of param group {g}: {a.get(k)} -> {b.get(k)}"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
         if len(hparams) != len(new_hparams) and not any(x.startswith("param groups") for x in out):
             out.append(f"param groups: {len(hparams)} -> {len(new_hparams)}")
     return out
@@ -194,7 +216,16 @@ def script_defines_only(path: str) -> bool:
     return all(_harmless(node) for node in tree.body)
 
 
-_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign, ast.Pass)
+_DEFINITIONS = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+    ast.Pass,
+)
 
 
 def _harmless(node: ast.stmt) -> bool:
@@ -208,7 +239,10 @@ def _harmless(node: ast.stmt) -> bool:
         if sorted(names) == ["'__main__'", "__name__"]:
             return all(_harmless(n) for n in node.orelse)  # the guarded body does not run
     if isinstance(node, ast.Try):  # try: import x / except ImportError: x = None
-        return all(_harmless(n) for n in [*node.body, *node.orelse, *node.finalbody, *(s for h in node.handlers for s in h.body)])
+        return all(
+            _harmless(n)
+            for n in [*node.body, *node.orelse, *node.finalbody, *(s for h in node.handlers for s in h.body)]
+        )
     return False
 
 

@@ -97,8 +97,9 @@ def _families(stats: Mapping[str, Any], labels: Mapping[str, str]) -> list[Metri
             fam = kind(_PREFIX + name, doc, labels=names)
             fam.add_metric(values, float(value))
             out.append(fam)
-    faults = CounterMetricFamily(_PREFIX + "faults", "Logging faults by kind (never raised into training)",
-                                 labels=[*names, "kind"])  # fmt: skip
+    faults = CounterMetricFamily(
+        _PREFIX + "faults", "Logging faults by kind (never raised into training)", labels=[*names, "kind"]
+    )
     for kind_name, n in sorted((w.get("faults_by_kind") or {}).items()):
         faults.add_metric([*values, kind_name], float(n))
     out.append(faults)

@@ -67,8 +67,12 @@ class StageRecorder:
         self.iteration = 0
         self.order: list[tuple[str, int]] = []
         self.split_backward = False
-        self.input_kwargs: list[str] = []  # names of the stage-0 keyword inputs logged after the positional ones (in META)
-        self.autocast: list[dict[str, Any]] | None = None  # autocast regions of the iteration's forwards (META "autocast")
+        self.input_kwargs: list[
+            str
+        ] = []  # names of the stage-0 keyword inputs logged after the positional ones (in META)
+        self.autocast: list[dict[str, Any]] | None = (
+            None  # autocast regions of the iteration's forwards (META "autocast")
+        )
         self.autocast_varies = False  # they differed between forwards of one iteration
         self._cur_fwd_mb: int | None = None
         self._fwd_boundary = config.logs_forward_send()
@@ -81,8 +85,12 @@ class StageRecorder:
         self.skipped_send_bytes = 0
         self.skipped_send_records = 0
         self._warned_non_tensor = False
-        self.input_consts: dict[str, Any] = {}  # the step's keyword inputs that are JSON constants (META "input_consts")
-        self.recv_requires_grad: list[bool] | None = None  # per received part: does its buffer require grad (META "recv_requires_grad")
+        self.input_consts: dict[
+            str, Any
+        ] = {}  # the step's keyword inputs that are JSON constants (META "input_consts")
+        self.recv_requires_grad: list[bool] | None = (
+            None  # per received part: does its buffer require grad (META "recv_requires_grad")
+        )
         # inputs / targets logged per iteration (only this stage has them), and what to call once all of an
         # iteration's are queued, after its last forward / loss (the client ships them then, not at the commit)
         self.n_microbatches: int | None = None
@@ -123,7 +131,9 @@ class StageRecorder:
         return seed_micro_batch(self.config.seed, self.stage, self.iteration, micro_batch)
 
     # ------------------------------------------------------------------ hooks of the stage
-    def on_forward(self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+    def on_forward(
+        self, stage: PipelineStage, micro_batch: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
         try:
             state = autocast_state()
             if self._cur_fwd_mb is None:  # the iteration's first forward
@@ -141,11 +151,15 @@ class StageRecorder:
                 if self.log_data and self.log_inputs(self.iteration, micro_batch, args, kwargs):
                     self.data_count += 1
             else:
-                if self.recv_requires_grad is None:  # as declared (input_args): a replay's received leaves must be the same
+                if (
+                    self.recv_requires_grad is None
+                ):  # as declared (input_args): a replay's received leaves must be the same
                     self.recv_requires_grad = _received_requires_grad(stage, stage.args_recv_info[micro_batch])
                 if self._digest_from_prev:
                     bufs = _received_buffers(stage.args_recv_info[micro_batch])
-                    self.writer.submit_digests(Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
+                    self.writer.submit_digests(
+                        Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True
+                    )
                 # the step's keyword inputs reach every stage; only this stage has them: logged like stage 0's
                 if kwargs and self.log_inputs(self.iteration, micro_batch, (), kwargs):
                     self.data_count += 1
@@ -170,7 +184,9 @@ class StageRecorder:
                 return
             bufs = _received_buffers(stage.grad_recv_info[micro_batch])
             if bufs:
-                self.writer.submit_digests(Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True)
+                self.writer.submit_digests(
+                    Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True
+                )
         except Exception as e:
             self._hook_fault("backward", e, micro_batch)
 
@@ -191,16 +207,23 @@ class StageRecorder:
                 if want_dtype is None or want_shape is None:
                     continue
                 if t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
-                    msg = (f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
-                           f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
-                           "of the declared type and shape, without conversion, so what arrives would not be what was sent")  # fmt: skip
-                    self.writer.note_fault("send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration)
+                    msg = (
+                        f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
+                        f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
+                        "of the declared type and shape, without conversion, so what arrives would not be what was sent"
+                    )
+                    self.writer.note_fault(
+                        "send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration
+                    )
                     break
         except Exception as e:
             self._hook_fault("fwd_send_check", e, None)
         if msg is not None:
-            raise ConfigError(msg, hint="declare output_args as the forward produces them (under autocast: its dtype; per micro-batch: "
-                                        "the batch divided by n_microbatches), and the next stage's input_args alike")  # fmt: skip
+            raise ConfigError(
+                msg,
+                hint="declare output_args as the forward produces them (under autocast: its dtype; per micro-batch: "
+                "the batch divided by n_microbatches), and the next stage's input_args alike",
+            )
 
     def on_bwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
         try:
@@ -229,7 +252,9 @@ class StageRecorder:
             self._hook_fault("loss", e, self._cur_fwd_mb)
 
     # ------------------------------------------------------------------ explicit logging API
-    def log_inputs(self, iteration: int, micro_batch: int, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> bool:
+    def log_inputs(
+        self, iteration: int, micro_batch: int, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+    ) -> bool:
         """Log this stage's inputs from outside the pipeline for one micro-batch (tensors only,
         copied): stage 0's positional ones, then the keyword ones in name order (their names go to
         META as ``input_kwargs``, so a replay passes them by name again; JSON constants among the
@@ -239,7 +264,10 @@ class StageRecorder:
         n_consts = sum(1 for v in (kwargs or {}).values() if _json_constant(v))
         if (len(tensors) != len(args) or len(names) + n_consts != len(kwargs or {})) and not self._warned_non_tensor:
             self._warned_non_tensor = True
-            logger.warning("stage %d: inputs that are neither tensors nor JSON constants are not logged; a replay must get them elsewhere", self.stage)
+            logger.warning(
+                "stage %d: inputs that are neither tensors nor JSON constants are not logged; a replay must get them elsewhere",
+                self.stage,
+            )
         if names:
             self.input_kwargs = names
             tensors += [kwargs[k] for k in names]  # type: ignore[index]
@@ -254,7 +282,16 @@ class StageRecorder:
             return False
         return self.writer.submit(Channel.target(self.stage), iteration, micro_batch, tensors, copy=True)
 
-    def log_send(self, tensors: Sequence[torch.Tensor], dst_stage: int, kind: str, iteration: int, micro_batch: int, *, copy: bool = False) -> bool:
+    def log_send(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dst_stage: int,
+        kind: str,
+        iteration: int,
+        micro_batch: int,
+        *,
+        copy: bool = False,
+    ) -> bool:
         """Log tensors this stage sends to a neighbour, if the send crosses a logging-group boundary.
 
         ``kind`` is "activation" (``dst_stage == stage + 1``) or "gradient" (``stage - 1``).
@@ -290,7 +327,9 @@ class StageRecorder:
         elif src_stage == self.stage + 1:
             keep = self._digest_from_next
         else:
-            raise ValueError(f"stage {self.stage} receives only from {self.stage - 1} or {self.stage + 1}, not {src_stage}")
+            raise ValueError(
+                f"stage {self.stage} receives only from {self.stage - 1} or {self.stage + 1}, not {src_stage}"
+            )
         if not keep or not tensors:
             return False
         self.writer.submit_digests(Channel.digest(src_stage, self.stage), iteration, micro_batch, list(tensors))
@@ -299,7 +338,9 @@ class StageRecorder:
     # ------------------------------------------------------------------ helpers
     def _hook_fault(self, where: str, e: BaseException, micro_batch: int | None) -> None:
         logger.debug("stage %d: %s hook failed", self.stage, where, exc_info=e)
-        self.writer.note_fault("hook", f"{where}: {type(e).__name__}: {e}", iteration=self.iteration, micro_batch=micro_batch)
+        self.writer.note_fault(
+            "hook", f"{where}: {type(e).__name__}: {e}", iteration=self.iteration, micro_batch=micro_batch
+        )
 
 
 def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
@@ -331,7 +372,9 @@ def _received_requires_grad(stage: PipelineStage, recv_infos: Sequence[Any]) -> 
     out = []
     for info, buf in _received(recv_infos):
         declared = getattr(getattr(info, "tensor_meta", None), "requires_grad", None)
-        out.append(bool(declared and getattr(stage, "has_backward", True)) if declared is not None else bool(buf.requires_grad))
+        out.append(
+            bool(declared and getattr(stage, "has_backward", True)) if declared is not None else bool(buf.requires_grad)
+        )
     return out
 
 
@@ -374,12 +417,20 @@ class LoggingPipelineStage(PipelineStage):
         self.recorder.settle()
         super().clear_runtime_states()
 
-    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, save_forward_output: bool = True):  # type: ignore[override]
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ):  # type: ignore[override]
         self.recorder.on_forward(self, fwd_chunk_id, args, kwargs)
         self.recorder.seed(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> None:  # type: ignore[override]
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:  # type: ignore[override]
         if self.has_backward:
             self.recorder.on_backward(self, bwd_chunk_id, full_backward)
         return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
@@ -388,7 +439,9 @@ class LoggingPipelineStage(PipelineStage):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if ops:
             sent = [op.tensor for op in ops]
-            self.recorder.check_declared_sends(sent, _declared_outputs(self))  # every micro-batch: a batch may split unevenly
+            self.recorder.check_declared_sends(
+                sent, _declared_outputs(self)
+            )  # every micro-batch: a batch may split unevenly
             self.recorder.on_fwd_send(fwd_chunk_id, sent)
         return ops
 

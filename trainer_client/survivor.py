@@ -71,8 +71,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # messages of gloo / c10d errors that mean "a peer is gone"
-_COMM_MARKERS = ("connection closed by peer", "connection reset", "broken pipe", "gloo", "timed out", "socket",
-                 "connection refused", "process group", "has been destroyed", "not initialized")  # fmt: skip
+_COMM_MARKERS = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "gloo",
+    "timed out",
+    "socket",
+    "connection refused",
+    "process group",
+    "has been destroyed",
+    "not initialized",
+)
 
 
 class RecoveryFailedError(ClientError):
@@ -188,10 +198,7 @@ class RecoveryConfig:
             raise ValueError(f"generation must be >= 0, got {self.generation}")
         if self.rejoin_timeout.total_seconds() <= 0:
             raise ValueError("rejoin_timeout must be positive")
-        if (
-            self.heartbeat_timeout is not None
-            and self.heartbeat_timeout <= self.heartbeat_interval
-        ):
+        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
 
 
@@ -238,7 +245,9 @@ class _GroupTeardown:
         """Until the old group is gone (a new one must not form before); RecoveryTimeoutError after ``timeout_s``."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            raise RecoveryTimeoutError(f"stage {self.stage}: the failed process group was not torn down within {timeout_s:.0f} s")
+            raise RecoveryTimeoutError(
+                f"stage {self.stage}: the failed process group was not torn down within {timeout_s:.0f} s"
+            )
 
 
 def is_pipeline_failure(e: BaseException) -> bool:
@@ -282,9 +291,7 @@ def wait_for_keys(
     while True:
         for ak in abort_keys or ():
             if store.check([ak]):
-                raise RecoveryFailedError(
-                    f"{what}: gave up, {ak} = {_s(store.get(ak))}"
-                )
+                raise RecoveryFailedError(f"{what}: gave up, {ak} = {_s(store.get(ak))}")
         missing = [k for k in keys if not store.check([k])]
         if not missing:
             return {k: _s(store.get(k)) for k in keys}
@@ -328,9 +335,7 @@ class _Heartbeat:
             is_master=False,
             timeout=datetime.timedelta(seconds=30),
         )
-        self._thread = threading.Thread(
-            target=self._run, name=f"swiftlog-heartbeat-{cfg.stage}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"swiftlog-heartbeat-{cfg.stage}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -406,14 +411,10 @@ class ResilientLoop:
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
         client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
         client.track_lr_scheduler(lr_scheduler)
-        self.keys = RecoveryKeys(
-            config.run_id, config.commit_prefix or client.coordinator.prefix
-        )
+        self.keys = RecoveryKeys(config.run_id, config.commit_prefix or client.coordinator.prefix)
         self.generation = config.generation
         self.events: list[RecoveryEvent] = []
-        self.iteration_end: list[
-            tuple[int, float, int]
-        ] = []  # (iteration, time.time() at apply, generation)
+        self.iteration_end: list[tuple[int, float, int]] = []  # (iteration, time.time() at apply, generation)
         self._hb: _Heartbeat | None = None
         # module buffers at the start of the current iteration (restored when it is discarded)
         self._buffers = BufferSnapshot()
@@ -438,11 +439,18 @@ class ResilientLoop:
             dist.destroy_process_group()
         self.store.set_timeout(self.cfg.rejoin_timeout)
         try:
-            dist.init_process_group(self.cfg.backend, store=dist.PrefixStore(pg_prefix(self.cfg.run_id, g), self.store),
-                                    rank=self.cfg.stage, world_size=self.cfg.num_stages, timeout=self.cfg.pg_timeout)  # fmt: skip
+            dist.init_process_group(
+                self.cfg.backend,
+                store=dist.PrefixStore(pg_prefix(self.cfg.run_id, g), self.store),
+                rank=self.cfg.stage,
+                world_size=self.cfg.num_stages,
+                timeout=self.cfg.pg_timeout,
+            )
         except Exception as e:
-            raise RecoveryTimeoutError(f"stage {self.cfg.stage}: process group generation {g} did not form: {e}",
-                                       hint="a stage of the new generation never joined (check the replacement's log)") from e  # fmt: skip
+            raise RecoveryTimeoutError(
+                f"stage {self.cfg.stage}: process group generation {g} did not form: {e}",
+                hint="a stage of the new generation never joined (check the replacement's log)",
+            ) from e
         self.generation = g
         self.client.set_generation(g)
         if self._hb is not None:
@@ -475,11 +483,7 @@ class ResilientLoop:
         # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
         # collection that _recover runs to close the failed group's sockets (0.4 s -> milliseconds)
         gc.freeze()
-        if (
-            self.cfg.store_host is not None
-            and self.cfg.store_port is not None
-            and self._hb is None
-        ):
+        if self.cfg.store_host is not None and self.cfg.store_port is not None and self._hb is None:
             self._hb = _Heartbeat(self.cfg, self.keys)
             self._hb.generation = self.generation
         try:
@@ -501,9 +505,7 @@ class ResilientLoop:
                             raise
                         # keep only the text: the traceback's frames hold the schedule's pending work and
                         # with it the process group, whose connections must close now (see _recover)
-                        failure = (
-                            f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
-                        )
+                        failure = f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
                     if failure is not None:
                         failures += 1
                         it = self._recover(it, failure)
@@ -533,12 +535,19 @@ class ResilientLoop:
         done = [self.keys.finished(g, stop, k) for k in range(cfg.num_stages)]
         self.store.set(done[cfg.stage], repr(time.time()))
         try:
-            wait_for_keys(self.store, done, timeout=cfg.rejoin_timeout, abort_keys=[self.keys.failed(g)],
-                          what=f"stage {cfg.stage}: waiting for every stage to finish the run (generation {g})")  # fmt: skip
+            wait_for_keys(
+                self.store,
+                done,
+                timeout=cfg.rejoin_timeout,
+                abort_keys=[self.keys.failed(g)],
+                what=f"stage {cfg.stage}: waiting for every stage to finish the run (generation {g})",
+            )
         except RecoveryTimeoutError:
             raise
         except RecoveryFailedError as e:
-            if all(self.store.check([k]) for k in done):  # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+            if all(
+                self.store.check([k]) for k in done
+            ):  # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
                 return None
             return f"a stage failed after the last iteration: {e}"
         return None
@@ -561,9 +570,7 @@ class ResilientLoop:
                 self.store.set(keys.failed(g), f"stage {cfg.stage} saw: {msg[:200]}")
             self.client.abort(it, f"stage {cfg.stage} saw a failure")
         except Exception as e:
-            raise RecoveryFailedError(
-                f"stage {cfg.stage}: the store is unreachable during recovery: {e}"
-            ) from e
+            raise RecoveryFailedError(f"stage {cfg.stage}: the store is unreachable during recovery: {e}") from e
         t_a = time.monotonic()
         # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too; on
         # its own thread: shutting gloo down joins its threads (~30 ms) and nothing below needs it
@@ -573,12 +580,8 @@ class ResilientLoop:
         self.client.release_pipeline()
         gc.collect()
         t_b = time.monotonic()
-        decision = (
-            self.client.coordinator.decision(it, g) if self.client.coordinator else None
-        )
-        if (
-            decision == "commit"
-        ):  # cannot happen: we never reported done for `it` without raising before
+        decision = self.client.coordinator.decision(it, g) if self.client.coordinator else None
+        if decision == "commit":  # cannot happen: we never reported done for `it` without raising before
             raise RecoveryFailedError(
                 f"stage {cfg.stage}: iteration {it} was committed but this stage did not apply it"
             )
@@ -619,13 +622,28 @@ class ResilientLoop:
             ),
         )
         # 4. wait for the scheduler to name the replaced stages and for them to be ready
-        v = wait_for_keys(self.store, [keys.failed_stages(g)], timeout=cfg.rejoin_timeout,
-                          what=f"stage {cfg.stage}: waiting for the scheduler to name the failed stage(s) of generation {g}",
-                          abort_keys=[keys.fallback(g)])  # fmt: skip
+        v = wait_for_keys(
+            self.store,
+            [keys.failed_stages(g)],
+            timeout=cfg.rejoin_timeout,
+            what=f"stage {cfg.stage}: waiting for the scheduler to name the failed stage(s) of generation {g}",
+            abort_keys=[keys.fallback(g)],
+        )
         ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
-        wait_until_woken(self.store, keys, g, timeout=cfg.rejoin_timeout, what=f"stage {cfg.stage}: replacement(s) of stage(s) {ev.replaced}")
-        wait_for_keys(self.store, [keys.ready(g, k) for k in ev.replaced], timeout=cfg.rejoin_timeout,
-                      what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}", abort_keys=[keys.fallback(g)])  # fmt: skip
+        wait_until_woken(
+            self.store,
+            keys,
+            g,
+            timeout=cfg.rejoin_timeout,
+            what=f"stage {cfg.stage}: replacement(s) of stage(s) {ev.replaced}",
+        )
+        wait_for_keys(
+            self.store,
+            [keys.ready(g, k) for k in ev.replaced],
+            timeout=cfg.rejoin_timeout,
+            what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}",
+            abort_keys=[keys.fallback(g)],
+        )
         ev.t_ready = time.time()
         teardown.wait(cfg.rejoin_timeout.total_seconds())
         self.join(g + 1)

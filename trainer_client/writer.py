@@ -68,8 +68,8 @@ from typing import Any
 import torch
 
 from logstore import Channel, Encoded, LogStore, RecordKey, codec
-from logstore.segment import blob_checksum
 from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
+from logstore.segment import blob_checksum
 from trainer_client.digest import digest_record, tensor_digest
 
 __all__ = ["AsyncLogWriter", "Fault", "WriterStats", "auto_encode_threads"]
@@ -195,8 +195,23 @@ class _PinnedPool:
 
 
 class _Item:
-    __slots__ = ("kind", "channel", "iteration", "micro_batch", "tensors", "nparts", "events", "pinned", "hash_only",
-                 "digests", "nbytes", "held", "fn", "reason", "future")  # fmt: skip
+    __slots__ = (
+        "kind",
+        "channel",
+        "iteration",
+        "micro_batch",
+        "tensors",
+        "nparts",
+        "events",
+        "pinned",
+        "hash_only",
+        "digests",
+        "nbytes",
+        "held",
+        "fn",
+        "reason",
+        "future",
+    )
 
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "rec" | "mark" | "gap"
@@ -327,7 +342,13 @@ class AsyncLogWriter:
             self._stats.submit_max_s = max(self._stats.submit_max_s, dt)
 
     def submit_digests(
-        self, channel: Channel, iteration: int, micro_batch: int, tensors: Sequence[torch.Tensor], *, defer: bool = False
+        self,
+        channel: Channel,
+        iteration: int,
+        micro_batch: int,
+        tensors: Sequence[torch.Tensor],
+        *,
+        defer: bool = False,
     ) -> None:
         """Queue digest records of ``tensors`` (parts 0..n-1) under a DIGEST channel.
 
@@ -391,7 +412,13 @@ class AsyncLogWriter:
                         if self._hash_deferred(item):
                             self._stats.digests_settled_inline += len(item.digests or ())
                     except Exception as e:  # the pool will meet the same error and drop the record
-                        self._fault("encode", f"digest failed: {type(e).__name__}: {e}", item.channel, item.iteration, item.micro_batch)
+                        self._fault(
+                            "encode",
+                            f"digest failed: {type(e).__name__}: {e}",
+                            item.channel,
+                            item.iteration,
+                            item.micro_batch,
+                        )
                         item.digests = []
                         item.tensors = []
                         self._release_digest(item)
@@ -466,7 +493,15 @@ class AsyncLogWriter:
         with self._cv:
             return list(self._faults)
 
-    def note_fault(self, kind: str, message: str, *, channel: Channel | None = None, iteration: int | None = None, micro_batch: int | None = None) -> None:
+    def note_fault(
+        self,
+        kind: str,
+        message: str,
+        *,
+        channel: Channel | None = None,
+        iteration: int | None = None,
+        micro_batch: int | None = None,
+    ) -> None:
         """Record a fault observed elsewhere (e.g. a capture hook) with the writer's faults."""
         self._fault(kind, message, channel, iteration, micro_batch)
 
@@ -531,8 +566,13 @@ class AsyncLogWriter:
             elif can_hash_now:  # hashing a CPU buffer costs less than waiting for room
                 return False
             else:
-                why = self._room(fits, f"digest buffers full ({st.digest_bytes} + {nbytes} > {self._max} bytes)",
-                                 channel, iteration, micro_batch)  # fmt: skip
+                why = self._room(
+                    fits,
+                    f"digest buffers full ({st.digest_bytes} + {nbytes} > {self._max} bytes)",
+                    channel,
+                    iteration,
+                    micro_batch,
+                )
             if why is None:
                 st.digest_bytes += nbytes
                 st.digest_peak_bytes = max(st.digest_peak_bytes, st.digest_bytes)
@@ -594,7 +634,9 @@ class AsyncLogWriter:
             self._stats.queue_bytes -= nbytes
             self._cv.notify_all()
 
-    def _stage(self, item: _Item, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False) -> None:
+    def _stage(
+        self, item: _Item, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False
+    ) -> None:
         """Make host tensors the writer may read later without racing the training thread."""
         out: list[torch.Tensor] = []
         for t in tensors:
@@ -635,7 +677,11 @@ class AsyncLogWriter:
         inflight: collections.deque[_Item] = collections.deque()
         while True:
             with self._cv:
-                if not self._closing and self._stats.queue_bytes < self._wake_bytes and not any(i.kind != "rec" for i in self._queue):
+                if (
+                    not self._closing
+                    and self._stats.queue_bytes < self._wake_bytes
+                    and not any(i.kind != "rec" for i in self._queue)
+                ):
                     # sleep until woken (threshold, marker, close) or for at most _POLL_S
                     self._writer_idle = True
                     self._cv.wait(_POLL_S)
@@ -749,8 +795,16 @@ class AsyncLogWriter:
         try:
             self._store.put_encoded(rows)
         except Exception as e:
-            kind = "store_full" if isinstance(e, StoreFullError) else "closed" if isinstance(e, StoreClosedError) else "write"
-            self._fault(kind, f"{type(e).__name__}: {e}", batch[0][0].channel, batch[0][0].iteration, batch[0][0].micro_batch)
+            kind = (
+                "store_full"
+                if isinstance(e, StoreFullError)
+                else "closed"
+                if isinstance(e, StoreClosedError)
+                else "write"
+            )
+            self._fault(
+                kind, f"{type(e).__name__}: {e}", batch[0][0].channel, batch[0][0].iteration, batch[0][0].micro_batch
+            )
             for item, _ in batch:
                 self._drop(item, f"{kind}: {type(e).__name__}: {e}")
                 self._finish(item)
@@ -798,7 +852,13 @@ class AsyncLogWriter:
             with self._cv:
                 self._stats.gaps_recorded += 1
         except (SwiftlogError, OSError) as e:
-            self._fault("gap_record", f"could not record gap ({reason}): {type(e).__name__}: {e}", channel, iteration, micro_batch)
+            self._fault(
+                "gap_record",
+                f"could not record gap ({reason}): {type(e).__name__}: {e}",
+                channel,
+                iteration,
+                micro_batch,
+            )
 
     def _finish(self, item: _Item) -> None:
         with self._cv:
@@ -808,11 +868,20 @@ class AsyncLogWriter:
             self._stalled = False  # the writer moves again: waiting at the bound makes sense again
             self._cv.notify_all()
 
-    def _fault(self, kind: str, message: str, channel: Channel | None = None, iteration: int | None = None, micro_batch: int | None = None) -> None:
+    def _fault(
+        self,
+        kind: str,
+        message: str,
+        channel: Channel | None = None,
+        iteration: int | None = None,
+        micro_batch: int | None = None,
+    ) -> None:
         with self._cv:
             self._fault_locked(kind, message, channel, iteration, micro_batch)
 
-    def _fault_locked(self, kind: str, message: str, channel: Channel | None, iteration: int | None, micro_batch: int | None) -> None:
+    def _fault_locked(
+        self, kind: str, message: str, channel: Channel | None, iteration: int | None, micro_batch: int | None
+    ) -> None:
         f = Fault(time.time(), kind, message, None if channel is None else channel.name, iteration, micro_batch)
         st = self._stats
         st.faults += 1
@@ -822,6 +891,12 @@ class AsyncLogWriter:
         if len(self._new_faults) < _MAX_FAULTS:
             self._new_faults.append(f)
         if st.faults_by_kind[kind] <= 3 or st.faults_by_kind[kind] % 100 == 0:
-            where = ", ".join([kind, *([f.channel] if f.channel else []), *([f"it={iteration}"] if iteration is not None else []),
-                               *([f"mb={micro_batch}"] if micro_batch is not None else [])])  # fmt: skip
+            where = ", ".join(
+                [
+                    kind,
+                    *([f.channel] if f.channel else []),
+                    *([f"it={iteration}"] if iteration is not None else []),
+                    *([f"mb={micro_batch}"] if micro_batch is not None else []),
+                ]
+            )
             logger.warning("swiftlog logging fault (%s): %s", where, message)

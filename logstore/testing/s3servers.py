@@ -463,11 +463,23 @@ _REQUIRED_WEED_FLAGS = {
     "master": frozenset({"ip", "ip.bind", "port", "port.grpc", "mdir"}),
     "server": frozenset(
         {
-            "ip", "ip.bind", "dir", "master", "master.peers", "volume.port", "volume.port.grpc",
-            "filer", "filer.port", "filer.port.grpc", "s3", "s3.port", "s3.port.grpc", "s3.config",
+            "ip",
+            "ip.bind",
+            "dir",
+            "master",
+            "master.peers",
+            "volume.port",
+            "volume.port.grpc",
+            "filer",
+            "filer.port",
+            "filer.port.grpc",
+            "s3",
+            "s3.port",
+            "s3.port.grpc",
+            "s3.config",
         }
     ),
-}  # fmt: skip
+}
 
 
 def seaweedfs_available() -> tuple[bool, str]:
@@ -550,26 +562,45 @@ class SeaweedFSServer(S3Server):
 
         master = with_optional(
             "master",
-            [f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-port={p['master']}", f"-port.grpc={p['master.grpc']}",
-             f"-mdir={w / 'master'}"],
+            [
+                f"-ip={LOOPBACK}",
+                f"-ip.bind={LOOPBACK}",
+                f"-port={p['master']}",
+                f"-port.grpc={p['master.grpc']}",
+                f"-mdir={w / 'master'}",
+            ],
             ["-electionTimeout=250ms", "-telemetry=false", "-volumeSizeLimitMB=64"],
-        )  # fmt: skip
+        )
         self._popen(master, env)
         self._wait_master_leader(deadline)
         server = with_optional(
             "server",
             [
-                "-master=false", f"-master.peers={LOOPBACK}:{p['master']}.{p['master.grpc']}",
-                f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={self.data_dir}",
-                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
-                "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
-                "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.config={w / 's3.json'}",
+                "-master=false",
+                f"-master.peers={LOOPBACK}:{p['master']}.{p['master.grpc']}",
+                f"-ip={LOOPBACK}",
+                f"-ip.bind={LOOPBACK}",
+                f"-dir={self.data_dir}",
+                f"-volume.port={p['volume']}",
+                f"-volume.port.grpc={p['volume.grpc']}",
+                "-filer",
+                f"-filer.port={p['filer']}",
+                f"-filer.port.grpc={p['filer.grpc']}",
+                "-s3",
+                f"-s3.port={p['s3']}",
+                f"-s3.port.grpc={p['s3.grpc']}",
+                f"-s3.config={w / 's3.json'}",
             ],
             [
-                "-webdav=false", "-volume.max=0", "-volume.preStopSeconds=0", "-s3.port.iceberg=0",
-                "-s3.port.lance=0", f"-filer.localSocket={w / 'filer.sock'}", f"-s3.localSocket={w / 's3.sock'}",
+                "-webdav=false",
+                "-volume.max=0",
+                "-volume.preStopSeconds=0",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                f"-filer.localSocket={w / 'filer.sock'}",
+                f"-s3.localSocket={w / 's3.sock'}",
             ],
-        )  # fmt: skip
+        )
         self._popen(server, env)
 
     def _wait_master_leader(self, deadline: float) -> None:

@@ -70,8 +70,12 @@ err_console = Console(stderr=True, highlight=False)
 # are the classes typer's own BadParameter derives from
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-_EXIT_NAMES = {EXIT_PROBLEMS: "problems", EXIT_USAGE: "bad_input", EXIT_NOT_FOUND: "not_found",
-               EXIT_UNAVAILABLE: "unavailable"}  # fmt: skip
+_EXIT_NAMES = {
+    EXIT_PROBLEMS: "problems",
+    EXIT_USAGE: "bad_input",
+    EXIT_NOT_FOUND: "not_found",
+    EXIT_UNAVAILABLE: "unavailable",
+}
 _json_errors: ContextVar[bool] = ContextVar("swiftlog_json_errors", default=False)  # the running command's --json
 
 
@@ -119,8 +123,14 @@ def fail(
     one JSON object on stdout (see the module docstring; ``error_type`` is its ``type``, by default
     the exit code's name). Otherwise ``error:`` and ``hint:`` lines on stderr."""
     if _json_errors.get():
-        body = {"type": error_type or _EXIT_NAMES.get(code, "error"), "message": message, "hint": hint,
-                "exit_code": code, "key": key, "retryable": retryable}  # fmt: skip
+        body = {
+            "type": error_type or _EXIT_NAMES.get(code, "error"),
+            "message": message,
+            "hint": hint,
+            "exit_code": code,
+            "key": key,
+            "retryable": retryable,
+        }
         print_json({"error": body})
     else:
         err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
@@ -205,7 +215,9 @@ def parse_cold_options(items: list[str] | None) -> dict[str, Any]:
         try:
             loaded = json.loads(env)
         except ValueError as e:
-            raise fail(f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}') from None
+            raise fail(
+                f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}'
+            ) from None
         if not isinstance(loaded, dict):
             raise fail(f"{ENV_COLD_OPTIONS} must be a JSON object")
         opts.update(loaded)
@@ -231,16 +243,24 @@ def parse_kv(items: list[str] | None, what: str) -> dict[str, Any]:
 def check_cold_url(cold_url: str | None) -> None:
     """A ``file://`` cold tier a reading command is given must exist (a mistyped one would read as
     an empty cold tier, silently). Other URLs are checked by their first request."""
-    if cold_url and cold_url.startswith("file://") and not os.path.isdir(cold_url[len("file://"):]):
-        raise fail(f"cold tier directory {cold_url[len('file://'):]!r} does not exist", hint="check --cold-url / SWIFTLOG_COLD_URL", code=EXIT_NOT_FOUND)
+    if cold_url and cold_url.startswith("file://") and not os.path.isdir(cold_url[len("file://") :]):
+        raise fail(
+            f"cold tier directory {cold_url[len('file://') :]!r} does not exist",
+            hint="check --cold-url / SWIFTLOG_COLD_URL",
+            code=EXIT_NOT_FOUND,
+        )
 
 
 def make_node(root: Path, cold_url: str | None = None, cold_options: list[str] | None = None) -> Node:
     """A Node over ``root`` (which must exist), with summaries always computed fresh."""
     if not root.is_dir():
-        raise fail(f"store root {str(root)!r} does not exist", hint=f"pass --root or set {ENV_ROOT}", code=EXIT_NOT_FOUND)
+        raise fail(
+            f"store root {str(root)!r} does not exist", hint=f"pass --root or set {ENV_ROOT}", code=EXIT_NOT_FOUND
+        )
     check_cold_url(cold_url)
-    return Node(root, cold_url=cold_url, cold_options=parse_cold_options(cold_options), summary_ttl=0.0, summary_max_stale=0.0)
+    return Node(
+        root, cold_url=cold_url, cold_options=parse_cold_options(cold_options), summary_ttl=0.0, summary_max_stale=0.0
+    )
 
 
 def print_json(obj: BaseModel | dict[str, Any] | list[Any]) -> None:

@@ -83,9 +83,7 @@ def _progress(run: Any) -> list[tuple[int, float]]:
     return [(it, t - t_first) for it, t, _ in run.progress]
 
 
-def _plot(
-    path: Path, series: dict[str, list[tuple[int, float]]], kill_s: dict[str, float]
-) -> None:
+def _plot(path: Path, series: dict[str, list[tuple[int, float]]], kill_s: dict[str, float]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,12 +144,8 @@ def run_demo(
         raise ValueError(f"phase {phase!r} is not one of {', '.join(p.value for p in Phase)}")
     fail_iteration = fail_iteration if fail_iteration is not None else _failure_iteration(iterations, checkpoint_every)
     if not 0 < fail_iteration < iterations:
-        raise typer.BadParameter(
-            f"the failure iteration {fail_iteration} must be inside (0, {iterations})"
-        )
-    ckpts = ",".join(
-        str(i) for i in range(checkpoint_every, iterations + 1, checkpoint_every)
-    )
+        raise typer.BadParameter(f"the failure iteration {fail_iteration} must be inside (0, {iterations})")
+    ckpts = ",".join(str(i) for i in range(checkpoint_every, iterations + 1, checkpoint_every))
     kill = KillSpec(fail_stage, fail_iteration, 1, phase)
     model = ["--hidden", "64", "--layers", "1", "--seq", "32", "--n-microbatches", "4"]
 
@@ -159,18 +153,38 @@ def run_demo(
         base = workdir / name
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
-        args = ["--schedule", "1f1b", "--iters", str(iterations), "--ckpt-at", ckpts, "--seed", "1234", "--data-source",
-                "--segment-iters", "2", "--cold-url", f"file://{(base / 'cold').resolve()}", *model]  # fmt: skip
-        r = run_with_failures(args, run_id=RUN, base_dir=str(base.resolve()), checkpoint_url=f"file://{(base / 'ckpt').resolve()}",
-                              kills=kills, mode=mode, timeout_s=240, replay_workers=replay_workers)  # fmt: skip
+        args = [
+            "--schedule",
+            "1f1b",
+            "--iters",
+            str(iterations),
+            "--ckpt-at",
+            ckpts,
+            "--seed",
+            "1234",
+            "--data-source",
+            "--segment-iters",
+            "2",
+            "--cold-url",
+            f"file://{(base / 'cold').resolve()}",
+            *model,
+        ]
+        r = run_with_failures(
+            args,
+            run_id=RUN,
+            base_dir=str(base.resolve()),
+            checkpoint_url=f"file://{(base / 'ckpt').resolve()}",
+            kills=kills,
+            mode=mode,
+            timeout_s=240,
+            replay_workers=replay_workers,
+        )
         if not r.ok:
             raise DemoRunError(f"the {name} run did not finish:\n{r.describe()}")
         return r
 
     t0 = time.perf_counter()
-    say(
-        f"[bold]1/3[/] failure-free reference: {iterations} iterations, 4 stages, 1F1B, checkpoints at {ckpts}"
-    )
+    say(f"[bold]1/3[/] failure-free reference: {iterations} iterations, 4 stages, 1F1B, checkpoints at {ckpts}")
     ref = launch("reference", [], "swift")
     say(f"    done in {ref.wall_s:.1f} s")
     say(
@@ -178,9 +192,7 @@ def run_demo(
     )
     sw = launch("swift", [kill], "swift")
     say(f"    done in {sw.wall_s:.1f} s")
-    say(
-        "[bold]3/3[/] global rollback: the same failure, every stage restarts from the last checkpoint"
-    )
+    say("[bold]3/3[/] global rollback: the same failure, every stage restarts from the last checkpoint")
     rb = launch("rollback", [kill], "rollback")
     say(f"    done in {rb.wall_s:.1f} s")
 
@@ -189,13 +201,16 @@ def run_demo(
     diffs = {k: states_equal(sw.results[k], ref.results[k]) for k in range(4)}
     rb_diffs = {k: states_equal(rb.results[k], ref.results[k]) for k in range(4)}
     rollback_s = resumed_after_rollback(rb, t["resume"])
-    rb_ck = next(
-        (e["checkpoint"] for e in rb.timeline if e["what"] == "rollback"), None
-    )
+    rb_ck = next((e["checkpoint"] for e in rb.timeline if e["what"] == "rollback"), None)
     report: dict[str, Any] = {
         "workdir": str(workdir),
         "run": RUN,
-        "failure": {"stage": kill.stage, "iteration": kill.iteration, "micro_batch": kill.micro_batch, "phase": kill.phase},
+        "failure": {
+            "stage": kill.stage,
+            "iteration": kill.iteration,
+            "micro_batch": kill.micro_batch,
+            "phase": kill.phase,
+        },
         "replay_workers": replay_workers,
         "plan": {
             "failed_stages": t["failed_stages"],
@@ -206,16 +221,39 @@ def run_demo(
             "sources": "survivors' node stores (hot tier, read directly) + the cold tier",
             "checkpoint": rec.get("checkpoint_uri"),
         },
-        "timings_s": {k: t.get(k) for k in ("detect_s", "all_detected_s", "survivors_reported_s", "scheduler_s", "replacement_start_s", "wait_survivors_s", "fetch_s", "replay_s", "rejoin_s", "resumed_s")},
+        "timings_s": {
+            k: t.get(k)
+            for k in (
+                "detect_s",
+                "all_detected_s",
+                "survivors_reported_s",
+                "scheduler_s",
+                "replacement_start_s",
+                "wait_survivors_s",
+                "fetch_s",
+                "replay_s",
+                "rejoin_s",
+                "resumed_s",
+            )
+        },
         "bytes_fetched": t.get("bytes_fetched"),
         "records_fetched": t.get("records_fetched"),
         "verification": {"verified": t.get("verified"), "digests_checked": t.get("digests_checked")},
         "final_state": {"bit_exact": not any(diffs.values()), "per_stage": {str(k): (not v) for k, v in diffs.items()}},
-        "global_rollback": {"checkpoint_iteration": rb_ck, "resumed_s": rollback_s, "bit_exact": not any(rb_diffs.values()),
-                            "iterations_redone": None if rb_ck is None else t["resume"] - rb_ck},
+        "global_rollback": {
+            "checkpoint_iteration": rb_ck,
+            "resumed_s": rollback_s,
+            "bit_exact": not any(rb_diffs.values()),
+            "iterations_redone": None if rb_ck is None else t["resume"] - rb_ck,
+        },
         "recovery_vs_global_rollback": (t["resumed_s"] / rollback_s) if rollback_s else None,
-        "wall_s": {"reference": ref.wall_s, "swift": sw.wall_s, "rollback": rb.wall_s, "demo": time.perf_counter() - t0},
-    }  # fmt: skip
+        "wall_s": {
+            "reference": ref.wall_s,
+            "swift": sw.wall_s,
+            "rollback": rb.wall_s,
+            "demo": time.perf_counter() - t0,
+        },
+    }
     report["ok"] = bool(t.get("verified")) and report["final_state"]["bit_exact"]
     last_checkpoint = iterations // checkpoint_every * checkpoint_every
     report["stores"] = _stores(workdir / "swift", sw.timeline, last_checkpoint=last_checkpoint)
@@ -236,9 +274,7 @@ def run_demo(
         "markdown": str(workdir / "report.md"),
         "plot": str(workdir / "progress.png"),
     }
-    report["progress"] = {
-        k: [[i, round(s, 4)] for i, s in v] for k, v in series.items()
-    }
+    report["progress"] = {k: [[i, round(s, 4)] for i, s in v] for k, v in series.items()}
     (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (workdir / "report.md").write_text(_markdown(report))
     return report
@@ -249,8 +285,13 @@ def _stores(base: Path, timeline: list[dict[str, Any]], *, last_checkpoint: int)
     too), the cold tier and the checkpoints, as the launcher laid them out under ``base``."""
     base = base.resolve()
     roots = {e["name"]: str(base / "nodes" / e["name"]) for e in timeline if e["what"] == "start"}
-    return {"run": RUN, "node_roots": roots, "cold_url": f"file://{base / 'cold'}",
-            "checkpoints": f"file://{base / 'ckpt'}", "last_checkpoint": last_checkpoint}  # fmt: skip
+    return {
+        "run": RUN,
+        "node_roots": roots,
+        "cold_url": f"file://{base / 'cold'}",
+        "checkpoints": f"file://{base / 'ckpt'}",
+        "last_checkpoint": last_checkpoint,
+    }
 
 
 def _next_commands(stores: dict[str, Any], failed: int, workdir: Path) -> list[str]:
@@ -280,9 +321,12 @@ def _print_next(r: dict[str, Any], iterations: int) -> None:
         console.print(f"  the checkpoint at iteration {last}, the last, made every record garbage: GC deleted them")
     else:
         console.print(f"  records from iteration {last} on are kept: no checkpoint after them made them garbage")
-    what = ["checkpoints, watermarks, what GC collected", "the records left, and what collected the others",
-            "the admin API on http://127.0.0.1:8765 (see /docs)",
-            "another failure, replayed by 2 processes"]  # fmt: skip
+    what = [
+        "checkpoints, watermarks, what GC collected",
+        "the records left, and what collected the others",
+        "the admin API on http://127.0.0.1:8765 (see /docs)",
+        "another failure, replayed by 2 processes",
+    ]
     console.print("[bold]Try next[/]")
     for cmd, why in zip(r["try"], what, strict=True):
         console.print(f"  {cmd}", soft_wrap=True, markup=False)
@@ -299,8 +343,10 @@ def _markdown(r: dict[str, Any]) -> str:
         "# swiftlog demo: a stage failure, recovered in place",
         "",
         f"- failure: SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, {f['phase']}",
-        (f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} to iteration {p['resume_iteration']} "
-         f"from {p['sources']}; survivors {p['survivors']} keep their state"),
+        (
+            f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} to iteration {p['resume_iteration']} "
+            f"from {p['sources']}; survivors {p['survivors']} keep their state"
+        ),
         f"- verification: {'verified' if r['verification']['verified'] else 'NOT verified'} ({r['verification']['digests_checked']} digests)",
         f"- fetched: {r['records_fetched']} records, {r['bytes_fetched']} bytes",
         f"- final state vs failure-free run: {'bit-exact on every stage' if r['final_state']['bit_exact'] else 'DIFFERENT'}",
@@ -309,13 +355,15 @@ def _markdown(r: dict[str, Any]) -> str:
         "|---|---|",
         *[f"| {k.removesuffix('_s')} | {_fmt(v)} |" for k, v in tm.items()],
         "",
-        (f"Global rollback from checkpoint {g['checkpoint_iteration']} (redoes {g['iterations_redone']} iterations on every stage): "
-         f"{_fmt(g['resumed_s'])} s from the failure to standing where it was; SWIFT: {_fmt(tm['resumed_s'])} s "
-         f"(ratio {_fmt(r['recovery_vs_global_rollback'])})."),
+        (
+            f"Global rollback from checkpoint {g['checkpoint_iteration']} (redoes {g['iterations_redone']} iterations on every stage): "
+            f"{_fmt(g['resumed_s'])} s from the failure to standing where it was; SWIFT: {_fmt(tm['resumed_s'])} s "
+            f"(ratio {_fmt(r['recovery_vs_global_rollback'])})."
+        ),
         "",
         "![progress](progress.png)",
         "",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 
@@ -327,27 +375,32 @@ def _print_report(r: dict[str, Any]) -> None:
     console.print(
         f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, during {f['phase']}"
     )
-    console.print(f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} from its checkpoint at iteration {p['checkpoint_iteration']} "
-                  f"to iteration {p['resume_iteration']} (agreed by the survivors {p['survivors']}, which keep their state)")  # fmt: skip
+    console.print(
+        f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} from its checkpoint at iteration {p['checkpoint_iteration']} "
+        f"to iteration {p['resume_iteration']} (agreed by the survivors {p['survivors']}, which keep their state)"
+    )
     console.print(f"          records from: {p['sources']}")
     tab = Table(title="Time from the failure to training resumed", show_edge=False)
     tab.add_column("phase")
     tab.add_column("seconds", justify="right")
     tab.add_column("what", style="dim")
-    what = {"detect_s": "kill -> first survivor sees the communication error", "all_detected_s": "kill -> last survivor knows",
-            "wait_survivors_s": "replacement waits for the survivors' reports",
-            "survivors_reported_s": "kill -> every survivor tore down, drained its log writer, reported",
-            "scheduler_s": "kill -> scheduler noticed the exit and launched the replacement",
-            "replacement_start_s": "replacement process start (fork server, torch preloaded)", "fetch_s": "checkpoint load + reading records",
-            "replay_s": "recomputing the lost stage (overlaps fetch)", "rejoin_s": "replacement ready -> new process group formed",
-            "resumed_s": "kill -> every stage training again"}  # fmt: skip
+    what = {
+        "detect_s": "kill -> first survivor sees the communication error",
+        "all_detected_s": "kill -> last survivor knows",
+        "wait_survivors_s": "replacement waits for the survivors' reports",
+        "survivors_reported_s": "kill -> every survivor tore down, drained its log writer, reported",
+        "scheduler_s": "kill -> scheduler noticed the exit and launched the replacement",
+        "replacement_start_s": "replacement process start (fork server, torch preloaded)",
+        "fetch_s": "checkpoint load + reading records",
+        "replay_s": "recomputing the lost stage (overlaps fetch)",
+        "rejoin_s": "replacement ready -> new process group formed",
+        "resumed_s": "kill -> every stage training again",
+    }
     for k, v in tm.items():
         tab.add_row(k.removesuffix("_s"), _fmt(v), what.get(k, ""))
     console.print(tab)
     v = r["verification"]
-    console.print(
-        f"[bold]Fetched[/]   {r['records_fetched']} records, {human_bytes(r['bytes_fetched'])} (decoded)"
-    )
+    console.print(f"[bold]Fetched[/]   {r['records_fetched']} records, {human_bytes(r['bytes_fetched'])} (decoded)")
     console.print(
         "[bold]Verified[/]  "
         + (
@@ -359,37 +412,35 @@ def _print_report(r: dict[str, Any]) -> None:
     fs = r["final_state"]
     console.print(
         "[bold]Final state[/] vs failure-free run: "
-        + (
-            "[green]bit-exact on every stage[/]"
-            if fs["bit_exact"]
-            else f"[red]differs[/] {fs['per_stage']}"
-        )
+        + ("[green]bit-exact on every stage[/]" if fs["bit_exact"] else f"[red]differs[/] {fs['per_stage']}")
     )
-    console.print(f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} (redo {g['iterations_redone']} iterations on all 4 stages): "
-                  f"{_fmt(g['resumed_s'])} s to stand where it was (final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
-                  f"SWIFT took {_fmt(tm['resumed_s'])} s: ratio [bold]{_fmt(r['recovery_vs_global_rollback'])}[/]")  # fmt: skip
     console.print(
-        f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]"
+        f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} (redo {g['iterations_redone']} iterations on all 4 stages): "
+        f"{_fmt(g['resumed_s'])} s to stand where it was (final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
+        f"SWIFT took {_fmt(tm['resumed_s'])} s: ratio [bold]{_fmt(r['recovery_vs_global_rollback'])}[/]"
     )
+    console.print(f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]")
 
 
 def demo(
     directory: Annotated[
         Path | None,
-        typer.Option(
-            "--dir", help="work here and keep the files (default: ./swiftlog-demo)"
-        ),
+        typer.Option("--dir", help="work here and keep the files (default: ./swiftlog-demo)"),
     ] = None,
     iterations: Annotated[int, typer.Option("--iterations", min=4, max=1000)] = 20,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=2)] = 10,
-    stage: Annotated[
-        int, typer.Option("--stage", "-s", min=0, max=3, help="the stage to kill")
-    ] = 2,
+    stage: Annotated[int, typer.Option("--stage", "-s", min=0, max=3, help="the stage to kill")] = 2,
     phase: Annotated[Phase, typer.Option("--phase", help="where the SIGKILL lands")] = Phase.backward,
     workers: Annotated[
         int | None,
-        typer.Option("--workers", "-w", min=1, max=8, show_default="1",
-                     help="replay processes: the replacement plus helpers started with it"),  # fmt: skip
+        typer.Option(
+            "--workers",
+            "-w",
+            min=1,
+            max=8,
+            show_default="1",
+            help="replay processes: the replacement plus helpers started with it",
+        ),
     ] = None,
     # the old spelling of --workers: hidden, still works, says it is deprecated
     replay_workers: Annotated[int | None, typer.Option("--replay-workers", min=1, max=8, hidden=True)] = None,
@@ -421,9 +472,7 @@ def demo(
         print_json({k: v for k, v in report.items() if k != "progress"})
     else:
         _print_report(report)
-        console.print(
-            f"\n[bold]{'recovery verified and bit-exact' if report['ok'] else 'SOME CHECKS FAILED'}[/]"
-        )
+        console.print(f"\n[bold]{'recovery verified and bit-exact' if report['ok'] else 'SOME CHECKS FAILED'}[/]")
         _print_next(report, iterations)
     if not report["ok"]:
         raise typer.Exit(EXIT_PROBLEMS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import os
 import tempfile
 from pathlib import Path
@@ -43,7 +42,14 @@ def _it_range(lo: int | None, hi: int | None) -> str:
 
 def _records_table(run: str, records: list[RecordEntry]) -> Table:
     t = Table(title=f"records of {run}", title_justify="left")
-    for col, just in (("key", "left"), ("tier", "left"), ("writer", "left"), ("stored", "right"), ("raw", "right"), ("checksum", "left")):
+    for col, just in (
+        ("key", "left"),
+        ("tier", "left"),
+        ("writer", "left"),
+        ("stored", "right"),
+        ("raw", "right"),
+        ("checksum", "left"),
+    ):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in records:
         t.add_row(r.key, r.tier, r.writer, human_bytes(r.stored_bytes), human_bytes(r.raw_bytes), r.checksum)
@@ -56,7 +62,9 @@ def ls(
     channel: Annotated[str | None, typer.Option("--channel", "-c", help="e.g. act_0_1, grad_2_1, input_0")] = None,
     kind: Annotated[str | None, typer.Option("--kind", "-k", help="/".join(_KINDS))] = None,
     it_lo: Annotated[int, typer.Option("--it-lo", min=0, max=MAX_ITERATION, help="first iteration")] = 0,
-    it_hi: Annotated[int | None, typer.Option("--it-hi", min=0, max=MAX_ITERATION, help="end iteration (exclusive)")] = None,
+    it_hi: Annotated[
+        int | None, typer.Option("--it-hi", min=0, max=MAX_ITERATION, help="end iteration (exclusive)")
+    ] = None,
     micro_batch: Annotated[int | None, typer.Option("--mb", min=0, max=MAX_MICRO_BATCH, help="micro-batch")] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=100_000, help="page size")] = 100,
     cursor: Annotated[str | None, typer.Option("--cursor", help="continue after a previous page")] = None,
@@ -91,8 +99,16 @@ def ls(
         cold_error: str | None = None
         first_page = cursor is None
         while True:
-            page = node.records(run, channel=channel, kind=kind, it_lo=it_lo, it_hi=it_hi, micro_batch=micro_batch,
-                                limit=limit, cursor=cursor)  # fmt: skip
+            page = node.records(
+                run,
+                channel=channel,
+                kind=kind,
+                it_lo=it_lo,
+                it_hi=it_hi,
+                micro_batch=micro_batch,
+                limit=limit,
+                cursor=cursor,
+            )
             records += page.records
             cold_error = cold_error or page.cold_error
             cursor = page.next_cursor
@@ -161,13 +177,26 @@ def _print_summary(s: RunSummary) -> None:
         tiers.add_column(col)
     h = s.hot
     seg = h.segments
-    tiers.add_row("hot", str(h.records), human_bytes(h.stored_bytes), human_bytes(h.raw_bytes),
-                  _it_range(h.first_iteration, h.last_iteration), human_bytes(h.disk_bytes),
-                  f"open {seg.open}, sealed {seg.sealed}, uploaded {seg.uploaded}, evicted {seg.evicted}")  # fmt: skip
+    tiers.add_row(
+        "hot",
+        str(h.records),
+        human_bytes(h.stored_bytes),
+        human_bytes(h.raw_bytes),
+        _it_range(h.first_iteration, h.last_iteration),
+        human_bytes(h.disk_bytes),
+        f"open {seg.open}, sealed {seg.sealed}, uploaded {seg.uploaded}, evicted {seg.evicted}",
+    )
     if s.cold is not None:
         c = s.cold
-        tiers.add_row("cold", str(c.records), human_bytes(c.stored_bytes), human_bytes(c.raw_bytes),
-                      _it_range(c.first_iteration, c.last_iteration), human_bytes(c.object_bytes), str(c.segments))  # fmt: skip
+        tiers.add_row(
+            "cold",
+            str(c.records),
+            human_bytes(c.stored_bytes),
+            human_bytes(c.raw_bytes),
+            _it_range(c.first_iteration, c.last_iteration),
+            human_bytes(c.object_bytes),
+            str(c.segments),
+        )
     else:
         tiers.add_row("cold", "-", "-", "-", "-", "-", "not configured (--cold-url)")
     console.print(tiers)
@@ -208,9 +237,13 @@ def _print_summary(s: RunSummary) -> None:
     elif "gaps" in s.incomplete:
         console.print("gaps: unknown (the cold tier cannot be read)")
     else:
-        console.print("gaps: none (no record was noted as dropped; `swiftlog verify` or `swiftlog replay --plan-only` find missing ones)")
+        console.print(
+            "gaps: none (no record was noted as dropped; `swiftlog verify` or `swiftlog replay --plan-only` find missing ones)"
+        )
     if s.incomplete:
-        console.print(f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them (cold tier unreachable)")
+        console.print(
+            f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them (cold tier unreachable)"
+        )
 
 
 def show(
@@ -247,8 +280,12 @@ def _print_detail(d: RecordDetail) -> None:
     if d.stats is not None:
         s = d.stats
         fmt = lambda x: "-" if x is None else f"{x:.6g}"  # noqa: E731
-        rows += [("min / max", f"{fmt(s.min)} / {fmt(s.max)}"), ("mean", fmt(s.mean)), ("norm", fmt(s.norm)),
-                 ("nan / inf", f"{s.nan_count} / {s.inf_count}")]  # fmt: skip
+        rows += [
+            ("min / max", f"{fmt(s.min)} / {fmt(s.max)}"),
+            ("mean", fmt(s.mean)),
+            ("norm", fmt(s.norm)),
+            ("nan / inf", f"{s.nan_count} / {s.inf_count}"),
+        ]
     elif d.meta is None:
         rows.append(("stats", d.stats_skipped or "-"))
     for k, v in rows:
@@ -274,7 +311,9 @@ def export(
         raise fail(f"--format {fmt!r} is not pt or npy")
     fmt = (fmt or output.suffix.lstrip(".")).lower()
     if fmt not in ("pt", "npy"):
-        raise fail(f"cannot tell the format of {str(output)!r}", hint="name the file *.pt or *.npy, or pass --format pt|npy")
+        raise fail(
+            f"cannot tell the format of {str(output)!r}", hint="name the file *.pt or *.npy, or pass --format pt|npy"
+        )
     if output.exists() and not force:
         raise fail(f"{str(output)!r} exists", hint="pass --force to overwrite it", code=EXIT_USAGE)
     with handle_errors():
@@ -284,7 +323,9 @@ def export(
     try:
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{output.name}.", suffix=".tmp")
     except OSError as e:
-        raise fail(f"cannot write {str(output)!r}: {e.strerror or e}", hint="check that its directory exists and is writable") from None
+        raise fail(
+            f"cannot write {str(output)!r}: {e.strerror or e}", hint="check that its directory exists and is writable"
+        ) from None
     try:
         with os.fdopen(fd, "wb") as f:
             if fmt == "pt":
@@ -306,9 +347,14 @@ def export(
         os.replace(tmp, output)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, KeyboardInterrupt):  # a full disk, a file size limit (torch says "unexpected pos")
-            raise fail(f"cannot write {str(output)!r}: {type(e).__name__}: {e}", hint="check the free space and the file size limit",
-                       code=EXIT_UNAVAILABLE) from None  # fmt: skip
+        if isinstance(e, (OSError, RuntimeError)) and not isinstance(
+            e, KeyboardInterrupt
+        ):  # a full disk, a file size limit (torch says "unexpected pos")
+            raise fail(
+                f"cannot write {str(output)!r}: {type(e).__name__}: {e}",
+                hint="check the free space and the file size limit",
+                code=EXIT_UNAVAILABLE,
+            ) from None
         raise
     shape = list(t.shape)
     dtype = str(t.dtype).removeprefix("torch.")

@@ -42,8 +42,15 @@ def verify(
     with handle_errors():
         node = make_node(root, cold_url, cold_option)
         runs = [run] if run else node.run_names()
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=err_console, transient=True, disable=json_out or not err_console.is_terminal)  # fmt: skip
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+            disable=json_out or not err_console.is_terminal,
+        )
         with progress:
             for r in runs:
                 tasks: dict[str, int] = {}
@@ -60,8 +67,10 @@ def verify(
     else:
         for res in results:
             mark = "[green]ok[/]" if res.ok else f"[red]{len(res.problems)} problem(s)[/]"
-            console.print(f"{res.run}: {mark}  hot records checked {res.hot_checked}, cold records checked "
-                          f"{res.cold_checked} in {res.cold_segments} segment(s)")  # fmt: skip
+            console.print(
+                f"{res.run}: {mark}  hot records checked {res.hot_checked}, cold records checked "
+                f"{res.cold_checked} in {res.cold_segments} segment(s)"
+            )
         if not runs:
             console.print(f"no runs under {root}")
         if problems:
@@ -71,8 +80,10 @@ def verify(
             for r, p in problems:
                 t.add_row(r, p.tier, p.key or "-", p.where, p.error)
             console.print(t)
-            err_console.print("[yellow]hint:[/] corrupt records are never returned; replay falls back to another copy "
-                              "(the cold tier or a peer), and GC removes them once below a checkpoint")  # fmt: skip
+            err_console.print(
+                "[yellow]hint:[/] corrupt records are never returned; replay falls back to another copy "
+                "(the cold tier or a peer), and GC removes them once below a checkpoint"
+            )
     if problems:
         # the object store down and nothing else wrong: unavailable (4), as for ls / stat, not "problems found"
         unreachable = all(p.tier == "cold" and p.error.startswith("cannot be listed") for _, p in problems)
@@ -96,8 +107,10 @@ def gc(
     verb = "would delete" if rep.dry_run else "deleted"
     wm = ", ".join(f"stage {w.stage} @ {w.iteration}" for w in rep.watermarks) or "none (nothing is garbage)"
     console.print(f"watermarks: {wm}")
-    console.print(f"{verb}: {rep.hot_records} hot record(s), {rep.hot_segments} hot segment(s) ({human_bytes(rep.hot_bytes)}), "
-                  f"{rep.cold_segments} cold segment(s) ({human_bytes(rep.cold_bytes)})")  # fmt: skip
+    console.print(
+        f"{verb}: {rep.hot_records} hot record(s), {rep.hot_segments} hot segment(s) ({human_bytes(rep.hot_bytes)}), "
+        f"{rep.cold_segments} cold segment(s) ({human_bytes(rep.cold_bytes)})"
+    )
     if rep.aborted_uploads:
         console.print(f"aborted {len(rep.aborted_uploads)} stale upload(s)")
     if rep.dry_run:
@@ -170,14 +183,18 @@ def _print_unregister(rep: UnregisterResult) -> None:
 def _print_flush(rep: FlushResult) -> None:
     for w, why in rep.skipped_writers.items():
         err_console.print(f"[yellow]skipped writer {w}:[/] {why}")
-    console.print(f"uploaded {rep.uploaded_segments} segment(s) ({human_bytes(rep.uploaded_bytes)}); "
-                  f"{rep.already_uploaded} already in the cold tier")  # fmt: skip
+    console.print(
+        f"uploaded {rep.uploaded_segments} segment(s) ({human_bytes(rep.uploaded_bytes)}); "
+        f"{rep.already_uploaded} already in the cold tier"
+    )
     if rep.open_segments:
         t = Table(title="still open in their writer (not flushable from here)", title_justify="left")
         for col in ("writer", "channel", "iterations", "records", "bytes"):
             t.add_column(col)
         for o in rep.open_segments:
-            t.add_row(o.writer, o.channel, f"{o.first_iteration}..{o.last_iteration}", str(o.records), human_bytes(o.bytes))
+            t.add_row(
+                o.writer, o.channel, f"{o.first_iteration}..{o.last_iteration}", str(o.records), human_bytes(o.bytes)
+            )
         console.print(t)
 
 

@@ -36,7 +36,15 @@ __all__ = ["register"]
 
 
 def plan(
-    root: Annotated[list[Path], typer.Option("--root", envvar=ENV_ROOT, help="the node's store root (one; for several: swiftlog replay --plan-only)", show_default=False)],
+    root: Annotated[
+        list[Path],
+        typer.Option(
+            "--root",
+            envvar=ENV_ROOT,
+            help="the node's store root (one; for several: swiftlog replay --plan-only)",
+            show_default=False,
+        ),
+    ],
     run: RunOpt,
     stage: Annotated[
         list[int] | None,
@@ -44,11 +52,15 @@ def plan(
     ] = None,
     # the old spelling of --stage: hidden, still works, says it is deprecated
     failed: Annotated[list[int] | None, typer.Option("--failed", "-f", min=0, max=0xFFFF, hidden=True)] = None,
-    planner: Annotated[str, typer.Option("--planner", envvar="SWIFTLOG_PLANNER", help="module:function of the planner")] = DEFAULT_PLANNER,
+    planner: Annotated[
+        str, typer.Option("--planner", envvar="SWIFTLOG_PLANNER", help="module:function of the planner")
+    ] = DEFAULT_PLANNER,
     target_iteration: Annotated[
         int | None, typer.Option("--target-iteration", "-t", min=0, help="the iteration the survivors stand at")
     ] = None,
-    bandwidth_mbps: Annotated[float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch bandwidth for the estimate (MB/s)")] = None,
+    bandwidth_mbps: Annotated[
+        float | None, typer.Option("--bandwidth-mbps", min=0.001, help="fetch bandwidth for the estimate (MB/s)")
+    ] = None,
     workers: Annotated[
         int | None, typer.Option("--workers", "-w", min=1, max=1024, help="parallel replay workers for the estimate")
     ] = None,
@@ -59,11 +71,16 @@ def plan(
     """Plan the recovery of failed stages from the surviving stages' logs."""
     stages = deprecated_alias(stage, failed, new_flag="--stage/-s", old_flag="--failed/-f")
     if not stages:
-        raise fail("missing option '--stage' / '-s'", hint="name the failed stage: -s 2 (repeat for several)",
-                   error_type="usage")  # fmt: skip
+        raise fail(
+            "missing option '--stage' / '-s'",
+            hint="name the failed stage: -s 2 (repeat for several)",
+            error_type="usage",
+        )
     if len(root) != 1:  # a plain option would keep the last of several silently
-        raise fail(f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",
-                   hint="to plan over several nodes' roots: swiftlog replay --plan-only --run RUN -s STAGE --root A --root B")  # fmt: skip
+        raise fail(
+            f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",
+            hint="to plan over several nodes' roots: swiftlog replay --plan-only --run RUN -s STAGE --root A --root B",
+        )
     with handle_errors():
         node = make_node(root[0], cold_url, cold_option)
         node.planner = planner

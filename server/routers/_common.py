@@ -10,7 +10,16 @@ from logstore.keys import Kind
 from server.models import ErrorResponse
 from server.node import Node
 
-__all__ = ["API_PREFIX", "get_node", "RunId", "RecordKeyPath", "RUN_PATTERN", "KEY_PATTERN", "CHANNEL_PATTERN", "errors"]
+__all__ = [
+    "API_PREFIX",
+    "get_node",
+    "RunId",
+    "RecordKeyPath",
+    "RUN_PATTERN",
+    "KEY_PATTERN",
+    "CHANNEL_PATTERN",
+    "errors",
+]
 
 API_PREFIX = "/v1"  # set on each router (not at include time) so every route knows its full path
 
@@ -23,14 +32,23 @@ KEY_PATTERN = rf"^({_SHORTS})_[0-9]{{1,5}}(_[0-9]{{1,5}})?/it[0-9]{{1,19}}(/mb[0
 
 RunId = Annotated[
     str,
-    Path(description="run id: 1-128 of [A-Za-z0-9._-], starting with a letter or digit, no '..'",
-         pattern=RUN_PATTERN, min_length=1, max_length=128, examples=["run-1"]),
-]  # fmt: skip
+    Path(
+        description="run id: 1-128 of [A-Za-z0-9._-], starting with a letter or digit, no '..'",
+        pattern=RUN_PATTERN,
+        min_length=1,
+        max_length=128,
+        examples=["run-1"],
+    ),
+]
 RecordKeyPath = Annotated[
     str,
-    Path(description="record key, e.g. act_0_1/it5/mb2/p0 (mb and p default to 0)",
-         pattern=KEY_PATTERN, max_length=128, examples=["act_0_1/it0/mb0/p0"]),
-]  # fmt: skip
+    Path(
+        description="record key, e.g. act_0_1/it5/mb2/p0 (mb and p default to 0)",
+        pattern=KEY_PATTERN,
+        max_length=128,
+        examples=["act_0_1/it0/mb0/p0"],
+    ),
+]
 
 _DESCRIPTIONS = {
     400: "bad input (invalid name, key, cursor or filter)",

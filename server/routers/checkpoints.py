@@ -17,7 +17,12 @@ __all__ = ["build"]
 def build(settings: Settings) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["checkpoints"])
 
-    @router.get("/runs/{run}/checkpoints", response_model=CheckpointList, responses=errors(), summary="Checkpoints and watermarks")
+    @router.get(
+        "/runs/{run}/checkpoints",
+        response_model=CheckpointList,
+        responses=errors(),
+        summary="Checkpoints and watermarks",
+    )
     async def list_checkpoints(run: RunId, node: Node = Depends(get_node)) -> CheckpointList:
         return await run_in_threadpool(node.checkpoints, run)
 

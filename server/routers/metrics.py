@@ -18,7 +18,12 @@ def build(settings: Settings) -> APIRouter:
     @router.get(
         "/metrics",
         response_class=Response,
-        responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
+        responses={
+            200: {
+                "description": "Prometheus text format",
+                "content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+            }
+        },
         summary="Prometheus metrics",
     )
     async def metrics(request: Request) -> Response:

@@ -54,8 +54,17 @@ def build(settings: Settings) -> APIRouter:
         cursor: str | None = Query(None, pattern=r"^[0-9a-f]{38}$", description="next_cursor of the previous page"),
         node: Node = Depends(get_node),
     ) -> RecordPage:
-        return await run_in_threadpool(node.records, run, channel=channel, kind=kind, it_lo=it_lo, it_hi=it_hi,
-                                       micro_batch=micro_batch, limit=limit, cursor=cursor)  # fmt: skip
+        return await run_in_threadpool(
+            node.records,
+            run,
+            channel=channel,
+            kind=kind,
+            it_lo=it_lo,
+            it_hi=it_hi,
+            micro_batch=micro_batch,
+            limit=limit,
+            cursor=cursor,
+        )
 
     # declared before /records/{key} so that ".../raw" is not read as part of a key
     @router.get(

@@ -31,13 +31,22 @@ def build(settings: Settings) -> APIRouter:
         failed: list[Annotated[int, Field(ge=0, le=0xFFFF)]] = Query(
             ..., min_length=1, max_length=64, description="failed stage (repeat for several)"
         ),
-        target_iteration: int | None = Query(None, ge=0, le=2**53 - 1, description="the iteration the survivors stand at: the replay stops before it (default: the first iteration not completely logged)"),
-        bandwidth_mbps: float | None = Query(None, ge=0.001, le=1e7, allow_inf_nan=False, description="fetch bandwidth for the time estimate, MB/s"),
+        target_iteration: int | None = Query(
+            None,
+            ge=0,
+            le=2**53 - 1,
+            description="the iteration the survivors stand at: the replay stops before it (default: the first iteration not completely logged)",
+        ),
+        bandwidth_mbps: float | None = Query(
+            None, ge=0.001, le=1e7, allow_inf_nan=False, description="fetch bandwidth for the time estimate, MB/s"
+        ),
         workers: int | None = Query(None, ge=1, le=1024, description="parallel replay workers for the time estimate"),
         node: Node = Depends(get_node),
     ) -> RecoveryPlan:
         return await run_in_threadpool(
-            lambda: node.plan(run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
+            lambda: node.plan(
+                run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers
+            )
         )
 
     return router

@@ -132,7 +132,9 @@ class StageModule(nn.Module):
             nn.init.normal_(self.tok.weight, std=0.02)
             nn.init.normal_(self.pos.weight, std=0.01)
         n_blocks = cfg.layers_per_stage * num_stages
-        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads, cfg.dropout, n_blocks, cfg.mlp_norm) for _ in range(cfg.layers_per_stage))
+        self.blocks = nn.ModuleList(
+            Block(cfg.hidden, cfg.heads, cfg.dropout, n_blocks, cfg.mlp_norm) for _ in range(cfg.layers_per_stage)
+        )
         if self.last:
             self.lnf = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab)

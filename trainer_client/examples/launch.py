@@ -124,7 +124,9 @@ class StoreHost:
     """A TCPStore server on 127.0.0.1 (free port) owned by this process."""
 
     def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
-        self.store = loopback_store(timeout)  # listening on 127.0.0.1 only (torch's own server listens on every interface)
+        self.store = loopback_store(
+            timeout
+        )  # listening on 127.0.0.1 only (torch's own server listens on every interface)
         self.port: int = self.store.port
 
 
@@ -183,14 +185,26 @@ def launch_pipeline(
     t0 = time.monotonic()
     try:
         for k in range(num_stages):
-            argv = ["--stage", str(k), "--num-stages", str(num_stages), "--store-port", str(host.port), "--out", out_dir,
-                    *args, *(per_stage or {}).get(k, ())]  # fmt: skip
+            argv = [
+                "--stage",
+                str(k),
+                "--num-stages",
+                str(num_stages),
+                "--store-port",
+                str(host.port),
+                "--out",
+                out_dir,
+                *args,
+                *(per_stage or {}).get(k, ()),
+            ]
             logs[k] = tempfile.NamedTemporaryFile(mode="w+", prefix=f"stage{k}-", suffix=".log")
             if method == "subprocess":
                 cmd = [sys.executable, "-m", "trainer_client.examples.train_pipeline", *argv]
                 procs[k] = subprocess.Popen(cmd, stdout=logs[k], stderr=subprocess.STDOUT, cwd=_REPO_ROOT, env=penv)
             else:
-                p = _forkserver().Process(target=_stage_entry, args=(argv, logs[k].name, dict(env or {})), name=f"stage{k}")
+                p = _forkserver().Process(
+                    target=_stage_entry, args=(argv, logs[k].name, dict(env or {})), name=f"stage{k}"
+                )
                 with main_module_hidden():
                     p.start()
                 procs[k] = _ForkProc(p)

@@ -60,7 +60,9 @@ def build_stage(stage: int, num_stages: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def factory(stage: int, num_stages: int, checkpoint: Any = None, **_: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+def factory(
+    stage: int, num_stages: int, checkpoint: Any = None, **_: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """The stage factory of the training and of a replay: (module, optimizer, lr scheduler), fresh."""
     module = build_stage(stage, num_stages)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
@@ -96,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--store-port", type=int, required=True)
     a("--store-root", required=True, help="this node's log store root")
     a("--checkpoint-url", required=True, help="durable storage for checkpoints (a shared directory, s3://...)")
-    a("--cold-url", default=None, help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own data is lost with it")
+    a(
+        "--cold-url",
+        default=None,
+        help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own data is lost with it",
+    )
     a("--out", required=True, help="where stage{k}.pt (the final state) goes")
     a("--iters", type=int, default=8)
     a("--ckpt-at", default="0", help="iterations to checkpoint at, comma-separated")
@@ -111,20 +117,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replay.replacement import ReplacementFallback, recover_stage, report_fallback, report_ready, serve_replay_helper
+    from replay.replacement import (
+        ReplacementFallback,
+        recover_stage,
+        report_fallback,
+        report_ready,
+        serve_replay_helper,
+    )
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     k, S = args.stage, args.num_stages
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    config = ClientConfig(run_id=args.run_id, stage=k, num_stages=S, seed=SEED, store_root=args.store_root, cold_url=args.cold_url,
-                          checkpoint_url=args.checkpoint_url)  # fmt: skip
+    config = ClientConfig(
+        run_id=args.run_id,
+        stage=k,
+        num_stages=S,
+        seed=SEED,
+        store_root=args.store_root,
+        cold_url=args.cold_url,
+        checkpoint_url=args.checkpoint_url,
+    )
     if args.replay_helper_rank:
         from logstore.errors import SwiftlogError
 
         try:
             serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)
-        except SwiftlogError as e:  # the replay is impossible (a ReplayError, a CheckpointError): the replacement reports the fallback
+        except (
+            SwiftlogError
+        ) as e:  # the replay is impossible (a ReplayError, a CheckpointError): the replacement reports the fallback
             print(f"helper {args.replay_helper_rank}: {e}", flush=True)
             return 3
         return 0
@@ -133,8 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.replacement:
         t_recover = time.time()
         try:
-            rec = recover_stage(store, run_id=args.run_id, stage=k, num_stages=S, generation=args.generation,
-                                checkpoint_url=config.resolved_checkpoint_url(), sources=None, factory=factory, helpers=args.replay_helpers)  # fmt: skip
+            rec = recover_stage(
+                store,
+                run_id=args.run_id,
+                stage=k,
+                num_stages=S,
+                generation=args.generation,
+                checkpoint_url=config.resolved_checkpoint_url(),
+                sources=None,
+                factory=factory,
+                helpers=args.replay_helpers,
+            )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, args.generation, str(e))
             return EXIT_FALLBACK
@@ -145,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, optimizer, lr_scheduler = factory(k, S)
         if args.resume_from is not None:  # a global rollback
-            load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)).apply(model, optimizer, lr_scheduler)
+            load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)).apply(
+                model, optimizer, lr_scheduler
+            )
             start = args.resume_from
     client = SwiftlogClient(config, commit_store=store)
     inp, out = example_io(k, S)
@@ -157,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     kill = None
     if args.kill_at:  # IT,MB,PHASE (the micro-batch is not used here)
         it_s, _, phase_s = args.kill_at.split(",")
-        if phase_s not in ("forward", "optimizer"):  # a phase this script does not inject must not pass as a failure-free run
-            raise SystemExit(f"--kill-at {args.kill_at}: this script injects the phases forward and optimizer, not {phase_s!r}")
+        if phase_s not in (
+            "forward",
+            "optimizer",
+        ):  # a phase this script does not inject must not pass as a failure-free run
+            raise SystemExit(
+                f"--kill-at {args.kill_at}: this script injects the phases forward and optimizer, not {phase_s!r}"
+            )
         kill = (int(it_s), phase_s)
 
     def die_if(it: int, phase: str) -> None:
@@ -183,9 +220,21 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    loop = ResilientLoop(client, store, RecoveryConfig(run_id=args.run_id, stage=k, num_stages=S, generation=generation,
-                                                      store_host=args.store_host, store_port=args.store_port),
-                         rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)  # fmt: skip
+    loop = ResilientLoop(
+        client,
+        store,
+        RecoveryConfig(
+            run_id=args.run_id,
+            stage=k,
+            num_stages=S,
+            generation=generation,
+            store_host=args.store_host,
+            store_port=args.store_port,
+        ),
+        rebuild=rebuild,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+    )
     loop.join()
     if args.replacement:
         store.set(RecoveryKeys(args.run_id).rejoined(args.generation, k), repr(time.time()))
@@ -193,9 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     report = client.close()
     dist.destroy_process_group()
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"stage": k, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-                "events": [e.to_dict() for e in loop.events], "recovered": recovered, "close_ok": report.ok},
-               os.path.join(args.out, f"stage{k}.pt"))  # fmt: skip
+    torch.save(
+        {
+            "stage": k,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "events": [e.to_dict() for e in loop.events],
+            "recovered": recovered,
+            "close_ok": report.ok,
+        },
+        os.path.join(args.out, f"stage{k}.pt"),
+    )
     return 0
 
 

@@ -50,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     a = p.add_argument
     a("--stage", type=int, required=True)
     a("--num-stages", type=int, default=4)
@@ -78,14 +80,33 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropout", type=float, default=0.1)
     a("--micro-batch-size", type=int, default=2)
     a("--n-microbatches", type=int, default=4)
-    a("--mlp-norm", default="layer", choices=["layer", "batch"], help="norm before each MLP (batch: running statistics in buffers)")
+    a(
+        "--mlp-norm",
+        default="layer",
+        choices=["layer", "batch"],
+        help="norm before each MLP (batch: running statistics in buffers)",
+    )
     a("--recompute", action="store_true", help="activation recomputation (torch.utils.checkpoint around each block)")
-    a("--clip-grad-norm", type=float, default=None, help="clip gradients to this global norm (over all stages) before each step")
-    a("--tie-embeddings", choices=["client", "raw"], default=None,
-      help="tie the first stage's token embedding to the last stage's head weight (equal at the start, their gradients summed "
-           "over the two stages each iteration, before the clip): 'client' through client.all_reduce_grads_ (logged and "
-           "replayed), 'raw' with a plain dist.all_reduce (not replayable: a replay of either stage is not verified)")
-    a("--autocast", default="none", choices=["none", "bf16"], help="run each schedule step under torch.autocast (bf16 on the stage's device)")
+    a(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        help="clip gradients to this global norm (over all stages) before each step",
+    )
+    a(
+        "--tie-embeddings",
+        choices=["client", "raw"],
+        default=None,
+        help="tie the first stage's token embedding to the last stage's head weight (equal at the start, their gradients summed "
+        "over the two stages each iteration, before the clip): 'client' through client.all_reduce_grads_ (logged and "
+        "replayed), 'raw' with a plain dist.all_reduce (not replayable: a replay of either stage is not verified)",
+    )
+    a(
+        "--autocast",
+        default="none",
+        choices=["none", "bf16"],
+        help="run each schedule step under torch.autocast (bf16 on the stage's device)",
+    )
     # logging
     a("--no-logging", action="store_true")
     a("--alternate-logging", type=int, default=0, help="blocks of N iterations: logging on, off, on, ...")
@@ -97,17 +118,32 @@ def build_parser() -> argparse.ArgumentParser:
     a("--encode-threads", type=int, default=1)
     a("--codec", default="auto")
     a("--segment-iters", type=int, default=2)
-    a("--no-ship-data", action="store_true", help="inputs/targets/META reach the cold tier only with their segment (ClientConfig.ship_data)")
-    a("--no-ship-wait", action="store_true", help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (ClientConfig.ship_wait)")
+    a(
+        "--no-ship-data",
+        action="store_true",
+        help="inputs/targets/META reach the cold tier only with their segment (ClientConfig.ship_data)",
+    )
+    a(
+        "--no-ship-wait",
+        action="store_true",
+        help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (ClientConfig.ship_wait)",
+    )
     a("--no-commit", action="store_true")
     a("--commit-timeout", type=float, default=60.0)
     a("--pg-timeout", type=float, default=60.0)
     a("--record-received", action="store_true", help="save every received tensor (tests)")
-    a("--probe-copy", action="store_true",
-      help="benchmark: in logged iterations also time a plain clone() of every logged send (result 'copy_probe')")
-    a("--file-size-limit", type=int, default=None,
-      help="fault injection: cap every file this process writes at N bytes (RLIMIT_FSIZE) during training, "
-           "i.e. a full disk as far as the log store is concerned")  # fmt: skip
+    a(
+        "--probe-copy",
+        action="store_true",
+        help="benchmark: in logged iterations also time a plain clone() of every logged send (result 'copy_probe')",
+    )
+    a(
+        "--file-size-limit",
+        type=int,
+        default=None,
+        help="fault injection: cap every file this process writes at N bytes (RLIMIT_FSIZE) during training, "
+        "i.e. a full disk as far as the log store is concerned",
+    )
     return p
 
 
@@ -117,12 +153,16 @@ def _record_received(stage: Any, client: SwiftlogClient, received: dict) -> None
 
     def forward_one_chunk(mb: int, args: Any, kwargs: Any = None, save_forward_output: bool = True) -> Any:
         if not stage.is_first:
-            received[(client.recorder.iteration, mb, "act")] = [i.buffer.detach().clone() for i in stage.args_recv_info[mb]]
+            received[(client.recorder.iteration, mb, "act")] = [
+                i.buffer.detach().clone() for i in stage.args_recv_info[mb]
+            ]
         return fwd(mb, args, kwargs, save_forward_output)
 
     def backward_one_chunk(mb: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> Any:
         if not stage.is_last:
-            received[(client.recorder.iteration, mb, "grad")] = [i.buffer.detach().clone() for i in stage.grad_recv_info[mb] if i.buffer is not None]
+            received[(client.recorder.iteration, mb, "grad")] = [
+                i.buffer.detach().clone() for i in stage.grad_recv_info[mb] if i.buffer is not None
+            ]
         return bwd(mb, loss, full_backward, last_backward)
 
     stage.forward_one_chunk = forward_one_chunk
@@ -162,13 +202,29 @@ def _limit_file_size(nbytes: int | None) -> None:
 
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
     """The example model's configuration from this script's arguments (shared with train_resilient)."""
-    return GPTConfig(vocab=args.vocab, hidden=args.hidden, heads=args.heads, layers_per_stage=args.layers, seq=args.seq,
-                     dropout=args.dropout, micro_batch_size=args.micro_batch_size, n_microbatches=args.n_microbatches,
-                     mlp_norm=args.mlp_norm, recompute=args.recompute)  # fmt: skip
+    return GPTConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        heads=args.heads,
+        layers_per_stage=args.layers,
+        seq=args.seq,
+        dropout=args.dropout,
+        micro_batch_size=args.micro_batch_size,
+        n_microbatches=args.n_microbatches,
+        mlp_norm=args.mlp_norm,
+        recompute=args.recompute,
+    )
 
 
-def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch.nn.Module, data: SyntheticTokens, it: int, losses: list,
-                  tie: tuple[torch.Tensor, Any] | None = None) -> None:  # fmt: skip
+def step_and_clip(
+    args: argparse.Namespace,
+    client: SwiftlogClient,
+    model: torch.nn.Module,
+    data: SyntheticTokens,
+    it: int,
+    losses: list,
+    tie: tuple[torch.Tensor, Any] | None = None,
+) -> None:
     """Iteration ``it``'s schedule step as the example scripts run it (shared with train_resilient):
     under bf16 autocast with ``--autocast bf16``, on the data source's batch or the synthetic one,
     then the tied weight's gradient summed over its two stages (``tie``: the weight and the group,
@@ -190,7 +246,9 @@ def step_and_clip(args: argparse.Namespace, client: SwiftlogClient, model: torch
         client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
 
 
-def tie_embeddings(model: torch.nn.Module, stage: int, num_stages: int, *, sync: bool = True) -> tuple[torch.Tensor, Any] | None:
+def tie_embeddings(
+    model: torch.nn.Module, stage: int, num_stages: int, *, sync: bool = True
+) -> tuple[torch.Tensor, Any] | None:
     """Tie the first stage's token embedding to the last stage's head weight (both vocab x hidden):
     every rank of the current process group creates the two stages' group (a collective: again
     after every re-formation), and with ``sync`` (a fresh start) the head starts from the
@@ -208,16 +266,33 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
     """The trainer client's configuration from this script's arguments (shared with train_resilient)."""
     cold_options = {}
     if args.cold_endpoint:
-        cold_options = {"key": args.cold_key, "secret": args.cold_secret, "client_kwargs": {"endpoint_url": args.cold_endpoint}}
+        cold_options = {
+            "key": args.cold_key,
+            "secret": args.cold_secret,
+            "client_kwargs": {"endpoint_url": args.cold_endpoint},
+        }
     return ClientConfig(
-        run_id=args.run_id, stage=args.stage, num_stages=args.num_stages, store_root=args.store_root, cold_url=args.cold_url,
-        cold_options=cold_options, checkpoint_url=args.checkpoint_url, seed=args.seed, segment_iters=args.segment_iters,
+        run_id=args.run_id,
+        stage=args.stage,
+        num_stages=args.num_stages,
+        store_root=args.store_root,
+        cold_url=args.cold_url,
+        cold_options=cold_options,
+        checkpoint_url=args.checkpoint_url,
+        seed=args.seed,
+        segment_iters=args.segment_iters,
         logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
-        log_data=not args.data_source, enabled=not args.no_logging, max_queue_bytes=args.max_queue_bytes,
-        overflow=args.overflow, max_backlog_bytes=args.max_backlog_bytes, encode_threads=args.encode_threads,
-        codec=args.codec, commit_timeout=datetime.timedelta(seconds=args.commit_timeout), ship_data=not args.no_ship_data,
+        log_data=not args.data_source,
+        enabled=not args.no_logging,
+        max_queue_bytes=args.max_queue_bytes,
+        overflow=args.overflow,
+        max_backlog_bytes=args.max_backlog_bytes,
+        encode_threads=args.encode_threads,
+        codec=args.codec,
+        commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
+        ship_data=not args.no_ship_data,
         **({"ship_wait": None} if args.no_ship_wait else {}),
-    )  # fmt: skip
+    )
 
 
 def run_stage(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,13 +303,18 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     cfg = gpt_config_from_args(args)
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"{args.run_id}/pg/gen0", store), rank=k, world_size=S,
+        "gloo",
+        store=dist.PrefixStore(f"{args.run_id}/pg/gen0", store),
+        rank=k,
+        world_size=S,
         timeout=datetime.timedelta(seconds=args.pg_timeout),
-    )  # fmt: skip
+    )
     t_pg = time.perf_counter()
     data = SyntheticTokens(cfg, seed=args.seed)
     config = config_from_args(args)
-    client = SwiftlogClient(config, commit_store=None if args.no_commit else store, data_source=data if args.data_source else None)
+    client = SwiftlogClient(
+        config, commit_store=None if args.no_commit else store, data_source=data if args.data_source else None
+    )
     model = build_stage_module(cfg, k, S, seed=args.seed)
     tie = tie_embeddings(model, k, S) if args.tie_embeddings else None
     optimizer = make_optimizer(model)
@@ -300,15 +380,31 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         "copy_probe": copy_probe,
         "checkpoints": ckpts,
         "stats": stats,
-        "close": {"ok": report.ok, "drained": report.drained, "error": report.error, "uploaded_segments": report.uploaded_segments,
-                  "faults": [f"{f.kind}: {f.message}" for f in report.logging_faults]},
+        "close": {
+            "ok": report.ok,
+            "drained": report.drained,
+            "error": report.error,
+            "uploaded_segments": report.uploaded_segments,
+            "faults": [f"{f.kind}: {f.message}" for f in report.logging_faults],
+        },
         "num_threads": torch.get_num_threads(),
-        "timing_s": {"rendezvous": t_pg - t_start, "setup": t_train - t_pg, "train": t_close - t_train, "close": t_end - t_close},
+        "timing_s": {
+            "rendezvous": t_pg - t_start,
+            "setup": t_train - t_pg,
+            "train": t_close - t_train,
+            "close": t_end - t_close,
+        },
     }
     os.makedirs(args.out, exist_ok=True)
     torch.save(
-        {**result, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-         "received": received, "gpt": cfg.to_dict()},
+        {
+            **result,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "received": received,
+            "gpt": cfg.to_dict(),
+        },
         os.path.join(args.out, f"stage{k}.pt"),
     )
     return result

@@ -154,6 +154,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     keys = RecoveryKeys(args.run_id)
     data = SyntheticTokens(cfg, seed=args.seed)
     config = config_from_args(args)
+
     def make_client() -> SwiftlogClient:
         return SwiftlogClient(config, commit_store=store, data_source=data if args.data_source else None)
 
@@ -173,21 +174,34 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
-            sources = [SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r]  # a root, or a node server's URL
+            sources = [
+                SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r
+            ]  # a root, or a node server's URL
             if args.cold_url:
                 sources.append(SourceSpec(kind="cold", location=args.cold_url))
         t_recover = time.time()
         try:
-            rec = recover_stage(store, run_id=args.run_id, stage=k, num_stages=S, generation=generation,
-                                checkpoint_url=config.resolved_checkpoint_url(), sources=sources, model_args=cfg.to_dict(),
-                                data_source="replay.examples:gpt_data" if args.data_source else None,
-                                n_microbatches=cfg.n_microbatches, threads=args.threads, workers=args.replay_workers, helpers=args.replay_helpers,
-                                timeout=datetime.timedelta(seconds=args.rejoin_timeout), group=_group_of(args.groups, k))  # fmt: skip
+            rec = recover_stage(
+                store,
+                run_id=args.run_id,
+                stage=k,
+                num_stages=S,
+                generation=generation,
+                checkpoint_url=config.resolved_checkpoint_url(),
+                sources=sources,
+                model_args=cfg.to_dict(),
+                data_source="replay.examples:gpt_data" if args.data_source else None,
+                n_microbatches=cfg.n_microbatches,
+                threads=args.threads,
+                workers=args.replay_workers,
+                helpers=args.replay_helpers,
+                timeout=datetime.timedelta(seconds=args.rejoin_timeout),
+                group=_group_of(args.groups, k),
+            )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, generation, str(e))
             print(
-                "FALLBACK "
-                + json.dumps({"stage": k, "generation": generation, "reason": str(e)}),
+                "FALLBACK " + json.dumps({"stage": k, "generation": generation, "reason": str(e)}),
                 flush=True,
             )
             opening.result().close(flush=False)
@@ -203,18 +217,14 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = make_optimizer(model)
         lr_scheduler = make_lr_scheduler(optimizer)
         if args.resume_from is not None:
-            ck = load_checkpoint(
-                checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)
-            )
+            ck = load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from))
             ck.apply(model, optimizer, lr_scheduler)
             start = args.resume_from
     kill: tuple[int, int, str] | None = None
     if args.kill_at:
         it_s, mb_s, phase = args.kill_at.split(",")
         if phase not in KILL_PHASES:
-            raise ValueError(
-                f"--kill-at phase must be one of {KILL_PHASES}, got {phase!r}"
-            )
+            raise ValueError(f"--kill-at phase must be one of {KILL_PHASES}, got {phase!r}")
         kill = (int(it_s), int(mb_s), phase)
     inp, out = example_io(cfg, k, S)
     armed = [False]
@@ -231,10 +241,14 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         cold.put_segment = put_segment_then_die
 
-    if kill is not None and kill[2] == "recovering":  # a failure during recovery: die right after reporting as a survivor
+    if (
+        kill is not None and kill[2] == "recovering"
+    ):  # a failure during recovery: die right after reporting as a survivor
 
         def die_once_reported() -> None:
-            watch = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+            watch = dist.TCPStore(
+                args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60)
+            )
             while not watch.check([keys.survivor(generation, k)]):
                 time.sleep(0.002)
             _kill(watch, keys, k)
@@ -245,13 +259,15 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     built = [False]
 
     def rebuild() -> None:
-        if args.tie_embeddings:  # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
-            tie[0] = tie_embeddings(model, k, S, sync=not built[0] and start == 0 and generation == 0 and not args.replacement)
+        if (
+            args.tie_embeddings
+        ):  # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+            tie[0] = tie_embeddings(
+                model, k, S, sync=not built[0] and start == 0 and generation == 0 and not args.replacement
+            )
         built[0] = True
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
-        client.schedule(
-            stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn
-        )
+        client.schedule(stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)
         if kill is not None and kill[2] in ("forward", "backward"):
             name = "forward_one_chunk" if kill[2] == "forward" else "backward_one_chunk"
             orig = getattr(stage, name)
@@ -292,10 +308,17 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         if k == S - 1:  # progress of the whole job (survives this process): "iteration:time:generation;"
             store.append(keys.progress(), f"{it}:{time.time()!r}:{loop.generation};")
 
-    rcfg = RecoveryConfig(run_id=args.run_id, stage=k, num_stages=S, generation=generation,
-                          pg_timeout=datetime.timedelta(seconds=args.pg_timeout), rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
-                          heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
-                          store_host=args.store_host, store_port=args.store_port)  # fmt: skip
+    rcfg = RecoveryConfig(
+        run_id=args.run_id,
+        stage=k,
+        num_stages=S,
+        generation=generation,
+        pg_timeout=datetime.timedelta(seconds=args.pg_timeout),
+        rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
+        heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
+        store_host=args.store_host,
+        store_port=args.store_port,
+    )
     loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)
     t_join = time.time()
     loop.join()
@@ -311,21 +334,39 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         joined=True,
     )
     if args.iters in ckpt_at:
-        ckpts[args.iters] = client.checkpoint(
-            args.iters, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()}
-        )
+        ckpts[args.iters] = client.checkpoint(args.iters, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
     report = client.close()
     dist.destroy_process_group()
     result = {
-        "stage": k, "iters": args.iters, "start": start, "generation_end": loop.generation,
-        "losses": [losses_per_it[i] for i in sorted(losses_per_it)], "losses_by_it": losses_per_it,
-        "iteration_end": loop.iteration_end, "events": [e.to_dict() for e in loop.events], "recovered": recovered,
-        "checkpoints": ckpts, "t_join": t_join, "t_train": t_train,
-        "close": {"ok": report.ok, "error": report.error, "faults": [f"{f.kind}: {f.message}" for f in report.logging_faults]},
-    }  # fmt: skip
+        "stage": k,
+        "iters": args.iters,
+        "start": start,
+        "generation_end": loop.generation,
+        "losses": [losses_per_it[i] for i in sorted(losses_per_it)],
+        "losses_by_it": losses_per_it,
+        "iteration_end": loop.iteration_end,
+        "events": [e.to_dict() for e in loop.events],
+        "recovered": recovered,
+        "checkpoints": ckpts,
+        "t_join": t_join,
+        "t_train": t_train,
+        "close": {
+            "ok": report.ok,
+            "error": report.error,
+            "faults": [f"{f.kind}: {f.message}" for f in report.logging_faults],
+        },
+    }
     os.makedirs(args.out, exist_ok=True)
-    torch.save({**result, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-                "gpt": cfg.to_dict()}, os.path.join(args.out, f"stage{k}.pt"))  # fmt: skip
+    torch.save(
+        {
+            **result,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": lr_scheduler.state_dict(),
+            "gpt": cfg.to_dict(),
+        },
+        os.path.join(args.out, f"stage{k}.pt"),
+    )
     return result
 
 
@@ -335,16 +376,28 @@ def run_replay_helper(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     # build the stage from its newest checkpoint while the replacement works out the job
-    prepared = prepare_states(config_from_args(args).resolved_checkpoint_url(), run_id=args.run_id, stages=_group_of(args.groups, args.stage),
-                              num_stages=args.num_stages, model_args=gpt_config_from_args(args).to_dict())  # fmt: skip
+    prepared = prepare_states(
+        config_from_args(args).resolved_checkpoint_url(),
+        run_id=args.run_id,
+        stages=_group_of(args.groups, args.stage),
+        num_stages=args.num_stages,
+        model_args=gpt_config_from_args(args).to_dict(),
+    )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     from replay.core import ReplayError
     from trainer_client.errors import CheckpointError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
     try:
-        info["took_part"] = serve_replay_helper(store, args.run_id, args.generation, args.stage, args.replay_helper_rank,
-                                                timeout=datetime.timedelta(seconds=args.rejoin_timeout), prepared=prepared)  # fmt: skip
+        info["took_part"] = serve_replay_helper(
+            store,
+            args.run_id,
+            args.generation,
+            args.stage,
+            args.replay_helper_rank,
+            timeout=datetime.timedelta(seconds=args.rejoin_timeout),
+            prepared=prepared,
+        )
     except (ReplayError, CheckpointError) as e:  # the replay is impossible: the replacement reports the fallback
         info |= {"took_part": True, "error": f"{type(e).__name__}: {e}"}
     print("HELPER " + json.dumps(info), flush=True)
