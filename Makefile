@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.swiftlog-installed
 
-.PHONY: demo test test-fast bench venv clean
+.PHONY: demo test test-fast lint bench venv clean
 
 venv: $(STAMP)
 
@@ -23,10 +23,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/swiftlog demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -ra
 
-test-fast: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -ra -m "not slow"
 
 bench: $(STAMP)
