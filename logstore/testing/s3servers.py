@@ -46,6 +46,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from logstore.errors import S3ServerError
+
 __all__ = [
     "S3Server",
     "S3ServerError",
@@ -63,10 +65,6 @@ REGION = "us-east-1"
 #: Environment variable naming the ``weed`` binary to use instead of the venv's.
 WEED_BIN_ENV = "SWIFTLOG_WEED_BIN"
 _PROBE_KEY = ".swiftlog-ready-probe"  # never a valid segment/doc name (leading '.')
-
-
-class S3ServerError(RuntimeError):
-    """A test server could not be started (the message carries the tail of its log)."""
 
 
 def free_port() -> int:
