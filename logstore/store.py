@@ -34,8 +34,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,7 +45,6 @@ from logstore import codec
 from logstore.checkpoints import (
     CheckpointInfo,
     check_meta,
-    check_portable_json,
     cold_name,
     hot_name,
     parse_cold_name,
@@ -53,6 +52,7 @@ from logstore.checkpoints import (
     parse_hot_name,
 )
 from logstore.cold import ColdTier
+from logstore.config import StoreConfig
 from logstore.errors import (
     ColdTierUnavailableError,
     ConfigError,
@@ -66,7 +66,8 @@ from logstore.errors import (
     WriterFencedError,
 )
 from logstore.hot import EVICTED, OPEN, SEALED, UPLOADED, HotTier, Location, SegmentMeta
-from logstore.keys import Channel, Kind, RecordKey, validate_name, validate_run
+from logstore.keys import Channel, Kind, RecordKey
+from logstore.reports import GcReport, RecordInfo, UnregisterPreview, VerifyReport
 from logstore.segment import (
     FRAME_HEADER_SIZE,
     INDEX_ENTRY_SIZE,
@@ -78,19 +79,7 @@ from logstore.segment import (
     parse_trailer,
 )
 
-__all__ = [
-    "check_portable_json",
-    "check_meta",
-    "StoreConfig",
-    "LogStore",
-    "Encoded",
-    "GcReport",
-    "VerifyReport",
-    "CheckpointInfo",
-    "UnregisterPreview",
-    "RecordInfo",
-    "list_runs",
-]
+__all__ = ["LogStore", "Encoded", "list_runs", "writers_under"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,55 +155,6 @@ def _copy_age(seg: _ColdSeg) -> tuple[float, int]:
     return seg.incarnation, _seg_number(seg)
 
 
-@dataclass(kw_only=True, slots=True)
-class StoreConfig:
-    """Configuration of one LogStore.
-
-    root: the node's store root directory (hot tiers live under ``root/run/writer``).
-    run: run id (a safe name).
-    writer: this process's writer name (e.g. ``stage2``); None opens the store read-only
-        (reads, stats, verify, GC and checkpoint registration still work).
-    cold_url: ``file:///dir``, a plain directory path, or ``s3://bucket/prefix``; None = hot only.
-    cold_options: fsspec storage options for the cold tier (s3: endpoint_url, key, secret...).
-    durability: "process" (survive process death; default) or "fsync" (survive power loss).
-    segment_iters: iterations per segment (segments align to multiples of it); smaller means
-        finer-grained GC and upload, more objects.
-    segment_max_bytes: a segment is sealed early when it reaches this size.
-    upload: run the background uploader (writer stores with a cold tier only).
-    max_backlog_bytes: sealed-but-not-uploaded bytes beyond which ``put`` raises StoreFullError
-        (the caller records a gap); None = bounded only by the disk.
-    hot_max_bytes: after upload, evict the oldest uploaded segments from the hot tier while it
-        holds more than this many bytes; None = keep until GC.
-    codec: tensor codec for ``put`` ("auto", "planes", "zstd", "raw").
-    stale_upload_age: multipart uploads older than this are aborted by ``gc``.
-    """
-
-    root: str | os.PathLike[str]
-    run: str
-    writer: str | None = None
-    cold_url: str | None = None
-    cold_options: dict[str, Any] = field(default_factory=dict)
-    durability: str = "process"
-    segment_iters: int = 4
-    segment_max_bytes: int = 64 << 20
-    upload: bool = True
-    max_backlog_bytes: int | None = None
-    hot_max_bytes: int | None = None
-    codec: str = "auto"
-    stale_upload_age: timedelta = timedelta(hours=1)
-
-    def __post_init__(self) -> None:
-        validate_run(self.run)
-        if self.writer is not None:
-            validate_name(self.writer, "writer name")
-        if self.segment_iters < 1:
-            raise ConfigError(f"segment_iters must be >= 1, got {self.segment_iters}")
-        if self.segment_max_bytes < 1 << 16:
-            raise ConfigError(f"segment_max_bytes must be >= 64 KiB, got {self.segment_max_bytes}")
-        if self.codec not in ("auto", "planes", "zstd", "raw"):
-            raise ConfigError(f"codec {self.codec!r} unknown", hint="use auto, planes, zstd or raw")
-
-
 class Encoded(NamedTuple):
     """An encoded record ready for ``LogStore.put_encoded`` (made by ``LogStore.encode``)."""
 
@@ -222,78 +162,6 @@ class Encoded(NamedTuple):
     blob: bytes
     raw_len: int
     checksum: int
-
-
-@dataclass(slots=True)
-class GcReport:
-    dry_run: bool
-    watermarks: dict[int, int]
-    hot_records: int = 0
-    hot_segments: int = 0
-    hot_bytes: int = 0
-    cold_segments: int = 0
-    cold_bytes: int = 0
-    aborted_uploads: list[str] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)  # deleted (or to delete) record keys, first 1000
-    segments: list[str] = field(default_factory=list)  # cold objects deleted (or to delete)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class UnregisterPreview:
-    """What withdrawing one registration does (``LogStore.preview_unregister``).
-
-    checkpoint: the registration. watermarks_before / watermarks_after: every stage's watermark
-    with it and without it (groups applied). gc_before / gc_after: what a GC would delete with
-    the registrations as they are, and once it is gone (dry runs; whatever the first holds beyond
-    the second is what the remaining registrations keep). Records a GC already deleted are not
-    brought back by unregistering.
-    """
-
-    checkpoint: CheckpointInfo
-    watermarks_before: dict[int, int]
-    watermarks_after: dict[int, int]
-    gc_before: GcReport
-    gc_after: GcReport
-
-
-@dataclass(slots=True)
-class VerifyReport:
-    hot_checked: int = 0
-    cold_checked: int = 0
-    cold_segments: int = 0
-    problems: list[dict[str, str]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ok"] = self.ok
-        return d
-
-
-@dataclass(frozen=True, slots=True)
-class RecordInfo:
-    """Where one record lives and what it weighs, from the indexes alone (no record bytes read).
-
-    tier: "hot" (a segment file on this node) or "cold" (only in the object store: never
-    uploaded from here, or evicted). writer: the writer whose segment holds it. stored_bytes:
-    length of the encoded blob. raw_bytes: the tensor's raw size (None when only a cold footer
-    was read). checksum: xxh3-64 of the encoded blob (what frames and footers store).
-    segment: the hot segment path relative to the run directory, or the cold object name.
-    """
-
-    key: RecordKey
-    tier: str
-    writer: str
-    stored_bytes: int
-    raw_bytes: int | None
-    checksum: int
-    segment: str
 
 
 @dataclass(frozen=True, slots=True)
