@@ -148,7 +148,8 @@ class Shipper:
         return sum(m.file_size for m in self.hot.segments() if m.state == SEALED) if self.hot else 0
 
     def _cold_name(self, m: SegmentMeta, writer: str | None = None, seg_id: int | None = None) -> str:
-        return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self._writer}.{m.id if seg_id is None else seg_id:010d}.seg"
+        seg = m.id if seg_id is None else seg_id
+        return f"{self.run}/segments/{m.channel}/{m.lo:012d}-{m.hi:012d}.{writer or self._writer}.{seg:010d}.seg"
 
     def _number_past_own_uploads(self, committed: set[str], hot: HotTier | None = None) -> bool:
         """Number the new segments of ``hot``'s writer (default: this store's) past the ids its name
@@ -184,7 +185,8 @@ class Shipper:
                 and m.hi >= wm.get(Channel.parse(m.channel).owner, 0)
             ):  # not garbage another node's GC removed
                 logger.warning(
-                    "run %s: segment %d of %s was uploaded as %s, which the cold tier no longer has: uploading it again",
+                    "run %s: segment %d of %s was uploaded as %s, which the cold tier no longer has: "
+                    "uploading it again",
                     self.run,
                     m.id,
                     self.hot.writer,
@@ -301,14 +303,14 @@ class Shipper:
                 theirs = None if other is None else other.meta.get("incarnation")
                 if isinstance(theirs, (int, float)) and theirs > incarnation:
                     # a later incarnation of this writer (its replacement) uploads: this one is the stale one
+                    opened = datetime.fromtimestamp(theirs, UTC).isoformat()
+                    mine = datetime.fromtimestamp(incarnation, UTC).isoformat()
                     why = (
-                        f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later incarnation of this "
-                        f"writer (opened {datetime.fromtimestamp(theirs, UTC).isoformat()}, this one "
-                        f"{datetime.fromtimestamp(incarnation, UTC).isoformat()}): this one uploads nothing more"
+                        f"writer {hot.writer} of run {self.run!r}: {name} in the cold tier was uploaded by a later "
+                        f"incarnation of this writer (opened {opened}, this one {mine}): this one uploads nothing more"
                     )
-                    if (
-                        own
-                    ):  # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
+                    # the writer's own uploader: said once in its log (the exception reaches only its flush callers)
+                    if own:
                         self._fenced = why
                         logger.error("run %s: %s", self.run, why)
                     raise WriterFencedError(why, key=name, hint=_FENCED_HINT) from None
@@ -318,7 +320,8 @@ class Shipper:
                 self._number_past_own_uploads(self._cold_index.committed_names(), hot)
                 renamed = self._cold_name(m, hot.writer, hot.reserve_id())
                 logger.warning(
-                    "run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): uploading it as %s",
+                    "run %s: %s is taken in the cold tier by other bytes (an earlier incarnation of writer %s): "
+                    "uploading it as %s",
                     self.run,
                     name,
                     hot.writer,

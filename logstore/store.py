@@ -228,9 +228,8 @@ class LogStore:
         if self.cold is not None:
             try:
                 blob = self._cold_get(key)
-            except (
-                SwiftlogError
-            ) as e:  # corrupt there too, or unreachable: the hot copy's corruption is the fact to report
+            except SwiftlogError as e:
+                # corrupt there too, or unreachable: the hot copy's corruption is the fact to report
                 if corrupt is not None and isinstance(e, CorruptRecordError):
                     raise CorruptRecordError(
                         f"{corrupt.message}; the cold copy is corrupt too: {e.message}", key=key

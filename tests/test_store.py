@@ -335,7 +335,8 @@ def test_a_corrupt_hot_copy_is_read_from_its_intact_cold_copy(tmp_path: Path, co
         both = _open(tmp_path / "node", cold_backend, writer=None)
         with pytest.raises(
             CorruptRecordError,
-            match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: corrupt record grad_2_1/it1/mb1/p0 in cold object",
+            match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: "
+            r"corrupt record grad_2_1/it1/mb1/p0 in cold object",
         ):
             both.get(key)
         both.close()

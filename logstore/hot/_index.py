@@ -248,9 +248,8 @@ class IndexAccess:
             except (*DAMAGE, UnicodeDecodeError, json.JSONDecodeError, struct.error) as e:  # damaged pages or entries
                 self.damaged = f"the LMDB index of {self.dir} cannot be read: {type(e).__name__}: {e}"
                 raise CorruptIndexError(self.damaged, hint=_OWN_DAMAGED_HINT if self.owner else DAMAGED_HINT) from e
-            except (
-                lmdb.Error
-            ) as e:  # a commit's page writes on a full disk end as EIO ("Input/output error"): ask the disk
+            except lmdb.Error as e:
+                # a commit's page writes on a full disk end as EIO ("Input/output error"): ask the disk
                 if any(m in str(e) for m in ("No space left", "File too large", "Disk quota exceeded")) or _nearly_full(
                     self.dir
                 ):

@@ -142,8 +142,8 @@ class Recovery(IndexAccess):
                 aside = path.with_name(path.name + ".unreadable")
                 os.replace(path, aside)
                 logger.warning(
-                    "hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, e.g. on a full "
-                    "disk): moved to %s, its index entries dropped (recorded as gaps)",
+                    "hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, "
+                    "e.g. on a full disk): moved to %s, its index entries dropped (recorded as gaps)",
                     self.dir,
                     path,
                     size,
@@ -161,12 +161,11 @@ class Recovery(IndexAccess):
                     found = read_orphan(path)
                 except (SwiftlogError, OSError):
                     found = None
-                if (
-                    found is not None and found[3] and found[1] >= meta.end
-                ):  # sealed on disk, with more: the index is an older copy
+                # sealed on disk, with more: the index is an older copy
+                if found is not None and found[3] and found[1] >= meta.end:
                     logger.warning(
-                        "hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes (an older copy "
-                        "of the index?): re-indexed from its footer, not truncated",
+                        "hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes "
+                        "(an older copy of the index?): re-indexed from its footer, not truncated",
                         self.dir,
                         meta.id,
                         len(found[0]),
@@ -340,8 +339,8 @@ class Recovery(IndexAccess):
         top = max(self.file_ids(), default=0)
         if self.number_past(top) and (orphans := self.orphan_files()):  # (re-indexed files are no orphans)
             logger.warning(
-                "hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; new segments "
-                "are numbered from %d",
+                "hot tier %s: %d segment file(s) are not in its index (index lost or replaced?), e.g. %s: kept; "
+                "new segments are numbered from %d",
                 self.dir,
                 len(orphans),
                 orphans[0].name,

@@ -295,15 +295,8 @@ class HotTier(Recovery):
         self._write(lambda txn: self._commit_entries(txn, batch.entries, batch.pending_end))
         for seg_id, end in batch.pending_end.items():
             batch.segs[seg_id].end = end
-        for (
-            _,
-            seg_id,
-            off,
-            ln,
-            cs,
-            _,
-            key,
-        ) in batch.entries:  # (the key object itself: decoding its bytes again cost a third of the commit)
+        # (the key object itself: decoding its bytes again cost a third of the commit)
+        for _, seg_id, off, ln, cs, _, key in batch.entries:
             batch.segs[seg_id].index.append(IndexEntry(key, off, ln, cs))
         batch.entries = []
         batch.pending_end = {}

@@ -17,6 +17,9 @@ Fault injection: :meth:`S3Server.kill` SIGKILLs the server's process group (the 
 for SeaweedFS, the same data directory). :meth:`S3Server.stop` is the final stop: it kills the
 process group and removes every temporary file.
 
+One module, over 600 lines: the two servers are one tool and share the base class's process,
+port and readiness handling.
+
 This module never talks to anything but 127.0.0.1 and never leaves a process running after
 ``stop()`` / ``__exit__``.
 """
