@@ -121,68 +121,73 @@ class Recovery(IndexAccess):
         self._adopt_orphans()
         self._number_past_files()
         for meta in self.segments():
-            if meta.state != OPEN:
-                continue
-            path = self.seg_path(meta.id)
+            if meta.state == OPEN:
+                self._recover_open(meta)
+
+    def _recover_open(self, meta: SegmentMeta) -> None:
+        """One open segment at open: dropped (its file lost or headless), cut back to its whole
+        frames (shorter than acknowledged), re-indexed from its footer (sealed on disk: an older
+        index), or truncated to its acknowledged end; then sealed."""
+        path = self.seg_path(meta.id)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                headed = f.read(len(MAGIC)) == MAGIC
+        except FileNotFoundError:
+            logger.warning(
+                "hot tier %s: open segment %d lost its file; dropping its index entries (recorded as gaps)",
+                self.dir,
+                meta.id,
+            )
+            self._drop_segment_entries(meta.id, f"lost: the file of open segment {meta.id} is gone")
+            return
+        except OSError as e:
+            raise translate_os_error(e, f"reading segment {path}") from e
+        if not headed:
+            aside = path.with_name(path.name + ".unreadable")
+            os.replace(path, aside)
+            logger.warning(
+                "hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, "
+                "e.g. on a full disk): moved to %s, its index entries dropped (recorded as gaps)",
+                self.dir,
+                path,
+                size,
+                aside.name,
+            )
+            self._sync_dir()
+            why = f"lost: open segment file {path.name} had no header (moved to {aside.name})"
+            self._drop_segment_entries(meta.id, why)
+            return
+        if size < meta.end:
+            self._cut_torn(meta, path, size)
+            return
+        if size > meta.end:
             try:
-                size = path.stat().st_size
-                with open(path, "rb") as f:
-                    headed = f.read(len(MAGIC)) == MAGIC
-            except FileNotFoundError:
+                found = read_orphan(path)
+            except (SwiftlogError, OSError):
+                found = None
+            # sealed on disk, with more: the index is an older copy
+            if found is not None and found[3] and found[1] >= meta.end:
                 logger.warning(
-                    "hot tier %s: open segment %d lost its file; dropping its index entries (recorded as gaps)",
+                    "hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes "
+                    "(an older copy of the index?): re-indexed from its footer, not truncated",
                     self.dir,
                     meta.id,
-                )
-                self._drop_segment_entries(meta.id, f"lost: the file of open segment {meta.id} is gone")
-                continue
-            except OSError as e:
-                raise translate_os_error(e, f"reading segment {path}") from e
-            if not headed:
-                aside = path.with_name(path.name + ".unreadable")
-                os.replace(path, aside)
-                logger.warning(
-                    "hot tier %s: open segment file %s (%d bytes) has no segment header (its creation failed, "
-                    "e.g. on a full disk): moved to %s, its index entries dropped (recorded as gaps)",
-                    self.dir,
-                    path,
-                    size,
-                    aside.name,
-                )
-                self._sync_dir()
-                why = f"lost: open segment file {path.name} had no header (moved to {aside.name})"
-                self._drop_segment_entries(meta.id, why)
-                continue
-            if size < meta.end:
-                self._cut_torn(meta, path, size)
-                continue
-            if size > meta.end:
-                try:
-                    found = read_orphan(path)
-                except (SwiftlogError, OSError):
-                    found = None
-                # sealed on disk, with more: the index is an older copy
-                if found is not None and found[3] and found[1] >= meta.end:
-                    logger.warning(
-                        "hot tier %s: segment %d is sealed on disk (%d records) but open in the index at %d bytes "
-                        "(an older copy of the index?): re-indexed from its footer, not truncated",
-                        self.dir,
-                        meta.id,
-                        len(found[0]),
-                        meta.end,
-                    )
-                    self._drop_segment_entries(meta.id)
-                    self._adopt_file(path, found)
-                    continue
-                logger.info(
-                    "hot tier %s: truncating segment %d from %d to acknowledged end %d",
-                    self.dir,
-                    meta.id,
-                    size,
+                    len(found[0]),
                     meta.end,
                 )
-                os.truncate(path, meta.end)
-            self._seal(meta.id)
+                self._drop_segment_entries(meta.id)
+                self._adopt_file(path, found)
+                return
+            logger.info(
+                "hot tier %s: truncating segment %d from %d to acknowledged end %d",
+                self.dir,
+                meta.id,
+                size,
+                meta.end,
+            )
+            os.truncate(path, meta.end)
+        self._seal(meta.id)
 
     def _cut_torn(self, meta: SegmentMeta, path: Path, size: int) -> None:
         """Open segment ``meta`` whose file ``path`` has only ``size`` bytes of its acknowledged

@@ -143,9 +143,16 @@ class HotTier(Recovery):
         self._lock_fd: int | None = None
         self._map_size = map_size
         self._handle: EnvHandle | None = None
-        damaged: str | None = None  # why the owner's own index cannot be used
+        damaged = self._open_index(map_size)
+        if owner:
+            self._start_owner(damaged)
+
+    def _open_index(self, map_size: int) -> str | None:
+        """Take the writer lock (owner) and open the index. Returns why the owner's own index cannot
+        be used (None when it opened); a reader's unusable index raises."""
+        damaged: str | None = None
         try:
-            if owner:
+            if self.owner:
                 self._seg_dir.mkdir(parents=True, exist_ok=True)
                 self._lock_fd = os.open(self.dir / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
                 try:
@@ -160,9 +167,9 @@ class HotTier(Recovery):
             elif not (self.dir / "index").is_dir():
                 raise StoreError(f"no hot tier at {self.dir}")
             try:
-                self._attach(open_env(self.dir / "index", durability == "fsync", map_size, create=owner))
+                self._attach(open_env(self.dir / "index", self.durability == "fsync", map_size, create=self.owner))
             except (*DAMAGE, CorruptIndexError) as e:
-                if not owner:
+                if not self.owner:
                     raise
                 damaged = f"it cannot be opened: {type(e).__name__}: {e}"
         except OSError as e:
@@ -172,24 +179,28 @@ class HotTier(Recovery):
         except lmdb.Error as e:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
-            if not owner:  # a reader creates nothing: an index it cannot open is damaged (or not one)
+            if not self.owner:  # a reader creates nothing: an index it cannot open is damaged (or not one)
                 raise CorruptIndexError(f"the LMDB index of {self.dir} cannot be opened: {e}", hint=DAMAGED_HINT) from e
             raise StoreError(f"opening LMDB index of {self.dir}: {e}") from e
-        if owner:
-            try:
-                if damaged is None:
-                    try:
-                        self.check_readable()  # a damaged page anywhere is found now, not in some later put
-                        self._recover()
-                    except CorruptIndexError as e:
-                        damaged = e.message
-                if damaged is not None:
-                    self._replace_damaged_index(damaged)
-                opened = time.time()
-                self._write(lambda txn: txn.put(b"incarnation", F64.pack(opened), db=self._db_meta))
-            except BaseException:
-                self.close()
-                raise
+        return damaged
+
+    def _start_owner(self, damaged: str | None) -> None:
+        """The owner's first steps: check its index, recover (or replace a damaged index), then
+        record this incarnation."""
+        try:
+            if damaged is None:
+                try:
+                    self.check_readable()  # a damaged page anywhere is found now, not in some later put
+                    self._recover()
+                except CorruptIndexError as e:
+                    damaged = e.message
+            if damaged is not None:
+                self._replace_damaged_index(damaged)
+            opened = time.time()
+            self._write(lambda txn: txn.put(b"incarnation", F64.pack(opened), db=self._db_meta))
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ writer side
     def _new_segment(self, channel: Channel, iteration: int) -> _Open:
