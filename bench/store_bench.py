@@ -142,9 +142,8 @@ def measure_hot() -> dict[str, Any]:
     plain file with the same sync policy, interleaved rounds, both durability modes."""
     import tempfile
 
-    from logstore import Channel, LogStore, RecordKey
+    from logstore import Channel, Encoded, LogStore, RecordKey
     from logstore.segment import blob_checksum
-    from logstore.store import Encoded
 
     blobs = _encoded_records()[:96]
     # what LogStore.encode returns on the encoder threads; the writer thread then only does I/O

@@ -18,6 +18,11 @@ Hierarchy::
     │   └── StoreClosedError            use after close()
     └── ConfigError (ValueError)        a configuration value that cannot work
 
+Outside the tree (never raised to a caller of the store)::
+
+    ObjectExistsError                   cold tier internal: an exclusive write found the key taken
+    S3ServerError (RuntimeError)        test tooling (logstore.testing): a loopback S3 server did not start
+
 Each error carries ``retryable`` (may the same call succeed later?) and, where it makes sense,
 the record key or object path it concerns, plus a hint that tells the reader what to do.
 Backend errors (lmdb, OSError, botocore) are translated at the boundary with ``raise ... from e``
@@ -45,6 +50,8 @@ __all__ = [
     "WriterFencedError",
     "StoreClosedError",
     "ConfigError",
+    "ObjectExistsError",
+    "S3ServerError",
     "translate_os_error",
 ]
 
@@ -132,6 +139,15 @@ class WriterFencedError(ColdTierError):
 
 class StoreClosedError(StoreError):
     """The store was used after close()."""
+
+
+class ObjectExistsError(Exception):
+    """An exclusive write found the key taken. Internal to the cold tier: its backends raise it,
+    ``ColdTier`` turns it into a SegmentClashError or its fencing probe's answer."""
+
+
+class S3ServerError(RuntimeError):
+    """A test server could not be started (the message carries the tail of its log)."""
 
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

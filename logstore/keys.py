@@ -62,7 +62,8 @@ def validate_name(name: object, what: str = "name") -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
         raise InvalidNameError(
             f"invalid {what} {name!r}",
-            hint="use 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, without '..'",
+            hint="use 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'",
         )
     return name
 
@@ -79,7 +80,9 @@ class Kind(enum.IntEnum):
     TARGET = 3
     META = 4
     DIGEST = 5
-    REDUCED = 6  # a stage's gradients as a collective left them (client.all_reduce_grads_): one record per call, a part per parameter
+    # a stage's gradients as a collective left them (client.all_reduce_grads_): one record per call, a part per
+    # parameter
+    REDUCED = 6
 
     @property
     def short(self) -> str:

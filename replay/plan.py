@@ -48,10 +48,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from logstore import Channel, LogStore, RecordKey
+from logstore import Channel, LogStore, RecordInfo, RecordKey
 from logstore.errors import ColdTierError, ColdTierUnavailableError, StoreError, SwiftlogError
 from logstore.keys import Kind
-from logstore.store import RecordInfo
 from replay.core import needed_channels
 from trainer_client.client import decode_meta
 

@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 
-from logstore import codec
+from logstore import LogStore, RecordInfo, StoreConfig, codec, list_runs
+from logstore.checkpoints import check_portable_json
 from logstore.errors import CodecError, ColdTierError, ColdTierUnavailableError, SwiftlogError
 from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
-from logstore.store import LogStore, RecordInfo, StoreConfig, check_portable_json, list_runs, writers_under
+from logstore.store import writers_under
 from server.errors import BadRequestError, CheckpointNotFoundError, NoColdTierError, RunNotFoundError
 from server.models import (
     ChannelSummary,

@@ -95,7 +95,7 @@ _STOP = threading.Event()  # set by SIGINT / SIGTERM in a writer process (main)
 
 def _write_stage(args: argparse.Namespace) -> None:
     """Body of one writer process (see :func:`write_run`)."""
-    from logstore.store import LogStore, StoreConfig
+    from logstore import LogStore, StoreConfig
 
     torch.set_num_threads(1)
     # a stage that does not flush never uploads: its sealed segments stay behind however the

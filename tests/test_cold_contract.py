@@ -343,7 +343,7 @@ def test_closed_tier_refuses(cold_env: ColdEnv) -> None:
 def _use_in_forked_child(tier: ColdTier, q: multiprocessing.Queue) -> None:
     import gc
 
-    from logstore import cold
+    from logstore.cold import _s3
 
     try:
         tier.put_segment("run/from-child", b"child", meta={})
@@ -352,7 +352,7 @@ def _use_in_forked_child(tier: ColdTier, q: multiprocessing.Queue) -> None:
         q.put(("error", repr(e)))
     # Finalize everything inherited from the parent, as a child's normal exit may: this must not
     # disturb the parent's connections (they share sockets and the epoll instance).
-    cold._inherited_clients.clear()
+    _s3._inherited_clients.clear()
     gc.collect()
 
 
@@ -379,14 +379,14 @@ def test_usable_after_fork_and_parent_unharmed(cold_tier: ColdTier, caplog: pyte
 def _doomed_uploader(env: ColdEnv, name: str, path: str, conn: object) -> None:
     """Runs in a forked child (a crash-prone uploader): uploads ``path``, announces each part,
     then waits to be killed."""
-    from logstore import cold
+    from logstore.cold import _file, _s3
 
     def hang_after_part(self: object, key: str, number: int) -> None:
         conn.send(f"PART {number}")  # type: ignore[attr-defined]
         time.sleep(300)  # the parent SIGKILLs us here
 
-    cold._S3Backend._after_part = hang_after_part  # type: ignore[method-assign]
-    cold._LocalBackend._after_part = hang_after_part  # type: ignore[method-assign]
+    _s3.S3Backend._after_part = hang_after_part  # type: ignore[method-assign]
+    _file.FileBackend._after_part = hang_after_part  # type: ignore[method-assign]
     tier = env.make()  # a fresh client in this process, same small parts
     tier.put_segment(name, path, meta={"by": "doomed child"})
     conn.send("DONE")  # type: ignore[attr-defined]

@@ -335,7 +335,8 @@ def test_a_corrupt_hot_copy_is_read_from_its_intact_cold_copy(tmp_path: Path, co
         both = _open(tmp_path / "node", cold_backend, writer=None)
         with pytest.raises(
             CorruptRecordError,
-            match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: corrupt record grad_2_1/it1/mb1/p0 in cold object",
+            match=r"in hot tier \(.*\): checksum mismatch; the cold copy is corrupt too: "
+            r"corrupt record grad_2_1/it1/mb1/p0 in cold object",
         ):
             both.get(key)
         both.close()
@@ -625,7 +626,7 @@ def test_gc_removes_cold_objects_left_without_a_marker_once_older_than_the_stale
     _fill(s, range(6))
     s.flush()
     s.register_checkpoint(2, 2)  # ACT below 2 is garbage: GC deletes its cold segment, marker first
-    doomed, size = next((seg.name, seg.size) for seg in s._cold_segments(ACT, refresh=True) if seg.hi < 2)
+    doomed, size = next((seg.name, seg.size) for seg in s._cold_index.segments(ACT, refresh=True) if seg.hi < 2)
     cold_env.raw_delete(doomed + ".commit")  # ... and crashed before the object
     crashed = f"run1/segments/{ACT.name}/000000000006-000000000007.stage1.0000000099.seg"
     cold_env.raw_put(crashed, b"the first bytes of an upload that never finished")
@@ -682,7 +683,7 @@ def test_gc_with_watermarks_inside_segments_keeps_every_record_at_or_above_them(
                     assert torch.equal(r.get(RecordKey(ACT, it, mb)), _t(it, mb)), (tier, w, it, mb)
             assert len(r.keys(GRAD)) == 24, (tier, w)  # stage 1 has no checkpoint: nothing of it is garbage
             r.close()
-        cold = [(seg.lo, seg.hi) for seg in s._cold_segments(ACT, refresh=True)]
+        cold = [(seg.lo, seg.hi) for seg in s._cold_index.segments(ACT, refresh=True)]
         assert cold == [(lo, lo + 3) for lo in (0, 4, 8) if lo + 3 >= w], (w, cold)
         if not evict:
             assert sorted((m.lo, m.hi) for m in s.hot.segments() if m.channel == ACT.name) == cold, w

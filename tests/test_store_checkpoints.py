@@ -81,7 +81,7 @@ def test_a_registration_whose_content_disagrees_with_its_name_is_left_out(tmp_pa
         "run1/checkpoints/stage00003/000000000002.json",
         {"stage": 3, "iteration": 2, "uri": None, "registered_at": 3.0, "meta": {}, "signed_by": "a newer writer"},
     )
-    with caplog.at_level(logging.WARNING, logger="logstore.store"):
+    with caplog.at_level(logging.WARNING, logger="logstore._retention"):
         r = LogStore.open(tmp_path / "node", "run1", **cold)
         assert [(c.stage, c.iteration) for c in r.checkpoints()] == [(2, 4), (3, 2)]
         assert r.watermarks() == {2: 4, 3: 2}

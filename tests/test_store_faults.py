@@ -117,7 +117,8 @@ def test_file_size_limit_is_reported_as_store_full(tmp_path: Path) -> None:
         from logstore import LogStore, Channel, RecordKey
         from logstore.errors import StoreFullError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        s = LogStore.open({str(tmp_path / "node")!r}, "run1", writer="stage0", codec="raw", segment_max_bytes=64 << 20, segment_iters=100_000)
+        s = LogStore.open({str(tmp_path / "node")!r}, "run1", writer="stage0", codec="raw",
+                          segment_max_bytes=64 << 20, segment_iters=100_000)
         resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
         n = 0
         try:

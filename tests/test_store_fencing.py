@@ -56,7 +56,7 @@ def test_a_segment_whose_cold_copy_is_not_confirmed_is_never_evicted(tmp_path: P
     s.cold.put_segment = raced  # type: ignore[method-assign]
     for it in range(6):
         s.put(RecordKey(ACT, it, 0), _t(it))
-    with caplog.at_level(logging.WARNING, logger="logstore.store"):
+    with caplog.at_level(logging.WARNING, logger="logstore._shipper"):
         s.flush()
     states = {m.cold_name: m.state for m in s.hot.segments()}
     assert states[replaced[0]] == UPLOADED and EVICTED in states.values(), states  # the others are confirmed and go

@@ -17,6 +17,9 @@ Fault injection: :meth:`S3Server.kill` SIGKILLs the server's process group (the 
 for SeaweedFS, the same data directory). :meth:`S3Server.stop` is the final stop: it kills the
 process group and removes every temporary file.
 
+One module, over 600 lines: the two servers are one tool and share the base class's process,
+port and readiness handling.
+
 This module never talks to anything but 127.0.0.1 and never leaves a process running after
 ``stop()`` / ``__exit__``.
 """
@@ -46,6 +49,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from logstore.errors import S3ServerError
+
 __all__ = [
     "S3Server",
     "S3ServerError",
@@ -63,10 +68,6 @@ REGION = "us-east-1"
 #: Environment variable naming the ``weed`` binary to use instead of the venv's.
 WEED_BIN_ENV = "SWIFTLOG_WEED_BIN"
 _PROBE_KEY = ".swiftlog-ready-probe"  # never a valid segment/doc name (leading '.')
-
-
-class S3ServerError(RuntimeError):
-    """A test server could not be started (the message carries the tail of its log)."""
 
 
 def free_port() -> int:
