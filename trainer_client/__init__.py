@@ -64,16 +64,13 @@ from trainer_client.errors import (
     CommitError,
     CommitStoreError,
     IterationAbortedError,
+    RecoveryFailedError,
+    RecoveryTimeoutError,
     UnsupportedScheduleError,
 )
 from trainer_client.meta import decode_meta, encode_meta
 from trainer_client.stage import LoggingPipelineStage
-from trainer_client.survivor import (
-    RecoveryConfig,
-    RecoveryFailedError,
-    RecoveryTimeoutError,
-    ResilientLoop,
-)
+from trainer_client.survivor import RecoveryConfig, ResilientLoop
 from trainer_client.writer import AsyncLogWriter, Fault, WriterStats
 
 __all__ = [

@@ -53,14 +53,17 @@ import torch.distributed as dist
 
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
-from trainer_client.errors import ClientError, CommitStoreError, IterationAbortedError
+from trainer_client.errors import (
+    CommitStoreError,
+    IterationAbortedError,
+    RecoveryFailedError,
+    RecoveryTimeoutError,
+)
 
 __all__ = [
     "RecoveryConfig",
     "RecoveryEvent",
-    "RecoveryFailedError",
     "RecoveryKeys",
-    "RecoveryTimeoutError",
     "wait_until_woken",
     "ResilientLoop",
     "is_pipeline_failure",
@@ -83,14 +86,6 @@ _COMM_MARKERS = (
     "has been destroyed",
     "not initialized",
 )
-
-
-class RecoveryFailedError(ClientError):
-    """The pipeline could not be re-formed (the replacement gave up, or survivors disagree)."""
-
-
-class RecoveryTimeoutError(RecoveryFailedError):
-    """A recovery wait passed its deadline; the message names the keys it waited for."""
 
 
 def pg_prefix(run_id: str, generation: int) -> str:
