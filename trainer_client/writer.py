@@ -61,8 +61,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -70,13 +69,14 @@ import torch
 from logstore import Channel, Encoded, LogStore, RecordKey, codec
 from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
 from logstore.segment import blob_checksum
+from trainer_client._staging import PinnedPool, QueueItem
+from trainer_client._writer_stats import MAX_FAULTS, Fault, WriterStats
 from trainer_client.digest import digest_record, tensor_digest
 
 __all__ = ["AsyncLogWriter", "Fault", "WriterStats", "auto_encode_threads"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_FAULTS = 256
 _WINDOW = 16  # records handed to the encode pool ahead of the writer
 _POLL_S = 1.0  # longest time a queued record waits for the writer (it is woken earlier at thresholds and commits)
 
@@ -93,142 +93,6 @@ def auto_encode_threads(on_gpu: bool) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores // max(1, torch.cuda.device_count())))
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """One logging fault: when, what kind, which records, and the error text."""
-
-    at: float
-    kind: str  # "encode" | "store_full" | "write" | "gap_record" | "marker" | "overflow" | "closed"
-    message: str
-    channel: str | None = None
-    iteration: int | None = None
-    micro_batch: int | None = None
-
-
-@dataclass(slots=True)
-class WriterStats:
-    """Counters of one writer; see :meth:`AsyncLogWriter.stats`. Bytes are raw tensor bytes
-    unless the name says ``stored`` (encoded blob bytes)."""
-
-    records_submitted: int = 0
-    bytes_submitted: int = 0
-    records_written: int = 0
-    bytes_written: int = 0
-    stored_bytes_written: int = 0
-    batches_written: int = 0
-    digests_submitted: int = 0
-    records_dropped: int = 0
-    bytes_dropped: int = 0
-    gaps_recorded: int = 0
-    overflow_drops: int = 0  # records dropped at the bound ("gap", a wait timed out, or the writer is stuck)
-    overflow_waits: int = 0
-    overflow_wait_s: float = 0.0
-    overflow_timeouts: int = 0  # waits that ended after overflow_wait_s without room: the record became a gap
-    queue_bytes: int = 0
-    queue_peak_bytes: int = 0
-    queue_items: int = 0
-    digest_bytes: int = 0  # received buffers held until hashed (references on CPU, pinned copies on GPU)
-    digest_peak_bytes: int = 0
-    digests_hashed_at_bound: int = 0  # CPU buffers hashed at submit because digest_bytes was at the bound
-    digest_gaps: int = 0  # GPU buffers whose digest was dropped at the bound (each a recorded gap)
-    encode_threads: int = 0  # the encode pool's size (0: encoding on the writer thread, or not chosen yet)
-    pinned_bytes: int = 0  # pinned host memory held for device-to-host copies now (in flight or kept for reuse, at most max_queue_bytes free)
-    faults: int = 0
-    faults_by_kind: dict[str, int] = field(default_factory=dict)
-    last_fault: str | None = None
-    # training-thread time in the capture path, wall clock (perf_counter, no syscall: a syscall
-    # here would be where a pending preemption lands and attribute the stall to logging)
-    submit_s: float = 0.0  # inside submit() (references, copies, queueing)
-    digest_s: float = 0.0  # inside submit_digests() and settle_digests() (queueing / hashing received buffers)
-    digests_settled_inline: int = 0  # deferred digests the training thread had to hash itself at settle time
-    submit_max_s: float = 0.0  # longest single submit()
-    encode_s: float = 0.0  # background encode wall time (summed over threads)
-    write_s: float = 0.0  # background store wall time
-    encode_cpu_s: float = 0.0  # the same as CPU time of the background threads
-    write_cpu_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-class _PinnedPool:
-    """Reusable pinned host buffers keyed by (dtype, numel); allocating pinned memory is slow.
-
-    At most ``max_free_bytes`` are kept free for reuse (a run whose shapes keep changing, e.g.
-    variable sequence lengths, would otherwise keep a buffer of every shape it ever logged); a
-    buffer returned beyond that is released to torch's pinned-memory allocator. ``nbytes``: the
-    pinned memory this pool holds now, in use or free.
-    """
-
-    def __init__(self, max_free_bytes: int) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = collections.defaultdict(list)
-        self._lock = threading.Lock()
-        self._max_free = max_free_bytes
-        self._free_bytes = 0
-        self.nbytes = 0
-
-    def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        with self._lock:
-            free = self._free.get((dtype, n))
-            buf = free.pop() if free else None
-            if buf is not None:
-                self._free_bytes -= buf.numel() * buf.element_size()
-        if buf is None:
-            buf = torch.empty(n, dtype=dtype, pin_memory=True)
-            with self._lock:
-                self.nbytes += buf.numel() * buf.element_size()
-        return buf.view(shape)
-
-    def put(self, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        with self._lock:
-            if self._free_bytes + size > self._max_free:
-                self.nbytes -= size  # dropped: torch's caching host allocator takes it back
-                return
-            self._free_bytes += size
-            self._free[(t.dtype, t.numel())].append(t.reshape(-1))
-
-
-class _Item:
-    __slots__ = (
-        "kind",
-        "channel",
-        "iteration",
-        "micro_batch",
-        "tensors",
-        "nparts",
-        "events",
-        "pinned",
-        "hash_only",
-        "digests",
-        "nbytes",
-        "held",
-        "fn",
-        "reason",
-        "future",
-    )
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind  # "rec" | "mark" | "gap"
-        self.channel: Channel | None = None
-        self.iteration = 0
-        self.micro_batch = 0
-        self.tensors: list[torch.Tensor] = []
-        self.nparts = 0
-        self.events: list[Any] = []
-        self.pinned = False
-        self.hash_only = False  # a digest record: store the digests, not the tensors
-        self.digests: list[int] | None = None  # computed at submit (CPU) or by the encoder (staged CUDA copies)
-        self.nbytes = 0  # reserved in queue_bytes (records)
-        self.held = 0  # counted in digest_bytes (digest records, until their buffers are let go)
-        self.fn: Callable[[], None] | None = None
-        self.reason = ""
-        self.future: Future | None = None
 
 
 class AsyncLogWriter:
@@ -272,14 +136,14 @@ class AsyncLogWriter:
         self._batch_records = batch_records
         self._batch_bytes = batch_bytes
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Item] = collections.deque()
+        self._queue: collections.deque[QueueItem] = collections.deque()
         self._busy = 0  # items popped by the writer but not finished
         self._closing = False
         self._stats = WriterStats()
-        self._faults: collections.deque[Fault] = collections.deque(maxlen=_MAX_FAULTS)
+        self._faults: collections.deque[Fault] = collections.deque(maxlen=MAX_FAULTS)
         self._new_faults: list[Fault] = []
-        self._pinned = _PinnedPool(max_queue_bytes)
-        self._unsettled: list[_Item] = []  # deferred digest items; only the training thread touches the list
+        self._pinned = PinnedPool(max_queue_bytes)
+        self._unsettled: list[QueueItem] = []  # deferred digest items; only the training thread touches the list
         self._hash_lock = threading.Lock()  # a deferred item is hashed exactly once, by whoever comes first
         # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
         # waking it for every record would make it compete for the GIL at every torch op
@@ -320,7 +184,7 @@ class AsyncLogWriter:
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if not self._reserve(nbytes, channel, iteration, micro_batch):
                 return False
-            item = _Item("rec")
+            item = QueueItem("rec")
             item.channel, item.iteration, item.micro_batch, item.nbytes = channel, iteration, micro_batch, nbytes
             try:
                 self._stage(item, tensors, copy)
@@ -362,7 +226,7 @@ class AsyncLogWriter:
         the overflow policy (its digest dropped is a recorded gap). Never raises.
         """
         t0 = time.perf_counter()
-        item = _Item("rec")
+        item = QueueItem("rec")
         try:
             item.channel, item.iteration, item.micro_batch = channel, iteration, micro_batch
             item.hash_only = True
@@ -425,7 +289,7 @@ class AsyncLogWriter:
         finally:
             self._stats.digest_s += time.perf_counter() - t0
 
-    def _hash_deferred(self, item: _Item) -> bool:
+    def _hash_deferred(self, item: QueueItem) -> bool:
         """Compute ``item.digests`` unless someone already did; True if this call hashed. A CPU
         item's buffers are let go once hashed (pinned copies go back to their pool after encoding)."""
         with self._hash_lock:
@@ -448,7 +312,7 @@ class AsyncLogWriter:
 
         Exceptions from ``fn`` are recorded as faults of kind "marker", never raised.
         """
-        item = _Item("mark")
+        item = QueueItem("mark")
         item.fn = fn
         with self._cv:
             self._queue.append(item)
@@ -456,7 +320,7 @@ class AsyncLogWriter:
 
     def gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
         """Queue a ``store.record_gap`` (the training thread never touches the store itself)."""
-        item = _Item("gap")
+        item = QueueItem("gap")
         item.channel, item.iteration, item.micro_batch, item.reason = channel, iteration, micro_batch, reason
         with self._cv:
             self._queue.append(item)
@@ -620,7 +484,7 @@ class AsyncLogWriter:
         self._fault_locked("overflow_timeout", said, channel, iteration, micro_batch)
         return why
 
-    def _release_digest(self, item: _Item) -> None:
+    def _release_digest(self, item: QueueItem) -> None:
         """Stop counting ``item``'s received buffers in ``digest_bytes`` (idempotent)."""
         if item.held:
             with self._cv:
@@ -635,7 +499,7 @@ class AsyncLogWriter:
             self._cv.notify_all()
 
     def _stage(
-        self, item: _Item, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False
+        self, item: QueueItem, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False
     ) -> None:
         """Make host tensors the writer may read later without racing the training thread."""
         out: list[torch.Tensor] = []
@@ -674,7 +538,7 @@ class AsyncLogWriter:
 
     # ================================================================ internals: writer thread
     def _run(self) -> None:
-        inflight: collections.deque[_Item] = collections.deque()
+        inflight: collections.deque[QueueItem] = collections.deque()
         while True:
             with self._cv:
                 if (
@@ -695,7 +559,7 @@ class AsyncLogWriter:
                 logger.exception("swiftlog writer: unexpected error")
                 self._fault("write", f"writer loop: {type(e).__name__}: {e}")
 
-    def _refill(self, inflight: collections.deque[_Item]) -> None:
+    def _refill(self, inflight: collections.deque[QueueItem]) -> None:
         """Move queued items into the in-flight window (up to ``_WINDOW``) and hand every record
         not yet encoding to the pool. Writer thread only."""
         with self._cv:
@@ -709,8 +573,8 @@ class AsyncLogWriter:
                 if self._pool is not None:
                     it.future = self._pool.submit(self._encode, it)
 
-    def _process(self, inflight: collections.deque[_Item]) -> None:
-        batch: list[tuple[_Item, list[bytes]]] = []
+    def _process(self, inflight: collections.deque[QueueItem]) -> None:
+        batch: list[tuple[QueueItem, list[bytes]]] = []
         batch_bytes = 0
         while inflight:
             head = inflight[0]
@@ -746,7 +610,7 @@ class AsyncLogWriter:
         with self._cv:
             self._encode_threads = n
 
-    def _encode(self, item: _Item) -> list[Encoded]:
+    def _encode(self, item: QueueItem) -> list[Encoded]:
         """Encode an item's tensors on a pool thread: compression and the blob checksum are done
         here so that the single writer thread only does I/O (``LogStore.put_encoded``)."""
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -776,7 +640,7 @@ class AsyncLogWriter:
                 self._stats.encode_s += time.perf_counter() - t0
                 self._stats.encode_cpu_s += time.thread_time() - c0
 
-    def _encoded(self, item: _Item) -> list[Encoded] | None:
+    def _encoded(self, item: QueueItem) -> list[Encoded] | None:
         try:
             if item.future is not None:
                 return item.future.result()
@@ -789,7 +653,7 @@ class AsyncLogWriter:
             item.tensors = []  # let the tensors go as soon as they are encoded
             self._release_digest(item)
 
-    def _write(self, batch: list[tuple[_Item, list[bytes]]]) -> None:
+    def _write(self, batch: list[tuple[QueueItem, list[bytes]]]) -> None:
         rows = [rec for _, recs in batch for rec in recs]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -824,7 +688,7 @@ class AsyncLogWriter:
         for item, _ in batch:
             self._finish(item)
 
-    def _control(self, item: _Item) -> None:
+    def _control(self, item: QueueItem) -> None:
         if item.kind == "gap":
             self._record_gap(item.channel, item.iteration, item.micro_batch, item.reason)
             return
@@ -835,7 +699,7 @@ class AsyncLogWriter:
             logger.warning("swiftlog writer: marker failed: %s", e)
             self._fault("marker", f"{type(e).__name__}: {e}")
 
-    def _drop(self, item: _Item, reason: str) -> None:
+    def _drop(self, item: QueueItem, reason: str) -> None:
         item.tensors = []
         self._release_digest(item)
         with self._cv:
@@ -860,7 +724,7 @@ class AsyncLogWriter:
                 micro_batch,
             )
 
-    def _finish(self, item: _Item) -> None:
+    def _finish(self, item: QueueItem) -> None:
         with self._cv:
             self._busy -= 1
             if item.kind == "rec":
@@ -888,7 +752,7 @@ class AsyncLogWriter:
         st.faults_by_kind[kind] = st.faults_by_kind.get(kind, 0) + 1
         st.last_fault = f"{kind}: {message}"
         self._faults.append(f)
-        if len(self._new_faults) < _MAX_FAULTS:
+        if len(self._new_faults) < MAX_FAULTS:
             self._new_faults.append(f)
         if st.faults_by_kind[kind] <= 3 or st.faults_by_kind[kind] % 100 == 0:
             where = ", ".join(
