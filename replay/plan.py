@@ -53,7 +53,7 @@ from logstore.errors import ColdTierError, ColdTierUnavailableError, StoreError,
 from logstore.keys import Kind
 from logstore.store import RecordInfo
 from replay.core import needed_channels
-from trainer_client.client import decode_meta
+from trainer_client.meta import decode_meta
 
 __all__ = [
     "plan_recovery",

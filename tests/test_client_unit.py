@@ -847,7 +847,7 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
         moto_server.restart()
     assert client.store.wait_shipped([Channel.input(0), Channel.target(0)], 5, 300)  # the backlog goes up
     it = 6
-    with caplog.at_level(logging.INFO, logger="trainer_client.client"):
+    with caplog.at_level(logging.INFO, logger="trainer_client._shipping"):
         assert [f for f in iteration(it) if f.kind == "ship_timeout"] == []  # caught up: waited, in time
     assert f"caught up by iteration {it}" in caplog.text
     it += 1
@@ -1381,7 +1381,7 @@ def _epoch_run(
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     uri = _train_one_stage(client, mod, opt, iters=iters, sched=sched, sched_after=lambda it: it % 2 == 0)
     if not count_last:
-        client._committed = None  # what close would count: nothing, as after a death in the optimizer step
+        client._meta.committed = None  # what close would count: nothing, as after a death in the optimizer step
     return client.close(), uri, mod, sched
 
 
@@ -1900,7 +1900,7 @@ def test_reductions_and_clips_name_parameters_by_their_place_in_the_stage_module
     assert torch.equal(mod[1].bias.grad, torch.ones(5))
     client.all_reduce_grads_([mod[1].bias], module=mod[1], average=True)
     client.clip_grad_norm_([mod[1].bias], 1.0, module=mod[1])
-    assert client._grad_reduces[-1]["params"] == [3] and client._grad_clips[-1]["params"] == [3]
+    assert client._grad_ops.reduces[-1]["params"] == [3] and client._grad_ops.clips[-1]["params"] == [3]
     client.close()
 
 
@@ -1974,7 +1974,7 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
         )
         probe.track_lr_scheduler(a)
         for _ in range(4):
-            nxt = probe._sched_next()
+            nxt = probe._watch.sched_next()
             a_opt.step(), b_opt.step()
             a.step(), b.step()
             assert nxt == [g["lr"] for g in a_opt.param_groups] == [g["lr"] for g in b_opt.param_groups]

@@ -47,15 +47,10 @@ See ``trainer_client.determinism`` for what exact replay requires of the trainin
 """
 
 from trainer_client.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from trainer_client.client import (
-    SUPPORTED_SCHEDULES,
-    CommitReport,
-    DataSource,
-    FlushReport,
-    SwiftlogClient,
-)
+from trainer_client.client import SUPPORTED_SCHEDULES, CommitReport, FlushReport, SwiftlogClient
 from trainer_client.commit import CommitCoordinator, CommitResult
 from trainer_client.config import ClientConfig
+from trainer_client.data import DataSource
 from trainer_client.determinism import derive_seed, seed_micro_batch
 from trainer_client.digest import tensor_digest
 from trainer_client.errors import (
