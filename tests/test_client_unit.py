@@ -40,7 +40,7 @@ from trainer_client import (
     tensor_digest,
 )
 from trainer_client.commit import loopback_store, stored_metas
-from trainer_client.config import group_starts
+from trainer_client.config import CheckpointConfig, CommitConfig, StorageConfig, WriterConfig, group_starts
 from trainer_client.digest import digest_from_record, digest_record
 from trainer_client.meta import importable_name
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
@@ -50,6 +50,11 @@ def test_public_api_is_pinned():
     assert sorted(trainer_client.__all__) == sorted(
         [
             "ClientConfig",
+            "WriterConfig",
+            "CommitConfig",
+            "StorageConfig",
+            "CheckpointConfig",
+            "MetricsConfig",
             "SwiftlogClient",
             "LoggingPipelineStage",
             "CommitReport",
@@ -93,25 +98,32 @@ def test_public_api_is_pinned():
         ({"num_stages": 0}, "num_stages"),
         ({"logging_groups": [2, 1]}, "logging_groups"),
         ({"logging_groups": [4, 0]}, "logging_groups"),
-        ({"overflow": "drop"}, "overflow"),
-        ({"codec": "lz4"}, "codec"),
-        ({"max_queue_bytes": 0}, "max_queue_bytes"),
-        ({"encode_threads": -1}, "encode_threads"),
+        ({"writer": lambda: WriterConfig(overflow="drop")}, "WriterConfig.overflow"),
+        ({"writer": lambda: WriterConfig(codec="lz4")}, "WriterConfig.codec"),
+        ({"writer": lambda: WriterConfig(max_queue_bytes=0)}, "WriterConfig.max_queue_bytes"),
+        ({"writer": lambda: WriterConfig(encode_threads=-1)}, "WriterConfig.encode_threads"),
         ({"seed": -1}, "seed"),
-        ({"commit_timeout": 5}, "commit_timeout"),
+        ({"commit": lambda: CommitConfig(timeout=5)}, "CommitConfig.timeout"),
+        ({"checkpoints": lambda: CheckpointConfig(keep=1)}, "CheckpointConfig.keep"),
+        ({"writer": "fast"}, "writer must be a WriterConfig"),
         ({"run_id": "../x"}, "run id"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(tmp_path, kwargs, field):
     base = {"run_id": "r", "stage": 0, "num_stages": 4, "store_root": str(tmp_path)}
     with pytest.raises(ConfigError) as ei:
-        ClientConfig(**{**base, **kwargs})
+        ClientConfig(**{**base, **{k: v() if callable(v) else v for k, v in kwargs.items()}})
     assert field in str(ei.value)
 
 
 def test_config_defaults_and_boundaries(tmp_path):
     c = ClientConfig(run_id="r", stage=2, num_stages=4, store_root=str(tmp_path))
-    assert c.writer == "stage2" and c.commit_prefix == "swiftlog/r" and c.logs_forward_send() and c.logs_backward_send()
+    assert (
+        c.writer_name == "stage2"
+        and c.commit_prefix == "swiftlog/r"
+        and c.logs_forward_send()
+        and c.logs_backward_send()
+    )
     assert c.resolved_checkpoint_url() == os.path.join(str(tmp_path), "r", "checkpoint-files")
     assert group_starts([2, 2], 4) == {0, 2} and group_starts(None, 3) == {0, 1, 2}
     g = [
@@ -123,7 +135,7 @@ def test_config_defaults_and_boundaries(tmp_path):
     assert [x.group_of() for x in g] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     cold = ClientConfig(run_id="r", stage=0, num_stages=1, store_root=str(tmp_path), cold_url="s3://b/p")
     assert cold.resolved_checkpoint_url() == "s3://b/p/r/checkpoint-files"
-    assert c.encode_threads is None  # chosen by the writer at the first record
+    assert c.writer.encode_threads is None  # chosen by the writer at the first record
 
 
 def test_a_torchrun_restart_commits_under_its_own_prefix(tmp_path, monkeypatch):
@@ -136,7 +148,9 @@ def test_a_torchrun_restart_commits_under_its_own_prefix(tmp_path, monkeypatch):
         ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path)).commit_prefix == "swiftlog/r/restart2"
     )
     assert (
-        ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), commit_prefix="mine").commit_prefix
+        ClientConfig(
+            run_id="r", stage=0, num_stages=2, store_root=str(tmp_path), commit=CommitConfig(prefix="mine")
+        ).commit_prefix
         == "mine"
     )
 
@@ -184,7 +198,7 @@ def store(tmp_path):
 
 
 def test_writer_writes_in_order_and_markers_see_everything_before(store):
-    w = AsyncLogWriter(store, encode_threads=2, batch_records=3)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=2, batch_records=3))
     seen = []
     sent = {}
     for it in range(3):
@@ -206,7 +220,7 @@ def test_writer_writes_in_order_and_markers_see_everything_before(store):
 
 
 def test_writer_chooses_its_encode_threads_at_the_first_record(store):
-    w = AsyncLogWriter(store, encode_threads=None)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=None))
     assert w.stats().encode_threads == 0  # nothing captured yet: the device is not known
     assert w.submit(Channel.activation(0), 0, 0, [torch.randn(16)]) and w.drain(30)
     assert (
@@ -215,12 +229,12 @@ def test_writer_chooses_its_encode_threads_at_the_first_record(store):
     assert 1 <= auto_encode_threads(on_gpu=True) <= 4
     assert store.get(RecordKey(Channel.activation(0), 0, 0)).shape == (16,)
     assert w.close(10)
-    fixed = AsyncLogWriter(store, encode_threads=3)
+    fixed = AsyncLogWriter(store, WriterConfig(encode_threads=3))
     assert fixed.stats().encode_threads == 3 and fixed.close(10)
 
 
 def test_writer_copy_protects_reused_buffers_and_digests_hash_now(store):
-    w = AsyncLogWriter(store, encode_threads=0)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=0))
     gate = threading.Event()
     w.mark(gate.wait)  # hold the writer so the buffers are reused before they are written
     buf, recv = torch.arange(10.0), torch.randn(64)
@@ -238,7 +252,7 @@ def test_writer_copy_protects_reused_buffers_and_digests_hash_now(store):
 
 @pytest.mark.parametrize("pool_first", [False, True], ids=["settled-inline", "hashed-by-pool"])
 def test_deferred_digests_see_the_buffer_as_received_once_settled(store, pool_first):
-    w = AsyncLogWriter(store, encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=1))
     gate = threading.Event()
     if not pool_first:
         w.mark(gate.wait)  # hold the writer: settle_digests must hash on the calling thread
@@ -297,7 +311,7 @@ def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
 
 
 def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
-    w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="gap")
+    w = AsyncLogWriter(store, WriterConfig(max_queue_bytes=1000, overflow="gap", encode_threads=1))
     gate = threading.Event()
     w.mark(gate.wait)
     results: list[bool] = []
@@ -319,7 +333,7 @@ def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
 
 
 def test_overflow_wait_blocks_until_the_writer_frees_memory(store):
-    w = AsyncLogWriter(store, max_queue_bytes=1000, overflow="wait")
+    w = AsyncLogWriter(store, WriterConfig(max_queue_bytes=1000, overflow="wait", encode_threads=1))
     gate = threading.Event()
     w.mark(gate.wait)
     w.submit(Channel.activation(0), 0, 0, [torch.zeros(200)])  # 800 bytes: admitted
@@ -337,7 +351,7 @@ def test_overflow_wait_blocks_until_the_writer_frees_memory(store):
 
 
 def test_logging_faults_never_raise_and_become_gaps(store):
-    w = AsyncLogWriter(store, encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=1))
     sparse = torch.eye(3).to_sparse()  # the codec refuses it: an encode fault
     assert w.submit(Channel.activation(0), 0, 0, [sparse])
     w.mark(lambda: 1 / 0)  # a failing marker
@@ -567,7 +581,14 @@ def test_close_leaves_no_garbage_in_the_cold_tier(tmp_path):
     root, cold = tmp_path / "store", f"file://{tmp_path / 'cold'}"
     clients = [
         SwiftlogClient(
-            ClientConfig(run_id="tail", stage=k, num_stages=2, store_root=str(root), cold_url=cold, segment_iters=4)
+            ClientConfig(
+                run_id="tail",
+                stage=k,
+                num_stages=2,
+                store_root=str(root),
+                cold_url=cold,
+                storage=StorageConfig(segment_iters=4),
+            )
         )
         for k in (0, 1)
     ]
@@ -804,10 +825,9 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
             store_root=str(tmp_path / "store"),
             seed=9,
             cold_url=moto_server.url(f"dead-{os.getpid()}"),
-            cold_options=moto_server.storage_options,
-            checkpoint_url=str(tmp_path / "ckpt"),
-            ship_wait=datetime.timedelta(seconds=3),
-            ship_lag_report=datetime.timedelta(seconds=1),
+            storage=StorageConfig(cold_options=moto_server.storage_options),
+            checkpoints=CheckpointConfig(url=str(tmp_path / "ckpt")),
+            commit=CommitConfig(ship_wait=datetime.timedelta(seconds=3), ship_lag_report=datetime.timedelta(seconds=1)),
         )
     )
     stage = client.pipeline_stage(
@@ -874,8 +894,8 @@ def test_a_checkpoint_the_dead_object_store_refused_is_registered_once_it_is_bac
             store_root=str(tmp_path / "store"),
             seed=9,
             cold_url=moto_server.url(f"reg-{os.getpid()}"),
-            cold_options=moto_server.storage_options,
-            checkpoint_url=str(tmp_path / "ckpt"),
+            storage=StorageConfig(cold_options=moto_server.storage_options),
+            checkpoints=CheckpointConfig(url=str(tmp_path / "ckpt")),
         )
     )
     client._maint.retry_s = 0.5
@@ -910,12 +930,23 @@ def test_keep_checkpoints_withdraws_then_deletes_the_older_ones(tmp_path):
     and the older ones' registrations are withdrawn first (no plan starts from a deleted file)."""
     from logstore import LogStore
 
-    with pytest.raises(ConfigError, match="keep_checkpoints must be None or an int >= 2"):
-        ClientConfig(run_id="keep", stage=0, num_stages=2, store_root=str(tmp_path / "s"), keep_checkpoints=1)
+    with pytest.raises(ConfigError, match=r"CheckpointConfig\.keep must be None or an int >= 2"):
+        ClientConfig(
+            run_id="keep",
+            stage=0,
+            num_stages=2,
+            store_root=str(tmp_path / "s"),
+            checkpoints=CheckpointConfig(keep=1),
+        )
     cold = f"file://{tmp_path / 'cold'}"
     client = SwiftlogClient(
         ClientConfig(
-            run_id="keep", stage=1, num_stages=2, store_root=str(tmp_path / "store"), cold_url=cold, keep_checkpoints=2
+            run_id="keep",
+            stage=1,
+            num_stages=2,
+            store_root=str(tmp_path / "store"),
+            cold_url=cold,
+            checkpoints=CheckpointConfig(keep=2),
         )
     )
     model = torch.nn.Linear(4, 4)
@@ -944,7 +975,7 @@ def test_inputs_and_targets_ship_as_soon_as_the_last_micro_batch_logged_them(tmp
             store_root=str(tmp_path / "store"),
             seed=9,
             cold_url=f"file://{tmp_path}/cold",
-            checkpoint_url=str(tmp_path / "ckpt"),
+            checkpoints=CheckpointConfig(url=str(tmp_path / "ckpt")),
         )
     )
     stage = client.pipeline_stage(
@@ -1067,14 +1098,15 @@ def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
     ]
     for mod in (train_pipeline, train_resilient):
         cfg = train_pipeline.config_from_args(mod.build_parser().parse_args(argv))
-        assert (cfg.stage, cfg.max_queue_bytes, cfg.overflow, cfg.max_backlog_bytes, cfg.encode_threads) == (
+        w, st = cfg.writer, cfg.storage
+        assert (cfg.stage, w.max_queue_bytes, w.overflow, st.max_backlog_bytes, w.encode_threads) == (
             1,
             1000,
             "gap",
             5000,
             2,
         )
-        assert cfg.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(
+        assert cfg.storage.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(
             cfg.logging_groups
         ) == [2, 2]
 

@@ -49,7 +49,15 @@ See ``trainer_client.determinism`` for what exact replay requires of the trainin
 from trainer_client.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from trainer_client.client import SUPPORTED_SCHEDULES, CommitReport, FlushReport, SwiftlogClient
 from trainer_client.commit import CommitCoordinator, CommitResult
-from trainer_client.config import ClientConfig
+from trainer_client.config import (
+    CheckpointConfig,
+    ClientConfig,
+    CommitConfig,
+    MetricsConfig,
+    RecoveryConfig,
+    StorageConfig,
+    WriterConfig,
+)
 from trainer_client.data import DataSource
 from trainer_client.determinism import derive_seed, seed_micro_batch
 from trainer_client.digest import tensor_digest
@@ -65,11 +73,16 @@ from trainer_client.errors import (
 )
 from trainer_client.meta import decode_meta, encode_meta
 from trainer_client.stage import LoggingPipelineStage
-from trainer_client.survivor import RecoveryConfig, ResilientLoop
+from trainer_client.survivor import ResilientLoop
 from trainer_client.writer import AsyncLogWriter, Fault, WriterStats
 
 __all__ = [
     "ClientConfig",
+    "WriterConfig",
+    "CommitConfig",
+    "StorageConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
     "SwiftlogClient",
     "LoggingPipelineStage",
     "CommitReport",

@@ -111,7 +111,7 @@ class MetaLog:
             self._amendment = amendment
         stage = self._config.stage
         self._writer.submit(Channel.meta(stage), iteration, 1, [encode_meta(amendment)])
-        if self._config.ship_data and self._store.cold is not None:  # off the node soon, like the META itself
+        if self._config.commit.ship_data and self._store.cold is not None:  # off the node soon, like the META itself
             self._writer.mark(functools.partial(seal_then_set, self._store, [Channel.meta(stage)], threading.Event()))
         self._writer.kick()
         if self._coordinator is not None:  # the copy a replacement reads says what the steps did

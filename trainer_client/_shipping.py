@@ -75,7 +75,7 @@ class DataShipper:
     @property
     def shipping(self) -> bool:
         """Whether records are sealed for the uploader after every iteration (``ship_data`` and a cold tier)."""
-        return self._config.ship_data and self._store.cold is not None
+        return self._config.commit.ship_data and self._store.cold is not None
 
     def begin(self) -> None:
         """A new iteration: its data is not sealed yet."""
@@ -134,7 +134,7 @@ class DataShipper:
     def _still_lagging(self, iteration: int, own: list[Channel]) -> None:
         """Still behind: say so again, now and then (every ``ship_lag_report``)."""
         now = time.monotonic()
-        if now - self._lag_noted >= self._config.ship_lag_report.total_seconds():
+        if now - self._lag_noted >= self._config.commit.ship_lag_report.total_seconds():
             self._lag_noted = now
             self._writer.note_fault(
                 "ship_lag",

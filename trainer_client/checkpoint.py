@@ -326,7 +326,7 @@ def save_checkpoint(
     except Exception as e:
         raise CheckpointError(
             f"could not write checkpoint of stage {stage} at iteration {iteration} to {uri}: {type(e).__name__}: {e}",
-            hint="check space and permissions of the checkpoint location (ClientConfig.checkpoint_url)",
+            hint="check space and permissions of the checkpoint location (CheckpointConfig.url)",
         ) from e
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from logstore import Channel, LogStore, StoreConfig
+from logstore import Channel, LogStore
 from logstore.errors import ConfigError, SwiftlogError
 from trainer_client._declarations import Declarations, example_tensors
 from trainer_client._grad_ops import GradOps
@@ -115,13 +115,13 @@ class SwiftlogClient:
         self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None
     ) -> None:
         self.metrics: MetricsExporter | None = None  # bound first: a port in use fails before anything is opened
-        if config.metrics_port is not None:
-            labels = {"run": config.run_id, "stage": str(config.stage), "writer": str(config.writer)}
+        if config.metrics.port is not None:
+            labels = {"run": config.run_id, "stage": str(config.stage), "writer": str(config.writer_name)}
             self.metrics = MetricsExporter(
                 functools.partial(_stats_of, weakref.ref(self)),
                 labels,
-                host=config.metrics_host,
-                port=config.metrics_port,
+                host=config.metrics.host,
+                port=config.metrics.port,
             )
         try:
             self._open(config, commit_store, data_source)
@@ -139,31 +139,9 @@ class SwiftlogClient:
                 "needs the same deterministic data source",
                 config.stage,
             )
-        self.store = LogStore(
-            StoreConfig(
-                root=config.store_root,
-                run=config.run_id,
-                writer=config.writer,
-                cold_url=config.cold_url,
-                cold_options=dict(config.cold_options),
-                durability=config.durability,
-                segment_iters=config.segment_iters,
-                max_backlog_bytes=config.max_backlog_bytes,
-                codec=config.codec,
-            )
-        )
-        name = f"swiftlog-{config.writer}"
-        self.writer = AsyncLogWriter(
-            self.store,
-            codec=config.codec,
-            max_queue_bytes=config.max_queue_bytes,
-            overflow=config.overflow,
-            overflow_wait_s=config.overflow_wait.total_seconds(),
-            encode_threads=config.encode_threads,
-            batch_records=config.write_batch_records,
-            batch_bytes=config.write_batch_bytes,
-            name=name,
-        )
+        self.store = LogStore(config.store_config())
+        name = f"swiftlog-{config.writer_name}"
+        self.writer = AsyncLogWriter(self.store, config.writer, name=name)
         self.recorder = StageRecorder(config, self.writer)
         self.coordinator: CommitCoordinator | None = None
         if commit_store is not None:
@@ -171,14 +149,15 @@ class SwiftlogClient:
                 commit_store,
                 stage=config.stage,
                 num_stages=config.num_stages,
-                prefix=config.commit_prefix or f"swiftlog/{config.run_id}",
-                timeout=config.commit_timeout,
+                prefix=config.commit_prefix,
+                timeout=config.commit.timeout,
             )
         ck_base = config.resolved_checkpoint_url()
         shared = None
         if commit_store is not None:
-            prefix = config.commit_prefix or f"swiftlog/{config.run_id}"
-            shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
+            shared = SharedRegistrations(
+                commit_store, prefix=config.commit_prefix, stage=config.stage, num_stages=config.num_stages
+            )
         elif config.cold_url is None and config.num_stages > 1:
             logger.warning(
                 "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
@@ -189,7 +168,7 @@ class SwiftlogClient:
             self.store,
             self.writer,
             name,
-            keep=config.keep_checkpoints,
+            keep=config.checkpoints.keep,
             own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
             storage_options=config.checkpoint_options(),
             shared=shared,
@@ -497,18 +476,19 @@ class SwiftlogClient:
             )
             meta = encode_meta(doc)
             self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
-            if self.config.ship_data and self.store.cold is not None:
+            if self._ship.shipping:
                 sealed = threading.Event()
                 self.writer.mark(
                     functools.partial(seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed)
                 )
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
-        if sealed is not None and own and self.config.ship_wait is not None:
+        ship_wait = self.config.commit.ship_wait
+        if sealed is not None and own and ship_wait is not None:
             # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
             early = (
                 self._ship.own_sealed if rec.data_count == rec.data_sealed_at and not self._grad_ops.reduces else None
             )
-            self._ship.wait_shipped(iteration, own, early or sealed, self.config.ship_wait.total_seconds())
+            self._ship.wait_shipped(iteration, own, early or sealed, ship_wait.total_seconds())
         self._step_t0 = None  # META is written: a clip_grad_norm_ now could not reach it (it raises)
         faults = self.writer.take_faults()
         if faults:
@@ -660,14 +640,14 @@ class SwiftlogClient:
             self.track_lr_scheduler(lr_scheduler)
         drained = threading.Event()
         self.writer.mark(drained.set)
-        meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer}
+        meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer_name}
         if (
             c.logging_groups is not None
         ):  # a group is replayed from the checkpoint all its members have: GC keeps what that needs
             meta["logging_groups"] = list(c.logging_groups)
-        self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.gc_after_checkpoint))
+        self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.checkpoints.gc_after))
         if (
-            self.coordinator is not None and c.gc_after_checkpoint
+            self.coordinator is not None and c.checkpoints.gc_after
         ):  # the META copies below it too (cheap store requests)
             self.coordinator.forget_metas(iteration)
         return uri
@@ -706,7 +686,7 @@ class SwiftlogClient:
             "checkpoints": {
                 "registered": [list(x) for x in self._maint.registered],
                 "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
-                "retired": [list(x) for x in self._maint.retired],  # keep_checkpoints: withdrawn and deleted
+                "retired": [list(x) for x in self._maint.retired],  # CheckpointConfig.keep: withdrawn and deleted
                 "gc_runs": self._maint.gc_runs,
                 "gc_deleted_records": self._maint.gc_deleted_records,
                 "last_gc": self._maint.last_gc,
@@ -750,7 +730,7 @@ class SwiftlogClient:
             self._watch.check_apply(self._meta.committed[0] + 1)
         drained = self.writer.drain(left())
         self._maint.wait_idle(left())
-        if self._maint.registered and self.config.gc_after_checkpoint:
+        if self._maint.registered and self.config.checkpoints.gc_after:
             self._maint.submit(("gc",))
             self._maint.wait_idle(left())
         uploaded, error = 0, None
@@ -760,7 +740,7 @@ class SwiftlogClient:
             except SwiftlogError as e:
                 error = f"{type(e).__name__}: {e}"
                 self.writer.note_fault("flush", error)
-            if uploaded and self._maint.registered and self.config.gc_after_checkpoint:
+            if uploaded and self._maint.registered and self.config.checkpoints.gc_after:
                 # the flush sealed and shipped the open segments, older iterations among them: garbage in the cold tier now
                 self._maint.submit(("gc",))
                 self._maint.wait_idle(left())

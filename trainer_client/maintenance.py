@@ -154,7 +154,7 @@ class CheckpointMaintenance:
 
     def _retire(self, stage: int) -> None:
         """Retention (``keep``): withdraw the registration of this stage's older checkpoints that
-        this client's checkpoint_url holds, then delete their files; a failure is a fault and the
+        this client's checkpoint location holds, then delete their files; a failure is a fault and the
         rest waits for the next checkpoint."""
         if self.keep is None or self._own_uri is None:
             return

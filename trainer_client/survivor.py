@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
+from trainer_client.config import RecoveryConfig
 from trainer_client.errors import (
     CommitStoreError,
     IterationAbortedError,
@@ -61,7 +62,6 @@ from trainer_client.errors import (
 )
 
 __all__ = [
-    "RecoveryConfig",
     "RecoveryEvent",
     "RecoveryKeys",
     "wait_until_woken",
@@ -154,47 +154,6 @@ class RecoveryKeys:
     def kill_time(self, stage: int) -> str:
         """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
         return f"{self.base}/kill_time/{stage}"
-
-
-@dataclass(kw_only=True, slots=True)
-class RecoveryConfig:
-    """How one stage takes part in recovery.
-
-    run_id / stage / num_stages: as in ClientConfig. generation: the process-group generation
-    the stage starts in (0, or the new one for a replacement). pg_timeout: gloo timeout of each
-    process group (a safety net: failures are detected from errors, not from it).
-    rejoin_timeout: longest wait for the replacement to be ready and for the new group to form.
-    heartbeat_interval / heartbeat_timeout: each stage writes a heartbeat into the store every
-    interval; a stage whose heartbeat is older than the timeout is declared dead (generation
-    marked failed). heartbeat_timeout must exceed the longest stall of a live process (2 s
-    default is conservative on a loaded machine; None disables the monitor). store_host /
-    store_port: where the heartbeat thread opens its own store connection (None: no heartbeat).
-    max_failures: recoveries after which a further failure is raised instead (default 4).
-    """
-
-    run_id: str
-    stage: int
-    num_stages: int
-    generation: int = 0
-    backend: str = "gloo"
-    pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
-    rejoin_timeout: datetime.timedelta = datetime.timedelta(seconds=120)
-    heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100)
-    heartbeat_timeout: datetime.timedelta | None = datetime.timedelta(seconds=2)
-    store_host: str | None = None
-    store_port: int | None = None
-    commit_prefix: str | None = None
-    max_failures: int = 4
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"stage {self.stage} is not in [0, {self.num_stages})")
-        if self.generation < 0:
-            raise ValueError(f"generation must be >= 0, got {self.generation}")
-        if self.rejoin_timeout.total_seconds() <= 0:
-            raise ValueError("rejoin_timeout must be positive")
-        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
 
 
 @dataclass(slots=True)

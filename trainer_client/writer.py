@@ -30,7 +30,7 @@ starts), and at the latest after one second.
 
 Memory bound: bytes of queued records (raw size; pinned buffers on GPU) are reserved at submit and
 released once written or dropped. When a submit would exceed ``max_queue_bytes`` the policy is
-explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait_s`` (counted and
+explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait`` (counted and
 timed in stats), ``"gap"`` drops the record and marks a gap in the store (counted). A wait that
 times out drops the record as a gap too (an "overflow_timeout" fault); until the writer frees
 memory again, later records that do not fit are dropped without waiting, so a hung store costs
@@ -48,8 +48,14 @@ training thread: the affected records become gaps (``store.record_gap``) when po
 fault is counted and kept for :meth:`AsyncLogWriter.take_faults`. The writer thread survives any
 bad item.
 
+This module is over 600 lines because the writer is one thing: a queue, the lock that guards it
+and the one thread that drains it. Each method runs either on the training thread or on the
+writer thread, and they share the queue's invariants (the bounds, the order, the faults) under
+that one lock. The queue's items and pinned buffers (``_staging``) and its counters
+(``_writer_stats``) live apart.
+
 Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", for at
-most ``overflow_wait_s`` at a time, and in :meth:`drain`/:meth:`close`); keeps a received buffer
+most ``overflow_wait`` at a time, and in :meth:`drain`/:meth:`close`); keeps a received buffer
 after hashing it; reorders records; writes from more than one thread.
 """
 
@@ -71,6 +77,7 @@ from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
 from logstore.segment import blob_checksum
 from trainer_client._staging import PinnedPool, QueueItem
 from trainer_client._writer_stats import MAX_FAULTS, Fault, WriterStats
+from trainer_client.config import WriterConfig
 from trainer_client.digest import digest_record, tensor_digest
 
 __all__ = ["AsyncLogWriter", "Fault", "WriterStats", "auto_encode_threads"]
@@ -100,41 +107,24 @@ class AsyncLogWriter:
 
     Args:
         store: a LogStore opened with a writer name (the writer thread is its only appender).
-        codec: record codec for ``codec.encode_tensor``.
-        max_queue_bytes: memory bound of queued records, and of received buffers held for hashing;
-            see the module docstring.
-        overflow: "wait" or "gap".
-        overflow_wait_s: the longest one "wait" at the bound blocks the caller, in seconds (> 0).
-        encode_threads: encode pool size; 0 encodes on the writer thread; None chooses at the first
-            record (:func:`auto_encode_threads`: 1 for CPU tensors, up to 4 for CUDA ones).
-        batch_records / batch_bytes: most records / encoded bytes per ``put_encoded`` call.
+        config: the writer's :class:`~trainer_client.config.WriterConfig` (memory bound, overflow
+            policy, codec, encode pool, batch sizes; see the module docstring). None: its defaults.
+            Its ``encode_threads=None`` chooses at the first record (:func:`auto_encode_threads`:
+            1 for CPU tensors, up to 4 for CUDA ones).
         name: thread name suffix (for debugging).
     """
 
-    def __init__(
-        self,
-        store: LogStore,
-        *,
-        codec: str = "auto",
-        max_queue_bytes: int = 256 << 20,
-        overflow: str = "wait",
-        overflow_wait_s: float = 10.0,
-        encode_threads: int | None = 1,
-        batch_records: int = 64,
-        batch_bytes: int = 16 << 20,
-        name: str = "swiftlog",
-    ) -> None:
+    def __init__(self, store: LogStore, config: WriterConfig | None = None, *, name: str = "swiftlog") -> None:
+        config = WriterConfig() if config is None else config
         self._store = store
-        self._codec = codec
-        self._max = max_queue_bytes
-        self._overflow = overflow
-        if not overflow_wait_s > 0:
-            raise ValueError(f"overflow_wait_s must be > 0 seconds, got {overflow_wait_s!r}")
-        self._wait_s = float(overflow_wait_s)
+        self._codec = config.codec
+        self._max = config.max_queue_bytes
+        self._overflow = config.overflow
+        self._wait_s = config.overflow_wait.total_seconds()
         self._stalled = False  # a wait at the bound timed out and the writer has finished nothing since
         self._waiting = 0  # callers waiting for room at a bound (a release wakes them, never the idle writer)
-        self._batch_records = batch_records
-        self._batch_bytes = batch_bytes
+        self._batch_records = config.batch_records
+        self._batch_bytes = config.batch_bytes
         self._cv = threading.Condition()
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._busy = 0  # items popped by the writer but not finished
@@ -142,20 +132,20 @@ class AsyncLogWriter:
         self._stats = WriterStats()
         self._faults: collections.deque[Fault] = collections.deque(maxlen=MAX_FAULTS)
         self._new_faults: list[Fault] = []
-        self._pinned = PinnedPool(max_queue_bytes)
+        self._pinned = PinnedPool(self._max)
         self._unsettled: list[QueueItem] = []  # deferred digest items; only the training thread touches the list
         self._hash_lock = threading.Lock()  # a deferred item is hashed exactly once, by whoever comes first
         # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
         # waking it for every record would make it compete for the GIL at every torch op
-        self._wake_bytes = max(1, min(max_queue_bytes // 4, 8 << 20))
+        self._wake_bytes = max(1, min(self._max // 4, 8 << 20))
         self._writer_idle = False
         self._side_streams: dict[int, Any] = {}
         self._name = name
-        self._auto_threads = encode_threads is None
+        self._auto_threads = config.encode_threads is None
         self._pool: ThreadPoolExecutor | None = None
         self._encode_threads = 0
-        if encode_threads:
-            self._start_pool(encode_threads)
+        if config.encode_threads:
+            self._start_pool(config.encode_threads)
         self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
         self._thread.start()
 
@@ -449,7 +439,7 @@ class AsyncLogWriter:
         self, fits: Callable[[], bool], full: str, channel: Channel, iteration: int, micro_batch: int
     ) -> str | None:
         """With ``self._cv`` held: None when ``fits()`` (at once, or after a wait under "wait");
-        otherwise why not, recorded as a fault. A wait lasts at most ``overflow_wait_s``; after one
+        otherwise why not, recorded as a fault. A wait lasts at most ``overflow_wait``; after one
         timed out, none starts until the writer finishes an item."""
         st = self._stats
         if fits():

@@ -39,7 +39,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer_client import ClientConfig, RecoveryConfig, ResilientLoop, SwiftlogClient, load_checkpoint
+from trainer_client import (
+    CheckpointConfig,
+    ClientConfig,
+    RecoveryConfig,
+    ResilientLoop,
+    SwiftlogClient,
+    load_checkpoint,
+)
 from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.survivor import RecoveryKeys
 
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=SEED,
         store_root=args.store_root,
         cold_url=args.cold_url,
-        checkpoint_url=args.checkpoint_url,
+        checkpoints=CheckpointConfig(url=args.checkpoint_url),
     )
     if args.replay_helper_rank:
         from logstore.errors import SwiftlogError

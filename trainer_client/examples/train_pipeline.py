@@ -33,7 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client import ClientConfig, IterationAbortedError, SwiftlogClient
+from trainer_client import (
+    CheckpointConfig,
+    ClientConfig,
+    CommitConfig,
+    IterationAbortedError,
+    StorageConfig,
+    SwiftlogClient,
+    WriterConfig,
+)
 from trainer_client.examples.gpt import (
     GPTConfig,
     SyntheticTokens,
@@ -121,12 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--no-ship-data",
         action="store_true",
-        help="inputs/targets/META reach the cold tier only with their segment (ClientConfig.ship_data)",
+        help="inputs/targets/META reach the cold tier only with their segment (CommitConfig.ship_data)",
     )
     a(
         "--no-ship-wait",
         action="store_true",
-        help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (ClientConfig.ship_wait)",
+        help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (CommitConfig.ship_wait)",
     )
     a("--no-commit", action="store_true")
     a("--commit-timeout", type=float, default=60.0)
@@ -277,21 +285,27 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
         num_stages=args.num_stages,
         store_root=args.store_root,
         cold_url=args.cold_url,
-        cold_options=cold_options,
-        checkpoint_url=args.checkpoint_url,
         seed=args.seed,
-        segment_iters=args.segment_iters,
         logging_groups=[int(x) for x in args.groups.split(",")] if args.groups else None,
         log_data=not args.data_source,
         enabled=not args.no_logging,
-        max_queue_bytes=args.max_queue_bytes,
-        overflow=args.overflow,
-        max_backlog_bytes=args.max_backlog_bytes,
-        encode_threads=args.encode_threads,
-        codec=args.codec,
-        commit_timeout=datetime.timedelta(seconds=args.commit_timeout),
-        ship_data=not args.no_ship_data,
-        **({"ship_wait": None} if args.no_ship_wait else {}),
+        writer=WriterConfig(
+            max_queue_bytes=args.max_queue_bytes,
+            overflow=args.overflow,
+            encode_threads=args.encode_threads,
+            codec=args.codec,
+        ),
+        commit=CommitConfig(
+            timeout=datetime.timedelta(seconds=args.commit_timeout),
+            ship_data=not args.no_ship_data,
+            **({"ship_wait": None} if args.no_ship_wait else {}),
+        ),
+        storage=StorageConfig(
+            cold_options=cold_options,
+            segment_iters=args.segment_iters,
+            max_backlog_bytes=args.max_backlog_bytes,
+        ),
+        checkpoints=CheckpointConfig(url=args.checkpoint_url),
     )
 
 
