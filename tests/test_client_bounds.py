@@ -18,9 +18,9 @@ import torch
 
 from logstore import Channel, LogStore, RecordKey
 from logstore.errors import ConfigError
-from trainer_client import ClientConfig, SwiftlogClient, tensor_digest
+from trainer_client import ClientConfig, SwiftlogClient
 from trainer_client.config import WriterConfig
-from trainer_client.digest import digest_from_record
+from trainer_client.digest import digest_from_record, tensor_digest
 from trainer_client.writer import AsyncLogWriter
 
 MiB = 1 << 20

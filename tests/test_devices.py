@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from logstore import Channel, LogStore, RecordKey
 from replay.core import LogReader, ReplayError, StageState, replay_device, replay_stage
-from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint, tensor_digest
+from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint
 from trainer_client.config import WriterConfig
-from trainer_client.digest import digest_from_record
+from trainer_client.digest import digest_from_record, tensor_digest
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 HAS_CUDA = torch.cuda.is_available()

@@ -17,9 +17,9 @@ import torch
 from logstore import Channel, LogStore, RecordKey
 from replay.core import absolute_spec, is_script_spec, load_object
 from replay.launcher import states_equal
-from trainer_client import decode_meta, load_checkpoint
+from trainer_client import load_checkpoint
 from trainer_client.commit import loopback_store
-from trainer_client.meta import script_defines_only
+from trainer_client.meta import decode_meta, script_defines_only
 
 NET = """
 import torch

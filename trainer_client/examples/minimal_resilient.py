@@ -43,12 +43,12 @@ from trainer_client import (
     CheckpointConfig,
     ClientConfig,
     RecoveryConfig,
+    RecoveryKeys,
     ResilientLoop,
     SwiftlogClient,
+    checkpoint_uri,
     load_checkpoint,
 )
-from trainer_client.checkpoint import checkpoint_uri
-from trainer_client.survivor import RecoveryKeys
 
 __all__ = ["build_parser", "factory", "loss", "main"]
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints=CheckpointConfig(url=args.checkpoint_url),
     )
     if args.replay_helper_rank:
-        from logstore.errors import SwiftlogError
+        from logstore import SwiftlogError
 
         try:
             serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)

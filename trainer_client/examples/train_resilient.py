@@ -41,8 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client import SwiftlogClient, load_checkpoint
-from trainer_client.checkpoint import checkpoint_uri
+from trainer_client import (
+    CheckpointError,
+    RecoveryConfig,
+    RecoveryKeys,
+    ResilientLoop,
+    SwiftlogClient,
+    checkpoint_uri,
+    load_checkpoint,
+)
 from trainer_client.examples.gpt import (
     SyntheticTokens,
     build_stage_module,
@@ -53,7 +60,6 @@ from trainer_client.examples.gpt import (
 )
 from trainer_client.examples.train_pipeline import build_parser as _base_parser
 from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
-from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
 
@@ -164,7 +170,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-        from replay.engine import SourceSpec
+        from replay import SourceSpec
         from replay.replacement import (
             ReplacementFallback,
             recover_stage,
@@ -384,8 +390,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    from replay.core import ReplayError
-    from trainer_client.errors import CheckpointError
+    from replay import ReplayError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
     try:
