@@ -89,9 +89,8 @@ def test_writer_chooses_its_encode_threads_at_the_first_record(store):
     w = AsyncLogWriter(store, WriterConfig(encode_threads=None))
     assert w.stats().encode_threads == 0  # nothing captured yet: the device is not known
     assert w.submit(Channel.activation(0), 0, 0, [torch.randn(16)]) and w.drain(30)
-    assert (
-        w.stats().encode_threads == 1 == auto_encode_threads(on_gpu=False)
-    )  # a CPU stage: its compute needs the cores
+    # a CPU stage: its compute needs the cores
+    assert w.stats().encode_threads == 1 == auto_encode_threads(on_gpu=False)
     assert 1 <= auto_encode_threads(on_gpu=True) <= 4
     assert store.get(RecordKey(Channel.activation(0), 0, 0)).shape == (16,)
     assert w.close(10)
@@ -181,9 +180,10 @@ def test_overflow_gap_drops_and_records_gaps_without_blocking(store):
     gate = threading.Event()
     w.mark(gate.wait)
     results: list[bool] = []
+    # 400 bytes each
     submits = threading.Thread(
         target=lambda: results.extend(w.submit(Channel.activation(0), 0, mb, [torch.zeros(100)]) for mb in range(5))
-    )  # 400 bytes each
+    )
     submits.start()
     submits.join(60)
     assert not submits.is_alive() and not gate.is_set()  # every submit returned while the writer was held

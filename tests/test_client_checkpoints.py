@@ -74,7 +74,8 @@ def test_checkpoint_is_atomic_and_loading_never_aliases(tmp_path):
     # loaded into objects it does not fit: an error naming the checkpoint and what does not fit
     with pytest.raises(
         CheckpointError,
-        match=r"(?s)checkpoint file://\S+s0.pt of stage 0 \(iteration 1\) does not fit the model Linear: .*size mismatch for weight",
+        match=r"(?s)checkpoint file://\S+s0.pt of stage 0 \(iteration 1\) does not fit the model Linear: "
+        r".*size mismatch for weight",
     ):
         ck.apply(torch.nn.Linear(5, 3))
     two_groups = torch.nn.Linear(4, 3)

@@ -71,13 +71,10 @@ def test_commit_stores_each_meta_with_the_done_mark_and_a_checkpoint_forgets_old
     for it in range(3, 7):
         out = _commit_all(coords, it, meta=doc)
         assert all(not isinstance(r, Exception) for r in out.values()), out
-    assert stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {
-        it: doc(1, it) for it in range(3, 7)
-    }  # some missing: key by key
-    assert stored_metas(tcp_store, "swiftlog/t", 0, range(4, 6)) == {
-        4: doc(0, 4),
-        5: doc(0, 5),
-    }  # all there: one multi_get
+    # some missing: key by key
+    assert stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9)) == {it: doc(1, it) for it in range(3, 7)}
+    # all there: one multi_get
+    assert stored_metas(tcp_store, "swiftlog/t", 0, range(4, 6)) == {4: doc(0, 4), 5: doc(0, 5)}
     assert coords[1].forget_metas(5) == 2  # from the first committed iteration (3) up to the checkpoint
     assert sorted(stored_metas(tcp_store, "swiftlog/t", 1, range(0, 9))) == [5, 6]
     assert coords[1].forget_metas(5) == 0

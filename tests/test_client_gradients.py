@@ -54,9 +54,8 @@ def test_clip_grad_norm_clips_as_torch_does_and_the_replay_repeats_it(tmp_path, 
     def step(
         client: SwiftlogClient, mod: torch.nn.Module, opt: torch.optim.Optimizer, it: int, g: torch.Generator
     ) -> None:
-        with pytest.raises(
-            RuntimeError, match="between client.step"
-        ):  # before the first step, or after a commit (META is gone)
+        # before the first step, or after a commit (META is gone)
+        with pytest.raises(RuntimeError, match="between client.step"):
             client.clip_grad_norm_(mod.parameters(), 1.0)
         client.step(it, torch.randn(4, 8, generator=g), target=torch.randn(4, 5, generator=g))
         want_norm, want = _torch_clip([p.grad for p in mod.parameters()], 0.05)
@@ -275,9 +274,8 @@ def test_all_reduce_grads_is_logged_ordered_with_clips_and_replayed(tmp_path, si
 
     rep, fresh = again(3)
     assert rep.ok and rep.steps_checked == 2
-    rep, fresh = again(
-        4
-    )  # the logged sum replaces the replay's own gradients: the state is the live one, but the inputs to the call differed
+    # the logged sum replaces the replay's own gradients: the state is the live one, but the inputs to the call differed
+    rep, fresh = again(4)
     assert same_state(fresh, mod) and rep.steps_checked == 3
     assert (
         rep.grad_mismatches

@@ -140,9 +140,8 @@ def test_a_dead_object_store_times_the_data_wait_out_once_then_commits_only_chec
         seen.extend(faults)
         return faults
 
-    assert [
-        f for f in iteration(0) if f.kind == "ship_timeout"
-    ] == []  # the store is up: the commit waited, and it was there
+    # the store is up: the commit waited, and it was there
+    assert [f for f in iteration(0) if f.kind == "ship_timeout"] == []
     waited = client.stats()["commit"]["ship_wait_s"]
     moto_server.kill()
     try:
@@ -269,9 +268,8 @@ def test_keyword_inputs_of_the_first_stage_are_logged_and_replayed(tmp_path, sin
         tmp_path, "kw", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), step
     )
     meta = decode_meta(logs.get(RecordKey(Channel.meta(0), 2, 0)))
-    assert (
-        meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3
-    )  # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
+    # iterations 1-3 (0 is garbage), 2 micro-batches, x + 2 keywords
+    assert meta["input_kwargs"] == ["mask", "scale"] and len(logs.keys(Channel.input(0))) == 3 * 2 * 3
     assert rep.ok and rep.micro_batches == 6 and same_state(fresh, mod)
     assert torch.equal(
         fopt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
@@ -436,7 +434,8 @@ def test_a_loss_function_meta_cannot_name_must_be_passed_to_the_replay(tmp_path,
     instead of replaying with some other loss."""
     with pytest.raises(
         ReplayError,
-        match=r"replaying the last stage \(0\) needs its loss function: the live schedule's loss_fn \(_Huber\(\)\) has no importable name",
+        match=r"replaying the last stage \(0\) needs its loss function: "
+        r"the live schedule's loss_fn \(_Huber\(\)\) has no importable name",
     ) as e:
         single_rank_run(
             tmp_path,

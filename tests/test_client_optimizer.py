@@ -67,7 +67,8 @@ def test_a_learning_rate_set_outside_the_scheduler_stops_the_replay_naming_it(tm
 
     with pytest.raises(
         ReplayError,
-        match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint",
+        match=r"stage 0 iteration 2: the live optimizer step and the replay's differ: "
+        r"lr of param group 0: 0\.01 -> 0\.05 \(live -> replay\) \(hint",
     ):
         single_rank_run(tmp_path, "lr", lambda m: torch.optim.AdamW(m.parameters(), lr=0.05), step)
     meta = decode_meta(LogStore.open(tmp_path / "store", "lr").get(RecordKey(Channel.meta(0), 1, 0)))
@@ -133,7 +134,8 @@ def test_a_learning_rate_set_after_the_commit_amends_meta_and_stops_the_replay_a
     )
     with pytest.raises(
         ReplayError,
-        match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) \(the live step differed from its META as committed: lr of param group 0: ",
+        match=r"stage 0 iteration 3: .*lr of param group 0: .* \(live -> replay\) "
+        r"\(the live step differed from its META as committed: lr of param group 0: ",
     ):
         replay_with_scheduler(tmp_path, "after", uri, 4)
     rep, _ = replay_with_scheduler(tmp_path, "after", uri, 3)  # the steps before it are what they were
@@ -322,7 +324,8 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
     other_lambda = state(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5), unchecked)
     with pytest.raises(
         ReplayError,
-        match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR set the learning rates \[0.025\] where the live",
+        match=r"stage 0 iteration 1: after the step, the lr scheduler LambdaLR "
+        r"set the learning rates \[0.025\] where the live",
     ):
         replay_stage(other_lambda, LogReader(logs), num_stages=1, stop_iteration=2, loss_fn=mse)
     # nothing to replay (a stage lost in its checkpoint's iteration): the load itself compares the next step's rates
@@ -360,7 +363,8 @@ def test_a_replacement_scheduler_of_another_kind_or_schedule_is_refused(tmp_path
 
     with pytest.raises(
         ReplayError,
-        match=r"stage 0: after the replay's last step, its optimizer has other values than the live one had for iteration 2: lr of",
+        match=r"stage 0: after the replay's last step, its optimizer has other values "
+        r"than the live one had for iteration 2: lr of",
     ):
         replay_stage(plain, LogReader(_OlderMeta()), num_stages=1, stop_iteration=2, loss_fn=mse)
     assert replay_stage(
@@ -398,7 +402,8 @@ def test_composite_schedulers_are_checked_part_by_part_and_never_changed_by_the_
     fopt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     with pytest.raises(
         CheckpointError,
-        match=r"saved from a SequentialLR\[LinearLR,LambdaLR\] lr scheduler, not the SequentialLR\[LinearLR,ExponentialLR\]",
+        match=r"saved from a SequentialLR\[LinearLR,LambdaLR\] lr scheduler, "
+        r"not the SequentialLR\[LinearLR,ExponentialLR\]",
     ):
         StageState.from_checkpoint(ck, fresh, fopt, seq(fopt, lambda o: sched_mod.ExponentialLR(o, 0.9)))
     ck.classes = {}  # an older checkpoint: the parts' fields are compared

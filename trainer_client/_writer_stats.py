@@ -54,7 +54,8 @@ class WriterStats:
     digests_hashed_at_bound: int = 0  # CPU buffers hashed at submit because digest_bytes was at the bound
     digest_gaps: int = 0  # GPU buffers whose digest was dropped at the bound (each a recorded gap)
     encode_threads: int = 0  # the encode pool's size (0: encoding on the writer thread, or not chosen yet)
-    pinned_bytes: int = 0  # pinned host memory held for device-to-host copies now (in flight or kept for reuse, at most max_queue_bytes free)
+    # pinned host memory held for device-to-host copies now: in flight, or kept for reuse (at most max_queue_bytes free)
+    pinned_bytes: int = 0
     faults: int = 0
     faults_by_kind: dict[str, int] = field(default_factory=dict)
     last_fault: str | None = None

@@ -230,7 +230,8 @@ class SwiftlogClient:
                 )
                 raise ConfigError(
                     f"stage {c.stage}: no floating tensor of {what} requires grad, but the stage {role}",
-                    hint=f"create the example {what} with requires_grad=True (torch builds gradient buffers only for those)",
+                    hint=f"create the example {what} with requires_grad=True "
+                    "(torch builds gradient buffers only for those)",
                 )
         self._declarations.publish(input_args, output_args)
         self._stage = LoggingPipelineStage(
@@ -338,14 +339,15 @@ class SwiftlogClient:
         """
         if self._schedule is None:
             raise RuntimeError(
-                "call client.schedule(...) before client.step(...) (under a ResilientLoop: the loop calls your rebuild(), which "
-                "builds them, in loop.join() or in loop.run() without joined=True)"
+                "call client.schedule(...) before client.step(...) (under a ResilientLoop: the loop calls your "
+                "rebuild(), which builds them, in loop.join() or in loop.run() without joined=True)"
             )
         if self._stepped is not None and self._stepped == iteration:
             raise RuntimeError(
-                f"client.step({iteration}) again before client.commit({iteration}): a replay repeats exactly one schedule step per "
-                "iteration, so gradients accumulated over several steps cannot be replayed; give the schedule more micro-batches "
-                "(n_microbatches) instead, or commit each step as its own iteration with its own optimizer step"
+                f"client.step({iteration}) again before client.commit({iteration}): a replay repeats exactly one "
+                "schedule step per iteration, so gradients accumulated over several steps cannot be replayed; give "
+                "the schedule more micro-batches (n_microbatches) instead, or commit each step as its own iteration "
+                "with its own optimizer step"
             )
         self._watch.check_apply(iteration)
         if not self._declarations.checked:
@@ -388,9 +390,10 @@ class SwiftlogClient:
         taken over the gradients of every rank of this process group (e.g. all the pipeline's
         stages: the global norm, each rank's ``norm ** norm_type`` summed, or the max for inf);
         None: over ``parameters`` only. ``parameters`` must belong to the stage's module (the one
-        given to :meth:`pipeline_stage`; ``module`` only without one, a hand-written runtime's). The norm it used goes into
-        the iteration's META record, so the replay clips with the same norm, bit for bit, without
-        the other stages' gradients. Several calls in one iteration are replayed in order.
+        given to :meth:`pipeline_stage`; ``module`` only without one, a hand-written runtime's).
+        The norm it used goes into the iteration's META record, so the replay clips with the same
+        norm, bit for bit, without the other stages' gradients. Several calls in one iteration are
+        replayed in order.
         Raises ValueError for a parameter not in the module, RuntimeError when called outside an
         iteration or after its commit. Never changes gradients other than by the torch clip.
         """
@@ -427,7 +430,8 @@ class SwiftlogClient:
         stage's module (the one given to :meth:`pipeline_stage`; ``module`` only without one); on
         CPU, META also records the digests of the gradients before the reduction, so the replay
         checks its own. Raises ValueError for a parameter not in the module or a rank outside
-        ``group``, RuntimeError outside an iteration or after its commit. Never changes a gradient other than by the reduction.
+        ``group``, RuntimeError outside an iteration or after its commit. Never changes a gradient
+        other than by the reduction.
         """
         if self._iteration is None or self._step_t0 is None:
             raise RuntimeError(
@@ -484,7 +488,8 @@ class SwiftlogClient:
             self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
         ship_wait = self.config.commit.ship_wait
         if sealed is not None and own and ship_wait is not None:
-            # the early seal covers the iteration's data unless more was logged after it (a schedule that ran more micro-batches)
+            # the early seal covers the iteration's data, unless more was logged after it
+            # (a schedule that ran more micro-batches)
             early = (
                 self._ship.own_sealed if rec.data_count == rec.data_sealed_at and not self._grad_ops.reduces else None
             )
@@ -616,9 +621,8 @@ class SwiftlogClient:
         there are reported like logging faults.
         """
         c = self.config
-        self._watch.check_apply(
-            iteration
-        )  # taken between iterations: the previous one's optimizer / scheduler steps are made
+        # taken between iterations: the previous one's optimizer / scheduler steps are made
+        self._watch.check_apply(iteration)
         uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
         opts = c.checkpoint_options()
         uri = save_checkpoint(
@@ -641,14 +645,12 @@ class SwiftlogClient:
         drained = threading.Event()
         self.writer.mark(drained.set)
         meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer_name}
-        if (
-            c.logging_groups is not None
-        ):  # a group is replayed from the checkpoint all its members have: GC keeps what that needs
+        # a group is replayed from the checkpoint all its members have: GC keeps what that needs
+        if c.logging_groups is not None:
             meta["logging_groups"] = list(c.logging_groups)
         self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.checkpoints.gc_after))
-        if (
-            self.coordinator is not None and c.checkpoints.gc_after
-        ):  # the META copies below it too (cheap store requests)
+        # the META copies below it too (cheap store requests)
+        if self.coordinator is not None and c.checkpoints.gc_after:
             self.coordinator.forget_metas(iteration)
         return uri
 
@@ -741,7 +743,8 @@ class SwiftlogClient:
                 error = f"{type(e).__name__}: {e}"
                 self.writer.note_fault("flush", error)
             if uploaded and self._maint.registered and self.config.checkpoints.gc_after:
-                # the flush sealed and shipped the open segments, older iterations among them: garbage in the cold tier now
+                # the flush sealed and shipped the open segments, older iterations among them:
+                # garbage in the cold tier now
                 self._maint.submit(("gc",))
                 self._maint.wait_idle(left())
         self.writer.close(left())

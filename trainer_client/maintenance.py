@@ -74,7 +74,8 @@ class CheckpointMaintenance:
         self.last_gc: dict[str, Any] | None = None
         self._pending = 0
         self._lock = threading.Lock()
-        # registrations the cold tier refused (the newest 8): retried every ``retry_s``, before later ones and at close, oldest first
+        # registrations the cold tier refused (the newest 8): retried every ``retry_s``, before later ones
+        # and at close, oldest first
         self.unregistered: list[tuple[int, int, str, dict[str, Any], bool]] = []
         self.retry_s = 10.0
         self._last_refusal = ""
@@ -169,9 +170,8 @@ class CheckpointMaintenance:
                 key=lambda c: c.iteration,
             )
             for c in mine[: -self.keep]:
-                self._store.unregister_checkpoint(
-                    stage, c.iteration
-                )  # first: no plan may start from a file about to go
+                # first: no plan may start from a file about to go
+                self._store.unregister_checkpoint(stage, c.iteration)
                 assert c.uri is not None
                 remove_checkpoint(c.uri, storage_options=self._storage_options)
                 self.retired.append((stage, c.iteration, c.uri))

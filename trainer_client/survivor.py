@@ -499,9 +499,8 @@ class ResilientLoop:
         except RecoveryTimeoutError:
             raise
         except RecoveryFailedError as e:
-            if all(
-                self.store.check([k]) for k in done
-            ):  # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+            # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+            if all(self.store.check([k]) for k in done):
                 return None
             return f"a stage failed after the last iteration: {e}"
         return None

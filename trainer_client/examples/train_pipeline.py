@@ -105,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tie-embeddings",
         choices=["client", "raw"],
         default=None,
-        help="tie the first stage's token embedding to the last stage's head weight (equal at the start, their gradients summed "
-        "over the two stages each iteration, before the clip): 'client' through client.all_reduce_grads_ (logged and "
-        "replayed), 'raw' with a plain dist.all_reduce (not replayable: a replay of either stage is not verified)",
+        help="tie the first stage's token embedding to the last stage's head weight (equal at the start, "
+        "their gradients summed over the two stages each iteration, before the clip): 'client' through "
+        "client.all_reduce_grads_ (logged and replayed), 'raw' with a plain dist.all_reduce (not replayable: "
+        "a replay of either stage is not verified)",
     )
     a(
         "--autocast",
@@ -134,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--no-ship-wait",
         action="store_true",
-        help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier (CommitConfig.ship_wait)",
+        help="commit does not wait for the first/last stage's inputs/targets to reach the cold tier "
+        "(CommitConfig.ship_wait)",
     )
     a("--no-commit", action="store_true")
     a("--commit-timeout", type=float, default=60.0)
@@ -335,7 +337,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     lr_scheduler = make_lr_scheduler(optimizer)
     inp, out = example_io(cfg, k, S)
     if args.autocast == "bf16" and k == S - 1:
-        # declare what the forward produces: the head's logits are bf16 under autocast (torch 2.11 checks the last stage's too)
+        # declare what the forward produces: the head's logits are bf16 under autocast
+        # (torch 2.11 checks the last stage's too)
         out = torch.zeros_like(out, dtype=torch.bfloat16, requires_grad=True)
     stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
     client.schedule(stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)  # client.step drives it

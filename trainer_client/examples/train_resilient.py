@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--sources",
         default="",
-        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, or node-server URLs (http://HOST:PORT) "
-        "(default: the roots the survivors report)",
+        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, "
+        "or node-server URLs (http://HOST:PORT) (default: the roots the survivors report)",
     )
     a("--replay-workers", type=int, default=1, help="replacement: spawn this many replay worker processes itself")
     a(
@@ -180,9 +180,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
-            sources = [
-                SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r
-            ]  # a root, or a node server's URL
+            # a root, or a node server's URL
+            sources = [SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r]
             if args.cold_url:
                 sources.append(SourceSpec(kind="cold", location=args.cold_url))
         t_recover = time.time()
@@ -247,9 +246,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         cold.put_segment = put_segment_then_die
 
-    if (
-        kill is not None and kill[2] == "recovering"
-    ):  # a failure during recovery: die right after reporting as a survivor
+    # a failure during recovery: die right after reporting as a survivor
+    if kill is not None and kill[2] == "recovering":
 
         def die_once_reported() -> None:
             watch = dist.TCPStore(
@@ -265,9 +263,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     built = [False]
 
     def rebuild() -> None:
-        if (
-            args.tie_embeddings
-        ):  # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+        # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+        if args.tie_embeddings:
             tie[0] = tie_embeddings(
                 model, k, S, sync=not built[0] and start == 0 and generation == 0 and not args.replacement
             )
