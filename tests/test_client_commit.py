@@ -155,7 +155,7 @@ def test_commit_with_the_store_host_gone_raises_commit_store_error_and_abort_nev
 def test_survivors_wake_when_every_replacement_is_ready_or_on_fallback_and_time_out_otherwise(tcp_store):
     from replay.replacement import report_fallback, report_ready
     from trainer_client.errors import RecoveryTimeoutError
-    from trainer_client.survivor import RecoveryKeys, wait_until_woken
+    from trainer_client.recovery_keys import RecoveryKeys, wait_until_woken
 
     keys = RecoveryKeys("w")
     tcp_store.set(keys.failed_stages(0), "[1, 2]")  # two stages lost together

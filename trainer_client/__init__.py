@@ -74,7 +74,8 @@ from trainer_client.errors import (
     RecoveryTimeoutError,
     UnsupportedScheduleError,
 )
-from trainer_client.survivor import RecoveryKeys, ResilientLoop
+from trainer_client.recovery_keys import RecoveryKeys
+from trainer_client.survivor import ResilientLoop
 from trainer_client.writer import Fault
 
 __all__ = [

@@ -29,9 +29,11 @@ The protocol (DESIGN.md "Failure protocol"), per failure, on every surviving sta
    group generation ``g + 1`` over ``PrefixStore(f"{run}/pg/gen{g+1}")`` of the same store, calls
    ``rebuild()`` (new stage and schedule over the new group) and continues at ``resume``.
 
-The store must be hosted outside the training ranks (it survives any of them). Every wait has a
-deadline and raises :class:`RecoveryTimeoutError` naming what it waited for; nothing sleeps a
-fixed time (polls back off from 1 ms to 20 ms). Never: retries an iteration whose decision was
+The store must be hosted outside the training ranks (it survives any of them). Its key names and
+the waits on them are in ``trainer_client.recovery_keys``: every wait has a deadline and raises
+:class:`RecoveryTimeoutError` naming what it waited for.
+
+Never: retries an iteration whose decision was
 "commit", applies a half-finished iteration, or recovers from an error that is not a failure of
 the pipeline (a bug in the user's step is re-raised unchanged).
 """
@@ -60,15 +62,12 @@ from trainer_client.errors import (
     RecoveryFailedError,
     RecoveryTimeoutError,
 )
+from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
 
 __all__ = [
     "RecoveryEvent",
-    "RecoveryKeys",
-    "wait_until_woken",
     "ResilientLoop",
     "is_pipeline_failure",
-    "pg_prefix",
-    "wait_for_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,74 +85,6 @@ _COMM_MARKERS = (
     "has been destroyed",
     "not initialized",
 )
-
-
-def pg_prefix(run_id: str, generation: int) -> str:
-    """Store prefix of the process group of ``generation`` (generation 0 is the initial one)."""
-    return f"{run_id}/pg/gen{generation}"
-
-
-class RecoveryKeys:
-    """Names of the recovery keys of one run in the shared store (one place, used by both sides)."""
-
-    def __init__(self, run_id: str, commit_prefix: str | None = None) -> None:
-        self.run_id = run_id
-        self.base = f"swiftlog/{run_id}/recovery"
-        self.commit_prefix = (commit_prefix or f"swiftlog/{run_id}").rstrip("/")
-
-    def failed(self, g: int) -> str:
-        """The commit coordinator's "generation failed" key (its presence aborts every commit wait)."""
-        return f"{self.commit_prefix}/gen{g}/failed"
-
-    def failed_stages(self, g: int) -> str:
-        """JSON list of the stages the scheduler replaces after generation ``g`` failed."""
-        return f"{self.base}/gen{g}/failed_stages"
-
-    def survivor(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/survivor/{stage}"
-
-    def ready(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/ready/{stage}"
-
-    def fallback(self, g: int) -> str:
-        return f"{self.base}/gen{g}/fallback"
-
-    def rejoined(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/rejoined/{stage}"
-
-    def heartbeat(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/hb/{stage}"
-
-    def finished(self, g: int, stop: int, stage: int) -> str:
-        """Set by ``stage`` when it applied iteration ``stop - 1``, the last one of a ``run``, in
-        generation ``g`` (the end-of-run barrier)."""
-        return f"{self.base}/gen{g}/finished/{stop}/{stage}"
-
-    def ready_count(self, g: int) -> str:
-        """Counter of the replacements of generation ``g`` that reported ready."""
-        return f"{self.base}/gen{g}/ready_count"
-
-    def wake(self, g: int) -> str:
-        """Set once every replacement of ``g`` is ready ("ready") or recovery was abandoned
-        ("fallback"): what the survivors block on while the replacement replays."""
-        return f"{self.base}/gen{g}/wake"
-
-    def replay_job(self, g: int, stage: int) -> str:
-        """JSON the replacement of ``stage`` publishes for its replay helpers: the job, the world
-        size and the rendezvous prefix; or ``{"cancel": reason}`` when it replays without them."""
-        return f"{self.base}/gen{g}/replay_job/{stage}"
-
-    def replay_rendezvous(self, g: int, stage: int) -> str:
-        """Prefix of the replay workers' process-group rendezvous keys (replacement = rank 0)."""
-        return f"{self.base}/gen{g}/replay_pg/{stage}/"
-
-    def progress(self) -> str:
-        """Appended by the example script's last stage after every applied iteration (plots)."""
-        return f"{self.base}/progress"
-
-    def kill_time(self, stage: int) -> str:
-        """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
-        return f"{self.base}/kill_time/{stage}"
 
 
 @dataclass(slots=True)
@@ -217,64 +148,6 @@ def is_pipeline_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS)
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-_WAIT_HINT = "is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays"
-
-
-def wait_for_keys(
-    store: dist.Store,
-    keys: list[str],
-    *,
-    timeout: datetime.timedelta,
-    what: str,
-    abort_keys: list[str] | None = None,
-    max_poll_s: float = 0.02,
-) -> dict[str, str]:
-    """Poll until every key in ``keys`` exists; return their values.
-
-    The poll period grows from 1 ms to ``max_poll_s`` (how late a key may be noticed, traded
-    against store requests while waiting). Raises RecoveryFailedError as soon as one of
-    ``abort_keys`` appears (its value in the message), RecoveryTimeoutError after ``timeout``
-    naming the keys still missing.
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    sleep = 1e-3
-    while True:
-        for ak in abort_keys or ():
-            if store.check([ak]):
-                raise RecoveryFailedError(f"{what}: gave up, {ak} = {_s(store.get(ak))}")
-        missing = [k for k in keys if not store.check([k])]
-        if not missing:
-            return {k: _s(store.get(k)) for k in keys}
-        if time.monotonic() >= deadline:
-            raise RecoveryTimeoutError(
-                f"{what}: still missing after {timeout.total_seconds():g} s: {missing}",
-                hint=_WAIT_HINT,
-            )
-        time.sleep(sleep)
-        sleep = min(sleep * 1.5, max_poll_s)
-
-
-def wait_until_woken(store: dist.Store, keys: RecoveryKeys, g: int, *, timeout: datetime.timedelta, what: str) -> str:
-    """Block in the store until generation ``g``'s wake-up key is set: every replacement reported
-    ready (``"ready"``) or recovery was abandoned (``"fallback"``); return that value.
-
-    One ``Store.wait``: woken the moment the key is set, no polling while the replay runs.
-    Raises RecoveryTimeoutError (naming ``what``) after ``timeout``.
-    """
-    try:
-        store.wait([keys.wake(g)], timeout)
-    except dist.DistStoreError as e:
-        raise RecoveryTimeoutError(
-            f"{what}: not ready after {timeout.total_seconds():g} s",
-            hint=_WAIT_HINT,
-        ) from e
-    return _s(store.get(keys.wake(g)))
-
-
 class _Heartbeat:
     """Background thread: writes this stage's heartbeat and marks the generation failed when
     another stage's heartbeat goes stale. Own store connection; never raises into training."""
@@ -305,7 +178,7 @@ class _Heartbeat:
                 for k in range(cfg.num_stages):
                     if k == cfg.stage or not self._store.check([keys.heartbeat(g, k)]):
                         continue  # not started yet in this generation: not judged
-                    v = _s(self._store.get(keys.heartbeat(g, k)))
+                    v = as_str(self._store.get(keys.heartbeat(g, k)))
                     prev = seen.get((g, k))
                     if prev is None or prev[0] != v:
                         seen[(g, k)] = (v, now)
