@@ -51,7 +51,7 @@ those from their modules; a training script needs none of them.
 """
 
 from trainer_client.checkpoint import Checkpoint, checkpoint_uri, load_checkpoint, save_checkpoint
-from trainer_client.client import CommitReport, FlushReport, SwiftlogClient
+from trainer_client.client import SwiftlogClient
 from trainer_client.commit import CommitResult
 from trainer_client.config import (
     CheckpointConfig,
@@ -75,6 +75,7 @@ from trainer_client.errors import (
     UnsupportedScheduleError,
 )
 from trainer_client.recovery_keys import RecoveryKeys
+from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.survivor import ResilientLoop
 from trainer_client.writer import Fault
 

@@ -16,8 +16,9 @@ The client is a facade over helpers it holds, each in a module of its own: the g
 operations a replay repeats (``_grad_ops``), the watch over the optimizer and scheduler steps
 (``_step_watch``), META building and amendments (``_meta_log``), the shipping of the stage's own
 data before its commit (``_shipping``) and the check of the stages' declared tensors
-(``_declarations``). It is over 600 lines because it is the one public surface of a stage: its
-methods are the calls a training script makes, each with the documentation that script needs.
+(``_declarations``). Its reports are in ``reports``. It is over 600 lines because it is the one
+public surface of a stage: its methods are the calls a training script makes, each with the
+documentation that script needs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from trainer_client._meta_log import MetaLog
 from trainer_client._shipping import DataShipper, seal_then_set
 from trainer_client._step_watch import StepWatcher
 from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
-from trainer_client.commit import CommitCoordinator, CommitResult, SharedRegistrations
+from trainer_client.commit import CommitCoordinator, SharedRegistrations
 from trainer_client.config import ClientConfig
 from trainer_client.data import DataSource, data_inputs, on_device
 from trainer_client.determinism import seed_micro_batch
@@ -52,50 +52,15 @@ from trainer_client.errors import IterationAbortedError, UnsupportedScheduleErro
 from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.meta import encode_meta, importable_name, script_name
 from trainer_client.metrics import MetricsExporter
+from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
-from trainer_client.writer import AsyncLogWriter, Fault
+from trainer_client.writer import AsyncLogWriter
 
-__all__ = [
-    "SwiftlogClient",
-    "CommitReport",
-    "FlushReport",
-    "SUPPORTED_SCHEDULES",
-]
+__all__ = ["SwiftlogClient", "SUPPORTED_SCHEDULES"]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-@dataclass(frozen=True, slots=True)
-class CommitReport:
-    """What ``commit`` did: the decision (None when no decision store is configured) and the
-    logging faults that happened since the previous report (never raised)."""
-
-    iteration: int
-    decision: CommitResult | None
-    logging_faults: list[Fault] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class FlushReport:
-    """Outcome of ``flush``/``close``.
-
-    ``logging_faults`` are the faults since the previous report (commit/flush/close);
-    ``faults_total`` counts every fault of this client's life. ``ok`` iff everything queued was
-    written, (with a cold tier) uploaded, and no logging fault ever happened, i.e. the logs of
-    this stage are complete.
-    """
-
-    drained: bool
-    uploaded_segments: int
-    error: str | None
-    logging_faults: list[Fault] = field(default_factory=list)
-    faults_total: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.drained and self.error is None and not self.logging_faults and self.faults_total == 0
 
 
 class SwiftlogClient:
@@ -152,27 +117,7 @@ class SwiftlogClient:
                 prefix=config.commit_prefix,
                 timeout=config.commit.timeout,
             )
-        ck_base = config.resolved_checkpoint_url()
-        shared = None
-        if commit_store is not None:
-            shared = SharedRegistrations(
-                commit_store, prefix=config.commit_prefix, stage=config.stage, num_stages=config.num_stages
-            )
-        elif config.cold_url is None and config.num_stages > 1:
-            logger.warning(
-                "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
-                "node's store root only, so nodes holding what it received never free it",
-                config.stage,
-            )
-        self._maint = CheckpointMaintenance(
-            self.store,
-            self.writer,
-            name,
-            keep=config.checkpoints.keep,
-            own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
-            storage_options=config.checkpoint_options(),
-            shared=shared,
-        )
+        self._maint = self._open_maintenance(config, commit_store, name)
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
@@ -196,6 +141,32 @@ class SwiftlogClient:
         self._aborts = 0
         self._closed = False
         self._ready = True  # built: a metrics scrape may read the stats
+
+    def _open_maintenance(
+        self, config: ClientConfig, commit_store: dist.Store | None, name: str
+    ) -> CheckpointMaintenance:
+        """The thread that registers this stage's checkpoints, retires old ones and runs GC."""
+        ck_base = config.resolved_checkpoint_url()
+        shared = None
+        if commit_store is not None:
+            shared = SharedRegistrations(
+                commit_store, prefix=config.commit_prefix, stage=config.stage, num_stages=config.num_stages
+            )
+        elif config.cold_url is None and config.num_stages > 1:
+            logger.warning(
+                "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
+                "node's store root only, so nodes holding what it received never free it",
+                config.stage,
+            )
+        return CheckpointMaintenance(
+            self.store,
+            self.writer,
+            name,
+            keep=config.checkpoints.keep,
+            own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
+            storage_options=config.checkpoint_options(),
+            shared=shared,
+        )
 
     # ================================================================ building the pipeline
     def pipeline_stage(
@@ -456,36 +427,10 @@ class SwiftlogClient:
             )
         self._stepped = None
         rec = self.recorder
-        n_fwd = sum(1 for k, _ in rec.order if k == "F")
-        n_bwd = sum(1 for k, _ in rec.order if k == "B")
-        n_mb = self._schedule_info.get("n_microbatches")
-        if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
-            self.writer.note_fault(
-                "incomplete_iteration",
-                f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches",
-                iteration=iteration,
-            )
-        meta = None
-        doc: dict[str, Any] | None = None
-        sealed: threading.Event | None = None
+        self._check_complete(iteration)
         own = self._ship.own_channels()
         self._watch.step_expect = None
-        if rec.enabled:
-            doc = self._meta.build(
-                iteration,
-                schedule_info=self._schedule_info,
-                step_t0=self._step_t0,
-                stage_module=self.stage_module,
-                steps={**self._grad_ops.meta_fields(), **self._watch.meta_fields()},
-            )
-            meta = encode_meta(doc)
-            self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
-            if self._ship.shipping:
-                sealed = threading.Event()
-                self.writer.mark(
-                    functools.partial(seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed)
-                )
-            self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
+        doc, meta, sealed = self._queue_meta(iteration, own) if rec.enabled else (None, None, None)
         ship_wait = self.config.commit.ship_wait
         if sealed is not None and own and ship_wait is not None:
             # the early seal covers the iteration's data, unless more was logged after it
@@ -521,6 +466,44 @@ class SwiftlogClient:
             if doc["lrs"] is not None:  # the coming optimizer step is checked against it
                 self._watch.step_expect = (iteration, doc)
         return CommitReport(iteration, decision, faults)
+
+    def _check_complete(self, iteration: int) -> None:
+        """An "incomplete_iteration" fault when the schedule step did not run every micro-batch's
+        forward and backward."""
+        rec = self.recorder
+        n_fwd = sum(1 for k, _ in rec.order if k == "F")
+        n_bwd = sum(1 for k, _ in rec.order if k == "B")
+        n_mb = self._schedule_info.get("n_microbatches")
+        if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
+            self.writer.note_fault(
+                "incomplete_iteration",
+                f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches",
+                iteration=iteration,
+            )
+
+    def _queue_meta(
+        self, iteration: int, own: list[Channel]
+    ) -> tuple[dict[str, Any], torch.Tensor, threading.Event | None]:
+        """Build ``iteration``'s META and queue it; with shipping, have the writer seal it and the
+        stage's own data (``own``) once written. Returns the document, its record and the event set
+        once sealed (None without shipping)."""
+        doc = self._meta.build(
+            iteration,
+            schedule_info=self._schedule_info,
+            step_t0=self._step_t0,
+            stage_module=self.stage_module,
+            steps={**self._grad_ops.meta_fields(), **self._watch.meta_fields()},
+        )
+        meta = encode_meta(doc)
+        self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
+        sealed = None
+        if self._ship.shipping:
+            sealed = threading.Event()
+            self.writer.mark(
+                functools.partial(seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed)
+            )
+        self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
+        return doc, meta, sealed
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer``'s learning rates and other hyperparameters in every META (what the

@@ -391,12 +391,62 @@ class ResilientLoop:
             g,
             msg,
         )
-        try:  # 2. every stage waiting in commit aborts; nobody can commit `it` any more
+        self._abort_generation(it, msg)
+        teardown, report = self._stand_down(it, discard)
+        ev = RecoveryEvent(
+            generation=g,
+            resume=it,
+            error=msg,
+            t_detect=t_detect,
+            t_reported=time.time(),
+        )
+        self.store.set(
+            keys.survivor(g, cfg.stage),
+            json.dumps(
+                {
+                    "resume": it,
+                    # where this node's logs are (a replacement without explicit sources reads them there)
+                    "store_root": str(self.client.config.store_root),
+                    "cold_url": self.client.config.cold_url,
+                    "t_detect": t_detect,
+                    "t_reported": ev.t_reported,
+                    "error": msg,
+                    **report,
+                    "destroy_s": teardown.seconds(),  # so far, if it is still running
+                }
+            ),
+        )
+        self._await_replacements(ev)
+        ev.t_ready = time.time()
+        teardown.wait(cfg.rejoin_timeout.total_seconds())
+        self.join(g + 1)
+        ev.t_rejoined = time.time()
+        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
+        self.events.append(ev)
+        logger.warning(
+            "stage %d: rejoined as generation %d, resuming at iteration %d",
+            cfg.stage,
+            g + 1,
+            it,
+        )
+        if self.on_event is not None:
+            self.on_event(ev)
+        return it
+
+    def _abort_generation(self, it: int, msg: str) -> None:
+        """Step 2: every stage waiting in commit aborts; nobody can commit ``it`` any more."""
+        cfg, keys, g = self.cfg, self.keys, self.generation
+        try:
             if not self.store.check([keys.failed(g)]):
                 self.store.set(keys.failed(g), f"stage {cfg.stage} saw: {msg[:200]}")
             self.client.abort(it, f"stage {cfg.stage} saw a failure")
         except Exception as e:
             raise RecoveryFailedError(f"stage {cfg.stage}: the store is unreachable during recovery: {e}") from e
+
+    def _stand_down(self, it: int, discard: bool) -> tuple[_GroupTeardown, dict[str, Any]]:
+        """Tear the failed group down, keep the state (step 3: discard the unfinished iteration)
+        and drain the log writer. Returns the teardown under way and what the report says of it."""
+        cfg, g = self.cfg, self.generation
         t_a = time.monotonic()
         # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too; on
         # its own thread: shutting gloo down joins its threads (~30 ms) and nothing below needs it
@@ -422,32 +472,13 @@ class ResilientLoop:
                 "stage %d: log writer not drained before recovery; the replay may miss records",
                 cfg.stage,
             )
-        ev = RecoveryEvent(
-            generation=g,
-            resume=it,
-            error=msg,
-            t_detect=t_detect,
-            t_reported=time.time(),
-        )
-        self.store.set(
-            keys.survivor(g, cfg.stage),
-            json.dumps(
-                {
-                    "resume": it,
-                    # where this node's logs are (a replacement without explicit sources reads them there)
-                    "store_root": str(self.client.config.store_root),
-                    "cold_url": self.client.config.cold_url,
-                    "t_detect": t_detect,
-                    "t_reported": ev.t_reported,
-                    "error": msg,
-                    "drained": drained,
-                    "teardown_s": t_b - t_a,
-                    "destroy_s": teardown.seconds(),  # so far, if it is still running
-                    "drain_s": t_c - t_b,
-                }
-            ),
-        )
-        # 4. wait for the scheduler to name the replaced stages and for them to be ready
+        return teardown, {"drained": drained, "teardown_s": t_b - t_a, "drain_s": t_c - t_b}
+
+    def _await_replacements(self, ev: RecoveryEvent) -> None:
+        """Step 4: wait for the scheduler to name the replaced stages (``ev.replaced``) and for them
+        to be ready. Raises RecoveryFailedError on a fallback, RecoveryTimeoutError after
+        ``rejoin_timeout``."""
+        cfg, keys, g = self.cfg, self.keys, self.generation
         v = wait_for_keys(
             self.store,
             [keys.failed_stages(g)],
@@ -470,18 +501,3 @@ class ResilientLoop:
             what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}",
             abort_keys=[keys.fallback(g)],
         )
-        ev.t_ready = time.time()
-        teardown.wait(cfg.rejoin_timeout.total_seconds())
-        self.join(g + 1)
-        ev.t_rejoined = time.time()
-        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
-        self.events.append(ev)
-        logger.warning(
-            "stage %d: rejoined as generation %d, resuming at iteration %d",
-            cfg.stage,
-            g + 1,
-            it,
-        )
-        if self.on_event is not None:
-            self.on_event(ev)
-        return it
