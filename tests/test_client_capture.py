@@ -150,7 +150,7 @@ def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
 
     from torch.distributed.pipelining import stage as torch_stage
 
-    from trainer_client.stage import _received_buffers
+    from trainer_client.stage import received_buffers
 
     a, b = torch.randn(2, 3), torch.randn(4)
     if "is_root_arg" in inspect.signature(torch_stage._RecvInfo).parameters:  # the installed torch's own classes
@@ -161,7 +161,7 @@ def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
         )
     else:
         infos = (torch_stage._RootArgPlaceholder(a), torch_stage._RecvInfo("h", 0, a))
-    assert _received_buffers(infos) == [a]
+    assert received_buffers(infos) == [a]
 
     class OldRecvInfo:  # torch 2.11's _RecvInfo
         def __init__(self, input_name: str, source: int, buffer: torch.Tensor) -> None:
@@ -171,7 +171,7 @@ def test_received_buffers_are_found_in_the_recv_info_of_each_torch_layout():
         def __init__(self, tensor: torch.Tensor) -> None:
             self.meta = tensor.to("meta")
 
-    got = _received_buffers((OldRootArgPlaceholder(a), OldRecvInfo("h", 0, a), OldRecvInfo("k", 0, b)))
+    got = received_buffers((OldRootArgPlaceholder(a), OldRecvInfo("h", 0, a), OldRecvInfo("k", 0, b)))
     assert len(got) == 2 and got[0] is a and got[1] is b
 
 

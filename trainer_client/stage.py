@@ -151,7 +151,7 @@ class StageRecorder:
                 if self.recv_requires_grad is None:
                     self.recv_requires_grad = _received_requires_grad(stage, stage.args_recv_info[micro_batch])
                 if self._digest_from_prev:
-                    bufs = _received_buffers(stage.args_recv_info[micro_batch])
+                    bufs = received_buffers(stage.args_recv_info[micro_batch])
                     self.writer.submit_digests(
                         Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True
                     )
@@ -177,7 +177,7 @@ class StageRecorder:
                 self.split_backward = True
             if not self.enabled or stage.is_last or not self._digest_from_next:
                 return
-            bufs = _received_buffers(stage.grad_recv_info[micro_batch])
+            bufs = received_buffers(stage.grad_recv_info[micro_batch])
             if bufs:
                 self.writer.submit_digests(
                     Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True
@@ -340,7 +340,7 @@ class StageRecorder:
         )
 
 
-def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
+def received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
     """The tensors a stage received into, from its ``args_recv_info[mb]`` / ``grad_recv_info[mb]``.
 
     Model inputs (root args) and absent gradients carry no buffer. Written for the layouts of the
@@ -352,7 +352,7 @@ def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
 
 
 def _received(recv_infos: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
-    """(receive info, its buffer) of each part received (see :func:`_received_buffers`)."""
+    """(receive info, its buffer) of each part received (see :func:`received_buffers`)."""
     out = []
     for info in recv_infos:
         buf = getattr(info, "buffer", None)
@@ -362,7 +362,7 @@ def _received(recv_infos: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
 
 
 def _received_requires_grad(stage: PipelineStage, recv_infos: Sequence[Any]) -> list[bool]:
-    """Per received part (as :func:`_received_buffers` lists them): whether the stage's forward gets
+    """Per received part (as :func:`received_buffers` lists them): whether the stage's forward gets
     it as a leaf requiring grad. torch sets that on the buffer only as the forward begins, from the
     part's declared metadata (``tensor_meta.requires_grad``, 2.13) and whether the stage runs a
     backward; releases without that metadata set it on the buffer when they create it."""
