@@ -2,7 +2,7 @@
 
 ``python -m trainer_client.examples.train_pipeline --resilient ...`` (or this module directly)
 takes every argument of ``train_pipeline`` plus the recovery ones below, and trains with
-:class:`trainer_client.survivor.ResilientLoop`: on a peer's failure this stage keeps its state,
+:class:`trainer_client.ResilientLoop`: on a peer's failure this stage keeps its state,
 waits for the replacement and continues in the next process-group generation.
 
 Roles:
@@ -50,6 +50,8 @@ from trainer_client import (
     checkpoint_uri,
     load_checkpoint,
 )
+from trainer_client.examples.common import build_parser as _base_parser
+from trainer_client.examples.common import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.examples.gpt import (
     SyntheticTokens,
     build_stage_module,
@@ -58,8 +60,6 @@ from trainer_client.examples.gpt import (
     make_lr_scheduler,
     make_optimizer,
 )
-from trainer_client.examples.train_pipeline import build_parser as _base_parser
-from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
 
