@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer_client import ClientConfig, SwiftlogClient, seed_micro_batch  # noqa: E402
+from trainer_client import ClientConfig, SwiftlogClient, WriterConfig, seed_micro_batch  # noqa: E402
 
 GB = 1e9
 DEVICE = "cuda"  # --device cpu: a dry run of the script's logic on a machine without a GPU (tiny sizes)
@@ -150,8 +150,7 @@ def run_config(stage: Stage, mode: str, threads: int, args: argparse.Namespace, 
                 num_stages=3,
                 store_root=root,
                 seed=1,
-                encode_threads=threads,
-                max_queue_bytes=args.queue_mib << 20,
+                writer=WriterConfig(encode_threads=threads, max_queue_bytes=args.queue_mib << 20),
             )
         )
     off: list[float] = []

@@ -77,7 +77,7 @@ from logstore.errors import SwiftlogError
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError, ReplayOrderError
 from replay.reader import LogReader, RecordSource
 from trainer_client.checkpoint import Checkpoint
-from trainer_client.client import data_inputs, on_device
+from trainer_client.data import data_inputs, on_device
 from trainer_client.determinism import (
     SEED_SCHEME,
     autocast_as,
@@ -848,7 +848,7 @@ def _stage_kwargs(reader: LogReader, plan: _Plan, stage: int, it: int, mb: int, 
 
 
 def _split_inputs(inputs: Any, n: int) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """A data source's stage-0 inputs (positional and keyword, ``trainer_client.client.data_inputs``)
+    """A data source's stage-0 inputs (positional and keyword, ``trainer_client.data.data_inputs``)
     split into micro-batches as the schedules split a step's arguments."""
     args, kwargs = data_inputs(inputs)
     chunks, kw_chunks = split_args_kwargs_into_chunks(args, kwargs or None, n)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainer_client.checkpoint import Checkpoint
-from trainer_client.client import DataSource
+from trainer_client.data import DataSource
 from trainer_client.examples.gpt import (
     GPTConfig,
     SyntheticTokens,

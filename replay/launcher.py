@@ -45,7 +45,7 @@ from replay.replacement import common_checkpoint
 from trainer_client.commit import gloo_on_loopback
 from trainer_client.examples import launch as _launch
 from trainer_client.examples.train_resilient import KILL_PHASES
-from trainer_client.survivor import RecoveryKeys
+from trainer_client.recovery_keys import RecoveryKeys
 
 __all__ = [
     "EXIT_FALLBACK",

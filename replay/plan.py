@@ -52,7 +52,7 @@ from logstore import Channel, LogStore, RecordInfo, RecordKey
 from logstore.errors import ColdTierError, ColdTierUnavailableError, StoreError, SwiftlogError
 from logstore.keys import Kind
 from replay.core import needed_channels
-from trainer_client.client import decode_meta
+from trainer_client.meta import decode_meta
 
 __all__ = [
     "plan_recovery",

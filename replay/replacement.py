@@ -52,8 +52,8 @@ import torch.distributed as dist
 from replay.core import ReplayError, ReplayOrderError
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
-from trainer_client.errors import CheckpointError
-from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
+from trainer_client.errors import CheckpointError, RecoveryFailedError
+from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
     "RecoveredStage",

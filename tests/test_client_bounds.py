@@ -18,8 +18,9 @@ import torch
 
 from logstore import Channel, LogStore, RecordKey
 from logstore.errors import ConfigError
-from trainer_client import ClientConfig, SwiftlogClient, tensor_digest
-from trainer_client.digest import digest_from_record
+from trainer_client import ClientConfig, SwiftlogClient
+from trainer_client.config import WriterConfig
+from trainer_client.digest import digest_from_record, tensor_digest
 from trainer_client.writer import AsyncLogWriter
 
 MiB = 1 << 20
@@ -54,7 +55,7 @@ def test_digest_work_stays_bounded_while_the_store_hangs_and_drops_become_gaps(s
     stays near the bound, although 40 steps receive 320 MiB: a buffer is let go once hashed, and
     beyond the bound the training thread hashes it on the spot. Every dropped send is a gap, and no
     digest is lost."""
-    w = AsyncLogWriter(store, max_queue_bytes=4 * MiB, overflow="gap", encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(max_queue_bytes=4 * MiB, overflow="gap", encode_threads=1))
     send, digest = Channel.activation(1), Channel.digest(0, 1)
     want: dict[tuple[int, int], int] = {}
     steps, n_mb = 40, 8
@@ -92,7 +93,7 @@ def test_digest_work_stays_bounded_while_the_store_hangs_and_drops_become_gaps(s
 def test_cuda_digest_copies_are_bounded_while_the_store_hangs_and_beyond_the_bound_are_gaps(store):
     """On a GPU a received buffer is copied to pinned memory to be hashed by the pool. While the store
     hangs those copies stay within the bound; the digests beyond it are recorded gaps."""
-    w = AsyncLogWriter(store, max_queue_bytes=MiB, overflow="gap", encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(max_queue_bytes=MiB, overflow="gap", encode_threads=1))
     digest, n = Channel.digest(0, 1), 40
     want = {}
     with _hung(store):
@@ -122,8 +123,7 @@ def test_overflow_wait_gives_up_after_its_limit_records_a_gap_and_says_so(tmp_pa
         stage=0,
         num_stages=2,
         store_root=str(tmp_path),
-        max_queue_bytes=1000,
-        overflow_wait=datetime.timedelta(seconds=0.5),
+        writer=WriterConfig(max_queue_bytes=1000, overflow_wait=datetime.timedelta(seconds=0.5)),
     )
     client = SwiftlogClient(cfg)
     act = Channel.activation(0)
@@ -154,7 +154,7 @@ def test_overflow_wait_gives_up_after_its_limit_records_a_gap_and_says_so(tmp_pa
 
 def test_overflow_wait_must_be_a_positive_duration(tmp_path):
     base = {"run_id": "r", "stage": 0, "num_stages": 2, "store_root": str(tmp_path)}
-    assert ClientConfig(**base).overflow_wait == datetime.timedelta(seconds=10)
+    assert ClientConfig(**base).writer.overflow_wait == datetime.timedelta(seconds=10)
     for bad in (None, 5, datetime.timedelta(0)):
         with pytest.raises(ConfigError, match="overflow_wait"):
-            ClientConfig(**base, overflow_wait=bad)
+            ClientConfig(**base, writer=WriterConfig(overflow_wait=bad))

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from logstore.errors import ConfigError
 from trainer_client import ClientConfig, SwiftlogClient
+from trainer_client.config import CheckpointConfig, CommitConfig, MetricsConfig, StorageConfig, WriterConfig
 
 LABELS = {"run": "m", "stage": "1", "writer": "stage1"}
 
@@ -48,7 +49,13 @@ def _config(tmp_path, **kw: Any) -> ClientConfig:
 
 
 def test_the_exporter_serves_what_stats_says_at_scrape_time_and_stops_at_close(tmp_path):
-    client = SwiftlogClient(_config(tmp_path, metrics_port=0, max_queue_bytes=1000, overflow="gap"))
+    client = SwiftlogClient(
+        _config(
+            tmp_path,
+            metrics=MetricsConfig(port=0),
+            writer=WriterConfig(max_queue_bytes=1000, overflow="gap"),
+        )
+    )
     host, port = client.metrics_address
     assert host == "127.0.0.1" and port > 0
     gate = threading.Event()
@@ -82,21 +89,22 @@ def test_a_port_in_use_is_a_config_error_naming_it_and_nothing_is_left_open(tmp_
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        with pytest.raises(ConfigError, match=f"metrics_port.*127.0.0.1:{port}"):
-            SwiftlogClient(_config(tmp_path, metrics_port=port))
+        with pytest.raises(ConfigError, match=f"MetricsConfig.port.*127.0.0.1:{port}"):
+            SwiftlogClient(_config(tmp_path, metrics=MetricsConfig(port=port)))
     finally:
         taken.close()
-    again = SwiftlogClient(_config(tmp_path, metrics_port=0))  # the failed one left no writer lock on the store
+    # the failed one left no writer lock on the store
+    again = SwiftlogClient(_config(tmp_path, metrics=MetricsConfig(port=0)))
     again.close()
 
 
 @pytest.mark.parametrize(
     "kw",
-    [{"metrics_port": -1}, {"metrics_port": 70000}, {"metrics_port": "9100"}, {"metrics_port": 0, "metrics_host": ""}],
+    [{"port": -1}, {"port": 70000}, {"port": "9100"}, {"port": 0, "host": ""}],
 )
 def test_bad_metrics_settings_are_refused_naming_the_field(tmp_path, kw):
-    with pytest.raises(ConfigError, match=next(iter(kw)) if len(kw) == 1 else "metrics_host"):
-        _config(tmp_path, **kw)
+    with pytest.raises(ConfigError, match=r"MetricsConfig\." + (next(iter(kw)) if len(kw) == 1 else "host")):
+        _config(tmp_path, metrics=MetricsConfig(**kw))
 
 
 def test_ship_lag_is_exported_once_the_cold_tier_falls_behind(tmp_path, single_rank_group):
@@ -110,11 +118,11 @@ def test_ship_lag_is_exported_once_the_cold_tier_falls_behind(tmp_path, single_r
         stage=0,
         num_stages=1,
         store_root=str(tmp_path / "store"),
-        metrics_port=0,
+        metrics=MetricsConfig(port=0),
         cold_url="s3://swiftlog-dead/logs",
-        checkpoint_url=str(tmp_path / "ckpt"),
-        cold_options={"endpoint_url": f"http://127.0.0.1:{dead}", "key": "k", "secret": "s"},
-        ship_wait=datetime.timedelta(seconds=0.5),
+        checkpoints=CheckpointConfig(url=str(tmp_path / "ckpt")),
+        storage=StorageConfig(cold_options={"endpoint_url": f"http://127.0.0.1:{dead}", "key": "k", "secret": "s"}),
+        commit=CommitConfig(ship_wait=datetime.timedelta(seconds=0.5)),
     )
     client = SwiftlogClient(cfg)
     stage = client.pipeline_stage(

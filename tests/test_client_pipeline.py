@@ -32,10 +32,11 @@ from tests._client_mp import (
     stage_from_checkpoint,
     state_differences,
 )
-from trainer_client import decode_meta, derive_seed, tensor_digest
+from trainer_client import derive_seed
 from trainer_client.commit import loopback_store
-from trainer_client.digest import digest_from_record
+from trainer_client.digest import digest_from_record, tensor_digest
 from trainer_client.examples.gpt import SyntheticTokens, loss_fn
+from trainer_client.meta import decode_meta
 
 CKPT = 2  # checkpoints at 0 and 2; GC makes everything below 2 garbage
 

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from logstore import Channel, LogStore, RecordKey
 from replay.core import LogReader, ReplayError, StageState, replay_device, replay_stage
-from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint, tensor_digest
-from trainer_client.digest import digest_from_record
+from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint
+from trainer_client.config import WriterConfig
+from trainer_client.digest import digest_from_record, tensor_digest
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads
 
 HAS_CUDA = torch.cuda.is_available()
@@ -153,7 +154,7 @@ def _busy_gpu(seconds: float = 0.3) -> None:
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_records_are_the_device_tensors_bit_for_bit(store):
-    w = AsyncLogWriter(store, encode_threads=2)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=2))
     base = torch.randn(33, 17, device="cuda")
     sent = [
         base,
@@ -177,7 +178,7 @@ def test_cuda_records_are_the_device_tensors_bit_for_bit(store):
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_submit_never_waits_for_the_gpu_and_copies_after_the_training_stream(store):
-    w = AsyncLogWriter(store, encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=1))
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda.synchronize()
     _busy_gpu()
@@ -197,7 +198,7 @@ def test_cuda_submit_never_waits_for_the_gpu_and_copies_after_the_training_strea
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_received_buffer_is_hashed_before_the_next_receive_overwrites_it(store):
-    w = AsyncLogWriter(store, encode_threads=1)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=1))
     buf = torch.zeros(4096, device="cuda")
     torch.cuda.synchronize()
     _busy_gpu()
@@ -216,7 +217,7 @@ def test_cuda_received_buffer_is_hashed_before_the_next_receive_overwrites_it(st
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_stage_gets_more_encode_threads_by_default(store):
-    w = AsyncLogWriter(store, encode_threads=None)  # the client's default
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=None))  # the client's default
     assert w.submit(Channel.activation(0), 0, 0, [torch.randn(64, device="cuda")]) and w.drain(30)
     assert w.stats().encode_threads == auto_encode_threads(on_gpu=True) > 1 or (os.cpu_count() or 1) < 2
     assert w.close(10)
@@ -226,7 +227,7 @@ def test_cuda_stage_gets_more_encode_threads_by_default(store):
 @needs_cuda
 def test_cuda_pinned_buffers_are_reused_and_bounded_when_shapes_keep_changing(store):
     bound = 1 << 20
-    w = AsyncLogWriter(store, encode_threads=1, max_queue_bytes=bound)
+    w = AsyncLogWriter(store, WriterConfig(encode_threads=1, max_queue_bytes=bound))
     t = torch.randn(1 << 16, device="cuda")  # 256 KiB
     for mb in range(8):
         assert w.submit(Channel.activation(0), 0, mb, [t]) and w.drain(30)

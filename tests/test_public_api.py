@@ -69,3 +69,45 @@ def test_logstore_public_api() -> None:
     }
     assert _exported("logstore.hot") == {"HotTier", "SegmentMeta", "Location", "OPEN", "SEALED", "UPLOADED", "EVICTED"}
     assert _exported("logstore.store") == {"LogStore", "Encoded", "list_runs", "writers_under"}
+
+
+def test_trainer_client_public_api() -> None:
+    import trainer_client
+
+    assert sorted(trainer_client.__all__) == sorted(
+        [
+            "ClientConfig",
+            "WriterConfig",
+            "CommitConfig",
+            "StorageConfig",
+            "CheckpointConfig",
+            "MetricsConfig",
+            "RecoveryConfig",
+            "SwiftlogClient",
+            "CommitReport",
+            "CommitResult",
+            "FlushReport",
+            "Fault",
+            "DataSource",
+            "ResilientLoop",
+            "RecoveryKeys",
+            "Checkpoint",
+            "checkpoint_uri",
+            "save_checkpoint",
+            "load_checkpoint",
+            "derive_seed",
+            "seed_micro_batch",
+            "ClientError",
+            "CommitError",
+            "IterationAbortedError",
+            "CommitStoreError",
+            "CheckpointError",
+            "UnsupportedScheduleError",
+            "RecoveryFailedError",
+            "RecoveryTimeoutError",
+        ]
+    )
+    for name in trainer_client.__all__:
+        assert getattr(trainer_client, name) is not None
+    errors = [getattr(trainer_client, n) for n in trainer_client.__all__ if n.endswith("Error")]
+    assert all(e.__module__ == "trainer_client.errors" for e in errors)  # every error class in its errors module

@@ -111,10 +111,8 @@ def test_two_stages_at_once(references: References, tmp_path: Path) -> None:
     the scheduler can tell): they are replaced together, each replayed from its own checkpoint."""
     r = run(tmp_path, "1f1b", [KillSpec(0, 3, 0, "commit"), KillSpec(2, 3, 0, "commit")])
     assert r.timings[0]["failed_stages"] == [0, 2]
-    assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {
-        0: True,
-        2: True,
-    }  # each one's, not the first's only
+    # each one's, not the first's only
+    assert r.timings[0]["verified"] and r.timings[0]["verified_by_stage"] == {0: True, 2: True}
     assert_same_as(r, references.get("1f1b"))
 
 
@@ -200,9 +198,8 @@ def test_weights_tied_across_stages_recover_in_place_bit_for_bit(references: Ref
     ref = references.get("1f1b", extra=extra)
     r = run(tmp_path / "kill", "1f1b", [KillSpec(0, 3, 1, "backward")], extra=extra)
     _check_recovered(r, [0], 3)
-    assert torch.equal(
-        r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"]
-    )  # still one weight
+    # still one weight
+    assert torch.equal(r.results[0]["model"]["tok.weight"], r.results[max(r.results)]["model"]["head.weight"])
     assert_same_as(r, ref)
 
 
@@ -358,9 +355,8 @@ def test_a_survivor_lost_during_the_recovery_makes_the_scheduler_roll_back(
         and rollbacks[0]["checkpoint"] == 2
         and "during the recovery of generation 0" in rollbacks[0]["reason"]
     ), r.timeline
-    assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", (
-        r.fallback
-    )  # the reason in-place recovery was abandoned
+    # the reason in-place recovery was abandoned
+    assert r.fallback == "stage 3 died (rc=-9) during the recovery of generation 0", r.fallback
     assert_same_as(r, references.get("1f1b"))
 
 

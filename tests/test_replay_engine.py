@@ -621,7 +621,7 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     import json
 
     from replay.replacement import recover_stage
-    from trainer_client.survivor import RecoveryKeys
+    from trainer_client.recovery_keys import RecoveryKeys
 
     store = loopback_store(datetime.timedelta(seconds=30))
     keys = RecoveryKeys(f1b_run.run_id)

@@ -17,9 +17,9 @@ import torch
 from logstore import Channel, LogStore, RecordKey
 from replay.core import absolute_spec, is_script_spec, load_object
 from replay.launcher import states_equal
-from trainer_client import decode_meta, load_checkpoint
+from trainer_client import load_checkpoint
 from trainer_client.commit import loopback_store
-from trainer_client.meta import script_defines_only
+from trainer_client.meta import decode_meta, script_defines_only
 
 NET = """
 import torch
@@ -60,7 +60,8 @@ def train(rank, root, out, port):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
-    client = SwiftlogClient(ClientConfig(run_id="mine", stage=rank, num_stages=2, store_root=root, seed=3), commit_store=store)
+    config = ClientConfig(run_id="mine", stage=rank, num_stages=2, store_root=root, seed=3)
+    client = SwiftlogClient(config, commit_store=store)
     module, opt, _ = make_stage(rank, 2, None)
     stage = client.pipeline_stage(module, "cpu", {io})
     client.schedule(stage, "1f1b", n_microbatches=2, loss_fn=my_loss)
@@ -86,7 +87,10 @@ if __name__ == "__main__":
 '''
 
 
-IO = "input_args=torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0), output_args=torch.zeros(2, 5 if rank else 16, requires_grad=True)"
+IO = (
+    "input_args=torch.zeros(2, 16 if rank else 8, requires_grad=rank > 0), "
+    "output_args=torch.zeros(2, 5 if rank else 16, requires_grad=True)"
+)
 
 # stage 0 also sends a float tensor computed without gradient, and stage 1 declares it so
 NET_NOGRAD = """
@@ -119,7 +123,8 @@ def stage_module(stage):
 
 IO_NOGRAD = (
     "input_args=(torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16)) if rank else torch.zeros(2, 8), "
-    "output_args=torch.zeros(2, 5, requires_grad=True) if rank else (torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16))"
+    "output_args=torch.zeros(2, 5, requires_grad=True) if rank "
+    "else (torch.zeros(2, 16, requires_grad=True), torch.zeros(2, 16))"
 )
 
 
@@ -152,9 +157,8 @@ def _train(proj: Path, script: str, how: str) -> tuple[Path, list[dict[str, torc
 
 
 def _swiftlog(proj: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name(
-        "swiftlog"
-    )  # the console script (not python -m: that would put the directory on sys.path)
+    # the console script (not python -m: that would put the directory on sys.path)
+    exe = Path(sys.executable).with_name("swiftlog")
     assert exe.exists(), f"{exe}: the project is installed with its console script (make test installs it)"
     return subprocess.run([str(exe), *args], cwd=proj, env=_env(), capture_output=True, text=True, timeout=300)
 
@@ -309,8 +313,8 @@ def test_a_receiver_declaring_other_parts_than_its_sender_is_refused_before_the_
         procs["0"].communicate()
     assert procs["1"].returncode != 0
     assert (
-        "stage 1 declares that it receives float32 [2, 17] (input_args), but stage 0 declares that it sends float32 [2, 16] "
-        "(output_args)"
+        "stage 1 declares that it receives float32 [2, 17] (input_args), "
+        "but stage 0 declares that it sends float32 [2, 16] (output_args)"
     ) in err, err[-3000:]
 
 

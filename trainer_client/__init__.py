@@ -27,13 +27,13 @@ logging-group boundaries), stage-0 inputs, last-stage targets and one META recor
 go to the node's log store asynchronously (the training thread only enqueues); the receiver of
 each logged send keeps a digest of it; every micro-batch forward is seeded from (seed, stage,
 iteration, micro-batch). From a stage's checkpoint and its neighbours' logs,
-``replay.core.replay_stage`` then reproduces that stage's parameters and optimizer state bit for
+``replay.replay_stage`` then reproduces that stage's parameters and optimizer state bit for
 bit. Stage-0 inputs and last-stage targets can instead come from a deterministic data source
 (``SwiftlogClient(..., data_source=fn)`` with ``ClientConfig(log_data=False)``; give the replay
 the same ``fn``).
 
 To survive other stages' failures in place, drive the same steps through
-:class:`ResilientLoop` (``trainer_client.survivor``; see ``examples/train_resilient.py``)::
+:class:`ResilientLoop` (see ``examples/minimal_resilient.py``)::
 
     loop = ResilientLoop(client, tcp_store, RecoveryConfig(run_id="gpt-7", stage=rank, num_stages=4),
                          rebuild=build_stage_and_schedule, optimizer=optimizer)
@@ -44,67 +44,75 @@ To survive other stages' failures in place, drive the same steps through
 Logging faults (store full, cold tier down, encode errors) never raise into training: they are
 counted in ``client.stats()`` and reported by ``commit``/``flush``/``close``.
 See ``trainer_client.determinism`` for what exact replay requires of the training script.
+
+The names below are the public API (pinned by ``tests/test_public_api.py``). The modules hold
+more: the writer, the commit coordinator, the META codec. Other packages of this project import
+those from their modules; a training script needs none of them.
 """
 
-from trainer_client.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from trainer_client.client import (
-    SUPPORTED_SCHEDULES,
-    CommitReport,
-    DataSource,
-    FlushReport,
-    SwiftlogClient,
+from trainer_client.checkpoint import Checkpoint, checkpoint_uri, load_checkpoint, save_checkpoint
+from trainer_client.client import SwiftlogClient
+from trainer_client.commit import CommitResult
+from trainer_client.config import (
+    CheckpointConfig,
+    ClientConfig,
+    CommitConfig,
+    MetricsConfig,
+    RecoveryConfig,
+    StorageConfig,
+    WriterConfig,
 )
-from trainer_client.commit import CommitCoordinator, CommitResult
-from trainer_client.config import ClientConfig
+from trainer_client.data import DataSource
 from trainer_client.determinism import derive_seed, seed_micro_batch
-from trainer_client.digest import tensor_digest
 from trainer_client.errors import (
     CheckpointError,
     ClientError,
     CommitError,
     CommitStoreError,
     IterationAbortedError,
-    UnsupportedScheduleError,
-)
-from trainer_client.meta import decode_meta, encode_meta
-from trainer_client.stage import LoggingPipelineStage
-from trainer_client.survivor import (
-    RecoveryConfig,
     RecoveryFailedError,
     RecoveryTimeoutError,
-    ResilientLoop,
+    UnsupportedScheduleError,
 )
-from trainer_client.writer import AsyncLogWriter, Fault, WriterStats
+from trainer_client.recovery_keys import RecoveryKeys
+from trainer_client.reports import CommitReport, FlushReport
+from trainer_client.survivor import ResilientLoop
+from trainer_client.writer import Fault
 
 __all__ = [
+    # configuration
     "ClientConfig",
+    "WriterConfig",
+    "CommitConfig",
+    "StorageConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "RecoveryConfig",
+    # the client and what it reports
     "SwiftlogClient",
-    "LoggingPipelineStage",
     "CommitReport",
-    "FlushReport",
-    "DataSource",
-    "SUPPORTED_SCHEDULES",
-    "encode_meta",
-    "decode_meta",
-    "CommitCoordinator",
     "CommitResult",
+    "FlushReport",
+    "Fault",
+    "DataSource",
+    # in-place recovery
+    "ResilientLoop",
+    "RecoveryKeys",
+    # checkpoints
     "Checkpoint",
+    "checkpoint_uri",
     "save_checkpoint",
     "load_checkpoint",
+    # seeding, for hand-written runtimes
     "derive_seed",
     "seed_micro_batch",
-    "tensor_digest",
-    "AsyncLogWriter",
-    "Fault",
-    "WriterStats",
+    # errors
     "ClientError",
     "CommitError",
     "IterationAbortedError",
     "CommitStoreError",
     "CheckpointError",
     "UnsupportedScheduleError",
-    "ResilientLoop",
-    "RecoveryConfig",
     "RecoveryFailedError",
     "RecoveryTimeoutError",
 ]

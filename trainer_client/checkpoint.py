@@ -136,7 +136,8 @@ class Checkpoint:
                 diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
                 if diff:
                     raise CheckpointError(
-                        f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
+                        f"{what}: its lr scheduler state does not fit the lr scheduler "
+                        f"{class_name(lr_scheduler)}: {diff}",
                         hint="build the lr scheduler the training used (the same class and arguments)",
                     )
             try:
@@ -147,15 +148,15 @@ class Checkpoint:
                     f"{type(e).__name__}: {e}",
                     hint="build the lr scheduler the training used (the same class and arguments)",
                 ) from None
-            if (
-                strict and self.sched_next is not None
-            ):  # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
+            # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
+            if strict and self.sched_next is not None:
                 mine = scheduler_next_rates(lr_scheduler)
                 if mine is not None and mine != [float(x) for x in self.sched_next]:
                     raise CheckpointError(
-                        f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set the learning "
-                        f"rates {mine} at its next step, the training's set {list(self.sched_next)}",
-                        hint="build the scheduler with the training's function and arguments (e.g. a LambdaLR's schedule length); "
+                        f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set "
+                        f"the learning rates {mine} at its next step, the training's set {list(self.sched_next)}",
+                        hint="build the scheduler with the training's function and arguments "
+                        "(e.g. a LambdaLR's schedule length); "
                         "to resume with another schedule on purpose: apply(..., strict=False)",
                     )
 
@@ -326,7 +327,7 @@ def save_checkpoint(
     except Exception as e:
         raise CheckpointError(
             f"could not write checkpoint of stage {stage} at iteration {iteration} to {uri}: {type(e).__name__}: {e}",
-            hint="check space and permissions of the checkpoint location (ClientConfig.checkpoint_url)",
+            hint="check space and permissions of the checkpoint location (CheckpointConfig.url)",
         ) from e
 
 

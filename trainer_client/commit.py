@@ -272,7 +272,8 @@ class CommitCoordinator:
             value = self._get_str(dec)
         except Exception as e:  # RuntimeError/DistStoreError from the store client
             raise CommitStoreError(
-                f"stage {self.stage}: commit of iteration {iteration} (generation {self.generation}) could not reach the store: {e}",
+                f"stage {self.stage}: commit of iteration {iteration} (generation {self.generation}) "
+                f"could not reach the store: {e}",
                 iteration=iteration,
                 generation=self.generation,
                 hint="the store host must run outside the training ranks; treat this iteration as failed",

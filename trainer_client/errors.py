@@ -9,7 +9,9 @@ Hierarchy (the log store's errors are reused, not redefined)::
         ├── CommitError                       the commit step could not decide normally
         │   ├── IterationAbortedError         the iteration's decision is "abort": apply nothing
         │   └── CommitStoreError              the decision store (TCPStore) is unreachable (retryable)
-        └── CheckpointError                   a checkpoint could not be written or read
+        ├── CheckpointError                   a checkpoint could not be written or read
+        └── RecoveryFailedError               the pipeline could not be re-formed after a failure
+            └── RecoveryTimeoutError          a recovery wait passed its deadline
 
 What is deliberately *not* here: logging faults (store full, cold tier down, encode errors).
 Those never raise into the training step; the client records and counts them and reports
@@ -27,6 +29,8 @@ __all__ = [
     "CommitStoreError",
     "CheckpointError",
     "UnsupportedScheduleError",
+    "RecoveryFailedError",
+    "RecoveryTimeoutError",
     "ConfigError",
 ]
 
@@ -77,3 +81,11 @@ class CheckpointError(ClientError):
 
 class UnsupportedScheduleError(ConfigError):
     """A schedule whose execution the client cannot capture and replay exactly."""
+
+
+class RecoveryFailedError(ClientError):
+    """The pipeline could not be re-formed (the replacement gave up, or survivors disagree)."""
+
+
+class RecoveryTimeoutError(RecoveryFailedError):
+    """A recovery wait passed its deadline; the message names the keys it waited for."""

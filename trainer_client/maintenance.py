@@ -74,7 +74,8 @@ class CheckpointMaintenance:
         self.last_gc: dict[str, Any] | None = None
         self._pending = 0
         self._lock = threading.Lock()
-        # registrations the cold tier refused (the newest 8): retried every ``retry_s``, before later ones and at close, oldest first
+        # registrations the cold tier refused (the newest 8): retried every ``retry_s``, before later ones
+        # and at close, oldest first
         self.unregistered: list[tuple[int, int, str, dict[str, Any], bool]] = []
         self.retry_s = 10.0
         self._last_refusal = ""
@@ -154,7 +155,7 @@ class CheckpointMaintenance:
 
     def _retire(self, stage: int) -> None:
         """Retention (``keep``): withdraw the registration of this stage's older checkpoints that
-        this client's checkpoint_url holds, then delete their files; a failure is a fault and the
+        this client's checkpoint location holds, then delete their files; a failure is a fault and the
         rest waits for the next checkpoint."""
         if self.keep is None or self._own_uri is None:
             return
@@ -169,9 +170,8 @@ class CheckpointMaintenance:
                 key=lambda c: c.iteration,
             )
             for c in mine[: -self.keep]:
-                self._store.unregister_checkpoint(
-                    stage, c.iteration
-                )  # first: no plan may start from a file about to go
+                # first: no plan may start from a file about to go
+                self._store.unregister_checkpoint(stage, c.iteration)
                 assert c.uri is not None
                 remove_checkpoint(c.uri, storage_options=self._storage_options)
                 self.retired.append((stage, c.iteration, c.uri))

@@ -1,61 +1,80 @@
 """META records: one JSON document per (stage, iteration), stored as a uint8 tensor.
 
-The client writes it at ``commit`` (``Channel.meta(stage)``, micro-batch 0); the replay reads the
-executed forward/backward order, ``n_microbatches``, the gradient scale factor, the seed scheme
-and the environment fingerprint (thread count...) from it. Fields (version 1): ``version``,
-``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``, ``schedule``,
-``n_microbatches``, ``scale_grads``, ``grad_scale_factor``, ``order`` (``[["F"|"B", mb], ...]``
-as executed), ``split_backward``, ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch),
-``data`` ("logged" | "source"), ``input_kwargs`` (names of the step's keyword tensor inputs this
-stage logged under ``input_{stage}``, in this order; on stage 0 after the positional ones),
-``input_consts`` (the step's keyword inputs that are JSON constants, by name; absent in older
-records), ``recv_requires_grad`` (per received part, whether the stage's forward got it as a leaf
-requiring grad: what ``input_args`` declared; null on the first stage; absent in older records:
-every float part did), ``sched_epoch`` (the ``last_epoch`` of the lr scheduler the client tracks,
-at commit; null without one), ``sched_next`` (for a tracked torch lr scheduler, composites of them too:
-each group's learning rate its next step will set, found by stepping it once and putting it back;
-what no checkpoint holds, a LambdaLR's function, a SequentialLR's parts, shows there; null for
-other schedulers; absent in older records), ``apply_irregular`` (the first iteration after which the client saw
-other than one optimizer and one scheduler step, or null), ``grad_clip`` (the iteration's ``client.clip_grad_norm_`` calls in
-order: ``max_norm``, ``total_norm`` as used, its ``dtype``, ``foreach``, ``params``: positions in the
-module's ``parameters()`` or null for all; absent in older records: no clipping), ``lrs`` (each param
-group's learning rate at commit, i.e. the one the coming optimizer step uses, of the optimizer the
-client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any), ``hparams`` (each
-param group's other hyperparameters at commit, :func:`optimizer_hparams`; absent in older records),
-``grads_carried`` (the parameters whose gradient the previous optimizer step had used and nothing
-zeroed before this iteration's schedule step added to it: the loop forgot ``zero_grad``; a replay
-stops there; absent in older records), ``grad_reduce`` (the iteration's ``client.all_reduce_grads_``
-calls in order: ``seq`` (the place among them and the ``grad_clip`` calls, which carry one too),
-``params`` (positions in ``parameters()``), ``average``, ``world``, ``pre`` (the gradients' digests
-before the reduction, on CPU, else null)), ``grad_digests`` (the xxh3 of each parameter gradient of the stage at the commit, in
-``parameters()`` order, as 16 hex digits, null for a parameter without one; null as a whole when
-the gradients are not on the CPU; absent in older records: the replay compares its own before
-each step), ``changed_after_commit`` and ``grads_changed`` (only in an amended META: what the step used that
-differed from the document as committed, and the parameters whose gradients were changed after the
-schedule's backward other than by ``client.clip_grad_norm_``; see below), ``autocast`` (the
-``torch.autocast`` regions the stage's forwards ran under: ``[{"device_type", "dtype",
-"cache_enabled"}]`` or null) and ``autocast_varies`` (they differed between forwards of the
-iteration: not replayable), ``logging_groups``,
-``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``, ``loss`` (the schedule's
-``loss_fn`` as ``"module:qualname"``, or ``"/path/script.py:qualname"`` for a script run by path,
-when another process can import it by that name, else null; absent in older records),
-``loss_repr`` (what it was, for the error that asks for it) and ``loss_script`` (the
-``"/path/script.py:qualname"`` of a function of a script whose top level does more than define
-things, which a replay does not load by itself: the error names it; else null).
+The client writes it at ``commit`` (``Channel.meta(stage)``, micro-batch 0). The replay reads from
+it the executed forward/backward order, ``n_microbatches``, the gradient scale factor, the seed
+scheme and the environment fingerprint (thread count...). "Absent in older records" below means
+a replay must read documents without the field.
 
-An optimizer step that runs with other learning rates or hyperparameters than its iteration's META
-says (set between ``commit`` and ``optimizer.step()``), or on gradients changed in place after the
-schedule's backward other than by ``client.clip_grad_norm_`` (seen by their version counters:
-torch's clip, a manual scaling; and a GradScaler's step, recognised as such; on CPU also a
-collective or a ``.data`` write, by the gradients' digests against ``grad_digests``),
-is amended: the client writes a second record, micro-batch 1 of the same channel and iteration,
-holding ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found them,
-and replaces the decision store's copy with the document so amended. A replay reads both
-(:func:`amend_meta`) and stops at such a step. From the first iteration followed by other than
-one optimizer step and one lr-scheduler step on, the client also amends every iteration's META
-with ``apply``: ``{"optimizer_steps", "scheduler_steps"}`` made after it (counted when the next
-iteration begins, at a checkpoint or at close; null where it tracks no such object). A replay
-repeats the scheduler's count and stops at an iteration without an optimizer step.
+Fields (version 1):
+
+- ``version``, ``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``.
+- ``schedule``, ``n_microbatches``, ``scale_grads``, ``grad_scale_factor``.
+- ``order``: ``[["F"|"B", mb], ...]`` as executed; ``split_backward``.
+- ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch).
+- ``data``: "logged" or "source".
+- ``input_kwargs``: names of the step's keyword tensor inputs this stage logged under
+  ``input_{stage}``, in this order; on stage 0 after the positional ones.
+- ``input_consts``: the step's keyword inputs that are JSON constants, by name (absent in older
+  records).
+- ``recv_requires_grad``: per received part, whether the stage's forward got it as a leaf
+  requiring grad, as ``input_args`` declared. Null on the first stage. Absent in older records:
+  every float part did.
+- ``sched_epoch``: the ``last_epoch`` of the lr scheduler the client tracks, at commit; null
+  without one.
+- ``sched_next``: for a tracked torch lr scheduler (composites of them too), each group's learning
+  rate its next step will set, found by stepping it once and putting it back. What no checkpoint
+  holds shows there: a LambdaLR's function, a SequentialLR's parts. Null for other schedulers;
+  absent in older records.
+- ``apply_irregular``: the first iteration after which the client saw other than one optimizer
+  and one scheduler step, or null.
+- ``grad_clip``: the iteration's ``client.clip_grad_norm_`` calls in order: ``max_norm``,
+  ``total_norm`` as used, its ``dtype``, ``foreach``, ``params`` (positions in the module's
+  ``parameters()``, or null for all). Absent in older records: no clipping.
+- ``grad_reduce``: the iteration's ``client.all_reduce_grads_`` calls in order: ``seq`` (the
+  place among them and the ``grad_clip`` calls, which carry one too), ``params`` (positions in
+  ``parameters()``), ``average``, ``world``, ``pre`` (the gradients' digests before the
+  reduction, on CPU, else null).
+- ``lrs``: each param group's learning rate at commit, the one the coming optimizer step uses, of
+  the optimizer the client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any.
+- ``hparams``: each param group's other hyperparameters at commit (:func:`optimizer_hparams`;
+  absent in older records).
+- ``grads_carried``: the parameters whose gradient the previous optimizer step had used and that
+  nothing zeroed before this iteration's schedule step added to it (the loop forgot
+  ``zero_grad``). A replay stops there. Absent in older records.
+- ``grad_digests``: the xxh3 of each parameter gradient of the stage at the commit, in
+  ``parameters()`` order, as 16 hex digits; null for a parameter without one; null as a whole
+  when the gradients are not on the CPU. The replay compares its own before each step. Absent in
+  older records.
+- ``changed_after_commit`` and ``grads_changed``: only in an amended META (see below). What the
+  step used that differed from the document as committed, and the parameters whose gradients were
+  changed after the schedule's backward other than by ``client.clip_grad_norm_``.
+- ``autocast``: the ``torch.autocast`` regions the stage's forwards ran under,
+  ``[{"device_type", "dtype", "cache_enabled"}]``, or null. ``autocast_varies``: they differed
+  between forwards of the iteration (not replayable).
+- ``logging_groups``, ``env`` (``determinism.environment_fingerprint``), ``step_s``, ``time``.
+- ``loss``: the schedule's ``loss_fn`` as ``"module:qualname"``, or ``"/path/script.py:qualname"``
+  for a script run by path, when another process can import it by that name; else null. Absent
+  in older records. ``loss_repr``: what it was, for the error that asks for it.
+- ``loss_script``: the ``"/path/script.py:qualname"`` of a function of a script whose top level
+  does more than define things. A replay does not load it by itself: the error names it. Else null.
+
+Amendments:
+
+1. An optimizer step is amended when it runs with other learning rates or hyperparameters than
+   its iteration's META says (set between ``commit`` and ``optimizer.step()``). It is amended too
+   when it runs on gradients changed in place after the schedule's backward other than by
+   ``client.clip_grad_norm_``. Version counters show such changes (torch's clip, a manual
+   scaling). A GradScaler's step is recognised as such. On CPU, the gradients' digests against
+   ``grad_digests`` also show a collective or a ``.data`` write.
+2. The client then writes a second record, micro-batch 1 of the same channel and iteration. It
+   holds ``lrs``, ``hparams``, ``changed_after_commit`` and ``grads_changed`` as the step found
+   them. The decision store's copy is replaced with the document so amended. A replay reads both
+   (:func:`amend_meta`) and stops at such a step.
+3. From the first iteration followed by other than one optimizer step and one lr-scheduler step
+   on, the client also amends every iteration's META with ``apply``:
+   ``{"optimizer_steps", "scheduler_steps"}`` made after it. They are counted when the next
+   iteration begins, at a checkpoint or at close; null where it tracks no such object. A replay
+   repeats the scheduler's count and stops at an iteration without an optimizer step.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prometheus metrics of one training client, served per rank and read at scrape time.
 
-``ClientConfig.metrics_port`` switches the exporter on: the client then serves
-``http://{metrics_host}:{port}/metrics`` (127.0.0.1 by default) from prometheus_client's own
+``MetricsConfig.port`` switches the exporter on: the client then serves
+``http://{host}:{port}/metrics`` (127.0.0.1 by default) from prometheus_client's own
 server thread, on a registry of its own. Each scrape calls ``client.stats()`` on that thread and
 turns the numbers into metric families, so the training thread does no work for the metrics.
 Every series carries the labels ``run``, ``stage`` and ``writer``; the table in
@@ -142,7 +142,7 @@ class MetricsExporter:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
             raise ConfigError(
-                f"metrics_port: cannot serve metrics on {host}:{port}: {e.strerror or e}",
+                f"MetricsConfig.port: cannot serve metrics on {host}:{port}: {e.strerror or e}",
                 hint="give each rank a free port (e.g. a base port plus the stage), or 0 for any free one",
             ) from e
         self._closed = False

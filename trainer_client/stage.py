@@ -67,12 +67,10 @@ class StageRecorder:
         self.iteration = 0
         self.order: list[tuple[str, int]] = []
         self.split_backward = False
-        self.input_kwargs: list[
-            str
-        ] = []  # names of the stage-0 keyword inputs logged after the positional ones (in META)
-        self.autocast: list[dict[str, Any]] | None = (
-            None  # autocast regions of the iteration's forwards (META "autocast")
-        )
+        # names of the stage-0 keyword inputs logged after the positional ones (in META)
+        self.input_kwargs: list[str] = []
+        # autocast regions of the iteration's forwards (META "autocast")
+        self.autocast: list[dict[str, Any]] | None = None
         self.autocast_varies = False  # they differed between forwards of one iteration
         self._cur_fwd_mb: int | None = None
         self._fwd_boundary = config.logs_forward_send()
@@ -85,12 +83,10 @@ class StageRecorder:
         self.skipped_send_bytes = 0
         self.skipped_send_records = 0
         self._warned_non_tensor = False
-        self.input_consts: dict[
-            str, Any
-        ] = {}  # the step's keyword inputs that are JSON constants (META "input_consts")
-        self.recv_requires_grad: list[bool] | None = (
-            None  # per received part: does its buffer require grad (META "recv_requires_grad")
-        )
+        # the step's keyword inputs that are JSON constants (META "input_consts")
+        self.input_consts: dict[str, Any] = {}
+        # per received part: does its buffer require grad (META "recv_requires_grad")
+        self.recv_requires_grad: list[bool] | None = None
         # inputs / targets logged per iteration (only this stage has them), and what to call once all of an
         # iteration's are queued, after its last forward / loss (the client ships them then, not at the commit)
         self.n_microbatches: int | None = None
@@ -151,12 +147,11 @@ class StageRecorder:
                 if self.log_data and self.log_inputs(self.iteration, micro_batch, args, kwargs):
                     self.data_count += 1
             else:
-                if (
-                    self.recv_requires_grad is None
-                ):  # as declared (input_args): a replay's received leaves must be the same
+                # as declared (input_args): a replay's received leaves must be the same
+                if self.recv_requires_grad is None:
                     self.recv_requires_grad = _received_requires_grad(stage, stage.args_recv_info[micro_batch])
                 if self._digest_from_prev:
-                    bufs = _received_buffers(stage.args_recv_info[micro_batch])
+                    bufs = received_buffers(stage.args_recv_info[micro_batch])
                     self.writer.submit_digests(
                         Channel.digest(self.stage - 1, self.stage), self.iteration, micro_batch, bufs, defer=True
                     )
@@ -182,7 +177,7 @@ class StageRecorder:
                 self.split_backward = True
             if not self.enabled or stage.is_last or not self._digest_from_next:
                 return
-            bufs = _received_buffers(stage.grad_recv_info[micro_batch])
+            bufs = received_buffers(stage.grad_recv_info[micro_batch])
             if bufs:
                 self.writer.submit_digests(
                     Channel.digest(self.stage + 1, self.stage), self.iteration, micro_batch, bufs, defer=True
@@ -208,9 +203,10 @@ class StageRecorder:
                     continue
                 if t.dtype != want_dtype or tuple(t.shape) != tuple(want_shape):
                     msg = (
-                        f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} {list(t.shape)} but declared "
-                        f"{str(want_dtype).removeprefix('torch.')} {list(want_shape)} (output_args): the next stage receives into a buffer "
-                        "of the declared type and shape, without conversion, so what arrives would not be what was sent"
+                        f"stage {self.stage} sends output {i} as {str(t.dtype).removeprefix('torch.')} "
+                        f"{list(t.shape)} but declared {str(want_dtype).removeprefix('torch.')} {list(want_shape)} "
+                        "(output_args): the next stage receives into a buffer of the declared type and shape, "
+                        "without conversion, so what arrives would not be what was sent"
                     )
                     self.writer.note_fault(
                         "send_mismatch", msg, channel=Channel.activation(self.stage), iteration=self.iteration
@@ -265,7 +261,8 @@ class StageRecorder:
         if (len(tensors) != len(args) or len(names) + n_consts != len(kwargs or {})) and not self._warned_non_tensor:
             self._warned_non_tensor = True
             logger.warning(
-                "stage %d: inputs that are neither tensors nor JSON constants are not logged; a replay must get them elsewhere",
+                "stage %d: inputs that are neither tensors nor JSON constants are not logged; "
+                "a replay must get them elsewhere",
                 self.stage,
             )
         if names:
@@ -343,7 +340,7 @@ class StageRecorder:
         )
 
 
-def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
+def received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
     """The tensors a stage received into, from its ``args_recv_info[mb]`` / ``grad_recv_info[mb]``.
 
     Model inputs (root args) and absent gradients carry no buffer. Written for the layouts of the
@@ -355,7 +352,7 @@ def _received_buffers(recv_infos: Sequence[Any]) -> list[torch.Tensor]:
 
 
 def _received(recv_infos: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
-    """(receive info, its buffer) of each part received (see :func:`_received_buffers`)."""
+    """(receive info, its buffer) of each part received (see :func:`received_buffers`)."""
     out = []
     for info in recv_infos:
         buf = getattr(info, "buffer", None)
@@ -365,7 +362,7 @@ def _received(recv_infos: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
 
 
 def _received_requires_grad(stage: PipelineStage, recv_infos: Sequence[Any]) -> list[bool]:
-    """Per received part (as :func:`_received_buffers` lists them): whether the stage's forward gets
+    """Per received part (as :func:`received_buffers` lists them): whether the stage's forward gets
     it as a leaf requiring grad. torch sets that on the buffer only as the forward begins, from the
     part's declared metadata (``tensor_meta.requires_grad``, 2.13) and whether the stage runs a
     backward; releases without that metadata set it on the buffer when they create it."""
@@ -428,9 +425,10 @@ class LoggingPipelineStage(PipelineStage):
         self.recorder.seed(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
+    # type: ignore[override]
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
-    ) -> None:  # type: ignore[override]
+    ) -> None:
         if self.has_backward:
             self.recorder.on_backward(self, bwd_chunk_id, full_backward)
         return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
@@ -439,9 +437,8 @@ class LoggingPipelineStage(PipelineStage):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if ops:
             sent = [op.tensor for op in ops]
-            self.recorder.check_declared_sends(
-                sent, _declared_outputs(self)
-            )  # every micro-batch: a batch may split unevenly
+            # every micro-batch: a batch may split unevenly
+            self.recorder.check_declared_sends(sent, _declared_outputs(self))
             self.recorder.on_fwd_send(fwd_chunk_id, sent)
         return ops
 

@@ -29,9 +29,11 @@ The protocol (DESIGN.md "Failure protocol"), per failure, on every surviving sta
    group generation ``g + 1`` over ``PrefixStore(f"{run}/pg/gen{g+1}")`` of the same store, calls
    ``rebuild()`` (new stage and schedule over the new group) and continues at ``resume``.
 
-The store must be hosted outside the training ranks (it survives any of them). Every wait has a
-deadline and raises :class:`RecoveryTimeoutError` naming what it waited for; nothing sleeps a
-fixed time (polls back off from 1 ms to 20 ms). Never: retries an iteration whose decision was
+The store must be hosted outside the training ranks (it survives any of them). Its key names and
+the waits on them are in ``trainer_client.recovery_keys``: every wait has a deadline and raises
+:class:`RecoveryTimeoutError` naming what it waited for.
+
+Never: retries an iteration whose decision was
 "commit", applies a half-finished iteration, or recovers from an error that is not a failure of
 the pipeline (a bug in the user's step is re-raised unchanged).
 """
@@ -53,19 +55,19 @@ import torch.distributed as dist
 
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
-from trainer_client.errors import ClientError, CommitStoreError, IterationAbortedError
+from trainer_client.config import RecoveryConfig
+from trainer_client.errors import (
+    CommitStoreError,
+    IterationAbortedError,
+    RecoveryFailedError,
+    RecoveryTimeoutError,
+)
+from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
 
 __all__ = [
-    "RecoveryConfig",
     "RecoveryEvent",
-    "RecoveryFailedError",
-    "RecoveryKeys",
-    "RecoveryTimeoutError",
-    "wait_until_woken",
     "ResilientLoop",
     "is_pipeline_failure",
-    "pg_prefix",
-    "wait_for_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,123 +85,6 @@ _COMM_MARKERS = (
     "has been destroyed",
     "not initialized",
 )
-
-
-class RecoveryFailedError(ClientError):
-    """The pipeline could not be re-formed (the replacement gave up, or survivors disagree)."""
-
-
-class RecoveryTimeoutError(RecoveryFailedError):
-    """A recovery wait passed its deadline; the message names the keys it waited for."""
-
-
-def pg_prefix(run_id: str, generation: int) -> str:
-    """Store prefix of the process group of ``generation`` (generation 0 is the initial one)."""
-    return f"{run_id}/pg/gen{generation}"
-
-
-class RecoveryKeys:
-    """Names of the recovery keys of one run in the shared store (one place, used by both sides)."""
-
-    def __init__(self, run_id: str, commit_prefix: str | None = None) -> None:
-        self.run_id = run_id
-        self.base = f"swiftlog/{run_id}/recovery"
-        self.commit_prefix = (commit_prefix or f"swiftlog/{run_id}").rstrip("/")
-
-    def failed(self, g: int) -> str:
-        """The commit coordinator's "generation failed" key (its presence aborts every commit wait)."""
-        return f"{self.commit_prefix}/gen{g}/failed"
-
-    def failed_stages(self, g: int) -> str:
-        """JSON list of the stages the scheduler replaces after generation ``g`` failed."""
-        return f"{self.base}/gen{g}/failed_stages"
-
-    def survivor(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/survivor/{stage}"
-
-    def ready(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/ready/{stage}"
-
-    def fallback(self, g: int) -> str:
-        return f"{self.base}/gen{g}/fallback"
-
-    def rejoined(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/rejoined/{stage}"
-
-    def heartbeat(self, g: int, stage: int) -> str:
-        return f"{self.base}/gen{g}/hb/{stage}"
-
-    def finished(self, g: int, stop: int, stage: int) -> str:
-        """Set by ``stage`` when it applied iteration ``stop - 1``, the last one of a ``run``, in
-        generation ``g`` (the end-of-run barrier)."""
-        return f"{self.base}/gen{g}/finished/{stop}/{stage}"
-
-    def ready_count(self, g: int) -> str:
-        """Counter of the replacements of generation ``g`` that reported ready."""
-        return f"{self.base}/gen{g}/ready_count"
-
-    def wake(self, g: int) -> str:
-        """Set once every replacement of ``g`` is ready ("ready") or recovery was abandoned
-        ("fallback"): what the survivors block on while the replacement replays."""
-        return f"{self.base}/gen{g}/wake"
-
-    def replay_job(self, g: int, stage: int) -> str:
-        """JSON the replacement of ``stage`` publishes for its replay helpers: the job, the world
-        size and the rendezvous prefix; or ``{"cancel": reason}`` when it replays without them."""
-        return f"{self.base}/gen{g}/replay_job/{stage}"
-
-    def replay_rendezvous(self, g: int, stage: int) -> str:
-        """Prefix of the replay workers' process-group rendezvous keys (replacement = rank 0)."""
-        return f"{self.base}/gen{g}/replay_pg/{stage}/"
-
-    def progress(self) -> str:
-        """Appended by the example script's last stage after every applied iteration (plots)."""
-        return f"{self.base}/progress"
-
-    def kill_time(self, stage: int) -> str:
-        """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
-        return f"{self.base}/kill_time/{stage}"
-
-
-@dataclass(kw_only=True, slots=True)
-class RecoveryConfig:
-    """How one stage takes part in recovery.
-
-    run_id / stage / num_stages: as in ClientConfig. generation: the process-group generation
-    the stage starts in (0, or the new one for a replacement). pg_timeout: gloo timeout of each
-    process group (a safety net: failures are detected from errors, not from it).
-    rejoin_timeout: longest wait for the replacement to be ready and for the new group to form.
-    heartbeat_interval / heartbeat_timeout: each stage writes a heartbeat into the store every
-    interval; a stage whose heartbeat is older than the timeout is declared dead (generation
-    marked failed). heartbeat_timeout must exceed the longest stall of a live process (2 s
-    default is conservative on a loaded machine; None disables the monitor). store_host /
-    store_port: where the heartbeat thread opens its own store connection (None: no heartbeat).
-    max_failures: recoveries after which a further failure is raised instead (default 4).
-    """
-
-    run_id: str
-    stage: int
-    num_stages: int
-    generation: int = 0
-    backend: str = "gloo"
-    pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
-    rejoin_timeout: datetime.timedelta = datetime.timedelta(seconds=120)
-    heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100)
-    heartbeat_timeout: datetime.timedelta | None = datetime.timedelta(seconds=2)
-    store_host: str | None = None
-    store_port: int | None = None
-    commit_prefix: str | None = None
-    max_failures: int = 4
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"stage {self.stage} is not in [0, {self.num_stages})")
-        if self.generation < 0:
-            raise ValueError(f"generation must be >= 0, got {self.generation}")
-        if self.rejoin_timeout.total_seconds() <= 0:
-            raise ValueError("rejoin_timeout must be positive")
-        if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
 
 
 @dataclass(slots=True)
@@ -263,64 +148,6 @@ def is_pipeline_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS)
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-_WAIT_HINT = "is the replacement running, and does it reach the store? raise rejoin_timeout for slow replays"
-
-
-def wait_for_keys(
-    store: dist.Store,
-    keys: list[str],
-    *,
-    timeout: datetime.timedelta,
-    what: str,
-    abort_keys: list[str] | None = None,
-    max_poll_s: float = 0.02,
-) -> dict[str, str]:
-    """Poll until every key in ``keys`` exists; return their values.
-
-    The poll period grows from 1 ms to ``max_poll_s`` (how late a key may be noticed, traded
-    against store requests while waiting). Raises RecoveryFailedError as soon as one of
-    ``abort_keys`` appears (its value in the message), RecoveryTimeoutError after ``timeout``
-    naming the keys still missing.
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    sleep = 1e-3
-    while True:
-        for ak in abort_keys or ():
-            if store.check([ak]):
-                raise RecoveryFailedError(f"{what}: gave up, {ak} = {_s(store.get(ak))}")
-        missing = [k for k in keys if not store.check([k])]
-        if not missing:
-            return {k: _s(store.get(k)) for k in keys}
-        if time.monotonic() >= deadline:
-            raise RecoveryTimeoutError(
-                f"{what}: still missing after {timeout.total_seconds():g} s: {missing}",
-                hint=_WAIT_HINT,
-            )
-        time.sleep(sleep)
-        sleep = min(sleep * 1.5, max_poll_s)
-
-
-def wait_until_woken(store: dist.Store, keys: RecoveryKeys, g: int, *, timeout: datetime.timedelta, what: str) -> str:
-    """Block in the store until generation ``g``'s wake-up key is set: every replacement reported
-    ready (``"ready"``) or recovery was abandoned (``"fallback"``); return that value.
-
-    One ``Store.wait``: woken the moment the key is set, no polling while the replay runs.
-    Raises RecoveryTimeoutError (naming ``what``) after ``timeout``.
-    """
-    try:
-        store.wait([keys.wake(g)], timeout)
-    except dist.DistStoreError as e:
-        raise RecoveryTimeoutError(
-            f"{what}: not ready after {timeout.total_seconds():g} s",
-            hint=_WAIT_HINT,
-        ) from e
-    return _s(store.get(keys.wake(g)))
-
-
 class _Heartbeat:
     """Background thread: writes this stage's heartbeat and marks the generation failed when
     another stage's heartbeat goes stale. Own store connection; never raises into training."""
@@ -351,7 +178,7 @@ class _Heartbeat:
                 for k in range(cfg.num_stages):
                     if k == cfg.stage or not self._store.check([keys.heartbeat(g, k)]):
                         continue  # not started yet in this generation: not judged
-                    v = _s(self._store.get(keys.heartbeat(g, k)))
+                    v = as_str(self._store.get(keys.heartbeat(g, k)))
                     prev = seen.get((g, k))
                     if prev is None or prev[0] != v:
                         seen[(g, k)] = (v, now)
@@ -545,9 +372,8 @@ class ResilientLoop:
         except RecoveryTimeoutError:
             raise
         except RecoveryFailedError as e:
-            if all(
-                self.store.check([k]) for k in done
-            ):  # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+            # everyone finished; a late mark (a heartbeat of a stage that left) changes nothing
+            if all(self.store.check([k]) for k in done):
                 return None
             return f"a stage failed after the last iteration: {e}"
         return None
@@ -565,12 +391,62 @@ class ResilientLoop:
             g,
             msg,
         )
-        try:  # 2. every stage waiting in commit aborts; nobody can commit `it` any more
+        self._abort_generation(it, msg)
+        teardown, report = self._stand_down(it, discard)
+        ev = RecoveryEvent(
+            generation=g,
+            resume=it,
+            error=msg,
+            t_detect=t_detect,
+            t_reported=time.time(),
+        )
+        self.store.set(
+            keys.survivor(g, cfg.stage),
+            json.dumps(
+                {
+                    "resume": it,
+                    # where this node's logs are (a replacement without explicit sources reads them there)
+                    "store_root": str(self.client.config.store_root),
+                    "cold_url": self.client.config.cold_url,
+                    "t_detect": t_detect,
+                    "t_reported": ev.t_reported,
+                    "error": msg,
+                    **report,
+                    "destroy_s": teardown.seconds(),  # so far, if it is still running
+                }
+            ),
+        )
+        self._await_replacements(ev)
+        ev.t_ready = time.time()
+        teardown.wait(cfg.rejoin_timeout.total_seconds())
+        self.join(g + 1)
+        ev.t_rejoined = time.time()
+        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
+        self.events.append(ev)
+        logger.warning(
+            "stage %d: rejoined as generation %d, resuming at iteration %d",
+            cfg.stage,
+            g + 1,
+            it,
+        )
+        if self.on_event is not None:
+            self.on_event(ev)
+        return it
+
+    def _abort_generation(self, it: int, msg: str) -> None:
+        """Step 2: every stage waiting in commit aborts; nobody can commit ``it`` any more."""
+        cfg, keys, g = self.cfg, self.keys, self.generation
+        try:
             if not self.store.check([keys.failed(g)]):
                 self.store.set(keys.failed(g), f"stage {cfg.stage} saw: {msg[:200]}")
             self.client.abort(it, f"stage {cfg.stage} saw a failure")
         except Exception as e:
             raise RecoveryFailedError(f"stage {cfg.stage}: the store is unreachable during recovery: {e}") from e
+
+    def _stand_down(self, it: int, discard: bool) -> tuple[_GroupTeardown, dict[str, Any]]:
+        """Tear the failed group down, keep the state (step 3: discard the unfinished iteration)
+        and drain the log writer. Returns the teardown under way and what the report says of it."""
+        cfg, g = self.cfg, self.generation
         t_a = time.monotonic()
         # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too; on
         # its own thread: shutting gloo down joins its threads (~30 ms) and nothing below needs it
@@ -596,32 +472,13 @@ class ResilientLoop:
                 "stage %d: log writer not drained before recovery; the replay may miss records",
                 cfg.stage,
             )
-        ev = RecoveryEvent(
-            generation=g,
-            resume=it,
-            error=msg,
-            t_detect=t_detect,
-            t_reported=time.time(),
-        )
-        self.store.set(
-            keys.survivor(g, cfg.stage),
-            json.dumps(
-                {
-                    "resume": it,
-                    # where this node's logs are (a replacement without explicit sources reads them there)
-                    "store_root": str(self.client.config.store_root),
-                    "cold_url": self.client.config.cold_url,
-                    "t_detect": t_detect,
-                    "t_reported": ev.t_reported,
-                    "error": msg,
-                    "drained": drained,
-                    "teardown_s": t_b - t_a,
-                    "destroy_s": teardown.seconds(),  # so far, if it is still running
-                    "drain_s": t_c - t_b,
-                }
-            ),
-        )
-        # 4. wait for the scheduler to name the replaced stages and for them to be ready
+        return teardown, {"drained": drained, "teardown_s": t_b - t_a, "drain_s": t_c - t_b}
+
+    def _await_replacements(self, ev: RecoveryEvent) -> None:
+        """Step 4: wait for the scheduler to name the replaced stages (``ev.replaced``) and for them
+        to be ready. Raises RecoveryFailedError on a fallback, RecoveryTimeoutError after
+        ``rejoin_timeout``."""
+        cfg, keys, g = self.cfg, self.keys, self.generation
         v = wait_for_keys(
             self.store,
             [keys.failed_stages(g)],
@@ -644,18 +501,3 @@ class ResilientLoop:
             what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}",
             abort_keys=[keys.fallback(g)],
         )
-        ev.t_ready = time.time()
-        teardown.wait(cfg.rejoin_timeout.total_seconds())
-        self.join(g + 1)
-        ev.t_rejoined = time.time()
-        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
-        self.events.append(ev)
-        logger.warning(
-            "stage %d: rejoined as generation %d, resuming at iteration %d",
-            cfg.stage,
-            g + 1,
-            it,
-        )
-        if self.on_event is not None:
-            self.on_event(ev)
-        return it

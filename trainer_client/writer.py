@@ -30,7 +30,7 @@ starts), and at the latest after one second.
 
 Memory bound: bytes of queued records (raw size; pinned buffers on GPU) are reserved at submit and
 released once written or dropped. When a submit would exceed ``max_queue_bytes`` the policy is
-explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait_s`` (counted and
+explicit: ``"wait"`` blocks until enough is freed, for at most ``overflow_wait`` (counted and
 timed in stats), ``"gap"`` drops the record and marks a gap in the store (counted). A wait that
 times out drops the record as a gap too (an "overflow_timeout" fault); until the writer frees
 memory again, later records that do not fit are dropped without waiting, so a hung store costs
@@ -48,8 +48,14 @@ training thread: the affected records become gaps (``store.record_gap``) when po
 fault is counted and kept for :meth:`AsyncLogWriter.take_faults`. The writer thread survives any
 bad item.
 
+This module is over 600 lines because the writer is one thing: a queue, the lock that guards it
+and the one thread that drains it. Each method runs either on the training thread or on the
+writer thread, and they share the queue's invariants (the bounds, the order, the faults) under
+that one lock. The queue's items and pinned buffers (``_staging``) and its counters
+(``_writer_stats``) live apart.
+
 Never: blocks the training thread on encoding or I/O (only on the memory bound under "wait", for at
-most ``overflow_wait_s`` at a time, and in :meth:`drain`/:meth:`close`); keeps a received buffer
+most ``overflow_wait`` at a time, and in :meth:`drain`/:meth:`close`); keeps a received buffer
 after hashing it; reorders records; writes from more than one thread.
 """
 
@@ -61,8 +67,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -70,13 +75,15 @@ import torch
 from logstore import Channel, Encoded, LogStore, RecordKey, codec
 from logstore.errors import StoreClosedError, StoreFullError, SwiftlogError
 from logstore.segment import blob_checksum
+from trainer_client._staging import PinnedPool, QueueItem
+from trainer_client._writer_stats import MAX_FAULTS, Fault, WriterStats
+from trainer_client.config import WriterConfig
 from trainer_client.digest import digest_record, tensor_digest
 
 __all__ = ["AsyncLogWriter", "Fault", "WriterStats", "auto_encode_threads"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_FAULTS = 256
 _WINDOW = 16  # records handed to the encode pool ahead of the writer
 _POLL_S = 1.0  # longest time a queued record waits for the writer (it is woken earlier at thresholds and commits)
 
@@ -95,203 +102,50 @@ def auto_encode_threads(on_gpu: bool) -> int:
     return max(1, min(4, cores // max(1, torch.cuda.device_count())))
 
 
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """One logging fault: when, what kind, which records, and the error text."""
-
-    at: float
-    kind: str  # "encode" | "store_full" | "write" | "gap_record" | "marker" | "overflow" | "closed"
-    message: str
-    channel: str | None = None
-    iteration: int | None = None
-    micro_batch: int | None = None
-
-
-@dataclass(slots=True)
-class WriterStats:
-    """Counters of one writer; see :meth:`AsyncLogWriter.stats`. Bytes are raw tensor bytes
-    unless the name says ``stored`` (encoded blob bytes)."""
-
-    records_submitted: int = 0
-    bytes_submitted: int = 0
-    records_written: int = 0
-    bytes_written: int = 0
-    stored_bytes_written: int = 0
-    batches_written: int = 0
-    digests_submitted: int = 0
-    records_dropped: int = 0
-    bytes_dropped: int = 0
-    gaps_recorded: int = 0
-    overflow_drops: int = 0  # records dropped at the bound ("gap", a wait timed out, or the writer is stuck)
-    overflow_waits: int = 0
-    overflow_wait_s: float = 0.0
-    overflow_timeouts: int = 0  # waits that ended after overflow_wait_s without room: the record became a gap
-    queue_bytes: int = 0
-    queue_peak_bytes: int = 0
-    queue_items: int = 0
-    digest_bytes: int = 0  # received buffers held until hashed (references on CPU, pinned copies on GPU)
-    digest_peak_bytes: int = 0
-    digests_hashed_at_bound: int = 0  # CPU buffers hashed at submit because digest_bytes was at the bound
-    digest_gaps: int = 0  # GPU buffers whose digest was dropped at the bound (each a recorded gap)
-    encode_threads: int = 0  # the encode pool's size (0: encoding on the writer thread, or not chosen yet)
-    pinned_bytes: int = 0  # pinned host memory held for device-to-host copies now (in flight or kept for reuse, at most max_queue_bytes free)
-    faults: int = 0
-    faults_by_kind: dict[str, int] = field(default_factory=dict)
-    last_fault: str | None = None
-    # training-thread time in the capture path, wall clock (perf_counter, no syscall: a syscall
-    # here would be where a pending preemption lands and attribute the stall to logging)
-    submit_s: float = 0.0  # inside submit() (references, copies, queueing)
-    digest_s: float = 0.0  # inside submit_digests() and settle_digests() (queueing / hashing received buffers)
-    digests_settled_inline: int = 0  # deferred digests the training thread had to hash itself at settle time
-    submit_max_s: float = 0.0  # longest single submit()
-    encode_s: float = 0.0  # background encode wall time (summed over threads)
-    write_s: float = 0.0  # background store wall time
-    encode_cpu_s: float = 0.0  # the same as CPU time of the background threads
-    write_cpu_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-class _PinnedPool:
-    """Reusable pinned host buffers keyed by (dtype, numel); allocating pinned memory is slow.
-
-    At most ``max_free_bytes`` are kept free for reuse (a run whose shapes keep changing, e.g.
-    variable sequence lengths, would otherwise keep a buffer of every shape it ever logged); a
-    buffer returned beyond that is released to torch's pinned-memory allocator. ``nbytes``: the
-    pinned memory this pool holds now, in use or free.
-    """
-
-    def __init__(self, max_free_bytes: int) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = collections.defaultdict(list)
-        self._lock = threading.Lock()
-        self._max_free = max_free_bytes
-        self._free_bytes = 0
-        self.nbytes = 0
-
-    def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
-        with self._lock:
-            free = self._free.get((dtype, n))
-            buf = free.pop() if free else None
-            if buf is not None:
-                self._free_bytes -= buf.numel() * buf.element_size()
-        if buf is None:
-            buf = torch.empty(n, dtype=dtype, pin_memory=True)
-            with self._lock:
-                self.nbytes += buf.numel() * buf.element_size()
-        return buf.view(shape)
-
-    def put(self, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
-        with self._lock:
-            if self._free_bytes + size > self._max_free:
-                self.nbytes -= size  # dropped: torch's caching host allocator takes it back
-                return
-            self._free_bytes += size
-            self._free[(t.dtype, t.numel())].append(t.reshape(-1))
-
-
-class _Item:
-    __slots__ = (
-        "kind",
-        "channel",
-        "iteration",
-        "micro_batch",
-        "tensors",
-        "nparts",
-        "events",
-        "pinned",
-        "hash_only",
-        "digests",
-        "nbytes",
-        "held",
-        "fn",
-        "reason",
-        "future",
-    )
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind  # "rec" | "mark" | "gap"
-        self.channel: Channel | None = None
-        self.iteration = 0
-        self.micro_batch = 0
-        self.tensors: list[torch.Tensor] = []
-        self.nparts = 0
-        self.events: list[Any] = []
-        self.pinned = False
-        self.hash_only = False  # a digest record: store the digests, not the tensors
-        self.digests: list[int] | None = None  # computed at submit (CPU) or by the encoder (staged CUDA copies)
-        self.nbytes = 0  # reserved in queue_bytes (records)
-        self.held = 0  # counted in digest_bytes (digest records, until their buffers are let go)
-        self.fn: Callable[[], None] | None = None
-        self.reason = ""
-        self.future: Future | None = None
-
-
 class AsyncLogWriter:
     """Bounded, ordered, asynchronous writer of tensor records into one LogStore.
 
     Args:
         store: a LogStore opened with a writer name (the writer thread is its only appender).
-        codec: record codec for ``codec.encode_tensor``.
-        max_queue_bytes: memory bound of queued records, and of received buffers held for hashing;
-            see the module docstring.
-        overflow: "wait" or "gap".
-        overflow_wait_s: the longest one "wait" at the bound blocks the caller, in seconds (> 0).
-        encode_threads: encode pool size; 0 encodes on the writer thread; None chooses at the first
-            record (:func:`auto_encode_threads`: 1 for CPU tensors, up to 4 for CUDA ones).
-        batch_records / batch_bytes: most records / encoded bytes per ``put_encoded`` call.
+        config: the writer's :class:`~trainer_client.config.WriterConfig` (memory bound, overflow
+            policy, codec, encode pool, batch sizes; see the module docstring). None: its defaults.
+            Its ``encode_threads=None`` chooses at the first record (:func:`auto_encode_threads`:
+            1 for CPU tensors, up to 4 for CUDA ones).
         name: thread name suffix (for debugging).
     """
 
-    def __init__(
-        self,
-        store: LogStore,
-        *,
-        codec: str = "auto",
-        max_queue_bytes: int = 256 << 20,
-        overflow: str = "wait",
-        overflow_wait_s: float = 10.0,
-        encode_threads: int | None = 1,
-        batch_records: int = 64,
-        batch_bytes: int = 16 << 20,
-        name: str = "swiftlog",
-    ) -> None:
+    def __init__(self, store: LogStore, config: WriterConfig | None = None, *, name: str = "swiftlog") -> None:
+        config = WriterConfig() if config is None else config
         self._store = store
-        self._codec = codec
-        self._max = max_queue_bytes
-        self._overflow = overflow
-        if not overflow_wait_s > 0:
-            raise ValueError(f"overflow_wait_s must be > 0 seconds, got {overflow_wait_s!r}")
-        self._wait_s = float(overflow_wait_s)
+        self._codec = config.codec
+        self._max = config.max_queue_bytes
+        self._overflow = config.overflow
+        self._wait_s = config.overflow_wait.total_seconds()
         self._stalled = False  # a wait at the bound timed out and the writer has finished nothing since
         self._waiting = 0  # callers waiting for room at a bound (a release wakes them, never the idle writer)
-        self._batch_records = batch_records
-        self._batch_bytes = batch_bytes
+        self._batch_records = config.batch_records
+        self._batch_bytes = config.batch_bytes
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Item] = collections.deque()
+        self._queue: collections.deque[QueueItem] = collections.deque()
         self._busy = 0  # items popped by the writer but not finished
         self._closing = False
         self._stats = WriterStats()
-        self._faults: collections.deque[Fault] = collections.deque(maxlen=_MAX_FAULTS)
+        self._faults: collections.deque[Fault] = collections.deque(maxlen=MAX_FAULTS)
         self._new_faults: list[Fault] = []
-        self._pinned = _PinnedPool(max_queue_bytes)
-        self._unsettled: list[_Item] = []  # deferred digest items; only the training thread touches the list
+        self._pinned = PinnedPool(self._max)
+        self._unsettled: list[QueueItem] = []  # deferred digest items; only the training thread touches the list
         self._hash_lock = threading.Lock()  # a deferred item is hashed exactly once, by whoever comes first
         # the writer is woken when this many bytes are queued, by markers, or after _POLL_S:
         # waking it for every record would make it compete for the GIL at every torch op
-        self._wake_bytes = max(1, min(max_queue_bytes // 4, 8 << 20))
+        self._wake_bytes = max(1, min(self._max // 4, 8 << 20))
         self._writer_idle = False
         self._side_streams: dict[int, Any] = {}
         self._name = name
-        self._auto_threads = encode_threads is None
+        self._auto_threads = config.encode_threads is None
         self._pool: ThreadPoolExecutor | None = None
         self._encode_threads = 0
-        if encode_threads:
-            self._start_pool(encode_threads)
+        if config.encode_threads:
+            self._start_pool(config.encode_threads)
         self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
         self._thread.start()
 
@@ -320,7 +174,7 @@ class AsyncLogWriter:
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if not self._reserve(nbytes, channel, iteration, micro_batch):
                 return False
-            item = _Item("rec")
+            item = QueueItem("rec")
             item.channel, item.iteration, item.micro_batch, item.nbytes = channel, iteration, micro_batch, nbytes
             try:
                 self._stage(item, tensors, copy)
@@ -362,7 +216,7 @@ class AsyncLogWriter:
         the overflow policy (its digest dropped is a recorded gap). Never raises.
         """
         t0 = time.perf_counter()
-        item = _Item("rec")
+        item = QueueItem("rec")
         try:
             item.channel, item.iteration, item.micro_batch = channel, iteration, micro_batch
             item.hash_only = True
@@ -425,7 +279,7 @@ class AsyncLogWriter:
         finally:
             self._stats.digest_s += time.perf_counter() - t0
 
-    def _hash_deferred(self, item: _Item) -> bool:
+    def _hash_deferred(self, item: QueueItem) -> bool:
         """Compute ``item.digests`` unless someone already did; True if this call hashed. A CPU
         item's buffers are let go once hashed (pinned copies go back to their pool after encoding)."""
         with self._hash_lock:
@@ -448,7 +302,7 @@ class AsyncLogWriter:
 
         Exceptions from ``fn`` are recorded as faults of kind "marker", never raised.
         """
-        item = _Item("mark")
+        item = QueueItem("mark")
         item.fn = fn
         with self._cv:
             self._queue.append(item)
@@ -456,7 +310,7 @@ class AsyncLogWriter:
 
     def gap(self, channel: Channel, iteration: int, micro_batch: int, reason: str) -> None:
         """Queue a ``store.record_gap`` (the training thread never touches the store itself)."""
-        item = _Item("gap")
+        item = QueueItem("gap")
         item.channel, item.iteration, item.micro_batch, item.reason = channel, iteration, micro_batch, reason
         with self._cv:
             self._queue.append(item)
@@ -585,7 +439,7 @@ class AsyncLogWriter:
         self, fits: Callable[[], bool], full: str, channel: Channel, iteration: int, micro_batch: int
     ) -> str | None:
         """With ``self._cv`` held: None when ``fits()`` (at once, or after a wait under "wait");
-        otherwise why not, recorded as a fault. A wait lasts at most ``overflow_wait_s``; after one
+        otherwise why not, recorded as a fault. A wait lasts at most ``overflow_wait``; after one
         timed out, none starts until the writer finishes an item."""
         st = self._stats
         if fits():
@@ -620,7 +474,7 @@ class AsyncLogWriter:
         self._fault_locked("overflow_timeout", said, channel, iteration, micro_batch)
         return why
 
-    def _release_digest(self, item: _Item) -> None:
+    def _release_digest(self, item: QueueItem) -> None:
         """Stop counting ``item``'s received buffers in ``digest_bytes`` (idempotent)."""
         if item.held:
             with self._cv:
@@ -635,7 +489,7 @@ class AsyncLogWriter:
             self._cv.notify_all()
 
     def _stage(
-        self, item: _Item, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False
+        self, item: QueueItem, tensors: Sequence[torch.Tensor], copy: bool, order_current_stream: bool = False
     ) -> None:
         """Make host tensors the writer may read later without racing the training thread."""
         out: list[torch.Tensor] = []
@@ -674,7 +528,7 @@ class AsyncLogWriter:
 
     # ================================================================ internals: writer thread
     def _run(self) -> None:
-        inflight: collections.deque[_Item] = collections.deque()
+        inflight: collections.deque[QueueItem] = collections.deque()
         while True:
             with self._cv:
                 if (
@@ -695,7 +549,7 @@ class AsyncLogWriter:
                 logger.exception("swiftlog writer: unexpected error")
                 self._fault("write", f"writer loop: {type(e).__name__}: {e}")
 
-    def _refill(self, inflight: collections.deque[_Item]) -> None:
+    def _refill(self, inflight: collections.deque[QueueItem]) -> None:
         """Move queued items into the in-flight window (up to ``_WINDOW``) and hand every record
         not yet encoding to the pool. Writer thread only."""
         with self._cv:
@@ -709,8 +563,8 @@ class AsyncLogWriter:
                 if self._pool is not None:
                     it.future = self._pool.submit(self._encode, it)
 
-    def _process(self, inflight: collections.deque[_Item]) -> None:
-        batch: list[tuple[_Item, list[bytes]]] = []
+    def _process(self, inflight: collections.deque[QueueItem]) -> None:
+        batch: list[tuple[QueueItem, list[bytes]]] = []
         batch_bytes = 0
         while inflight:
             head = inflight[0]
@@ -746,7 +600,7 @@ class AsyncLogWriter:
         with self._cv:
             self._encode_threads = n
 
-    def _encode(self, item: _Item) -> list[Encoded]:
+    def _encode(self, item: QueueItem) -> list[Encoded]:
         """Encode an item's tensors on a pool thread: compression and the blob checksum are done
         here so that the single writer thread only does I/O (``LogStore.put_encoded``)."""
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -776,7 +630,7 @@ class AsyncLogWriter:
                 self._stats.encode_s += time.perf_counter() - t0
                 self._stats.encode_cpu_s += time.thread_time() - c0
 
-    def _encoded(self, item: _Item) -> list[Encoded] | None:
+    def _encoded(self, item: QueueItem) -> list[Encoded] | None:
         try:
             if item.future is not None:
                 return item.future.result()
@@ -789,7 +643,7 @@ class AsyncLogWriter:
             item.tensors = []  # let the tensors go as soon as they are encoded
             self._release_digest(item)
 
-    def _write(self, batch: list[tuple[_Item, list[bytes]]]) -> None:
+    def _write(self, batch: list[tuple[QueueItem, list[bytes]]]) -> None:
         rows = [rec for _, recs in batch for rec in recs]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -824,7 +678,7 @@ class AsyncLogWriter:
         for item, _ in batch:
             self._finish(item)
 
-    def _control(self, item: _Item) -> None:
+    def _control(self, item: QueueItem) -> None:
         if item.kind == "gap":
             self._record_gap(item.channel, item.iteration, item.micro_batch, item.reason)
             return
@@ -835,7 +689,7 @@ class AsyncLogWriter:
             logger.warning("swiftlog writer: marker failed: %s", e)
             self._fault("marker", f"{type(e).__name__}: {e}")
 
-    def _drop(self, item: _Item, reason: str) -> None:
+    def _drop(self, item: QueueItem, reason: str) -> None:
         item.tensors = []
         self._release_digest(item)
         with self._cv:
@@ -860,7 +714,7 @@ class AsyncLogWriter:
                 micro_batch,
             )
 
-    def _finish(self, item: _Item) -> None:
+    def _finish(self, item: QueueItem) -> None:
         with self._cv:
             self._busy -= 1
             if item.kind == "rec":
@@ -888,7 +742,7 @@ class AsyncLogWriter:
         st.faults_by_kind[kind] = st.faults_by_kind.get(kind, 0) + 1
         st.last_fault = f"{kind}: {message}"
         self._faults.append(f)
-        if len(self._new_faults) < _MAX_FAULTS:
+        if len(self._new_faults) < MAX_FAULTS:
             self._new_faults.append(f)
         if st.faults_by_kind[kind] <= 3 or st.faults_by_kind[kind] % 100 == 0:
             where = ", ".join(

@@ -39,9 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer_client import ClientConfig, RecoveryConfig, ResilientLoop, SwiftlogClient, load_checkpoint
-from trainer_client.checkpoint import checkpoint_uri
-from trainer_client.survivor import RecoveryKeys
+from trainer_client import (
+    CheckpointConfig,
+    ClientConfig,
+    RecoveryConfig,
+    RecoveryKeys,
+    ResilientLoop,
+    SwiftlogClient,
+    checkpoint_uri,
+    load_checkpoint,
+)
 
 __all__ = ["build_parser", "factory", "loss", "main"]
 
@@ -101,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--cold-url",
         default=None,
-        help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own data is lost with it",
+        help="the logs' cold tier (file:///dir, s3://bucket/prefix); "
+        "without one a failed first or last stage's own data is lost with it",
     )
     a("--out", required=True, help="where stage{k}.pt (the final state) goes")
     a("--iters", type=int, default=8)
@@ -136,16 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         seed=SEED,
         store_root=args.store_root,
         cold_url=args.cold_url,
-        checkpoint_url=args.checkpoint_url,
+        checkpoints=CheckpointConfig(url=args.checkpoint_url),
     )
     if args.replay_helper_rank:
-        from logstore.errors import SwiftlogError
+        from logstore import SwiftlogError
 
         try:
             serve_replay_helper(store, args.run_id, args.generation, k, args.replay_helper_rank, factory=factory)
-        except (
-            SwiftlogError
-        ) as e:  # the replay is impossible (a ReplayError, a CheckpointError): the replacement reports the fallback
+        except SwiftlogError as e:  # the replay is impossible (a ReplayError, a CheckpointError)
+            # the replacement reports the fallback
             print(f"helper {args.replay_helper_rank}: {e}", flush=True)
             return 3
         return 0
@@ -189,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     kill = None
     if args.kill_at:  # IT,MB,PHASE (the micro-batch is not used here)
         it_s, _, phase_s = args.kill_at.split(",")
-        if phase_s not in (
-            "forward",
-            "optimizer",
-        ):  # a phase this script does not inject must not pass as a failure-free run
+        # a phase this script does not inject must not pass as a failure-free run
+        if phase_s not in ("forward", "optimizer"):
             raise SystemExit(
                 f"--kill-at {args.kill_at}: this script injects the phases forward and optimizer, not {phase_s!r}"
             )

@@ -2,7 +2,7 @@
 
 ``python -m trainer_client.examples.train_pipeline --resilient ...`` (or this module directly)
 takes every argument of ``train_pipeline`` plus the recovery ones below, and trains with
-:class:`trainer_client.survivor.ResilientLoop`: on a peer's failure this stage keeps its state,
+:class:`trainer_client.ResilientLoop`: on a peer's failure this stage keeps its state,
 waits for the replacement and continues in the next process-group generation.
 
 Roles:
@@ -41,8 +41,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client import SwiftlogClient, load_checkpoint
-from trainer_client.checkpoint import checkpoint_uri
+from trainer_client import (
+    CheckpointError,
+    RecoveryConfig,
+    RecoveryKeys,
+    ResilientLoop,
+    SwiftlogClient,
+    checkpoint_uri,
+    load_checkpoint,
+)
+from trainer_client.examples.common import build_parser as _base_parser
+from trainer_client.examples.common import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.examples.gpt import (
     SyntheticTokens,
     build_stage_module,
@@ -51,9 +60,6 @@ from trainer_client.examples.gpt import (
     make_lr_scheduler,
     make_optimizer,
 )
-from trainer_client.examples.train_pipeline import build_parser as _base_parser
-from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
-from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
 __all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
 
@@ -85,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--sources",
         default="",
-        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, or node-server URLs (http://HOST:PORT) "
-        "(default: the roots the survivors report)",
+        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, "
+        "or node-server URLs (http://HOST:PORT) (default: the roots the survivors report)",
     )
     a("--replay-workers", type=int, default=1, help="replacement: spawn this many replay worker processes itself")
     a(
@@ -164,7 +170,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-        from replay.engine import SourceSpec
+        from replay import SourceSpec
         from replay.replacement import (
             ReplacementFallback,
             recover_stage,
@@ -174,9 +180,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
-            sources = [
-                SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r
-            ]  # a root, or a node server's URL
+            # a root, or a node server's URL
+            sources = [SourceSpec.parse(r, cold_url=args.cold_url) for r in args.sources.split(",") if r]
             if args.cold_url:
                 sources.append(SourceSpec(kind="cold", location=args.cold_url))
         t_recover = time.time()
@@ -241,9 +246,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         cold.put_segment = put_segment_then_die
 
-    if (
-        kill is not None and kill[2] == "recovering"
-    ):  # a failure during recovery: die right after reporting as a survivor
+    # a failure during recovery: die right after reporting as a survivor
+    if kill is not None and kill[2] == "recovering":
 
         def die_once_reported() -> None:
             watch = dist.TCPStore(
@@ -259,9 +263,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     built = [False]
 
     def rebuild() -> None:
-        if (
-            args.tie_embeddings
-        ):  # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+        # tied values are made equal once, at a fresh start; later they stay equal (a replay is exact)
+        if args.tie_embeddings:
             tie[0] = tie_embeddings(
                 model, k, S, sync=not built[0] and start == 0 and generation == 0 and not args.replacement
             )
@@ -384,8 +387,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    from replay.core import ReplayError
-    from trainer_client.errors import CheckpointError
+    from replay import ReplayError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
     try:
