@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from replay.errors import EXIT_FALLBACK
 from replay.replacement import common_checkpoint
 from trainer_client.commit import gloo_on_loopback
 from trainer_client.examples import launch as _launch
@@ -56,7 +57,6 @@ __all__ = [
     "states_equal",
 ]
 
-EXIT_FALLBACK = 3
 #: the training script the launcher runs by default (the example GPT pipeline)
 DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 
@@ -123,7 +123,7 @@ class RecoveryRun:
         ]
         for name, rc in sorted(self.returncodes.items()):
             if (
-                self.ok and rc == 3 and "-helper" in name
+                self.ok and rc == EXIT_FALLBACK and "-helper" in name
             ):  # a helper that refused (e.g. a buffer the backward changes): its replacement replayed alone
                 lines.append(f"--- {name} (rc=3: refused to share the replay; its replacement replayed alone) ---")
             elif rc not in (0, -9):

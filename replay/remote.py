@@ -15,7 +15,7 @@ error or a lying proxy), then the codec's checksum of the decoded raw bytes. A m
 ``CorruptRecordError`` naming the key; wrong bytes are never returned. Errors are translated: 404 ->
 ``RecordNotFoundError``, 409 (corrupt on the server) -> ``CorruptRecordError``, 401/403 ->
 ``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
-then :class:`NodeUnavailableError` (retryable: the reader tries its other sources). A kept-alive
+then :class:`~replay.errors.NodeUnavailableError` (retryable: the reader tries its other sources). A kept-alive
 connection the server closed as it was reused is reopened at once, without spending an attempt.
 
 A token never travels in clear to another machine: with a token, a plain ``http://`` URL must name
@@ -45,18 +45,13 @@ from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError
 from logstore.segment import blob_checksum
 from logstore.store import CheckpointInfo, RecordInfo
 from replay.core import LogReader, RecordSource
+from replay.errors import NodeUnavailableError
 
-__all__ = ["HttpRecordSource", "RemoteLogReader", "NodeUnavailableError"]
+__all__ = ["HttpRecordSource", "RemoteLogReader"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = 1000  # the server's default max_page_size
-
-
-class NodeUnavailableError(StoreError):
-    """A node server did not answer, or answered with a server error, after the retries."""
-
-    retryable = True
 
 
 class HttpRecordSource:

@@ -28,7 +28,7 @@ operator or a Slurm ``--requeue`` hook, starts the same training command with ``
    new process-group generation like the survivors.
 
 When the replay cannot be done (records gone, digest mismatch) :func:`recover_stage` raises
-:class:`ReplacementFallback`; the caller writes the fallback key (:func:`report_fallback`) so the
+:class:`~replay.errors.ReplacementFallback`; the caller writes the fallback key (:func:`report_fallback`) so the
 survivors stop waiting and the scheduler rolls every stage back to a common checkpoint instead.
 Never: modifies the survivors' stores or the checkpoints; waits without a deadline.
 """
@@ -51,13 +51,13 @@ import torch.distributed as dist
 
 from replay.core import ReplayError, ReplayOrderError
 from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
+from replay.errors import ReplacementFallback
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
 
 __all__ = [
     "RecoveredStage",
-    "ReplacementFallback",
     "common_checkpoint",
     "latest_checkpoint",
     "prepare_states",
@@ -70,10 +70,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _IT_RE = re.compile(r"it(\d{12})\.pt$")
-
-
-class ReplacementFallback(RecoveryFailedError):
-    """The failed stage cannot be replayed; every stage must restart from a checkpoint."""
 
 
 @dataclass(slots=True)

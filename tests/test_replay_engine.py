@@ -596,7 +596,8 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
         st = build_states(_job(f1b_run, 1, tmp_path))[0]
         rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
     assert rep.verified
-    from replay.remote import HttpRecordSource, NodeUnavailableError
+    from replay.errors import NodeUnavailableError
+    from replay.remote import HttpRecordSource
 
     with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
         src.get(RecordKey(Channel.activation(0), CKPT, 0))

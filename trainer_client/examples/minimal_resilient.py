@@ -45,7 +45,6 @@ from trainer_client.survivor import RecoveryKeys
 
 __all__ = ["build_parser", "factory", "loss", "main"]
 
-EXIT_FALLBACK = 3
 SEED = 7
 WIDTH, CLASSES, BATCH, N_MICROBATCHES = 32, 5, 16, 4
 
@@ -117,13 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replay.replacement import (
-        ReplacementFallback,
-        recover_stage,
-        report_fallback,
-        report_ready,
-        serve_replay_helper,
-    )
+    from replay.errors import EXIT_FALLBACK, ReplacementFallback
+    from replay.replacement import recover_stage, report_fallback, report_ready, serve_replay_helper
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
@@ -147,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             SwiftlogError
         ) as e:  # the replay is impossible (a ReplayError, a CheckpointError): the replacement reports the fallback
             print(f"helper {args.replay_helper_rank}: {e}", flush=True)
-            return 3
+            return EXIT_FALLBACK
         return 0
     t_main = time.time()
     generation, start, recovered = args.generation, 0, None

@@ -55,12 +55,11 @@ from trainer_client.examples.train_pipeline import build_parser as _base_parser
 from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
-__all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
+__all__ = ["KILL_PHASES", "build_parser", "main", "run_stage"]
 
 logger = logging.getLogger(__name__)
 
 KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
-EXIT_FALLBACK = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,12 +164,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
         from replay.engine import SourceSpec
-        from replay.replacement import (
-            ReplacementFallback,
-            recover_stage,
-            report_fallback,
-            report_ready,
-        )
+        from replay.errors import EXIT_FALLBACK, ReplacementFallback
+        from replay.replacement import recover_stage, report_fallback, report_ready
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
@@ -384,7 +379,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    from replay.core import ReplayError
+    from replay.errors import EXIT_FALLBACK, ReplayError
     from trainer_client.errors import CheckpointError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
