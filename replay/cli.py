@@ -118,7 +118,7 @@ def replay_command(
             "--model",
             help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)",
         ),
-    ] = "replay.examples:gpt_stage",
+    ] = "trainer_client.examples.factories:gpt_stage",
     model_arg: Annotated[
         list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")
     ] = None,

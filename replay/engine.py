@@ -77,7 +77,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "replay.examples:gpt_stage"
+DEFAULT_MODEL = "trainer_client.examples.factories:gpt_stage"
 #: iterations a replay fetches ahead by default (ReplayJob.prefetch None)
 DEFAULT_PREFETCH = 2
 #: ReplayJob.dynamic_share_min_s's default: below 20 ms a micro-batch is not worth a claim

@@ -151,7 +151,7 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
 
 
 def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` whose forward in parallel-replay worker 1 (a worker on a busy core)
+    """``trainer_client.examples.factories.gpt_stage`` whose forward in parallel-replay worker 1 (a worker on a busy core)
     sleeps six times as long as it computed, and at least 30 ms, for the balancing tests. The sleep
     grows with the forward's own time, so worker 1 stays the slower one however loaded the machine is.
     The arithmetic is untouched."""
@@ -159,7 +159,7 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
 
     import torch.distributed as dist
 
-    from replay.examples import gpt_stage
+    from trainer_client.examples.factories import gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     started: list[float] = []
@@ -177,9 +177,9 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
 
 
 def frozen_ln_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` with its first LayerNorm frozen (``requires_grad=False``): a
+    """``trainer_client.examples.factories.gpt_stage`` with its first LayerNorm frozen (``requires_grad=False``): a
     stage with parameters that get no gradient and no gradient hook."""
-    from replay.examples import gpt_stage
+    from trainer_client.examples.factories import gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     for p in module.blocks[0].ln1.parameters():
@@ -188,10 +188,10 @@ def frozen_ln_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **m
 
 
 def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` with a counter buffer that its forward starts to bump only after
+    """``trainer_client.examples.factories.gpt_stage`` with a counter buffer that its forward starts to bump only after
     the first ``n_microbatches`` calls (after a parallel replay's first iteration); the outputs are
     untouched. For the test that such a late buffer update is an error, not a silent difference."""
-    from replay.examples import gpt_config, gpt_stage
+    from trainer_client.examples.factories import gpt_config, gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     quiet_calls = gpt_config(checkpoint, **model_args).n_microbatches

@@ -319,7 +319,7 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
         checkpoints={0: uri},
         sources=[SourceSpec(kind="store", location=root)],
         model_args=cfg.to_dict(),
-        data_source=None if source is None else "replay.examples:gpt_data",
+        data_source=None if source is None else "trainer_client.examples.factories:gpt_data",
         device="cuda",
         output=str(tmp_path / "out"),
     )

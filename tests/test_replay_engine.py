@@ -45,7 +45,7 @@ from replay.core import (
     locate_logs,
 )
 from replay.engine import build_states, checkpoint_of
-from replay.examples import gpt_stage
+from trainer_client.examples.factories import gpt_stage
 from server.testing import ServerProcess
 from tests._replay_helpers import (
     CKPT,

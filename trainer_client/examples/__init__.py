@@ -4,5 +4,7 @@
   synthetic token dataset, static pipeline I/O examples, optimizer and scheduler builders.
 - :mod:`trainer_client.examples.train_pipeline`: one stage's training script (README snippet +
   measurement knobs), runnable with ``python -m``.
+- :mod:`trainer_client.examples.factories`: the example GPT's stage factory and data source for a
+  replay (``--model trainer_client.examples.factories:gpt_stage``).
 - :mod:`trainer_client.examples.launch`: host a TCPStore and run every stage as its own process.
 """

@@ -185,7 +185,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 checkpoint_url=config.resolved_checkpoint_url(),
                 sources=sources,
                 model_args=cfg.to_dict(),
-                data_source="replay.examples:gpt_data" if args.data_source else None,
+                data_source="trainer_client.examples.factories:gpt_data" if args.data_source else None,
                 n_microbatches=cfg.n_microbatches,
                 threads=args.threads,
                 workers=args.replay_workers,
