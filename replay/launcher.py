@@ -32,7 +32,6 @@ import json
 import multiprocessing.connection
 import os
 import struct
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -42,14 +41,14 @@ from typing import Any
 import torch
 
 from replay.errors import EXIT_FALLBACK
+from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
 from replay.replacement import common_checkpoint
-from trainer_client.commit import gloo_on_loopback
-from trainer_client.examples import launch as _launch
-from trainer_client.examples.train_resilient import KILL_PHASES
 from trainer_client.survivor import RecoveryKeys
 
 __all__ = [
+    "DEFAULT_SCRIPT",
     "EXIT_FALLBACK",
+    "KILL_PHASES",
     "KillSpec",
     "RecoveryRun",
     "resumed_after_rollback",
@@ -59,13 +58,15 @@ __all__ = [
 
 #: the training script the launcher runs by default (the example GPT pipeline)
 DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
+#: where a KillSpec may kill a stage; a script injects some or all of them (``--kill-at IT,MB,PHASE``)
+KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
 
 
 @dataclass(frozen=True, slots=True)
 class KillSpec:
     """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``.
 
-    Phases of the example script (``train_resilient.KILL_PHASES``): forward, backward, commit,
+    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward, commit,
     optimizer, checkpoint, upload (in the uploader thread), recovering (right after reporting as a
     survivor of the first failure; ``iteration`` unused). The template ``minimal_resilient``
     injects forward and optimizer only (and refuses the others)."""
@@ -131,53 +132,12 @@ class RecoveryRun:
         return "\n".join(lines)
 
 
-def _entry(argv: list[str], log_path: str, script: str = DEFAULT_SCRIPT) -> None:
-    """Body of a stage process: output to ``log_path``, then the resilient training script (the
-    module ``script``'s ``main(argv)``)."""
-    import importlib
-    import traceback
-
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    gloo_on_loopback()  # the scheduler's stages and helpers run on this host
-    try:
-        rc = importlib.import_module(script).main(argv)
-    except SystemExit as e:
-        rc = int(e.code or 0)
-    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
-def _ctx() -> Any:
-    # the fork server is a fresh interpreter that imports the preload list before anything else:
-    # without the repository on its PYTHONPATH those imports fail silently and every stage (and
-    # every replacement) pays ~0.3 s of imports at start
-    pp = os.environ.get("PYTHONPATH", "")
-    if _launch._REPO_ROOT not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = _launch._REPO_ROOT + (os.pathsep + pp if pp else "")
-    ctx = _launch._forkserver()
-    # everything a stage, a replacement or a replay helper imports before its first step: this
-    # module (the children's entry point), the training scripts, the replacement and parallel replay
-    ctx.set_forkserver_preload(
-        [
-            "torch",
-            "torch.distributed.pipelining",
-            "trainer_client.examples.train_pipeline",
-            "trainer_client.examples.train_resilient",
-            "replay.replacement",
-            "replay.parallel",
-            "replay.launcher",
-        ]
+def _ctx(script: str) -> Any:
+    # everything a stage, a replacement or a replay helper imports before its first step: the
+    # training script, the replacement and parallel replay, this module
+    return forkserver_context(
+        ["torch", "torch.distributed.pipelining", script, "replay.replacement", "replay.parallel", "replay.launcher"]
     )
-    return ctx
 
 
 def _f(v: Any) -> float:
@@ -236,12 +196,12 @@ def run_with_failures(
             f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
             "(its replacement is not): give one KillSpec per stage"
         )
-    host = _launch.StoreHost()
+    host = StoreHost()
     store = host.store
     keys = RecoveryKeys(run_id)
     out_dir = os.path.join(base_dir, "out")
     os.makedirs(out_dir, exist_ok=True)
-    ctx = _ctx()
+    ctx = _ctx(script)
     procs: dict[str, Any] = {}
     logs: dict[str, str] = {}
     current: dict[int, str] = {}  # stage -> name of its live process
@@ -283,10 +243,7 @@ def run_with_failures(
             *extra,
         ]
         logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
-        p = ctx.Process(target=_entry, args=(argv, logs[name], script), name=name)
-        with _launch.main_module_hidden():
-            p.start()
-        procs[name] = _launch._ForkProc(p)
+        procs[name] = start_process(ctx, run_module_main, (argv, logs[name], script), name)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
             timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
             return
@@ -451,7 +408,7 @@ def run_with_failures(
             else:
                 time.sleep(0.02)
     finally:
-        _launch.stop_all(procs.values())
+        stop_all(procs.values())
     outputs = {}
     for n, path in logs.items():
         with open(path) as f:

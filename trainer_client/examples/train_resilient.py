@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replay.launcher import KILL_PHASES
 from trainer_client import SwiftlogClient, load_checkpoint
 from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.examples.gpt import (
@@ -55,11 +56,9 @@ from trainer_client.examples.train_pipeline import build_parser as _base_parser
 from trainer_client.examples.train_pipeline import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.survivor import RecoveryConfig, RecoveryKeys, ResilientLoop
 
-__all__ = ["KILL_PHASES", "build_parser", "main", "run_stage"]
+__all__ = ["build_parser", "main", "run_stage"]
 
 logger = logging.getLogger(__name__)
-
-KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
 
 
 def build_parser() -> argparse.ArgumentParser:
