@@ -265,7 +265,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "n_microbatches": MODEL["n_microbatches"],
             "dropout": MODEL["dropout"],
         }
-        (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args)  # prefetch: the default
+        (job,) = jobs_from_plan(
+            plan, sources=[store], model="trainer_client.examples.factories:gpt_stage", model_args=model_args
+        )  # prefetch: the default
         kinds = {
             "seq": job.replace(workers=1),
             "k2_exact": job.replace(workers=2, exact=True),

@@ -113,12 +113,14 @@ def replay_command(
         ),
     ] = None,
     model: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--model",
-            help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)",
+            help="stage factory module:function or path/to/file.py:function, required to replay "
+            "(modules of the current directory import, as with python -m)",
+            show_default=False,
         ),
-    ] = "trainer_client.examples.factories:gpt_stage",
+    ] = None,
     model_arg: Annotated[
         list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")
     ] = None,
@@ -190,6 +192,12 @@ def replay_command(
 
     if not (root or server or cold_url):
         raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
+    if not plan_only and not model:
+        raise fail(
+            "--model is required to replay: the stage factory the training used",
+            hint="--model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its "
+            "arguments (the example GPT's: --model trainer_client.examples.factories:gpt_stage)",
+        )
     if not plan_only and not output:
         raise fail(
             "--output is required to replay",

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from logstore import LogStore, validate_run
+from logstore.errors import ConfigError
 from replay.core import (
     LogReader,
     RecordSource,
@@ -70,14 +71,14 @@ __all__ = [
     "build_states",
     "PreparedStates",
     "load_object",
+    "require_factory",
+    "stage_factory",
     "write_outputs",
     "checkpoint_of",
-    "DEFAULT_MODEL",
 ]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "trainer_client.examples.factories:gpt_stage"
 #: iterations a replay fetches ahead by default (ReplayJob.prefetch None)
 DEFAULT_PREFETCH = 2
 #: ReplayJob.dynamic_share_min_s's default: below 20 ms a micro-batch is not worth a claim
@@ -218,7 +219,7 @@ class ReplayJob:
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
     :data:`StageFactory`; ``"module:function"`` or ``"/path/file.py:function"``, see
-    :func:`replay.core.load_object`). loss: ``"module:attr"`` of the loss function for a replay of the
+    :func:`replay.core.load_object`); required unless the caller passes ``factory=`` in process. loss: ``"module:attr"`` of the loss function for a replay of the
     last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source:
     ``"module:function"`` called as ``fn(seed, **model_args)`` for runs that did not log stage-0
     inputs / targets; None = logged.
@@ -252,7 +253,7 @@ class ReplayJob:
     checkpoints: dict[int, str]
     sources: list[SourceSpec]
     checkpoint_options: dict[str, Any] = field(default_factory=dict)
-    model: str = DEFAULT_MODEL
+    model: str | None = None
     model_args: dict[str, Any] = field(default_factory=dict)
     loss: str | None = None
     data_source: str | None = None
@@ -385,6 +386,24 @@ def build_states(
     )
 
 
+def require_factory(model: str | None, factory: StageFactory | None = None) -> None:
+    """Raise ConfigError naming the ``model`` argument when neither ``model`` nor ``factory`` names
+    the stage factory: a replay rebuilds the stages the training built, and there is no default."""
+    if factory is None and not model:
+        raise ConfigError(
+            "a replay needs the stage factory the training used, and none was given (model is None)",
+            hint="pass model='module:function' (ReplayJob.model, recover_stage(model=...), swiftlog replay "
+            "--model) or factory=...; the example GPT's is trainer_client.examples.factories:gpt_stage",
+        )
+
+
+def stage_factory(model: str | None, factory: StageFactory | None = None) -> StageFactory:
+    """The stage factory of a replay: ``factory`` when given, else the one ``model`` names
+    (``"module:function"`` or ``"path/to/file.py:function"``); see :func:`require_factory`."""
+    require_factory(model, factory)
+    return factory if factory is not None else load_object(str(model))
+
+
 _FACTORY_FORM = (
     "a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)"
 )
@@ -402,12 +421,12 @@ def _build(
     stages: Sequence[int],
     checkpoints: Mapping[int, str],
     checkpoint_options: Mapping[str, Any],
-    model: str,
+    model: str | None,
     model_args: Mapping[str, Any],
     factory: StageFactory | None,
     device: str | None = None,
 ) -> list[StageState]:
-    fac: StageFactory = factory or load_object(model)
+    fac: StageFactory = stage_factory(model, factory)
     by = "the given stage factory" if factory is not None else f"the stage factory {model!r}"
     states = []
     for k in stages:
@@ -474,7 +493,7 @@ class PreparedStates:
         stages: Sequence[int],
         checkpoints: Mapping[int, str] | Callable[[], Mapping[int, str] | None],
         checkpoint_options: Mapping[str, Any] | None = None,
-        model: str = DEFAULT_MODEL,
+        model: str | None = None,
         model_args: Mapping[str, Any] | None = None,
         factory: StageFactory | None = None,
         device: str | None = None,
@@ -757,8 +776,10 @@ def replay(
     Returns the result with the merged report (mismatches are reported, not raised: check
     ``result.verified`` or call ``result.report.raise_for_mismatch()``). Raises
     ReplayInputMissingError / CorruptRecordError naming a missing or corrupt record, ReplayError
-    for inconsistent inputs, CheckpointError when a checkpoint cannot be read or written.
+    for inconsistent inputs, CheckpointError when a checkpoint cannot be read or written, ConfigError
+    when neither ``job.model`` nor ``factory`` names the stage factory.
     """
+    require_factory(job.model, factory)  # before any process starts or source opens
     if job.workers > 1:
         from replay.parallel import run_parallel
 

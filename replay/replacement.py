@@ -50,7 +50,16 @@ import torch
 import torch.distributed as dist
 
 from replay.core import ReplayError, ReplayOrderError
-from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
+from replay.engine import (
+    PreparedStates,
+    ReplayJob,
+    ReplayResult,
+    SourceSpec,
+    build_states,
+    replay,
+    require_factory,
+    stage_factory,
+)
 from replay.errors import ReplacementFallback
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
@@ -139,7 +148,7 @@ def prepare_states(
     run_id: str,
     stages: Sequence[int],
     num_stages: int,
-    model: str = "trainer_client.examples.factories:gpt_stage",
+    model: str | None = None,
     model_args: dict[str, Any] | None = None,
     checkpoint_options: dict[str, Any] | None = None,
     factory: Callable[..., Any] | None = None,
@@ -217,7 +226,7 @@ def recover_stage(
     generation: int,
     checkpoint_url: str,
     sources: Sequence[SourceSpec] | None,
-    model: str = "trainer_client.examples.factories:gpt_stage",
+    model: str | None = None,
     model_args: dict[str, Any] | None = None,
     data_source: str | None = None,
     loss: str | None = None,
@@ -236,7 +245,9 @@ def recover_stage(
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
 
     Returns the recovered stage. Raises ReplacementFallback when the replay is impossible or does
-    not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``.
+    not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``,
+    ConfigError when neither ``model`` (``"module:function"``) nor ``factory`` names the stage
+    factory.
     ``workers`` > 1 replays with parallel helpers (:mod:`replay.parallel`); their recovered state
     is written to ``output`` (default: a temporary directory) and loaded back here. ``group``: the
     logging group of ``stage`` (only its boundaries were logged): the whole group is replayed
@@ -253,6 +264,7 @@ def recover_stage(
     or ``loss_fn`` (picklable when ``workers`` > 1 without helpers): the loss function for a
     replay of the last stage; default: the one the live schedule used, as its META names it.
     """
+    require_factory(model, factory)  # a usage error, not a reason to roll every stage back
     keys = RecoveryKeys(run_id, commit_prefix)
     members = sorted(set(group or [stage]) | {stage})
     # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint listing)
@@ -417,7 +429,7 @@ def recover_stage(
             st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
         else:
             rck = load_checkpoint(res.outputs[stage], storage_options=job.output_options or None)
-            st_mod, st_opt, st_sched = (factory or load_object(model))(stage, num_stages, rck, **(model_args or {}))
+            st_mod, st_opt, st_sched = stage_factory(model, factory)(stage, num_stages, rck, **(model_args or {}))
             rck.apply(st_mod, st_opt, st_sched)
         rep = res.report
         nbytes = sum(s.bytes for s in opened)

@@ -45,6 +45,8 @@ __all__ = [
 
 CKPT = 2
 ITERS = 6
+#: the example GPT's stage factory, which every replay of these runs names
+EXAMPLE_MODEL = "trainer_client.examples.factories:gpt_stage"
 
 
 @dataclass
@@ -91,8 +93,9 @@ class Run:
         return SourceSpec(kind="cold", location=url or self.cold_url, options=dict(self.cold_options))
 
     def job_fields(self) -> dict[str, Any]:
-        """ReplayJob fields every job of this run needs (model sizes, checkpoint credentials)."""
-        return {"model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
+        """ReplayJob fields every job of this run needs (the stage factory and model sizes,
+        checkpoint credentials)."""
+        return {"model": EXAMPLE_MODEL, "model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
 
 
 def file_run(

@@ -318,6 +318,7 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
         stop_iteration=4,
         checkpoints={0: uri},
         sources=[SourceSpec(kind="store", location=root)],
+        model="trainer_client.examples.factories:gpt_stage",
         model_args=cfg.to_dict(),
         data_source=None if source is None else "trainer_client.examples.factories:gpt_data",
         device="cuda",

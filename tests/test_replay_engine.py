@@ -45,10 +45,10 @@ from replay.core import (
     locate_logs,
 )
 from replay.engine import build_states, checkpoint_of
-from trainer_client.examples.factories import gpt_stage
 from server.testing import ServerProcess
 from tests._replay_helpers import (
     CKPT,
+    EXAMPLE_MODEL,
     ITERS,
     NUM_STAGES,
     checkpoint_vs_live,
@@ -58,6 +58,7 @@ from tests._replay_helpers import (
 )
 from trainer_client import load_checkpoint, save_checkpoint
 from trainer_client.commit import loopback_store
+from trainer_client.examples.factories import gpt_stage
 from trainer_client.examples.gpt import loss_fn
 
 pytest_plugins = ["tests._replay_fixtures"]
@@ -73,8 +74,7 @@ def _job(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
         stages=stages,
         stop_iteration=ITERS,
         checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
-        **run.job_fields(),
-        **kw,
+        **{**run.job_fields(), **kw},
     )
 
 
@@ -640,6 +640,7 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
         generation=0,
         checkpoint_url=ck_base,
         sources=None,
+        model=EXAMPLE_MODEL,
         model_args=f1b_run.gpt.to_dict(),
         n_microbatches=f1b_run.gpt.n_microbatches,
         threads=1,
@@ -695,7 +696,7 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
     # the replacement's guess: the newest common checkpoint under the checkpoint URL
     ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
     assert prepare_states(
-        ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model_args=job.model_args
+        ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model=job.model, model_args=job.model_args
     ).matches(job)
     # nothing to guess from, or a guess that fails: nothing is handed out and nothing raises
     with caplog.at_level("INFO", logger="replay.engine"):

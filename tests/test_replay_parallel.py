@@ -71,8 +71,7 @@ def _job(run, stages, out: Path, **kw) -> ReplayJob:
         stop_iteration=ITERS,
         output=str(out),
         checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
-        **run.job_fields(),
-        **kw,
+        **{**run.job_fields(), **kw},
     )
 
 

@@ -183,6 +183,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 generation=generation,
                 checkpoint_url=config.resolved_checkpoint_url(),
                 sources=sources,
+                model="trainer_client.examples.factories:gpt_stage",
                 model_args=cfg.to_dict(),
                 data_source="trainer_client.examples.factories:gpt_data" if args.data_source else None,
                 n_microbatches=cfg.n_microbatches,
@@ -375,6 +376,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         stages=_group_of(args.groups, args.stage),
         num_stages=args.num_stages,
+        model="trainer_client.examples.factories:gpt_stage",
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
