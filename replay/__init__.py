@@ -15,8 +15,8 @@ Public API::
 Modules: ``plan`` (recovery planning), ``core`` (the replay loop, verification, prefetch),
 ``reader`` (``LogReader`` over record sources), ``errors``, ``engine`` (jobs, sources, progress,
 output checkpoints), ``parallel`` (K workers over gloo, exact or approximate gradient reduction),
-``remote`` (reading from node servers over HTTP), ``examples`` (stage factories for the example
-GPT), ``cli`` (``swiftlog replay``).
+``remote`` (reading from node servers over HTTP). The ``swiftlog replay`` command lives in
+``server/cli/replay.py``.
 
 Never imported by logstore/ or trainer_client/; imports server/ nowhere.
 """

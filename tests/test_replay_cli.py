@@ -1,4 +1,4 @@
-"""``swiftlog replay`` (replay/cli.py, registered on the swiftlog app) and ``swiftlog plan`` over the replay planner."""
+"""``swiftlog replay`` (server/cli/replay.py) and ``swiftlog plan`` over the replay planner."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """``swiftlog replay``: plan and run the recovery of failed stages; write the recovered checkpoints.
 
-Registered on the ``swiftlog`` typer app by ``server/cli`` (:func:`register`); also a typer app of
-its own (:data:`app`, ``python -m replay.cli --run ...``). Thin: it parses options, calls
-:func:`replay.plan_recovery` and :func:`replay.replay`, and prints.
+Thin: it parses options, calls :func:`replay.plan_recovery` and :func:`replay.replay`, and prints.
+The replay package is imported when the command runs, not when the ``swiftlog`` app is built: it
+pulls in torch.distributed.pipelining, which no other command needs. :func:`print_plan` prints a
+plan for ``swiftlog plan`` too.
 
 Where the logs are (any mix, tried in this order):
 ``--root DIR`` (repeatable; a node's store root, every writer's hot tier there, plus ``--cold-url``),
@@ -34,10 +35,7 @@ import typer
 from server.cli._common import Command, check_cold_url, cold_url_param, fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
-__all__ = ["app", "register", "replay_command", "print_plan"]
-
-
-app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+__all__ = ["register", "replay_command", "print_plan"]
 
 
 def replay_command(
@@ -327,9 +325,9 @@ def _check_writable_output(output: str) -> None:
     URLs are left to the replay."""
     import tempfile
 
-    from trainer_client.checkpoint import _local_path  # where save_checkpoint writes for such a URI
+    from trainer_client.checkpoint import local_path  # where save_checkpoint writes for such a URI
 
-    path = _local_path(output)
+    path = local_path(output)
     if path is None:
         return
     existing = path
@@ -457,12 +455,5 @@ def print_plan(plan: Any, json_out: bool) -> None:
         typer.echo(f"fallback: {fb.get('note')}")
 
 
-def register(main_app: typer.Typer) -> None:
-    """Add ``replay`` to the ``swiftlog`` app."""
-    main_app.command("replay", cls=Command)(replay_command)
-
-
-app.command("replay", cls=Command)(replay_command)
-
-if __name__ == "__main__":  # python -m replay.cli --run ... (a one-command app: the options of `swiftlog replay`)
-    sys.exit(app())
+def register(app: typer.Typer) -> None:
+    app.command("replay", cls=Command)(replay_command)
