@@ -21,19 +21,7 @@ output checkpoints), ``parallel`` (K workers over gloo, exact or approximate gra
 Never imported by logstore/ or trainer_client/; imports server/ nowhere.
 """
 
-from replay.core import (
-    LogReader,
-    RecordSource,
-    ReplayError,
-    ReplayHooks,
-    ReplayInputMissingError,
-    ReplayMismatchError,
-    ReplayOrderError,
-    ReplayReport,
-    StageState,
-    replay_stage,
-    replay_stages,
-)
+from replay.core import replay_stage, replay_stages
 from replay.engine import (
     ReplayJob,
     ReplayProgress,
@@ -42,8 +30,12 @@ from replay.engine import (
     jobs_from_plan,
     replay,
 )
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError, ReplayOrderError
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
+from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
+from replay.report import ReplayReport
+from replay.stage import ReplayHooks, StageState
 
 __all__ = [
     "plan_recovery",

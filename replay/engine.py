@@ -9,7 +9,7 @@ runs in this process, in spawned worker processes or under torchrun:
 - where the records are (:class:`SourceSpec`: a node's store root, a node server's URL, or the
   cold tier), tried in order;
 - how to rebuild the stage objects (``model``: ``"module:function"`` or ``"path/to/file.py:function"``
-  (:func:`replay.core.load_object`) called as
+  (:func:`replay.user_code.load_object`) called as
   ``factory(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler)``),
   the loss function and, if the run used one, the deterministic data source;
 - how: ``workers`` (1: sequential in this process; K > 1: :mod:`replay.parallel`), ``exact``,
@@ -18,7 +18,7 @@ runs in this process, in spawned worker processes or under torchrun:
   stage in the ``trainer_client.checkpoint`` format, named like training's, at the stop iteration).
 
 :func:`replay` runs a job and returns a :class:`ReplayResult` (the merged
-:class:`~replay.core.ReplayReport`, the output URIs, timings). Progress (iterations done, rate,
+:class:`~replay.report.ReplayReport`, the output URIs, timings). Progress (iterations done, rate,
 ETA) goes to ``on_progress`` and to this module's logger at INFO every ``progress_every_s``.
 :func:`jobs_from_plan` turns a :class:`~replay.plan.RecoveryPlan` into one job per replay unit.
 
@@ -41,16 +41,12 @@ import torch
 
 from logstore import LogStore, validate_run
 from logstore.errors import ConfigError
-from replay.core import (
-    LogReader,
-    RecordSource,
-    ReplayError,
-    ReplayReport,
-    StageState,
-    load_object,
-    locate_logs,
-    replay_stages,
-)
+from replay.core import locate_logs, replay_stages
+from replay.errors import ReplayError
+from replay.reader import LogReader, RecordSource
+from replay.report import ReplayReport
+from replay.stage import StageState
+from replay.user_code import load_object
 from trainer_client.checkpoint import (
     Checkpoint,
     checkpoint_uri,
@@ -219,8 +215,8 @@ class ReplayJob:
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
     :data:`StageFactory`; ``"module:function"`` or ``"/path/file.py:function"``, see
-    :func:`replay.core.load_object`); required unless the caller passes ``factory=`` in process. loss: ``"module:attr"`` of the loss function for a replay of the
-    last stage (None: the one its META names, see ``replay.core.logged_loss``). data_source:
+    :func:`replay.user_code.load_object`); required unless the caller passes ``factory=`` in process. loss: ``"module:attr"`` of the loss function for a replay of the
+    last stage (None: the one its META names, see ``replay.user_code.logged_loss``). data_source:
     ``"module:function"`` called as ``fn(seed, **model_args)`` for runs that did not log stage-0
     inputs / targets; None = logged.
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay

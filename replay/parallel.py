@@ -127,18 +127,7 @@ import torch.distributed as dist
 
 from logstore import RecordKey
 from logstore.errors import CorruptRecordError, SwiftlogError
-from replay.core import (
-    LogReader,
-    ReplayError,
-    ReplayHooks,
-    ReplayInputMissingError,
-    ReplayOrderError,
-    ReplayReport,
-    StageState,
-    locate_logs,
-    replay_device,
-    replay_stages,
-)
+from replay.core import locate_logs, replay_device, replay_stages
 from replay.engine import (
     PreparedStates,
     ReplayJob,
@@ -154,6 +143,10 @@ from replay.engine import (
     open_sources,
     write_outputs,
 )
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
+from replay.reader import LogReader
+from replay.report import ReplayReport
+from replay.stage import ReplayHooks, StageState
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.commit import gloo_on_loopback, loopback_store
 from trainer_client.digest import tensor_digest

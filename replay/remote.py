@@ -6,8 +6,8 @@ A replacement machine usually cannot open a surviving node's disk; it asks that 
   ``logstore.codec`` blob) with ``X-Swiftlog-Checksum`` (xxh3-64 of the body, hex);
 - ``GET /v1/runs/{run}/records?channel=&it_lo=&it_hi=&limit=&cursor=`` lists keys, one page at a time.
 
-:class:`HttpRecordSource` is a :class:`replay.core.RecordSource` over one server;
-:class:`RemoteLogReader` is a :class:`replay.core.LogReader` over several servers (and, optionally,
+:class:`HttpRecordSource` is a :class:`replay.reader.RecordSource` over one server;
+:class:`RemoteLogReader` is a :class:`replay.reader.LogReader` over several servers (and, optionally,
 local sources such as the cold tier as a fallback).
 
 Every blob is checked twice before use: its xxh3 against the header the server sent (a transfer
@@ -44,8 +44,8 @@ from logstore import Channel, RecordKey, codec, validate_run
 from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError, StoreError
 from logstore.segment import blob_checksum
 from logstore.store import CheckpointInfo, RecordInfo
-from replay.core import LogReader, RecordSource
 from replay.errors import NodeUnavailableError
+from replay.reader import LogReader, RecordSource
 
 __all__ = ["HttpRecordSource", "RemoteLogReader"]
 
@@ -55,7 +55,7 @@ _PAGE = 1000  # the server's default max_page_size
 
 
 class HttpRecordSource:
-    """One node server's records of one run, as a :class:`replay.core.RecordSource`.
+    """One node server's records of one run, as a :class:`replay.reader.RecordSource`.
 
     Args:
         base_url: e.g. ``http://10.0.0.5:8080`` (the server's root, without ``/v1``).

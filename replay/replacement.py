@@ -49,7 +49,6 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError, ReplayOrderError
 from replay.engine import (
     PreparedStates,
     ReplayJob,
@@ -60,7 +59,7 @@ from replay.engine import (
     require_factory,
     stage_factory,
 )
-from replay.errors import ReplacementFallback
+from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from logstore import LogStore
-from replay.core import StageState
 from replay.launcher import states_equal
+from replay.stage import StageState
 from trainer_client import load_checkpoint
 from trainer_client.examples.gpt import (
     GPTConfig,

@@ -22,8 +22,11 @@ from hypothesis import strategies as st
 import trainer_client
 from logstore import Channel, LogStore, RecordKey, codec
 from logstore.errors import ConfigError
-from replay.core import LogReader, ReplayReport, StageState, replay_stage
+from replay.core import replay_stage
 from replay.errors import ReplayError, ReplayMismatchError
+from replay.reader import LogReader
+from replay.report import ReplayReport
+from replay.stage import StageState
 from trainer_client import (
     CheckpointError,
     ClientConfig,

@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from logstore import Channel, LogStore, RecordKey
-from replay.core import LogReader, ReplayError, StageState, replay_device, replay_stage
+from replay.core import replay_device, replay_stage
+from replay.errors import ReplayError
+from replay.reader import LogReader
+from replay.stage import StageState
 from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint, tensor_digest
 from trainer_client.digest import digest_from_record
 from trainer_client.writer import AsyncLogWriter, auto_encode_threads

@@ -34,17 +34,13 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import (
-    LogReader,
-    ReplayError,
-    ReplayHooks,
-    ReplayInputMissingError,
-    StageState,
-    _passes,
-    _Plan,
-    locate_logs,
-)
+from replay._iteration_plan import IterationPlan
+from replay._iteration_plan import passes as plan_passes
+from replay.core import locate_logs
 from replay.engine import build_states, checkpoint_of
+from replay.errors import ReplayError, ReplayInputMissingError
+from replay.reader import LogReader
+from replay.stage import ReplayHooks, StageState
 from server.testing import ServerProcess
 from tests._replay_helpers import (
     CKPT,
@@ -499,7 +495,7 @@ def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbour
 def test_an_error_in_the_users_model_names_where_the_replay_was(f1b_run, tmp_path):
     """A stage factory whose module fails on what it receives: a ReplayError naming the stage,
     iteration and micro-batch and what to check (was torch's bare traceback), the cause chained."""
-    from replay.core import load_object
+    from replay.user_code import load_object
 
     job = _job(f1b_run, 1, tmp_path)
     real = load_object(job.model)
@@ -726,7 +722,7 @@ def _orders(draw):
 @given(_orders())
 def test_passes_keep_the_live_orders_and_run_each_backward_as_early_as_they_allow(orders):
     fwd, bwd, mine = orders
-    passes = _passes(_Plan(len(fwd), fwd, bwd, 1, None, mine))
+    passes = plan_passes(IterationPlan(len(fwd), fwd, bwd, 1, None, mine))
     assert [mb for k, mb in passes if k == "F"] == [mb for mb in fwd if mb in mine]  # live forward order: buffers
     assert [mb for k, mb in passes if k == "B"] == mine  # live backward order: gradient sums
     seen = 0
@@ -805,7 +801,7 @@ def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     """A QA check: a replacement's fallback read "first mismatch None, missing digests []; not every
     send could be checked, or the last step is unproven", which did not say which. Now it names the
     one reason that applies."""
-    from replay.core import ReplayReport
+    from replay.report import ReplayReport
 
     def _unverified(r: ReplayReport) -> str:
         return r.unverified_reason

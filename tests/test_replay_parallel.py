@@ -32,8 +32,8 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.core import LogReader, ReplayError, ReplayInputMissingError, ReplayOrderError, StageState
 from replay.engine import build_states, checkpoint_of
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
 from replay.parallel import (
     SHM_DIR,
     _Claims,
@@ -46,6 +46,8 @@ from replay.parallel import (
     share_layout,
     slice_of,
 )
+from replay.reader import LogReader
+from replay.stage import StageState
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,

@@ -185,7 +185,7 @@ def replay_command(
         StoreError,
         SwiftlogError,
     )
-    from replay.core import ReplayInputMissingError
+    from replay.errors import ReplayInputMissingError
     from trainer_client.errors import CheckpointError
 
     if not (root or server or cold_url):
@@ -206,7 +206,7 @@ def replay_command(
             raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
     check_cold_url(cold_url)
     opts = parse_cold_options(cold_option)
-    from replay.core import absolute_spec
+    from replay.user_code import absolute_spec
 
     if (
         os.getcwd() not in sys.path and "" not in sys.path
@@ -214,7 +214,7 @@ def replay_command(
         sys.path.insert(0, os.getcwd())
     model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
     if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
-        from replay.core import load_object
+        from replay.user_code import load_object
 
         try:
             load_object(loss)
