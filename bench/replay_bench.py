@@ -159,7 +159,7 @@ def _loadavg() -> list[float] | None:
 
 def _replay_seconds(job_doc: dict[str, Any]) -> float:
     from replay import replay
-    from replay.engine import ReplayJob
+    from replay.job import ReplayJob
 
     return replay(ReplayJob.from_dict(job_doc)).replay_seconds
 
@@ -230,7 +230,7 @@ def live_run(base: Path, ckpt: int, iters: int) -> tuple[dict[int, dict[str, Any
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from logstore import LogStore
     from replay import jobs_from_plan, plan_recovery, replay
-    from replay.engine import checkpoint_of
+    from replay.states import checkpoint_of
 
     stage, ckpt, iters = args.stage, args.ckpt, args.iters
     load_before = _loadavg()

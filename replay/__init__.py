@@ -22,15 +22,9 @@ Never imported by logstore/ or trainer_client/; imports server/ nowhere.
 """
 
 from replay.core import replay_stage, replay_stages
-from replay.engine import (
-    ReplayJob,
-    ReplayProgress,
-    ReplayResult,
-    SourceSpec,
-    jobs_from_plan,
-    replay,
-)
+from replay.engine import replay
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayMismatchError, ReplayOrderError
+from replay.job import ReplayJob, ReplayProgress, ReplayResult, SourceSpec, jobs_from_plan
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader

@@ -128,25 +128,22 @@ import torch.distributed as dist
 from logstore import RecordKey
 from logstore.errors import CorruptRecordError, SwiftlogError
 from replay.core import locate_logs, replay_device, replay_stages
-from replay.engine import (
-    PreparedStates,
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
+from replay.job import (
+    ProgressTracker,
     ReplayJob,
     ReplayProgress,
     ReplayResult,
     SourceSpec,
     StageFactory,
-    _close_all,
-    _log_outcome,
-    _loss_and_data,
-    _Progress,
-    build_states,
+    close_sources,
+    log_outcome,
     open_sources,
-    write_outputs,
 )
-from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
 from replay.reader import LogReader
 from replay.report import ReplayReport
 from replay.stage import ReplayHooks, StageState
+from replay.states import PreparedStates, build_states, loss_and_data, write_outputs
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.commit import gloo_on_loopback, loopback_store
 from trainer_client.digest import tensor_digest
@@ -997,7 +994,7 @@ def worker_main(
     :class:`StageState` objects under ``"states"`` (not JSON; for a caller that goes on with them
     in this process, e.g. a replacement that is rank 0 itself). ``timeout``: of the rendezvous and
     of every collective. ``prepared``: this worker's stage objects built ahead
-    (:class:`~replay.engine.PreparedStates`; used only when they match the job). Raises what the
+    (:class:`~replay.states.PreparedStates`; used only when they match the job). Raises what the
     replay raises (every rank that sees it).
     """
     t0 = time.perf_counter()
@@ -1021,7 +1018,7 @@ def worker_main(
             )
         ck = states[0].checkpoint
         assert ck is not None
-        loss, data = _loss_and_data(job, ck.seed, loss_fn, data_source)
+        loss, data = loss_and_data(job, ck.seed, loss_fn, data_source)
         start = ck.iteration
         # while the others may still be building: open the sources, read META, list the first iteration's records
         locate_logs(
@@ -1082,7 +1079,7 @@ def worker_main(
             else (lambda it: False),  # sums in another order: other bits than the live step's
             shadow_forwards=reducer.shadow_forwards,
         )
-        tracker: _Progress | None = None
+        tracker: ProgressTracker | None = None
         mb_done = 0
 
         def on_iteration(it: int, report: ReplayReport) -> None:
@@ -1098,7 +1095,7 @@ def worker_main(
         dist.barrier()  # replay time is measured from a common start
         t_replay = time.perf_counter()
         cpu0 = time.process_time()
-        tracker = _Progress(job, start, None, workers=world) if rank == 0 else None
+        tracker = ProgressTracker(job, start, None, workers=world) if rank == 0 else None
         reducer.start()
         report = replay_stages(
             states,
@@ -1174,7 +1171,7 @@ def worker_main(
     finally:
         if reducer is not None:
             reducer.close()
-        _close_all(opened)
+        close_sources(opened)
         if dist.is_initialized():
             _destroy_default_group()
 
@@ -1382,7 +1379,7 @@ def run_parallel(
         with open(result_path) as f:
             doc = json.load(f)
     res = result_of(job, doc, time.perf_counter() - t0, outputs={int(k): v for k, v in doc["outputs"].items()})
-    _log_outcome(res)
+    log_outcome(res)
     return res
 
 

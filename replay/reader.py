@@ -73,7 +73,7 @@ class MetaDocSource:
 
     A replacement reads them from the commit store (``trainer_client.commit.stored_metas``): the
     copy of every committed iteration's META that outlives the failed stage's machine. ``docs``
-    maps ``"stage/iteration"`` to the JSON text as the stage encoded it (so a :class:`~replay.engine.ReplayJob` carries
+    maps ``"stage/iteration"`` to the JSON text as the stage encoded it (so a :class:`~replay.job.ReplayJob` carries
     them to helper processes as plain values). Never holds or returns another channel's records.
     """
 

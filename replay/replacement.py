@@ -49,17 +49,10 @@ import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.engine import (
-    PreparedStates,
-    ReplayJob,
-    ReplayResult,
-    SourceSpec,
-    build_states,
-    replay,
-    require_factory,
-    stage_factory,
-)
+from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
+from replay.job import ReplayJob, ReplayResult, SourceSpec
+from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
@@ -153,7 +146,7 @@ def prepare_states(
     factory: Callable[..., Any] | None = None,
 ) -> PreparedStates:
     """Start building ``stages`` from their newest common checkpoint under ``checkpoint_url``, ahead
-    of the job (a background thread; see :class:`~replay.engine.PreparedStates`).
+    of the job (a background thread; see :class:`~replay.states.PreparedStates`).
 
     The failed stages write no more checkpoints, so their newest one is final when the
     replacement starts; the job uses it unless the survivors resume below it (then the objects

@@ -24,7 +24,7 @@ import torch
 from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import RecordKey
-from replay.engine import SourceSpec
+from replay.job import SourceSpec
 from replay.launcher import states_equal
 from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline

@@ -37,10 +37,10 @@ from replay import (
 from replay._iteration_plan import IterationPlan
 from replay._iteration_plan import passes as plan_passes
 from replay.core import locate_logs
-from replay.engine import build_states, checkpoint_of
 from replay.errors import ReplayError, ReplayInputMissingError
 from replay.reader import LogReader
 from replay.stage import ReplayHooks, StageState
+from replay.states import build_states, checkpoint_of
 from server.testing import ServerProcess
 from tests._replay_helpers import (
     CKPT,
@@ -656,8 +656,8 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
     """PreparedStates (a replacement builds from its newest checkpoint while it waits for the
     survivors): a matching job uses the objects built ahead, once; a different job, a second
     replay or a failed guess builds its own; the replay stays bit-exact either way."""
-    from replay.engine import PreparedStates
     from replay.replacement import prepare_states
+    from replay.states import PreparedStates
 
     builds = []
 
@@ -695,7 +695,7 @@ def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_pa
         ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model=job.model, model_args=job.model_args
     ).matches(job)
     # nothing to guess from, or a guess that fails: nothing is handed out and nothing raises
-    with caplog.at_level("INFO", logger="replay.engine"):
+    with caplog.at_level("INFO", logger="replay.states"):
         assert (
             prepare_states(str(tmp_path / "no-checkpoints"), run_id=job.run, stages=[1], num_stages=NUM_STAGES).take(
                 job

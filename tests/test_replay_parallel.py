@@ -32,7 +32,6 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.engine import build_states, checkpoint_of
 from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
 from replay.parallel import (
     SHM_DIR,
@@ -48,6 +47,7 @@ from replay.parallel import (
 )
 from replay.reader import LogReader
 from replay.stage import StageState
+from replay.states import build_states, checkpoint_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -573,7 +573,7 @@ def test_a_chain_file_a_killed_worker_left_is_removed_once_older_than_the_rendez
 def test_workers_fetch_ahead_only_with_a_spare_core_or_a_remote_source(f1b_run, tmp_path):
     """No prefetch thread when the workers fill every core and read only this host's files (it would
     only compete for the GIL); with a core to spare, or a source behind a network, it stays."""
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
     from replay.parallel import worker_prefetch
 
     local = _job(

@@ -101,8 +101,8 @@ def test_adjacent_failed_stages_whose_sends_to_each_other_are_gone_replay_togeth
     reached the cold tier. Planned apart, neither could replay; planned as one unit, the sends
     between them are regenerated and the replay verifies at the unit's edges, bit-exact."""
     from replay import ReplayJob, SourceSpec, jobs_from_plan, replay
-    from replay.engine import checkpoint_of
     from replay.plan import cold_only_store
+    from replay.states import checkpoint_of
     from tests._replay_helpers import checkpoint_vs_live
 
     _, cold = copy_run_files(f1b_run, tmp_path)

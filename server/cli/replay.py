@@ -239,7 +239,8 @@ def replay_command(
         if plan_only or not plan.possible:
             print_plan(plan, json_out)
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
-        from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
+        from replay.engine import replay
+        from replay.job import DYNAMIC_SHARE_MIN_S, jobs_from_plan
 
         jobs = jobs_from_plan(
             plan,
@@ -352,7 +353,7 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
 
     import torch.distributed as dist
 
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -395,7 +396,7 @@ def _plan(
     check_records: bool,
 ) -> tuple[Any, list[Any]]:
     from logstore import LogStore
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
     from replay.plan import cold_only_store, plan_recovery
     from replay.remote import HttpRecordSource
 

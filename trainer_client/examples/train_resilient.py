@@ -162,8 +162,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-        from replay.engine import SourceSpec
         from replay.errors import EXIT_FALLBACK, ReplacementFallback
+        from replay.job import SourceSpec
         from replay.replacement import recover_stage, report_fallback, report_ready
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
