@@ -113,8 +113,8 @@ MODEL = {
 def _state_equal(
     model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None, sched_a: Any = None, sched_b: Any = None
 ) -> bool:
-    """Bit for bit, by the one comparison the tests use (:func:`replay.launcher.states_equal`)."""
-    from replay.launcher import states_equal
+    """Bit for bit, by the one comparison the tests use (:func:`replay.compare.states_equal`)."""
+    from replay.compare import states_equal
 
     a = {"model": model_a, "optimizer": opt_a, "lr_scheduler": sched_a}
     return states_equal(a, {"model": model_b, "optimizer": opt_b, "lr_scheduler": sched_b}) == []

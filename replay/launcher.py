@@ -31,18 +31,18 @@ import functools
 import json
 import multiprocessing.connection
 import os
-import struct
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from replay._timings import recovery_timings
+from replay.checkpoints import common_checkpoint
 from replay.errors import EXIT_FALLBACK
 from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
-from replay.replacement import common_checkpoint
 from trainer_client.survivor import RecoveryKeys
 
 __all__ = [
@@ -53,7 +53,6 @@ __all__ = [
     "RecoveryRun",
     "resumed_after_rollback",
     "run_with_failures",
-    "states_equal",
 ]
 
 #: the training script the launcher runs by default (the example GPT pipeline)
@@ -439,7 +438,7 @@ def run_with_failures(
         run.results = {
             k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False) for k in range(num_stages)
         }
-        run.timings = _timings(store, keys, run, num_stages)
+        run.timings = recovery_timings(store, keys, run.timeline, num_stages)
     return run
 
 
@@ -523,74 +522,6 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _timings(store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int) -> list[dict[str, Any]]:
-    """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps;
-    ``verified``: every replaced stage's replay verified (``verified_by_stage`` has each)."""
-    out = []
-    kills = {k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])}
-    gens = sorted({e["generation"] for e in run.timeline if e["what"] == "replace"})
-    for g in gens:
-        d: dict[str, Any] = {"generation": g}
-        reps = [
-            json.loads(_s(store.get(keys.survivor(g, k))))
-            for k in range(num_stages)
-            if store.check([keys.survivor(g, k)])
-        ]
-        failed = json.loads(_s(store.get(keys.failed_stages(g))))
-        ready_by = {k: json.loads(_s(store.get(keys.ready(g, k)))) for k in failed if store.check([keys.ready(g, k)])}
-        ready = list(ready_by.values())
-        rejoined = [_f(store.get(keys.rejoined(g, k))) for k in range(num_stages) if store.check([keys.rejoined(g, k)])]
-        t_kill = min((kills[k] for k in failed if k in kills), default=None)
-        d["failed_stages"] = failed
-        d["resume"] = reps[0]["resume"] if reps else None
-        if t_kill is not None and reps:
-            d["detect_s"] = min(r["t_detect"] for r in reps) - t_kill
-            d["all_detected_s"] = max(r["t_detect"] for r in reps) - t_kill
-            d["survivors_reported_s"] = max(r.get("t_reported", r["t_detect"]) for r in reps) - t_kill
-            d["survivor_teardown_s"] = max(r.get("teardown_s", 0.0) for r in reps)
-            d["survivor_destroy_s"] = max(r.get("destroy_s", 0.0) for r in reps)
-            d["survivor_drain_s"] = max(r.get("drain_s", 0.0) for r in reps)
-        if ready:
-            tm = ready[0].get("timings", {})
-            d["wait_survivors_s"] = tm.get("wait_survivors_s")
-            d["fetch_s"] = (tm.get("setup_s") or 0.0) + (tm.get("fetch_s") or 0.0)
-            d["replay_s"] = tm.get("replay_s")
-            d["replay_workers"] = tm.get("workers")
-            d["bytes_fetched"] = ready[0].get("bytes_fetched")
-            d["records_fetched"] = ready[0].get("records_fetched")
-            d["verified"] = all(r.get("verified") for r in ready)  # every replaced stage's (a group has several)
-            d["verified_by_stage"] = {k: r.get("verified") for k, r in ready_by.items()}
-            d["digests_checked"] = ready[0].get("digests_checked")
-            d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
-            d["warnings"] = ready[0].get("warnings", [])  # the replay's (e.g. a META it had to stand in for)
-            replace_t = next(
-                (e["t"] for e in run.timeline if e["what"] == "replace" and e["generation"] == g),
-                None,
-            )
-            start_t = next(
-                (
-                    e["t"]
-                    for e in run.timeline
-                    if e["what"] == "start" and e["generation"] == g + 1 and e["stage"] in failed
-                ),
-                None,
-            )
-            if t_kill is not None and replace_t is not None and start_t is not None:
-                d["scheduler_s"] = start_t - t_kill  # death noticed, replacement launched
-                d["settle_s"] = replace_t - t_kill  # every other stage reported or died: failed list written
-                if "t_main" in ready[0] and "t_recover" in ready[0]:  # (stamps a script may leave out)
-                    d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
-                    d["replacement_setup_s"] = (
-                        ready[0]["t_recover"] - ready[0]["t_main"]
-                    )  # store connection, log client
-            if rejoined:
-                d["rejoin_s"] = max(rejoined) - max(r["t"] for r in ready)
-        if t_kill is not None and rejoined:
-            d["resumed_s"] = max(rejoined) - t_kill
-        out.append(d)
-    return out
-
-
 def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | None:
     """Rollback mode: seconds from the kill to the restarted pipeline finishing ``fail_iteration - 1``
     again (i.e. standing where it was when the failure hit), from the stages' iteration stamps.
@@ -613,64 +544,3 @@ def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | Non
             return None
         ends.append(t[0])
     return max(ends) - kill
-
-
-_STATE_PARTS = ("model", "optimizer", "lr_scheduler")
-
-
-def states_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """What differs between two stages' states, bit for bit; [] when they are the same.
-
-    ``a`` and ``b`` map ``"model"``, ``"optimizer"`` and ``"lr_scheduler"`` to state dicts, as a
-    stage's result does (``RecoveryRun.results[k]``). Other keys are not compared, nor is a part
-    that is None or absent on both sides. Every entry is compared, the optimizer's
-    ``param_groups`` too. Tensors are the same when dtype, shape and bytes are: -0.0 differs from
-    0.0, a float32 from a float64 of the same values, and a NaN equals the same NaN. Numbers are
-    the same when type and bits are. A key on one side only is a difference. Each difference is
-    named by where it is, e.g. ``model['0.weight']: bytes differ``.
-
-    Never: compares by value (``torch.equal`` or ``==`` on floats).
-    """
-    bad: list[str] = []
-    for part in _STATE_PARTS:
-        x, y = a.get(part), b.get(part)
-        if x is not None or y is not None:
-            _differences(x, y, part, bad)
-    return bad
-
-
-def _differences(x: Any, y: Any, where: str, out: list[str]) -> None:
-    """Append to ``out`` where ``x`` and ``y`` differ (nested state dicts, lists, tensors, scalars)."""
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-        if not (both and x.dtype == y.dtype and x.shape == y.shape):
-            out.append(f"{where}: {_kind(x)} vs {_kind(y)}")
-        elif not torch.equal(_bits(x), _bits(y)):
-            out.append(f"{where}: bytes differ")
-    elif isinstance(x, Mapping) and isinstance(y, Mapping):
-        for k in sorted(x.keys() | y.keys(), key=repr):
-            if k not in x or k not in y:
-                out.append(f"{where}[{k!r}]: in {'the first' if k in x else 'the second'} only")
-            else:
-                _differences(x[k], y[k], f"{where}[{k!r}]", out)
-    elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        if len(x) != len(y):
-            out.append(f"{where}: {len(x)} vs {len(y)} entries")
-        for i, (v, w) in enumerate(zip(x, y, strict=False)):
-            _differences(v, w, f"{where}[{i}]", out)
-    elif type(x) is not type(y) or (struct.pack("<d", x) != struct.pack("<d", y) if isinstance(x, float) else x != y):
-        out.append(f"{where}: {_kind(x)} vs {_kind(y)}")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor on the CPU."""
-    return t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _kind(v: Any) -> str:
-    """A short description of ``v`` for a difference: a tensor's dtype and shape, a scalar's value, else its type."""
-    if isinstance(v, torch.Tensor):
-        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return repr(v)[:80]
-    return type(v).__name__

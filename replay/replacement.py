@@ -38,29 +38,26 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 
+from replay.checkpoints import newest_common
 from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from replay.job import ReplayJob, ReplayResult, SourceSpec
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
-from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
+from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError
 from trainer_client.survivor import RecoveryFailedError, RecoveryKeys, wait_for_keys
 
 __all__ = [
     "RecoveredStage",
-    "common_checkpoint",
-    "latest_checkpoint",
     "prepare_states",
     "recover_stage",
     "report_fallback",
@@ -69,8 +66,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_IT_RE = re.compile(r"it(\d{12})\.pt$")
 
 
 @dataclass(slots=True)
@@ -107,33 +102,6 @@ class RecoveredStage:
         }
 
 
-def _checkpoint_iterations(base: str, stage: int, storage_options: dict[str, Any] | None = None) -> dict[int, str]:
-    fs, path = fsspec.core.url_to_fs(base.rstrip("/") + f"/stage{stage:05d}", **(storage_options or {}))
-    try:
-        names = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return {}
-    its = [int(m.group(1)) for m in (_IT_RE.search(str(n)) for n in names) if m]
-    return {i: checkpoint_uri(base, stage, i) for i in its}
-
-
-def _newest_common(
-    base: str, stages: Sequence[int], at_most: int | None = None, storage_options: dict[str, Any] | None = None
-) -> tuple[int, dict[int, str]] | None:
-    """The newest iteration (<= ``at_most`` if given) at which every stage of ``stages`` has a
-    checkpoint under ``base``, with each stage's URI; None when there is none."""
-    per_stage = [_checkpoint_iterations(base, k, storage_options) for k in stages]
-    common = (
-        set.intersection(*({i for i in its if at_most is None or i <= at_most} for its in per_stage))
-        if per_stage
-        else set()
-    )
-    if not common:
-        return None
-    it = max(common)
-    return it, {k: its[it] for k, its in zip(stages, per_stage, strict=True)}
-
-
 def prepare_states(
     checkpoint_url: str,
     *,
@@ -153,15 +121,15 @@ def prepare_states(
     are not used and the job's own checkpoint is built instead).
     """
 
-    def newest_common() -> dict[int, str] | None:
-        found = _newest_common(checkpoint_url, stages, None, checkpoint_options)
+    def guess() -> dict[int, str] | None:
+        found = newest_common(checkpoint_url, stages, None, checkpoint_options)
         return found[1] if found else None
 
     return PreparedStates(
         run=run_id,
         num_stages=num_stages,
         stages=stages,
-        checkpoints=newest_common,
+        checkpoints=guess,
         checkpoint_options=checkpoint_options,
         model=model,
         model_args=model_args,
@@ -185,28 +153,6 @@ class _CountingSource:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-def latest_checkpoint(
-    base: str, stage: int, at_most: int, storage_options: dict[str, Any] | None = None
-) -> tuple[int, str] | None:
-    """(iteration, URI) of the newest checkpoint of ``stage`` under ``base`` with iteration <= ``at_most``.
-
-    Checkpoints are written atomically (temporary name, rename), so a listed one is complete.
-    """
-    found = _newest_common(base, [stage], at_most, storage_options)
-    return (found[0], found[1][stage]) if found else None
-
-
-def common_checkpoint(
-    base: str,
-    num_stages: int,
-    at_most: int,
-    storage_options: dict[str, Any] | None = None,
-) -> int | None:
-    """The newest iteration <= ``at_most`` at which every stage has a checkpoint (global rollback)."""
-    found = _newest_common(base, range(num_stages), at_most, storage_options)
-    return found[0] if found else None
 
 
 def recover_stage(
@@ -312,7 +258,7 @@ def recover_stage(
                 f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
             )
         # a logging group restarts from one iteration: the newest checkpoint every member has
-        found = _newest_common(checkpoint_url, members, resume, checkpoint_options)
+        found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
             raise ReplacementFallback(
                 f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"

@@ -24,8 +24,8 @@ import torch
 from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import RecordKey
+from replay.compare import states_equal
 from replay.job import SourceSpec
-from replay.launcher import states_equal
 from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
 from trainer_client import Checkpoint
@@ -110,7 +110,7 @@ def file_run(
 
 # ------------------------------------------------------------------------------ comparisons
 def state_bytes_differ(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None) -> list[str]:
-    """Where two models and optimizer states differ bit for bit (:func:`replay.launcher.states_equal`)."""
+    """Where two models and optimizer states differ bit for bit (:func:`replay.compare.states_equal`)."""
     return states_equal({"model": model_a, "optimizer": opt_a}, {"model": model_b, "optimizer": opt_b})
 
 

@@ -22,9 +22,9 @@ from logstore import Channel, RecordKey
 from logstore.cold import ColdTier
 from logstore.hot import HotTier
 from logstore.testing import free_port
+from replay.compare import states_equal
 from replay.core import replay_stage, replay_stages
 from replay.errors import ReplayInputMissingError
-from replay.launcher import states_equal
 from replay.reader import LogReader
 from tests._client_mp import (
     ITERS,

@@ -784,7 +784,7 @@ def _single_rank_run(
 
 
 def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    from replay.launcher import states_equal
+    from replay.compare import states_equal
 
     return states_equal({"model": dict(a.named_parameters())}, {"model": dict(b.named_parameters())}) == []
 

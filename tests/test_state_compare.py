@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from replay.launcher import states_equal
+from replay.compare import states_equal
 from replay.stage import StageState
 from tests._client_mp import state_differences
 from tests._replay_helpers import checkpoint_vs_live, state_bytes_differ

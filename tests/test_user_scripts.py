@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from replay.launcher import states_equal
+from replay.compare import states_equal
 from replay.user_code import absolute_spec, is_script_spec, load_object
 from trainer_client import decode_meta, load_checkpoint
 from trainer_client.commit import loopback_store
