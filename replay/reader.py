@@ -38,9 +38,8 @@ from logstore.errors import (
 )
 from logstore.keys import Kind
 from replay.errors import ReplayError, ReplayInputMissingError
-from trainer_client.client import decode_meta
 from trainer_client.digest import digest_from_record
-from trainer_client.meta import amend_meta
+from trainer_client.meta import amend_meta, decode_meta
 
 __all__ = ["RecordSource", "LogReader", "MetaDocSource", "LIST_WINDOW"]
 

@@ -9,7 +9,7 @@ Roles:
 - a normal stage (generation 0, or ``--generation N --resume-from C`` after a global rollback:
   load the checkpoint at C and start there);
 - ``--replacement --generation G --sources ROOT,ROOT,...``: the replacement of this stage after
-  generation G failed: :func:`replay.replacement.recover_stage` replays it from its checkpoint and
+  generation G failed: :func:`replay.recover_stage` replays it from its checkpoint and
   the surviving nodes' stores, then it joins generation G + 1 at the agreed iteration. Exit code 3
   when in-place recovery is impossible (the fallback key tells the scheduler to roll back).
 
@@ -162,9 +162,14 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-        from replay.errors import EXIT_FALLBACK, ReplacementFallback
-        from replay.job import SourceSpec
-        from replay.replacement import recover_stage, report_fallback, report_ready
+        from replay import (
+            EXIT_FALLBACK,
+            ReplacementFallback,
+            SourceSpec,
+            recover_stage,
+            report_fallback,
+            report_ready,
+        )
 
         sources: list[SourceSpec] | None = None  # none given: the store roots the survivors report
         if args.sources:
@@ -367,7 +372,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_replay_helper(args: argparse.Namespace) -> int:
     """Serve as a replay helper of the replacement of ``args.stage`` (no training, no results file)."""
-    from replay.replacement import prepare_states, serve_replay_helper
+    from replay import serve_replay_helper
+    from replay.replacement import prepare_states
 
     torch.set_num_threads(args.threads)
     # build the stage from its newest checkpoint while the replacement works out the job
@@ -380,7 +386,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    from replay.errors import EXIT_FALLBACK, ReplayError
+    from replay import EXIT_FALLBACK, ReplayError
     from trainer_client.errors import CheckpointError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
