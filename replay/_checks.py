@@ -72,11 +72,13 @@ def check_live_interleaving(
         "its live interleaving of forwards and backwards is unknown (no META of the stage)"
         if any(k not in plan.metas for k in stages)
         else "this replay does not run the forwards and backwards as the live stage interleaved them "
-        "(a parallel replay splits the micro-batches over workers; a group replay runs one order for stages whose live orders differ)"
+        "(a parallel replay splits the micro-batches over workers; a group replay runs one order for stages whose "
+        "live orders differ)"
     )
     raise ReplayOrderError(
-        f"iteration {it} micro-batch {mb}: the backward changed module buffers ({names}), e.g. a BatchNorm whose forward activation "
-        f"recomputation re-runs; their values depend on the order of every forward and backward, and {how}",
+        f"iteration {it} micro-batch {mb}: the backward changed module buffers ({names}), e.g. a BatchNorm whose "
+        "forward activation recomputation re-runs; their values depend on the order of every forward and backward, "
+        f"and {how}",
         hint="replay the stage alone with one worker: it then follows the live order",
     )
 
@@ -92,18 +94,19 @@ def check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None) 
     if meta.get("grads_carried"):
         carried = list(meta["grads_carried"])
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the live loop did not zero the gradients after the previous optimizer step, so this "
-            f"iteration's backward added to them ({', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}); a replay "
-            "starts every iteration from no gradients",
-            hint="call optimizer.zero_grad() after each optimizer step (a run accumulating across iterations is recovered "
-            "from its checkpoint)",
+            f"stage {st.stage} iteration {it}: the live loop did not zero the gradients after the previous optimizer "
+            "step, so this iteration's backward added to them "
+            f"({', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}); a replay starts every iteration from "
+            "no gradients",
+            hint="call optimizer.zero_grad() after each optimizer step (a run accumulating across iterations is "
+            "recovered from its checkpoint)",
         )
     if meta.get("grads_changed"):
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way the replay "
-            f"does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
-            hint="clip through client.clip_grad_norm_, sum over ranks through client.all_reduce_grads_; a GradScaler (fp16) or another change of the gradients before the "
-            "optimizer step cannot be replayed",
+            f"stage {st.stage} iteration {it}: the live loop changed gradients after the schedule's backward in a way "
+            f"the replay does not repeat: {'; '.join(meta.get('changed_after_commit') or [])}",
+            hint="clip through client.clip_grad_norm_, sum over ranks through client.all_reduce_grads_; a GradScaler "
+            "(fp16) or another change of the gradients before the optimizer step cannot be replayed",
         )
     live_lrs, live_hp = meta.get("lrs"), meta.get("hparams")
     diff = hparam_changes(
@@ -117,10 +120,11 @@ def check_hyperparameters(st: StageState, it: int, meta: dict[str, Any] | None) 
     after = meta.get("changed_after_commit")
     when = f" (the live step differed from its META as committed: {'; '.join(after)})" if after else ""
     raise ReplayError(
-        f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live -> replay){when}",
-        hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate or another "
-        "hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory whose optimizer / "
-        "scheduler differs cannot be replayed",
+        f"stage {st.stage} iteration {it}: the live optimizer step and the replay's differ: {'; '.join(diff)} (live "
+        f"-> replay){when}",
+        hint="the replay steps the lr scheduler once after every optimizer step; a loop that sets the learning rate "
+        "or another hyperparameter otherwise (a scheduler stepped per epoch, a hand-set value) or a stage factory "
+        "whose optimizer / scheduler differs cannot be replayed",
     )
 
 
@@ -178,8 +182,8 @@ def check_scheduled_rates(st: StageState, it: int, live_next: list[float]) -> No
     mine = [float(g["lr"]) for g in st.optimizer.param_groups]
     if mine != [float(x) for x in live_next]:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: after the step, the lr scheduler {type(st.lr_scheduler).__name__} set the learning "
-            f"rates {mine} where the live one set {list(live_next)}",
+            f"stage {st.stage} iteration {it}: after the step, the lr scheduler {type(st.lr_scheduler).__name__} set "
+            f"the learning rates {mine} where the live one set {list(live_next)}",
             hint="the replacement's stage factory builds its scheduler with another function or other arguments to it "
             "(e.g. a schedule's length) than the training: pass the training's (--model-arg)",
         )
@@ -192,9 +196,10 @@ def step_scheduler(st: StageState, it: int) -> None:
         st.lr_scheduler.step()
     except TypeError as e:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the lr scheduler {type(st.lr_scheduler).__name__} cannot step without arguments ({e})",
-            hint="a scheduler stepped on a metric (ReduceLROnPlateau) or an explicit epoch is not replayed: such a run is "
-            "recovered from its checkpoint",
+            f"stage {st.stage} iteration {it}: the lr scheduler {type(st.lr_scheduler).__name__} cannot step without "
+            f"arguments ({e})",
+            hint="a scheduler stepped on a metric (ReduceLROnPlateau) or an explicit epoch is not replayed: such a "
+            "run is recovered from its checkpoint",
         ) from e
 
 
@@ -211,9 +216,10 @@ def live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
     apply = meta.get("apply") or {}
     if apply.get("optimizer_steps") == 0:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the live loop made no optimizer step after this iteration (gradients accumulated "
-            "over iterations?); a replay makes one after every iteration",
-            hint="accumulate within one schedule step (more micro-batches) instead: such a run is recovered from its checkpoint",
+            f"stage {st.stage} iteration {it}: the live loop made no optimizer step after this iteration (gradients "
+            "accumulated over iterations?); a replay makes one after every iteration",
+            hint="accumulate within one schedule step (more micro-batches) instead: such a run is recovered from its "
+            "checkpoint",
         )
     live_epoch = meta.get("sched_epoch")
     if (
@@ -222,19 +228,19 @@ def live_steps(st: StageState, it: int, meta: dict[str, Any] | None) -> int:
         and getattr(st.lr_scheduler, "last_epoch", live_epoch) != live_epoch
     ):
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the live lr scheduler had made {live_epoch} steps (last_epoch) before this "
-            f"iteration's optimizer step, the replay's {st.lr_scheduler.last_epoch}",
-            hint="the replay repeats the scheduler steps the client counted; a scheduler stepped outside the loop's apply, or "
-            "a stage factory whose scheduler differs from the live one, cannot be replayed",
+            f"stage {st.stage} iteration {it}: the live lr scheduler had made {live_epoch} steps (last_epoch) before "
+            f"this iteration's optimizer step, the replay's {st.lr_scheduler.last_epoch}",
+            hint="the replay repeats the scheduler steps the client counted; a scheduler stepped outside the loop's "
+            "apply, or a stage factory whose scheduler differs from the live one, cannot be replayed",
         )
     n = apply.get("scheduler_steps")
     if isinstance(n, int) and n >= 0:
         return n
     if not apply and meta.get("apply_irregular") is not None:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: the live loop did not make exactly one optimizer and one lr-scheduler step "
-            f"after every iteration (first seen after iteration {meta['apply_irregular']}), and what it made after this "
-            "iteration is not logged (the stage died before its next iteration began)",
+            f"stage {st.stage} iteration {it}: the live loop did not make exactly one optimizer and one lr-scheduler "
+            f"step after every iteration (first seen after iteration {meta['apply_irregular']}), and what it made "
+            "after this iteration is not logged (the stage died before its next iteration began)",
             hint="recover from the checkpoint; a loop that steps both once per iteration needs no count",
         )
     return 1
@@ -268,7 +274,8 @@ def reduce_as_logged(ctx: Context, st: StageState, it: int, op: dict[str, Any], 
         chosen = [params[i] for i in op["params"]]
     except (KeyError, IndexError, TypeError) as e:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: META's grad_reduce entry {op!r} does not fit the stage's {len(params)} parameters ({e})"
+            f"stage {st.stage} iteration {it}: META's grad_reduce entry {op!r} does not fit the stage's {len(params)} "
+            f"parameters ({e})"
         ) from e
     for p in chosen:
         if p.grad is None:
@@ -307,7 +314,8 @@ def clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.dev
         max_norm = float(clip["max_norm"])
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise ReplayError(
-            f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} parameters ({e})"
+            f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} "
+            f"parameters ({e})"
         ) from e
     torch.nn.utils.clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))
 

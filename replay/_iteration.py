@@ -303,7 +303,8 @@ def _stage_kwargs(
     parts = on_device(tuple(reader.require_parts(Channel.input(stage), it, mb)), dev)
     if len(parts) != len(names):
         raise ReplayError(
-            f"stage {stage} iteration {it} micro-batch {mb}: META names keyword inputs {names} but input_{stage} holds {len(parts)} tensor(s)"
+            f"stage {stage} iteration {it} micro-batch {mb}: META names keyword inputs {names} but input_{stage} holds "
+            f"{len(parts)} tensor(s)"
         )
     return dict(zip(names, parts, strict=True))
 

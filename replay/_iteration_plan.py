@@ -74,7 +74,8 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         if ctx.n_mb_arg is None:
             key = RecordKey(Channel.meta(states[0].stage), it, 0)
             raise ReplayInputMissingError(
-                f"iteration {it}: no META record of stages {list(metas)} (nor of another stage) and n_microbatches not given",
+                f"iteration {it}: no META record of stages {list(metas)} (nor of another stage) and n_microbatches "
+                "not given",
                 key=key,
                 hint="pass n_microbatches (and scale_grads) explicitly, or ship META to the cold tier",
             )
@@ -90,17 +91,18 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         assert stand_in is not None
         k_in, m0 = stand_in
         note = (
-            f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending micro-batch order on every stage); "
-            "what only a stage's own META says (its autocast regions, clip_grad_norm_ calls, learning rates) is unknown, so a run that "
-            "used them does not verify: give the replay the stage's META (a replacement reads it from the commit store)"
+            f"iteration {it}: no META of stages {list(metas)}; using stage {k_in}'s ({m0.get('schedule')}: ascending "
+            "micro-batch order on every stage); what only a stage's own META says (its autocast regions, "
+            "clip_grad_norm_ calls, learning rates) is unknown, so a run that used them does not verify: give the "
+            "replay the stage's META (a replacement reads it from the commit store)"
         )
         if report is not None:
             if it not in report.unknown_steps:
                 report.unknown_steps.append(it)
             if it == report.stop_iteration - 1:
                 last = (
-                    f"the last iteration ({it}) was replayed with stage {k_in}'s META: no later send checks its optimizer step, "
-                    "so the result is not verified"
+                    f"the last iteration ({it}) was replayed with stage {k_in}'s META: no later send checks its "
+                    "optimizer step, so the result is not verified"
                 )
                 if last not in report.warnings:
                     report.warnings.append(last)
@@ -111,7 +113,8 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
     if m0.get("split_backward"):
         raise ReplayError(
-            f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot reproduce"
+            f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot "
+            "reproduce"
         )
     n = ctx.n_mb_arg or int(m0["n_microbatches"])
     if present:
@@ -120,12 +123,14 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         orders = {tuple(v) for v in bwd.values()}
         if len(orders) != 1:
             raise ReplayError(
-                f"iteration {it}: stages {sorted(bwd)} ran backward in different micro-batch orders {orders}; a group replay needs one order"
+                f"iteration {it}: stages {sorted(bwd)} ran backward in different micro-batch orders {orders}; a group "
+                "replay needs one order"
             )
         bwd_order = list(orders.pop())
         if sorted(bwd_order) != list(range(n)) or sorted(fwd) != list(range(n)):
             raise ReplayError(
-                f"iteration {it}: META order {m0['order']} does not cover {n} micro-batches once each (incomplete iteration?)"
+                f"iteration {it}: META order {m0['order']} does not cover {n} micro-batches once each (incomplete "
+                "iteration?)"
             )
     else:
         fwd = bwd_order = list(range(n))
@@ -147,7 +152,8 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
     varies = sorted(k for k, m in present.items() if m.get("autocast_varies"))
     if varies:
         raise ReplayError(
-            f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; the replay cannot tell which ran how",
+            f"iteration {it}: stages {varies} ran their forwards under different autocast settings in one iteration; "
+            "the replay cannot tell which ran how",
             hint="enter torch.autocast around the whole schedule step (client.step), not around some micro-batches",
         )
     shadow = _shadow(ctx, it)

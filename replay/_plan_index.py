@@ -87,8 +87,9 @@ class LogIndex:
                 self._hot_views.append(view)
                 self.stores[i] = view
                 self.warnings.append(
-                    f"the cold tier of {self.describe(s)} cannot be read ({e.message}): planned from that root's hot tiers only "
-                    "(the checkpoints registered on this node; records only the cold tier holds are not considered)"
+                    f"the cold tier of {self.describe(s)} cannot be read ({e.message}): planned from that root's hot "
+                    "tiers only (the checkpoints registered on this node; records only the cold tier holds are not "
+                    "considered)"
                 )
 
     def checkpoints(self) -> dict[int, dict[int, Any]]:

@@ -199,8 +199,9 @@ class ReplayJob:
     the same iteration). checkpoint_options: fsspec options to read them (s3).
     sources: where the records are, tried in order. model / model_args: the stage factory (see
     :data:`StageFactory`; ``"module:function"`` or ``"/path/file.py:function"``, see
-    :func:`replay.user_code.load_object`); required unless the caller passes ``factory=`` in process. loss: ``"module:attr"`` of the loss function for a replay of the
-    last stage (None: the one its META names, see ``replay.user_code.logged_loss``). data_source:
+    :func:`replay.user_code.load_object`); required unless the caller passes ``factory=`` in
+    process. loss: ``"module:attr"`` of the loss function for a replay of the last stage (None:
+    the one its META names, see ``replay.user_code.logged_loss``). data_source:
     ``"module:function"`` called as ``fn(seed, **model_args)`` for runs that did not log stage-0
     inputs / targets; None = logged.
     workers: 1 = sequential here; K > 1 = parallel (``replay.parallel``). exact: parallel replay
@@ -282,7 +283,8 @@ class ReplayJob:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
             if self.workers > 1 and dev.type != "cpu":
                 raise ValueError(
-                    f"device {self.device!r} with workers={self.workers}: parallel replay exchanges gradients over gloo and runs on CPU"
+                    f"device {self.device!r} with workers={self.workers}: parallel replay exchanges gradients over "
+                    "gloo and runs on CPU"
                 )
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,8 +311,9 @@ def jobs_from_plan(plan: Any, *, sources: Sequence[Any] | None = None, **fields:
 
     ``sources`` (required): where the workers read the records: the stores the plan read (as
     LogStore or HttpRecordSource objects, reopened from their roots and cold tiers or URLs, or
-    SourceSpecs), or node servers / the cold tier when the workers run elsewhere. Other keyword arguments are :class:`ReplayJob`
-    fields. Raises ReplayError if the plan is not possible, ValueError without sources.
+    SourceSpecs), or node servers / the cold tier when the workers run elsewhere. Other keyword
+    arguments are :class:`ReplayJob` fields. Raises ReplayError if the plan is not possible,
+    ValueError without sources.
     """
     if not plan.possible:
         raise ReplayError(

@@ -168,8 +168,9 @@ def run_with_failures(
     be handled, after ``max_restarts`` replacements/rollbacks (a crash loop), or after ``timeout_s``.
     ``groups``: the run's logging-group sizes (the same as its ``--groups``): a failure takes its
     whole group down (the other members are killed, since only the group's boundaries were
-    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a death, how long the scheduler waits for every other stage to either report
-    as a survivor or die too (stages that die together are replaced together). ``replay_workers``:
+    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a
+    death, how long the scheduler waits for every other stage to either report as a survivor or
+    die too (stages that die together are replaced together). ``replay_workers``:
     K > 1 starts K - 1 replay helpers (``--replay-helper-rank``) together with each replacement;
     the replacement is rank 0 of the parallel replay (:func:`replay.replacement.recover_stage`).
     ``script``: the module whose ``main(argv)`` each process runs; it takes the arguments above
@@ -454,14 +455,17 @@ def _script_bug(
     lines = {k: _last_error(logs[k][1]) for k, rc in states.items() if rc is not None and rc > 0}
     for k, line in lines.items():
         if line is not None and any(n != logs[k][0] and old == line for n, old in raised.get(k, {}).items()):
-            return f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not a machine failure"
+            return (
+                f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not "
+                "a machine failure"
+            )
     if len(states) > 1 and all(rc is not None and rc > 0 for rc in states.values()):
         seen = [line for line in lines.values() if line is not None]
         for line in seen:
             if seen.count(line) > 1:
                 return (
-                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, not a machine "
-                    "failure (no stage was killed)"
+                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, "
+                    "not a machine failure (no stage was killed)"
                 )
     return None
 

@@ -207,21 +207,24 @@ class _Planner:
                 carried = self.logs.own_meta(k, it, c).get("grads_carried")
                 if carried:
                     return [
-                        f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous optimizer step "
-                        f"({', '.join(carried[:3])}...): a replay, which starts every iteration from no gradients, stops there"
+                        f"stage {k} iteration {it}: the live loop did not zero the gradients after the previous "
+                        f"optimizer step ({', '.join(carried[:3])}...): a replay, which starts every iteration from no "
+                        "gradients, stops there"
                     ]
                 if 1 in self.logs.index(Channel.meta(k), c).get(it, {}):
                     am = self.logs.meta_record(k, it, 1) or {}
                     if am.get("changed_after_commit") or am.get("grads_changed") or not am:
                         what = am.get("changed_after_commit") or ["see its META"]
                         return [
-                            f"stage {k} iteration {it}: the live optimizer step was not what its META says ({'; '.join(what)}): "
-                            "a replay stops there (the live loop changed it in a way a replay does not repeat)"
+                            f"stage {k} iteration {it}: the live optimizer step was not what its META says "
+                            f"({'; '.join(what)}): a replay stops there (the live loop changed it in a way a replay "
+                            "does not repeat)"
                         ]
                     if (am.get("apply") or {}).get("optimizer_steps") == 0:
                         return [
-                            f"stage {k} iteration {it}: the live loop made no optimizer step after it (gradients accumulated over "
-                            "iterations?): a replay, which makes one after every iteration, stops there"
+                            f"stage {k} iteration {it}: the live loop made no optimizer step after it (gradients "
+                            "accumulated over iterations?): a replay, which makes one after every iteration, stops "
+                            "there"
                         ]
                 elif (
                     it == stop - 1
@@ -229,8 +232,9 @@ class _Planner:
                     and (self.logs.meta(k, it) or {}).get("apply_irregular") is not None
                 ):
                     return [
-                        f"stage {k} iteration {it}: the live loop did not step its optimizer and lr scheduler once per iteration, and "
-                        "what it made after this last iteration is not logged (the stage died before its next iteration began)"
+                        f"stage {k} iteration {it}: the live loop did not step its optimizer and lr scheduler once per "
+                        "iteration, and what it made after this last iteration is not logged (the stage died before "
+                        "its next iteration began)"
                     ]
         return []
 
@@ -282,9 +286,10 @@ class _Planner:
             committed = max((max(self.logs.index(Channel.meta(k), 0), default=-1) for k in range(S)), default=-1)
             if target is not None and committed >= target:  # the default target hides what the survivors did after it
                 self.warnings.append(
-                    f"the default target is the last iteration the replay's inputs are complete for ({target}), but stages "
-                    f"committed up to iteration {committed}: if the survivors stand past {target}, this plan does not bring "
-                    f"the failed stage(s) there (swiftlog replay --plan-only -t ITERATION shows what is missing)"
+                    f"the default target is the last iteration the replay's inputs are complete for ({target}), but "
+                    f"stages committed up to iteration {committed}: if the survivors stand past {target}, this plan "
+                    "does not bring the failed stage(s) there (swiftlog replay --plan-only -t ITERATION shows what is "
+                    "missing)"
                 )
         for u in units:
             self._finish(u, target, gaps, S)
@@ -361,7 +366,8 @@ class _Planner:
                         at += size
                     return out, f"META of stage {k} at iteration {its[-1]}"
                 self.warnings.append(
-                    f"META of stage {k} has logging_groups={lg!r}, which does not fit {S} stages; inferring from channels"
+                    f"META of stage {k} has logging_groups={lg!r}, which does not fit {S} stages; inferring from "
+                    "channels"
                 )
                 break
         return groups_from_channels(S, channels), "channels present (no META found)"
@@ -475,7 +481,9 @@ class _Planner:
         first = u.stages[0]
         chans = self._unit_channels(u, S)
         gap_index = {(g["channel"], g["iteration"], g["micro_batch"]): g for g in gaps}
-        stop = target  # the iterations examined: never past the first one not fully logged (a target far beyond the logs costs nothing)
+        # the iterations examined: never past the first one not fully logged (a target far beyond the logs costs
+        # nothing)
+        stop = target
         if u.logged_through is not None and target > u.logged_through + 1:
             stop = u.logged_through + 1
         # inputs: every micro-batch of every iteration in [c, stop)
@@ -509,8 +517,8 @@ class _Planner:
         if collected:
             u.reasons.insert(
                 0,
-                f"the logs of [{c}, {newest}) were garbage-collected when stage(s) {u.stages} registered their checkpoint at {newest}: "
-                f"a replay starts from it and reaches only iterations from {newest} on",
+                f"the logs of [{c}, {newest}) were garbage-collected when stage(s) {u.stages} registered their "
+                f"checkpoint at {newest}: a replay starts from it and reaches only iterations from {newest} on",
             )
         if u.missing:
             first_key = u.missing[0]
@@ -523,7 +531,8 @@ class _Planner:
             u.reasons.append(f"inputs missing for [{c}, {target}): first missing record {first_key}{why}")
         if stop < target and not (collected and newest is not None and target <= newest):
             u.reasons.append(
-                f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is {stop - 1} completely)"
+                f"target iteration {target} is beyond the logs: iterations [{stop}, {target}) are not logged (nor is "
+                f"{stop - 1} completely)"
             )
         # META: the unit's own, else another stage's stands in (ascending schedules only)
         meta_chans: set[Channel] = set()
@@ -535,7 +544,8 @@ class _Planner:
                 meta_chans.add(Channel.meta(found[0]))
                 if not any("stands in" in w for w in u.warnings):
                     u.warnings.append(
-                        f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s META stands in"
+                        f"no META of stages {u.stages} at iteration {it} (lost with their node?): stage {found[0]}'s "
+                        "META stands in"
                     )
         u.reasons.extend(self._unrepeatable_steps(u.stages, c, stop))
         # gaps on channels the replay reads or verifies
@@ -551,7 +561,8 @@ class _Planner:
                         )
                 elif g["channel"] in verify_names:
                     u.warnings.append(
-                        f"gap on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']} ({g['reason']}): that send cannot be verified"
+                        f"gap on {g['channel']}/it{g['iteration']}/mb{g['micro_batch']} ({g['reason']}): that send "
+                        "cannot be verified"
                     )
         # verification: a digest of every boundary send (part 0 at least) of every micro-batch
         u.verifiable = bool(chans["verify"]) and all(
@@ -606,8 +617,8 @@ class _Planner:
                         first_missing = first_missing or _note_missing(u, ch, it, call, gap_index)
         if first_missing is not None:
             u.reasons.append(
-                f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a stage's own records "
-                "outlive its node only in the run's cold tier)"
+                f"the reduced gradients of a stage's all_reduce_grads_ call are missing: first {first_missing} (a "
+                "stage's own records outlive its node only in the run's cold tier)"
             )
         return chans
 
@@ -615,7 +626,10 @@ class _Planner:
         """Where else a stage's checkpoint registration is, when the given stores have no cold tier."""
         if any(s.cold is not None for s in self.logs.stores):
             return ""
-        return " (a stage registers its checkpoints on its own node and in the run's cold tier: pass the cold tier, --cold-url, or that node's store root)"
+        return (
+            " (a stage registers its checkpoints on its own node and in the run's cold tier: pass the cold tier, "
+            "--cold-url, or that node's store root)"
+        )
 
     def _fallback(self, ckpts: dict[int, dict[int, Any]], S: int, target: int | None) -> dict[str, Any]:
         sets = [set(ckpts.get(k, {})) for k in range(S)]
@@ -625,7 +639,8 @@ class _Planner:
         if not common:
             unknown = [k for k in range(S) if not sets[k]]
             note = (
-                f"the given stores register no checkpoint of stage(s) {unknown}{self._where_checkpoints_are()}; if none was ever made, restart the run from scratch"
+                f"the given stores register no checkpoint of stage(s) {unknown}{self._where_checkpoints_are()}; if "
+                "none was ever made, restart the run from scratch"
                 if unknown
                 else "no iteration at which every stage has a checkpoint: restart the run from scratch"
             )

@@ -16,12 +16,12 @@ operator or a Slurm ``--requeue`` hook, starts the same training command with ``
    a directory; elsewhere a node server's URL or the cold tier after a flush), verifying every
    regenerated send against its receiver's digest. The failed stage's META documents (its
    autocast regions, clip norms, learning rates) come from the commit store, where the commit step
-   put them (``trainer_client.commit``): its own log may not have shipped the last ones. Parallel replay (SWIFT's parallel recovery)
-   comes in two forms: ``helpers=H`` - the scheduler started H helper processes together with the
-   replacement (:func:`serve_replay_helper`; on a cluster: on spare capacity or on the survivors'
-   nodes, whose devices idle while they wait); the replacement publishes the job
-   (``RecoveryKeys.replay_job``), is rank 0 of the replay group itself and keeps the recovered state
-   in memory. Helpers cost nothing to start when the scheduler starts them with the replacement.
+   put them (``trainer_client.commit``): its own log may not have shipped the last ones. Parallel
+   replay (SWIFT's parallel recovery) comes in two forms: ``helpers=H`` - the scheduler started H
+   helper processes together with the replacement (:func:`serve_replay_helper`; on a cluster: on
+   spare capacity or on the survivors' nodes, whose devices idle while they wait); the replacement
+   publishes the job (``RecoveryKeys.replay_job``), is rank 0 of the replay group itself and keeps
+   the recovered state in memory. Helpers cost nothing to start when the scheduler starts them with the replacement.
    Or ``workers=K``: the replacement spawns K fresh worker processes (:func:`replay.replay`;
    they import torch first and hand the state back through a checkpoint file);
 4. returns the recovered objects; the caller reports ready (:func:`report_ready`) and joins the
@@ -261,7 +261,8 @@ def recover_stage(
         found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
             raise ReplacementFallback(
-                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"
+                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under "
+                f"{checkpoint_url}"
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]

@@ -29,14 +29,15 @@ def _grad_mismatch_text(g: dict[str, Any]) -> str:
     names = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
     if g.get("at"):
         return (
-            f"stage {g['stage']} iteration {g['iteration']}: the gradients {g['at']} differ from the live ones ({names}): the "
-            "replacement's stage, its inputs or the loop between the schedule's step and that call differ from the live ones"
+            f"stage {g['stage']} iteration {g['iteration']}: the gradients {g['at']} differ from the live ones "
+            f"({names}): the replacement's stage, its inputs or the loop between the schedule's step and that call "
+            "differ from the live ones"
         )
     return (
-        f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live step's ({names}): "
-        "the live loop changed them in a way the replay does not repeat (a collective such as an all_reduce of tied weights or of "
-        "data-parallel replicas: sum through client.all_reduce_grads_, which a replay repeats; a write through .data; a gradient "
-        "hook outside the stage), or the replacement's stage differs"
+        f"stage {g['stage']} iteration {g['iteration']}: the gradients the optimizer step used differ from the live "
+        f"step's ({names}): the live loop changed them in a way the replay does not repeat (a collective such as an "
+        "all_reduce of tied weights or of data-parallel replicas: sum through client.all_reduce_grads_, which a "
+        "replay repeats; a write through .data; a gradient hook outside the stage), or the replacement's stage differs"
     )
 
 
@@ -58,7 +59,8 @@ class ReplayReport:
     (``compare_logged=True``). ``steps_checked`` / ``grad_mismatches``: optimizer steps whose
     gradients were compared with the digests the live stage put into META (``grad_digests``: a
     CPU stage's gradients as its optimizer step used them), and those that differed
-    (``{"stage", "iteration", "params"}``: what changed the live gradients is not repeated). ``sends``: regenerated boundary sends (``keep_sends=True``).
+    (``{"stage", "iteration", "params"}``: what changed the live gradients is not repeated).
+    ``sends``: regenerated boundary sends (``keep_sends=True``).
     ``losses``: last stage's per-micro-batch losses per iteration, in the order they were
     computed; ``loss_micro_batches`` the matching micro-batch numbers.
     ``fetch_seconds``: time spent reading/decoding records (on the compute thread or the prefetch
@@ -129,18 +131,24 @@ class ReplayReport:
             return _grad_mismatch_text(grads)
         if first is not None:
             return (
-                f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and its arguments) "
-                "and loss what the training used, and deterministic?"
+                f"the regenerated send {first['key']} differs from the log: is the replacement's stage factory (and "
+                "its arguments) and loss what the training used, and deterministic?"
             )
         if self.sends_generated == 0:
-            return "the replay made no boundary send to check (nothing was replayed, or the stage sends nothing across a logged boundary)"
+            return (
+                "the replay made no boundary send to check (nothing was replayed, or the stage sends nothing "
+                "across a logged boundary)"
+            )
         if self.digests_missing:
             return (
-                f"{len(self.digests_missing)} of its {self.sends_generated} sends have no digest in the logs to check them against "
-                f"(first: {self.digests_missing[0]})"
+                f"{len(self.digests_missing)} of its {self.sends_generated} sends have no digest in the logs to check "
+                f"them against (first: {self.digests_missing[0]})"
             )
         if self.stop_iteration - 1 in self.unknown_steps:
-            return f"its last iteration ({self.stop_iteration - 1}) was replayed with another stage's META: its optimizer step is unproven"
+            return (
+                f"its last iteration ({self.stop_iteration - 1}) was replayed with another stage's META: its "
+                "optimizer step is unproven"
+            )
         return f"{self.digests_checked} of its {self.sends_generated} sends were checked"
 
     def _leading_grad_mismatch(self) -> dict[str, Any] | None:
@@ -171,20 +179,21 @@ class ReplayReport:
         if grads is not None:
             raise ReplayMismatchError(
                 f"replay of stages {self.stages}: {_grad_mismatch_text(grads)}",
-                hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ and client.all_reduce_grads_; "
-                "a collective on them or a write through .data is not replayed",
+                hint="gradients may change between backward and optimizer step only through client.clip_grad_norm_ "
+                "and client.all_reduce_grads_; a collective on them or a write through .data is not replayed",
             )
         if self.digest_mismatches or self.record_mismatches:
             first = self.first_mismatch
             assert first is not None
             raise ReplayMismatchError(
-                f"replay of stages {self.stages} regenerated {len(self.digest_mismatches) + len(self.record_mismatches)} send(s) that differ "
-                f"from the log; first divergence at iteration {first['iteration']} micro-batch {first['micro_batch']} channel {first['channel']} "
-                f"({first['key']})",
+                f"replay of stages {self.stages} regenerated "
+                f"{len(self.digest_mismatches) + len(self.record_mismatches)} send(s) that differ from the log; first "
+                f"divergence at iteration {first['iteration']} micro-batch {first['micro_batch']} channel "
+                f"{first['channel']} ({first['key']})",
                 hint=(
-                    "every send of the first iteration matched, so most likely the update differs: gradients changed between backward and "
-                    "optimizer step outside the client (clip with client.clip_grad_norm_, which logs what the replay needs), "
-                    "or an optimizer / lr scheduler other than the live one"
+                    "every send of the first iteration matched, so most likely the update differs: gradients changed "
+                    "between backward and optimizer step outside the client (clip with client.clip_grad_norm_, which "
+                    "logs what the replay needs), or an optimizer / lr scheduler other than the live one"
                     if first["iteration"] > self.start_iteration
                     else "check trainer_client.determinism: thread count, deterministic kernels, seeds, data source"
                 ),

@@ -141,8 +141,8 @@ def _build(
         except CheckpointError as e:
             raise ReplayError(
                 f"stage {k}: {e.message}",
-                hint=f"{by} must build the stage the training built: pass yours "
-                "(swiftlog replay --model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its arguments)",
+                hint=f"{by} must build the stage the training built: pass yours (swiftlog replay --model "
+                "module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its arguments)",
             ) from None
     its = {s.checkpoint.iteration for s in states if s.checkpoint is not None}
     if len(its) != 1:

@@ -45,7 +45,8 @@ def user_code(what: str, stage: int, it: int, mb: int) -> Iterator[None]:
     except Exception as e:
         text = str(e).strip().splitlines()
         raise ReplayError(
-            f"stage {stage} iteration {it} micro-batch {mb}: the {what} raised {type(e).__name__}: {text[0][:300] if text else ''}",
+            f"stage {stage} iteration {it} micro-batch {mb}: the {what} raised {type(e).__name__}: "
+            f"{text[0][:300] if text else ''}",
             hint="is the stage factory (--model, --model-arg) and the loss (--loss) what this run trained with? "
             "The stage must accept exactly what its neighbour sent",
         ) from e
@@ -144,13 +145,17 @@ def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., 
         )
         script = doc.get("loss_script") if doc is not None else None
         if script:
-            what = f"the live schedule's loss_fn is {script}, in a script whose top level runs more than definitions (not loaded unasked)"
+            what = (
+                f"the live schedule's loss_fn is {script}, in a script whose top level runs more than definitions "
+                "(not loaded unasked)"
+            )
         raise ReplayError(
             f"replaying the last stage ({stage}) needs its loss function: {what}",
             hint=(
                 f"if loading that script runs no training, pass it: --loss {script}"
                 if script
-                else "pass it: swiftlog replay --loss module:attr (or path/to/file.py:attr), ReplayJob(loss=...) or loss_fn=... "
+                else "pass it: swiftlog replay --loss module:attr (or path/to/file.py:attr), ReplayJob(loss=...) or "
+                "loss_fn=... "
                 "(or give the schedule a module-level function, which META names)"
             ),
         )
@@ -158,6 +163,7 @@ def logged_loss(reader: LogReader, stage: int, iteration: int) -> Callable[..., 
         return load_object(str(name))
     except ValueError as e:
         raise ReplayError(
-            f"replaying the last stage ({stage}): the live loss function {name!r} (named by META) does not import here: {e}",
+            f"replaying the last stage ({stage}): the live loss function {name!r} (named by META) does not import "
+            f"here: {e}",
             hint="make its module importable (PYTHONPATH) or pass the function: --loss module:attr",
         ) from e

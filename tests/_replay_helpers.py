@@ -1,9 +1,10 @@
 """Helpers of the replay tests: the runs' handle (:class:`Run`) and bitwise state comparisons.
 
 The runs themselves are session fixtures in ``tests/_replay_fixtures.py`` (load it with
-``pytest_plugins = ["tests._replay_fixtures"]``). Every run is a real 4-stage pipeline (one process per stage, gloo on CPU, the example GPT with
-dropout), logged by the trainer client, checkpointed at iteration :data:`CKPT` and run to
-:data:`ITERS`. They are session-scoped so that every replay test module shares them:
+``pytest_plugins = ["tests._replay_fixtures"]``). Every run is a real 4-stage pipeline (one
+process per stage, gloo on CPU, the example GPT with dropout), logged by the trainer client,
+checkpointed at iteration :data:`CKPT` and run to :data:`ITERS`. They are session-scoped so
+that every replay test module shares them:
 
 - ``gpipe_s3_run``: GPipe, cold tier and checkpoints on a moto S3 server;
 - ``f1b_run``: 1F1B, cold tier in a directory (``file://``);
@@ -154,10 +155,10 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
 
 
 def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``trainer_client.examples.factories.gpt_stage`` whose forward in parallel-replay worker 1 (a worker on a busy core)
-    sleeps six times as long as it computed, and at least 30 ms, for the balancing tests. The sleep
-    grows with the forward's own time, so worker 1 stays the slower one however loaded the machine is.
-    The arithmetic is untouched."""
+    """``trainer_client.examples.factories.gpt_stage`` whose forward in parallel-replay worker 1 (a
+    worker on a busy core) sleeps six times as long as it computed, and at least 30 ms, for the
+    balancing tests. The sleep grows with the forward's own time, so worker 1 stays the slower one
+    however loaded the machine is. The arithmetic is untouched."""
     import time
 
     import torch.distributed as dist

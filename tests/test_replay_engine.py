@@ -297,7 +297,8 @@ def test_the_python_api_plans_and_replays_over_a_node_server_and_a_root(f1b_run,
         f1b_run.cold_store() as cold,
     ):
         plan = plan_recovery([http, st, cold], [1])
-        # inputs and digests from the server (first, and it holds them hot); the failed stage's own META from the cold tier
+        # inputs and digests from the server (first, and it holds them hot); the failed stage's own META from
+        # the cold tier
         # (its hot copy is on the failed stage's node: read only if nothing else has it)
         assert plan.possible and {(f.purpose, f.source) for f in plan.units[0].fetch} == {
             ("input", 0),
@@ -419,7 +420,8 @@ def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
 
     with pytest.raises(
         ReplayError,
-        match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional arguments",
+        match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional "
+        r"arguments",
     ) as e:
         build_states(job, factory=two_args)
     assert (
@@ -427,7 +429,8 @@ def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
     )
     with pytest.raises(
         ReplayError,
-        match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, optimizer, lr_scheduler or None\)",
+        match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, "
+        r"optimizer, lr_scheduler or None\)",
     ):
         build_states(job, factory=two_things)
 
@@ -448,7 +451,8 @@ def test_checkpoints_must_agree(f1b_run, tmp_path):
         for k in (1, 2)
     ]
     rep = replay_stages(states, f1b_run.store(), num_stages=NUM_STAGES, stop_iteration=CKPT)  # nothing to do is fine
-    # and verified: the result is the durable checkpoint (a torchrun restart replays every stage to f, and some are there already)
+    # and verified: the result is the durable checkpoint (a torchrun restart replays every stage to f, and some
+    # are there already)
     assert rep.iterations_done == 0 and rep.micro_batches == 0 and rep.verified
     last = load_checkpoint(
         f1b_run.results[3]["checkpoints"][CKPT]
@@ -474,7 +478,8 @@ def test_a_stage_factory_that_builds_another_model_is_told_what_to_pass(f1b_run,
     and the error says which keys and what to pass, instead of a traceback from load_state_dict."""
     with pytest.raises(
         ReplayError,
-        match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing key\(s\)",
+        match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing "
+        r"key\(s\)",
     ) as e:
         replay(_job(f1b_run, 1, tmp_path), factory=_other_model)
     assert "--model module:function" in (e.value.hint or "")
@@ -598,7 +603,8 @@ def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tm
     with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     assert ei.value.retryable and "unavailable" in str(ei.value)
-    # every source unlistable: no plan of zero iterations "verified" (a QA check: a node server answering 500), but why not
+    # every source unlistable: no plan of zero iterations "verified" (a QA check: a node server answering 500),
+    # but why not
     with (
         HttpRecordSource(dead, f1b_run.run_id, retries=1) as src,
         pytest.raises(ValueError, match=r"no source could be read: listing channels of"),

@@ -345,7 +345,8 @@ def test_approximate_parallel_replay_stays_within_the_stated_bound(workers, f1b_
             err = (g_par - g_seq).abs()
             assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
             worst = max(worst, float(err.max()))
-    # the dumped bounds are float32 products (rounded to nearest), the reported one the float64 product: equal within an ulp
+    # the dumped bounds are float32 products (rounded to nearest), the reported one the float64 product: equal
+    # within an ulp
     assert 0 < par.grad_error_bound and par.grad_error_bound >= max(
         float(b.max()) for b in dump["bound"] if b is not None
     ) * (1 - 2**-23)
@@ -423,7 +424,8 @@ def test_a_group_whose_stages_ran_one_order_replays_buffers_changed_in_the_backw
 
 
 def test_frozen_parameters_replay_in_parallel_as_sequentially(f1b_run, tmp_path):
-    model = "tests._replay_helpers:frozen_ln_gpt_stage"  # differs from the live run: compared with the sequential replay only
+    # differs from the live run: compared with the sequential replay only
+    model = "tests._replay_helpers:frozen_ln_gpt_stage"
     seq = replay(_job(f1b_run, [1], tmp_path / "seq", model=model, verify=False))
     par = replay(_job(f1b_run, [1], tmp_path / "par", model=model, verify=False, workers=2))
     a, b = checkpoint_of(seq, 1), checkpoint_of(par, 1)

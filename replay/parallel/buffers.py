@@ -80,8 +80,9 @@ class BufferWatch:
         elif changed_anywhere and not self.buffers_mutate:
             where = ", ".join(changed_here[:5]) or "on another worker"
             raise ReplayError(
-                f"parallel replay: module buffers changed in iteration {it} ({where}) but not in iteration {self.first_it}, "
-                "so this worker did not run the other workers' forwards and its buffers would differ from the live run's",
+                f"parallel replay: module buffers changed in iteration {it} ({where}) but not in iteration "
+                f"{self.first_it}, so this worker did not run the other workers' forwards and its buffers would "
+                "differ from the live run's",
                 hint="replay these stages with one worker (sequential replay reproduces every buffer update)",
             )
 

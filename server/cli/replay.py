@@ -83,22 +83,24 @@ def replay_command(
         bool,
         typer.Option(
             "--exact/--approximate",
-            help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, within a stated bound; "
-            "on one host the exact one is also the faster: its sums go through shared memory)",
+            help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, "
+            "within a stated bound; on one host the exact one is also the faster: its sums go through shared memory)",
         ),
     ] = True,
     dynamic_share: Annotated[
         bool,
         typer.Option(
             "--dynamic-share/--fixed-share",
-            help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed",
+            help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes "
+            "20 ms or more), or always split them up front by measured speed",
         ),
     ] = True,
     shared_memory: Annotated[
         bool,
         typer.Option(
             "--shared-memory/--no-shared-memory",
-            help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)",
+            help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over "
+            "gloo)",
         ),
     ] = True,
     target_iteration: Annotated[
@@ -107,7 +109,8 @@ def replay_command(
             "--target-iteration",
             "-t",
             min=0,
-            help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely logged)",
+            help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely "
+            "logged)",
         ),
     ] = None,
     model: Annotated[
@@ -133,7 +136,8 @@ def replay_command(
         str | None,
         typer.Option(
             "--data-source",
-            help="data source factory module:function or path/to/file.py:function, for runs that did not log inputs/targets",
+            help="data source factory module:function or path/to/file.py:function, for runs that did not log "
+            "inputs/targets",
         ),
     ] = None,
     prefetch: Annotated[
@@ -141,7 +145,8 @@ def replay_command(
         typer.Option(
             "--prefetch",
             min=0,
-            help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)",
+            help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read "
+            "local files)",
             show_default=False,
         ),
     ] = None,
@@ -167,14 +172,16 @@ def replay_command(
         str | None,
         typer.Option(
             "--commit-store",
-            help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped",
+            help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, "
+            "which their logs may not have shipped",
         ),
     ] = None,
     commit_prefix: Annotated[
         str | None,
         typer.Option(
             "--commit-prefix",
-            help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under swiftlog/RUN/restartN, see ClientConfig.commit_prefix)",
+            help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under "
+            "swiftlog/RUN/restartN, see ClientConfig.commit_prefix)",
         ),
     ] = None,
 ) -> None:
@@ -262,7 +269,8 @@ def replay_command(
         )
         if commit_store:
             jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
-        # the unit with the last stage first: what it alone needs (the loss function) fails before another unit wrote its checkpoints
+        # the unit with the last stage first: what it alone needs (the loss function) fails before another unit
+        # wrote its checkpoints
         jobs.sort(key=lambda j: j.stages[-1] != j.num_stages - 1)
         results = []
         for job in jobs:
@@ -302,8 +310,10 @@ def replay_command(
                 first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
                 state = f"DIVERGED: {r.report.unverified_reason}{first}"
             typer.echo(
-                f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
-                f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)"
+                f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with "
+                f"{r.job.workers} worker(s) in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest "
+                f"start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends "
+                "checked)"
             )
             for k, uri in sorted(r.outputs.items()):
                 typer.echo(f"  stage {k}: {uri}")
@@ -358,7 +368,10 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise fail(f"--commit-store {address!r} is not HOST:PORT")
-    hint = "the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay with the META the logs hold"
+    hint = (
+        "the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay "
+        "with the META the logs hold"
+    )
     try:  # a plain connection first: torch's store client prints its C++ stack to stderr when it cannot connect
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
@@ -424,12 +437,14 @@ def _plan(
 
 
 def print_plan(plan: Any, json_out: bool) -> None:
-    """Print a :class:`replay.plan.RecoveryPlan` as text (or JSON): what each unit replays and fetches, or why it cannot."""
+    """Print a :class:`replay.plan.RecoveryPlan` as text (or JSON): what each unit replays and
+    fetches, or why it cannot."""
     if json_out:
         print(json.dumps(plan.to_dict(), indent=2), flush=True)
         return
     typer.echo(
-        f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups {plan.logging_groups}):"
+        f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups "
+        f"{plan.logging_groups}):"
     )
     for u in plan.units:
         head = f"  stages {u.stages}" + (f" (rolled back with them: {u.rolled_back})" if u.rolled_back else "")
@@ -445,7 +460,8 @@ def print_plan(plan: Any, json_out: bool) -> None:
         for f in u.fetch:
             where = f"hot tier of {f.writer}" if f.tier == "hot" else "cold tier"
             typer.echo(
-                f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})"
+                f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, "
+                f"{f.bytes} bytes from {where} (source {f.source})"
             )
         for w in u.warnings:
             typer.echo(f"    warning: {w}")

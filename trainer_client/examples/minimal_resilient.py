@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--cold-url",
         default=None,
-        help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own data is lost with it",
+        help="the logs' cold tier (file:///dir, s3://bucket/prefix); without one a failed first or last stage's own "
+        "data is lost with it",
     )
     a("--out", required=True, help="where stage{k}.pt (the final state) goes")
     a("--iters", type=int, default=8)

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--sources",
         default="",
-        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, or node-server URLs (http://HOST:PORT) "
-        "(default: the roots the survivors report)",
+        help="replacement: comma-separated sources of the surviving nodes' logs: store roots, or node-server URLs "
+        "(http://HOST:PORT) (default: the roots the survivors report)",
     )
     a("--replay-workers", type=int, default=1, help="replacement: spawn this many replay worker processes itself")
     a(
