@@ -26,7 +26,7 @@ from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import RecordKey
 from replay.compare import states_equal
-from replay.job import SourceSpec
+from replay.job import ReplayJob, SourceSpec
 from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
 from trainer_client import Checkpoint
@@ -211,3 +211,18 @@ def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, *
 
     module.register_forward_pre_hook(count)
     return module, optimizer, scheduler
+
+
+def job_for(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
+    """A job replaying ``stage_or_stages`` of ``run`` from its checkpoint at CKPT to ITERS."""
+    stages = [stage_or_stages] if isinstance(stage_or_stages, int) else list(stage_or_stages)
+    kw.setdefault("sources", [run.spec()])
+    kw.setdefault("output", str(tmp_path / "out"))
+    return ReplayJob(
+        run=run.run_id,
+        num_stages=NUM_STAGES,
+        stages=stages,
+        stop_iteration=ITERS,
+        checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
+        **{**run.job_fields(), **kw},
+    )
