@@ -196,81 +196,123 @@ def run_with_failures(
             f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
             "(its replacement is not): give one KillSpec per stage"
         )
-    host = StoreHost()
-    store = host.store
-    keys = RecoveryKeys(run_id)
-    out_dir = os.path.join(base_dir, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    ctx = _ctx(script)
-    procs: dict[str, Any] = {}
-    logs: dict[str, str] = {}
-    current: dict[int, str] = {}  # stage -> name of its live process
-    roots: dict[int, str] = {}
-    timeline: list[dict[str, Any]] = []
-    kill_of = {ks.stage: ks for ks in kills}
-    t0 = time.time()
-    gen = 0
-    fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
-    abandoned: str | None = None  # an in-place recovery given up because of a death during it
-    raised: dict[
-        int, dict[str, str]
-    ] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
-    stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
-    exited: set[str] = set()  # those whose exit was looked at
-    error: str | None = None  # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
+    return _Scheduler(
+        args,
+        run_id=run_id,
+        base_dir=base_dir,
+        checkpoint_url=checkpoint_url,
+        kills=kills,
+        mode=mode,
+        num_stages=num_stages,
+        replay_workers=replay_workers,
+        timeout_s=timeout_s,
+        max_restarts=max_restarts,
+        grace_s=grace_s,
+        groups=groups,
+        script=script,
+    ).run()
 
-    def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
-        root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
+
+class _Scheduler:
+    """One :func:`run_with_failures`: the processes it started, the generations, the timeline."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        run_id: str,
+        base_dir: str,
+        checkpoint_url: str,
+        kills: Sequence[KillSpec],
+        mode: str,
+        num_stages: int,
+        replay_workers: int,
+        timeout_s: float,
+        max_restarts: int,
+        grace_s: float,
+        groups: Sequence[int] | None,
+        script: str,
+    ) -> None:
+        self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
+        self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
+        self.timeout_s, self.max_restarts, self.grace_s, self.groups, self.script = (
+            timeout_s,
+            max_restarts,
+            grace_s,
+            groups,
+            script,
+        )
+        self.host = StoreHost()
+        self.store = self.host.store
+        self.keys = RecoveryKeys(run_id)
+        self.out_dir = os.path.join(base_dir, "out")
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.ctx = _ctx(script)
+        self.procs: dict[str, Any] = {}
+        self.logs: dict[str, str] = {}
+        self.current: dict[int, str] = {}  # stage -> name of its live process
+        self.roots: dict[int, str] = {}
+        self.timeline: list[dict[str, Any]] = []
+        self.kill_of = {ks.stage: ks for ks in kills}
+        self.t0 = time.time()
+        self.gen = 0
+        self.fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
+        self.abandoned: str | None = None  # an in-place recovery given up because of a death during it
+        # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
+        self.raised: dict[int, dict[str, str]] = {}
+        self.stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
+        self.exited: set[str] = set()  # those whose exit was looked at
+        # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
+        self.error: str | None = None
+        # the generation whose in-place recovery is under way (its wake key not yet set)
+        self.recovering: int | None = None
+        self.timed_out = False
+
+    # -- starting processes ---------------------------------------------------------------
+    def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
+        root = os.path.join(self.base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
         if not helper:
-            roots[k] = root
+            self.roots[k] = root
         argv = [
             "--resilient",
             "--stage",
             str(k),
             "--num-stages",
-            str(num_stages),
+            str(self.num_stages),
             "--store-port",
-            str(host.port),
+            str(self.host.port),
             "--out",
-            out_dir,
+            self.out_dir,
             "--run-id",
-            run_id,
+            self.run_id,
             "--store-root",
             root,
             "--checkpoint-url",
-            checkpoint_url,
-            *args,
+            self.checkpoint_url,
+            *self.args,
             *extra,
         ]
-        logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
-        procs[name] = start_process(ctx, run_module_main, (argv, logs[name], script), name)
+        self.logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
+        self.procs[name] = start_process(self.ctx, run_module_main, (argv, self.logs[name], self.script), name)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
-            timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
+            self.timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
             return
-        current[k] = name
-        stage_of[name] = k
-        timeline.append(
-            {
-                "t": time.time(),
-                "what": "start",
-                "name": name,
-                "stage": k,
-                "generation": g,
-            }
-        )
+        self.current[k] = name
+        self.stage_of[name] = k
+        self.timeline.append({"t": time.time(), "what": "start", "name": name, "stage": k, "generation": g})
 
-    def start_replacement(j: int, g: int) -> None:
+    def start_replacement(self, j: int, g: int) -> None:
         # no --sources: the replacement reads the store roots the survivors report. Parallel replay:
         # the scheduler starts the replacement's K - 1 helpers with it (from the same fork server:
         # no start-up cost); the replacement is rank 0
-        start(
+        self.start(
             j,
             g + 1,
-            ["--replacement", "--generation", str(g), "--replay-helpers", str(replay_workers - 1)],
+            ["--replacement", "--generation", str(g), "--replay-helpers", str(self.replay_workers - 1)],
             name=f"stage{j}-g{g + 1}",
         )
-        for r in range(1, replay_workers):
-            start(
+        for r in range(1, self.replay_workers):
+            self.start(
                 j,
                 g,
                 ["--generation", str(g), "--replay-helper-rank", str(r)],
@@ -278,169 +320,152 @@ def run_with_failures(
                 helper=True,
             )
 
-    recovering: int | None = None  # the generation whose in-place recovery is under way (its wake key not yet set)
+    def rollback(self, reason: str) -> None:
+        """Kill every stage and restart all of them from the newest common checkpoint."""
+        self.recovering = None
+        for n in self.current.values():
+            if self.procs[n].poll() is None:
+                self.procs[n].kill()
+        for n in self.current.values():
+            self.procs[n].wait()
+        c = common_checkpoint(self.checkpoint_url, self.num_stages, 1 << 40)
+        self.timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
+        self.store.set(self.keys.failed(self.gen), reason)
+        self.gen += 1
+        for k in range(self.num_stages):
+            extra = ["--generation", str(self.gen)] + (["--resume-from", str(c)] if c is not None else [])
+            self.start(k, self.gen, extra, name=f"stage{k}-g{self.gen}")
 
-    def rollback(reason: str) -> None:
-        nonlocal gen, recovering
-        recovering = None
-        for n in current.values():
-            if procs[n].poll() is None:
-                procs[n].kill()
-        for n in current.values():
-            procs[n].wait()
-        c = common_checkpoint(checkpoint_url, num_stages, 1 << 40)
-        timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
-        store.set(keys.failed(gen), reason)
-        gen += 1
-        for k in range(num_stages):
-            extra = ["--generation", str(gen)] + (["--resume-from", str(c)] if c is not None else [])
-            start(k, gen, extra, name=f"stage{k}-g{gen}")
-
-    timed_out = False
-    try:
-        for k in range(num_stages):
-            start(
-                k,
-                0,
-                ["--kill-at", kill_of[k].arg()] if k in kill_of else [],
-                name=f"stage{k}-g0",
-            )
-        while True:
-            if time.time() - t0 > timeout_s:
-                timed_out = True
-                break
-            states = {k: procs[n].poll() for k, n in current.items()}
-            if all(rc == 0 for rc in states.values()):
-                break
-            dead = [k for k, rc in states.items() if rc not in (None, 0)]
-            for (
-                n,
-                j,
-            ) in (
-                stage_of.items()
-            ):  # every exit, also those a settle or a rollback took over: the errors a later process may repeat
-                if n not in exited and (rc_n := procs[n].poll()) is not None:
-                    exited.add(n)
-                    line = _last_error(logs[n]) if rc_n > 0 else None
-                    if line is not None:
-                        raised.setdefault(j, {})[n] = line
-            bug = _script_bug(states, {k: (n, logs[n]) for k, n in current.items()}, raised)
-            if bug is not None:
-                error = bug
-                timeline.append({"t": time.time(), "what": "give_up", "reason": error})
-                break
-            if gen > 0 and store.check([keys.fallback(gen - 1)]) and fallback is None:
-                fallback = _s(store.get(keys.fallback(gen - 1)))
-                timeline.append({"t": time.time(), "what": "fallback", "reason": fallback})
-                rollback(f"in-place recovery impossible: {fallback}")
-                continue
-            if dead:
-                k = dead[0]
-                name, rc = current[k], states[k]
-                timeline.append(
-                    {
-                        "t": time.time(),
-                        "what": "exit",
-                        "name": name,
-                        "stage": k,
-                        "rc": rc,
-                    }
-                )
-                if gen >= max_restarts:
-                    timeline.append(
-                        {
-                            "t": time.time(),
-                            "what": "give_up",
-                            "reason": f"{gen} restarts already",
-                        }
-                    )
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> RecoveryRun:
+        try:
+            for k in range(self.num_stages):
+                kill = ["--kill-at", self.kill_of[k].arg()] if k in self.kill_of else []
+                self.start(k, 0, kill, name=f"stage{k}-g0")
+            while True:
+                if time.time() - self.t0 > self.timeout_s:
+                    self.timed_out = True
                     break
-                if recovering is not None and store.check([keys.wake(recovering)]):
-                    recovering = None
-                if (
-                    mode == "rollback" or recovering is not None
-                ):  # a death while a recovery is under way: restart from the checkpoint
-                    if (
-                        recovering is not None and abandoned is None
-                    ):  # the in-place recovery was abandoned: say why, as for a replacement's fallback
-                        abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {recovering}"
-                    rollback(
-                        f"stage {k} died (rc={rc})"
-                        + (f" during the recovery of generation {recovering}" if recovering is not None else "")
-                    )
+                states = {k: self.procs[n].poll() for k, n in self.current.items()}
+                if all(rc == 0 for rc in states.values()):
+                    break
+                dead = [k for k, rc in states.items() if rc not in (None, 0)]
+                self._note_exits()
+                bug = _script_bug(states, {k: (n, self.logs[n]) for k, n in self.current.items()}, self.raised)
+                if bug is not None:
+                    self.error = bug
+                    self.timeline.append({"t": time.time(), "what": "give_up", "reason": self.error})
+                    break
+                if self.gen > 0 and self.store.check([self.keys.fallback(self.gen - 1)]) and self.fallback is None:
+                    self.fallback = _s(self.store.get(self.keys.fallback(self.gen - 1)))
+                    self.timeline.append({"t": time.time(), "what": "fallback", "reason": self.fallback})
+                    self.rollback(f"in-place recovery impossible: {self.fallback}")
+                    continue
+                if dead:
+                    if not self._on_death(dead, states):
+                        break
+                    continue
+                # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
+                alive = [self.procs[n].sentinel for n in self.current.values() if self.procs[n].poll() is None]
+                if alive:
+                    multiprocessing.connection.wait(alive, timeout=0.02)
                 else:
-                    store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
-                    for j in _group_members(groups, dead, num_stages):
-                        if procs[current[j]].poll() is None:
-                            procs[current[j]].kill()  # its state depends on the lost stage's unlogged sends
-                            timeline.append(
-                                {
-                                    "t": time.time(),
-                                    "what": "kill_group_member",
-                                    "stage": j,
-                                }
-                            )
-                    lost = sorted(set(dead) | set(_group_members(groups, dead, num_stages)))
-                    # the replacements of the stages known lost start now: their process start and
-                    # set-up overlap the survivors' reports (they wait for the failed-stage list)
-                    for j in lost:
-                        start_replacement(j, gen)
-                    failed = _settle(store, keys, gen, procs, current, lost, grace_s)
-                    store.set(keys.failed_stages(gen), json.dumps(failed))
-                    timeline.append(
-                        {
-                            "t": time.time(),
-                            "what": "replace",
-                            "stages": failed,
-                            "generation": gen,
-                        }
-                    )
-                    for j in failed:
-                        if j not in lost:  # died while the others reported
-                            start_replacement(j, gen)
-                    recovering = gen
-                    gen += 1
-                continue
-            # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
-            alive = [procs[n].sentinel for n in current.values() if procs[n].poll() is None]
-            if alive:
-                multiprocessing.connection.wait(alive, timeout=0.02)
-            else:
-                time.sleep(0.02)
-    finally:
-        stop_all(procs.values())
-    outputs = {}
-    for n, path in logs.items():
-        with open(path) as f:
-            outputs[n] = f.read()
-        os.unlink(path)
-    rcs = {n: p.returncode for n, p in procs.items()}
-    ok = not timed_out and all(procs[n].returncode == 0 for n in current.values())
-    run = RecoveryRun(
-        ok,
-        mode,
-        out_dir,
-        time.time() - t0,
-        rcs,
-        outputs,
-        timeline=timeline,
-        fallback=fallback or abandoned,
-        timed_out=timed_out,
-        t0=t0,
-        error=error,
-    )
-    if store.check([keys.progress()]):
-        entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
-        run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
-    run.kill_times = {
-        k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])
-    }
-    if ok:
-        run.results = {
-            k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False) for k in range(num_stages)
+                    time.sleep(0.02)
+        finally:
+            stop_all(self.procs.values())
+        return self._result()
+
+    def _note_exits(self) -> None:
+        """Every exit, also those a settle or a rollback took over: the errors a later process may repeat."""
+        for n, j in self.stage_of.items():
+            if n not in self.exited and (rc_n := self.procs[n].poll()) is not None:
+                self.exited.add(n)
+                line = _last_error(self.logs[n]) if rc_n > 0 else None
+                if line is not None:
+                    self.raised.setdefault(j, {})[n] = line
+
+    def _on_death(self, dead: list[int], states: dict[int, int | None]) -> bool:
+        """A stage process died: replace it (and its group), or roll every stage back. False: give up."""
+        k = dead[0]
+        name, rc = self.current[k], states[k]
+        self.timeline.append({"t": time.time(), "what": "exit", "name": name, "stage": k, "rc": rc})
+        if self.gen >= self.max_restarts:
+            self.timeline.append({"t": time.time(), "what": "give_up", "reason": f"{self.gen} restarts already"})
+            return False
+        if self.recovering is not None and self.store.check([self.keys.wake(self.recovering)]):
+            self.recovering = None
+        if self.mode == "rollback" or self.recovering is not None:
+            # a death while a recovery is under way: restart from the checkpoint
+            if self.recovering is not None and self.abandoned is None:
+                # the in-place recovery was abandoned: say why, as for a replacement's fallback
+                self.abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {self.recovering}"
+            self.rollback(
+                f"stage {k} died (rc={rc})"
+                + (f" during the recovery of generation {self.recovering}" if self.recovering is not None else "")
+            )
+        else:
+            self._replace(k, rc, dead)
+        return True
+
+    def _replace(self, k: int, rc: int | None, dead: list[int]) -> None:
+        """In-place recovery of generation ``gen``: the dead stages (and their logging groups) are
+        replaced; the survivors keep their state."""
+        store, keys, gen = self.store, self.keys, self.gen
+        store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
+        members = _group_members(self.groups, dead, self.num_stages)
+        for j in members:
+            if self.procs[self.current[j]].poll() is None:
+                self.procs[self.current[j]].kill()  # its state depends on the lost stage's unlogged sends
+                self.timeline.append({"t": time.time(), "what": "kill_group_member", "stage": j})
+        lost = sorted(set(dead) | set(_group_members(self.groups, dead, self.num_stages)))
+        # the replacements of the stages known lost start now: their process start and
+        # set-up overlap the survivors' reports (they wait for the failed-stage list)
+        for j in lost:
+            self.start_replacement(j, gen)
+        failed = _settle(store, keys, gen, self.procs, self.current, lost, self.grace_s)
+        store.set(keys.failed_stages(gen), json.dumps(failed))
+        self.timeline.append({"t": time.time(), "what": "replace", "stages": failed, "generation": gen})
+        for j in failed:
+            if j not in lost:  # died while the others reported
+                self.start_replacement(j, gen)
+        self.recovering = gen
+        self.gen += 1
+
+    def _result(self) -> RecoveryRun:
+        outputs = {}
+        for n, path in self.logs.items():
+            with open(path) as f:
+                outputs[n] = f.read()
+            os.unlink(path)
+        rcs = {n: p.returncode for n, p in self.procs.items()}
+        ok = not self.timed_out and all(self.procs[n].returncode == 0 for n in self.current.values())
+        store, keys = self.store, self.keys
+        run = RecoveryRun(
+            ok,
+            self.mode,
+            self.out_dir,
+            time.time() - self.t0,
+            rcs,
+            outputs,
+            timeline=self.timeline,
+            fallback=self.fallback or self.abandoned,
+            timed_out=self.timed_out,
+            t0=self.t0,
+            error=self.error,
+        )
+        if store.check([keys.progress()]):
+            entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
+            run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
+        run.kill_times = {
+            k: _f(store.get(keys.kill_time(k))) for k in range(self.num_stages) if store.check([keys.kill_time(k)])
         }
-        run.timings = recovery_timings(store, keys, run.timeline, num_stages)
-    return run
+        if ok:
+            run.results = {
+                k: torch.load(os.path.join(self.out_dir, f"stage{k}.pt"), weights_only=False)
+                for k in range(self.num_stages)
+            }
+            run.timings = recovery_timings(store, keys, run.timeline, self.num_stages)
+        return run
 
 
 def _script_bug(
