@@ -25,9 +25,9 @@ Modules: ``plan`` (recovery planning; ``plan_types``, ``_plan_index``, ``_plan_f
 (reading from node servers over HTTP), ``errors``, ``job`` (jobs, sources, progress, results),
 ``states`` (building the stages, writing the outputs), ``engine`` (``replay``), ``parallel`` (K
 workers over gloo, exact or approximate gradient reduction), ``replacement`` (a failed stage's
-replacement), ``checkpoints`` (finding checkpoints), ``launcher`` (the scheduler on one machine),
-``processes`` (its process plumbing), ``compare`` (``states_equal``). The ``swiftlog replay``
-command lives in ``server/cli/replay.py``.
+replacement), ``helpers`` (its replay helpers), ``checkpoints`` (finding checkpoints),
+``launcher`` (the scheduler on one machine), ``processes`` (its process plumbing), ``compare``
+(``states_equal``). The ``swiftlog replay`` command lives in ``server/cli/replay.py``.
 
 Never imported by logstore/ or trainer_client/ (its examples excepted); imports server/ nowhere.
 """
@@ -44,12 +44,13 @@ from replay.errors import (
     ReplayMismatchError,
     ReplayOrderError,
 )
+from replay.helpers import serve_replay_helper
 from replay.job import ReplayJob, ReplayProgress, ReplayResult, SourceSpec, jobs_from_plan
 from replay.launcher import KillSpec, run_with_failures
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
-from replay.replacement import recover_stage, report_fallback, report_ready, serve_replay_helper
+from replay.replacement import recover_stage, report_fallback, report_ready
 from replay.report import ReplayReport
 from replay.stage import ReplayHooks, StageState
 

@@ -81,6 +81,7 @@ def test_replay_exports_what_recovery_and_a_replacement_call():
         "replay.reader",
         "replay.remote",
         "replay.replacement",
+        "replay.helpers",
         "replay.report",
         "replay.stage",
         "replay.states",
