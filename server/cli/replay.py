@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -195,40 +196,9 @@ def replay_command(
     from replay.errors import ReplayInputMissingError
     from trainer_client.errors import CheckpointError
 
-    if not (root or server or cold_url):
-        raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
-    if not plan_only and not model:
-        raise fail(
-            "--model is required to replay: the stage factory the training used",
-            hint="--model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its "
-            "arguments (the example GPT's: --model trainer_client.examples.factories:gpt_stage)",
-        )
-    if not plan_only and not output:
-        raise fail(
-            "--output is required to replay",
-            hint="a directory or URL for the recovered checkpoints, or pass --plan-only",
-        )
-    for r in root or []:
-        if not r.is_dir():
-            raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
-    check_cold_url(cold_url)
-    opts = parse_cold_options(cold_option)
-    from replay.user_code import absolute_spec
-
-    if (
-        os.getcwd() not in sys.path and "" not in sys.path
-    ):  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
-        sys.path.insert(0, os.getcwd())
-    model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
-    if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
-        from replay.user_code import load_object
-
-        try:
-            load_object(loss)
-        except ValueError as e:
-            raise fail(f"--loss: {e}") from None
-    if output and not plan_only:
-        _check_writable_output(output)
+    opts, model, loss, data_source = _checked_options(
+        root, server, cold_url, cold_option, output, plan_only, model, loss, data_source
+    )
     try:
         plan, specs = _plan(
             run,
@@ -272,21 +242,7 @@ def replay_command(
         # the unit with the last stage first: what it alone needs (the loss function) fails before another unit
         # wrote its checkpoints
         jobs.sort(key=lambda j: j.stages[-1] != j.num_stages - 1)
-        results = []
-        for job in jobs:
-            last = [0.0]
-
-            def progress(p: Any, last: list[float] = last) -> None:
-                now = time.monotonic()
-                if not json_out and (now - last[0] > 2.0 or p.done == p.total):
-                    last[0] = now
-                    eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
-                    typer.echo(
-                        f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}",
-                        err=True,
-                    )
-
-            results.append(replay(job, on_progress=progress))
+        results = [replay(job, on_progress=_progress_printer(json_out)) for job in jobs]
     except typer.Exit:
         raise
     except (ReplayInputMissingError, RecordNotFoundError, CorruptRecordError) as e:
@@ -298,35 +254,107 @@ def replay_command(
     except ValueError as e:
         raise fail(str(e)) from None
     ok = all(r.verified for r in results)
+    _print_results(plan, results, ok, json_out, output)
+    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+
+
+def _checked_options(
+    root: list[Path] | None,
+    server: list[str] | None,
+    cold_url: str | None,
+    cold_option: list[str] | None,
+    output: str | None,
+    plan_only: bool,
+    model: str | None,
+    loss: str | None,
+    data_source: str | None,
+) -> tuple[dict[str, Any], str | None, str | None, str | None]:
+    """The options checked before anything runs (a CLI failure, exit 2 or 3, names the first one
+    that cannot work); returns the cold tier's options and the factory, loss and data source
+    specs, a relative file path made absolute (workers may start elsewhere)."""
+    if not (root or server or cold_url):
+        raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
+    if not plan_only and not model:
+        raise fail(
+            "--model is required to replay: the stage factory the training used",
+            hint="--model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its "
+            "arguments (the example GPT's: --model trainer_client.examples.factories:gpt_stage)",
+        )
+    if not plan_only and not output:
+        raise fail(
+            "--output is required to replay",
+            hint="a directory or URL for the recovered checkpoints, or pass --plan-only",
+        )
+    for r in root or []:
+        if not r.is_dir():
+            raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
+    check_cold_url(cold_url)
+    opts = parse_cold_options(cold_option)
+    from replay.user_code import absolute_spec
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
+        sys.path.insert(0, os.getcwd())
+    model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
+    if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
+        from replay.user_code import load_object
+
+        try:
+            load_object(loss)
+        except ValueError as e:
+            raise fail(f"--loss: {e}") from None
+    if output and not plan_only:
+        _check_writable_output(output)
+    return opts, model, loss, data_source
+
+
+def _progress_printer(json_out: bool) -> Callable[[Any], None]:
+    """A job's ``on_progress``: a line on stderr every 2 s and at the end (nothing under ``--json``)."""
+    last = [0.0]
+
+    def progress(p: Any) -> None:
+        now = time.monotonic()
+        if not json_out and (now - last[0] > 2.0 or p.done == p.total):
+            last[0] = now
+            eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
+            typer.echo(
+                f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}",
+                err=True,
+            )
+
+    return progress
+
+
+def _print_results(plan: Any, results: list[Any], ok: bool, json_out: bool, output: str | None) -> None:
+    """Each unit's outcome: verified, or why not; where its checkpoints went (JSON under ``--json``)."""
     if json_out:
         print(
             json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2),
             flush=True,
         )
-    else:
-        for r in results:
-            state = "verified" if r.verified else "NOT verified"
-            if r.report.diverged:
-                first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
-                state = f"DIVERGED: {r.report.unverified_reason}{first}"
-            typer.echo(
-                f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with "
-                f"{r.job.workers} worker(s) in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest "
-                f"start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends "
-                "checked)"
+        return
+    for r in results:
+        state = "verified" if r.verified else "NOT verified"
+        if r.report.diverged:
+            first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
+            state = f"DIVERGED: {r.report.unverified_reason}{first}"
+        typer.echo(
+            f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with "
+            f"{r.job.workers} worker(s) in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest "
+            f"start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends "
+            "checked)"
+        )
+        for k, uri in sorted(r.outputs.items()):
+            typer.echo(f"  stage {k}: {uri}")
+        if r.report.diverged and output:
+            why = (
+                "what changed the live gradients is not replayed"
+                if r.report.grad_mismatches and not r.first_mismatch
+                else "check --model / --model-arg / --loss against the training run"
             )
-            for k, uri in sorted(r.outputs.items()):
-                typer.echo(f"  stage {k}: {uri}")
-            if r.report.diverged and output:
-                why = (
-                    "what changed the live gradients is not replayed"
-                    if r.report.grad_mismatches and not r.first_mismatch
-                    else "check --model / --model-arg / --loss against the training run"
-                )
-                typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
-            for w in r.report.warnings:
-                typer.echo(f"  warning: {w}")
-    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+            typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
+        for w in r.report.warnings:
+            typer.echo(f"  warning: {w}")
 
 
 def _check_writable_output(output: str) -> None:
