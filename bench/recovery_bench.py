@@ -43,12 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay.launcher import (
-    KillSpec,
-    resumed_after_rollback,
-    run_with_failures,
-    states_equal,
-)
+from replay.compare import states_equal
+from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 

@@ -113,8 +113,8 @@ MODEL = {
 def _state_equal(
     model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None, sched_a: Any = None, sched_b: Any = None
 ) -> bool:
-    """Bit for bit, by the one comparison the tests use (:func:`replay.launcher.states_equal`)."""
-    from replay.launcher import states_equal
+    """Bit for bit, by the one comparison the tests use (:func:`replay.compare.states_equal`)."""
+    from replay.compare import states_equal
 
     a = {"model": model_a, "optimizer": opt_a, "lr_scheduler": sched_a}
     return states_equal(a, {"model": model_b, "optimizer": opt_b, "lr_scheduler": sched_b}) == []
@@ -159,7 +159,7 @@ def _loadavg() -> list[float] | None:
 
 def _replay_seconds(job_doc: dict[str, Any]) -> float:
     from replay import replay
-    from replay.engine import ReplayJob
+    from replay.job import ReplayJob
 
     return replay(ReplayJob.from_dict(job_doc)).replay_seconds
 
@@ -230,7 +230,7 @@ def live_run(base: Path, ckpt: int, iters: int) -> tuple[dict[int, dict[str, Any
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from logstore import LogStore
     from replay import jobs_from_plan, plan_recovery, replay
-    from replay.engine import checkpoint_of
+    from replay.states import checkpoint_of
 
     stage, ckpt, iters = args.stage, args.ckpt, args.iters
     load_before = _loadavg()
@@ -265,7 +265,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "n_microbatches": MODEL["n_microbatches"],
             "dropout": MODEL["dropout"],
         }
-        (job,) = jobs_from_plan(plan, sources=[store], model_args=model_args)  # prefetch: the default
+        (job,) = jobs_from_plan(
+            plan, sources=[store], model="trainer_client.examples.factories:gpt_stage", model_args=model_args
+        )  # prefetch: the default
         kinds = {
             "seq": job.replace(workers=1),
             "k2_exact": job.replace(workers=2, exact=True),

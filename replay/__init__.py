@@ -2,54 +2,65 @@
 
 Public API::
 
-    from replay import plan_recovery, ReplayJob, SourceSpec, replay
+    from replay import SourceSpec, jobs_from_plan, plan_recovery, replay
 
     plan = plan_recovery(LogStore.open(root, run, cold_url=cold), failed_stages=[2])
     if plan.possible:
-        for job in jobs_from_plan(plan, sources=[SourceSpec.parse("http://node3:8080")], workers=2, output="s3://ckpt/recovered"):
+        sources = [SourceSpec.parse("http://node3:8080")]
+        for job in jobs_from_plan(plan, sources=sources, model="my_train:build_stage", workers=2, output=out):
             result = replay(job)              # sequential (workers=1) or parallel (workers=K)
             assert result.verified             # every regenerated send matched a receiver's digest
     else:
         print(plan.reasons, plan.fallback)     # e.g. a gap: roll every stage back instead
 
-Modules: ``plan`` (recovery planning), ``core`` (the replay loop, verification, prefetch),
-``reader`` (``LogReader`` over record sources), ``errors``, ``engine`` (jobs, sources, progress,
-output checkpoints), ``parallel`` (K workers over gloo, exact or approximate gradient reduction),
-``remote`` (reading from node servers over HTTP), ``examples`` (stage factories for the example
-GPT), ``cli`` (``swiftlog replay``).
+The replacement side (a training script's ``--replacement`` and replay-helper roles):
+:func:`recover_stage`, :func:`report_ready`, :func:`report_fallback` (then exit with
+:data:`EXIT_FALLBACK`), :func:`serve_replay_helper`, :class:`ReplacementFallback`. To try a failure
+on one machine: :func:`run_with_failures` with :class:`KillSpec`, compared with
+:func:`states_equal`.
 
-Never imported by logstore/ or trainer_client/; imports server/ nowhere.
+Modules: ``plan`` (recovery planning; ``plan_types``, ``_plan_index``, ``_plan_fetch``), ``core``
+(the replay loop; ``stage``, ``report``, ``_iteration_plan``, ``_iteration``, ``_checks``,
+``user_code``, ``_prefetch``), ``reader`` (``LogReader`` over record sources), ``remote``
+(reading from node servers over HTTP), ``errors``, ``job`` (jobs, sources, progress, results),
+``states`` (building the stages, writing the outputs), ``engine`` (``replay``), ``parallel`` (K
+workers over gloo, exact or approximate gradient reduction), ``replacement`` (a failed stage's
+replacement), ``helpers`` (its replay helpers), ``checkpoints`` (finding checkpoints),
+``launcher`` (the scheduler on one machine), ``processes`` (its process plumbing), ``compare``
+(``states_equal``). The ``swiftlog replay`` command lives in ``server/cli/replay.py``.
+
+Never imported by logstore/ or trainer_client/ (its examples excepted); imports server/ nowhere.
 """
 
-from replay.core import (
-    LogReader,
-    RecordSource,
+from replay.compare import states_equal
+from replay.core import replay_stage, replay_stages
+from replay.engine import replay
+from replay.errors import (
+    EXIT_FALLBACK,
+    NodeUnavailableError,
+    ReplacementFallback,
     ReplayError,
-    ReplayHooks,
     ReplayInputMissingError,
     ReplayMismatchError,
     ReplayOrderError,
-    ReplayReport,
-    StageState,
-    replay_stage,
-    replay_stages,
 )
-from replay.engine import (
-    ReplayJob,
-    ReplayProgress,
-    ReplayResult,
-    SourceSpec,
-    jobs_from_plan,
-    replay,
-)
+from replay.helpers import serve_replay_helper
+from replay.job import ReplayJob, ReplayProgress, ReplayResult, SourceSpec, jobs_from_plan
+from replay.launcher import KillSpec, run_with_failures
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
+from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
+from replay.replacement import recover_stage, report_fallback, report_ready
+from replay.report import ReplayReport
+from replay.stage import ReplayHooks, StageState
 
 __all__ = [
+    # planning
     "plan_recovery",
     "RecoveryPlan",
     "ReplayUnit",
     "FetchItem",
+    # running a replay
     "replay",
     "ReplayJob",
     "SourceSpec",
@@ -65,8 +76,21 @@ __all__ = [
     "RecordSource",
     "RemoteLogReader",
     "HttpRecordSource",
+    # the replacement of a failed stage
+    "recover_stage",
+    "report_ready",
+    "report_fallback",
+    "serve_replay_helper",
+    "EXIT_FALLBACK",
+    # trying a failure on one machine
+    "run_with_failures",
+    "KillSpec",
+    "states_equal",
+    # errors
     "ReplayError",
     "ReplayInputMissingError",
     "ReplayMismatchError",
     "ReplayOrderError",
+    "ReplacementFallback",
+    "NodeUnavailableError",
 ]

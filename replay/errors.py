@@ -1,22 +1,43 @@
-"""Errors of the replay package (all are :class:`logstore.errors.SwiftlogError`).
+"""Errors of the replay package, and the exit code of a replacement that falls back.
 
 Hierarchy::
 
     SwiftlogError (logstore.errors)
-    └── ReplayError                     a replay could not run, or did not reproduce the log
-        ├── ReplayInputMissingError     a needed record is in no source (``key`` names it)
-        └── ReplayMismatchError         regenerated sends differ from the logged digests
+    ├── ReplayError                     a replay could not run, or did not reproduce the log
+    │   ├── ReplayInputMissingError     a needed record is in no source (``key`` names it)
+    │   ├── ReplayMismatchError         regenerated sends differ from the logged digests
+    │   └── ReplayOrderError            the replay cannot run the live order of forwards and backwards
+    ├── StoreError (logstore.errors)
+    │   └── NodeUnavailableError        a node server did not answer after the retries (retryable)
+    └── ClientError (trainer_client.errors)
+        └── RecoveryFailedError (trainer_client)
+            └── ReplacementFallback     the failed stage cannot be replayed: roll every stage back
 
 Store errors pass through unchanged: ``CorruptRecordError`` (a record failed its checksum, ``key``
-names it) and retryable ``StoreError`` subclasses such as ``replay.remote.NodeUnavailableError``.
+names it) and retryable ``StoreError`` subclasses such as :class:`NodeUnavailableError`.
+
+:data:`EXIT_FALLBACK` is the exit code of a replacement (or a replay helper) whose in-place
+recovery is impossible: the scheduler then restarts every stage from a common checkpoint.
 """
 
 from __future__ import annotations
 
 from logstore import RecordKey
-from logstore.errors import SwiftlogError
+from logstore.errors import StoreError, SwiftlogError
+from trainer_client import RecoveryFailedError
 
-__all__ = ["ReplayError", "ReplayInputMissingError", "ReplayMismatchError", "ReplayOrderError"]
+__all__ = [
+    "EXIT_FALLBACK",
+    "NodeUnavailableError",
+    "ReplacementFallback",
+    "ReplayError",
+    "ReplayInputMissingError",
+    "ReplayMismatchError",
+    "ReplayOrderError",
+]
+
+#: exit code of a replacement or replay helper process whose in-place recovery is impossible
+EXIT_FALLBACK = 3
 
 
 class ReplayError(SwiftlogError):
@@ -39,3 +60,13 @@ class ReplayOrderError(ReplayError):
     """The replay cannot run the stage's forwards and backwards in the order the live stage did, and
     the result depends on it (a backward changed module buffers). The same stage replayed alone,
     with one worker, follows the live order."""
+
+
+class NodeUnavailableError(StoreError):
+    """A node server did not answer, or answered with a server error, after the retries."""
+
+    retryable = True
+
+
+class ReplacementFallback(RecoveryFailedError):
+    """The failed stage cannot be replayed; every stage must restart from a checkpoint."""

@@ -31,41 +31,41 @@ import functools
 import json
 import multiprocessing.connection
 import os
-import struct
-import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from replay.replacement import common_checkpoint
-from trainer_client.commit import gloo_on_loopback
-from trainer_client.examples import launch as _launch
-from trainer_client.examples.train_resilient import KILL_PHASES
+from replay._timings import recovery_timings
+from replay.checkpoints import common_checkpoint
+from replay.errors import EXIT_FALLBACK
+from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
 from trainer_client.recovery_keys import RecoveryKeys
 
 __all__ = [
+    "DEFAULT_SCRIPT",
     "EXIT_FALLBACK",
+    "KILL_PHASES",
     "KillSpec",
     "RecoveryRun",
     "resumed_after_rollback",
     "run_with_failures",
-    "states_equal",
 ]
 
-EXIT_FALLBACK = 3
 #: the training script the launcher runs by default (the example GPT pipeline)
 DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
+#: where a KillSpec may kill a stage; a script injects some or all of them (``--kill-at IT,MB,PHASE``)
+KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
 
 
 @dataclass(frozen=True, slots=True)
 class KillSpec:
     """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``.
 
-    Phases of the example script (``train_resilient.KILL_PHASES``): forward, backward, commit,
+    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward, commit,
     optimizer, checkpoint, upload (in the uploader thread), recovering (right after reporting as a
     survivor of the first failure; ``iteration`` unused). The template ``minimal_resilient``
     injects forward and optimizer only (and refuses the others)."""
@@ -123,7 +123,7 @@ class RecoveryRun:
         ]
         for name, rc in sorted(self.returncodes.items()):
             if (
-                self.ok and rc == 3 and "-helper" in name
+                self.ok and rc == EXIT_FALLBACK and "-helper" in name
             ):  # a helper that refused (e.g. a buffer the backward changes): its replacement replayed alone
                 lines.append(f"--- {name} (rc=3: refused to share the replay; its replacement replayed alone) ---")
             elif rc not in (0, -9):
@@ -131,53 +131,12 @@ class RecoveryRun:
         return "\n".join(lines)
 
 
-def _entry(argv: list[str], log_path: str, script: str = DEFAULT_SCRIPT) -> None:
-    """Body of a stage process: output to ``log_path``, then the resilient training script (the
-    module ``script``'s ``main(argv)``)."""
-    import importlib
-    import traceback
-
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    gloo_on_loopback()  # the scheduler's stages and helpers run on this host
-    try:
-        rc = importlib.import_module(script).main(argv)
-    except SystemExit as e:
-        rc = int(e.code or 0)
-    except BaseException:  # noqa: BLE001 - report anything, exit non-zero
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
-def _ctx() -> Any:
-    # the fork server is a fresh interpreter that imports the preload list before anything else:
-    # without the repository on its PYTHONPATH those imports fail silently and every stage (and
-    # every replacement) pays ~0.3 s of imports at start
-    pp = os.environ.get("PYTHONPATH", "")
-    if _launch._REPO_ROOT not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = _launch._REPO_ROOT + (os.pathsep + pp if pp else "")
-    ctx = _launch._forkserver()
-    # everything a stage, a replacement or a replay helper imports before its first step: this
-    # module (the children's entry point), the training scripts, the replacement and parallel replay
-    ctx.set_forkserver_preload(
-        [
-            "torch",
-            "torch.distributed.pipelining",
-            "trainer_client.examples.train_pipeline",
-            "trainer_client.examples.train_resilient",
-            "replay.replacement",
-            "replay.parallel",
-            "replay.launcher",
-        ]
+def _ctx(script: str) -> Any:
+    # everything a stage, a replacement or a replay helper imports before its first step: the
+    # training script, the replacement and parallel replay, this module
+    return forkserver_context(
+        ["torch", "torch.distributed.pipelining", script, "replay.replacement", "replay.parallel", "replay.launcher"]
     )
-    return ctx
 
 
 def _f(v: Any) -> float:
@@ -209,8 +168,9 @@ def run_with_failures(
     be handled, after ``max_restarts`` replacements/rollbacks (a crash loop), or after ``timeout_s``.
     ``groups``: the run's logging-group sizes (the same as its ``--groups``): a failure takes its
     whole group down (the other members are killed, since only the group's boundaries were
-    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a death, how long the scheduler waits for every other stage to either report
-    as a survivor or die too (stages that die together are replaced together). ``replay_workers``:
+    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a
+    death, how long the scheduler waits for every other stage to either report as a survivor or
+    die too (stages that die together are replaced together). ``replay_workers``:
     K > 1 starts K - 1 replay helpers (``--replay-helper-rank``) together with each replacement;
     the replacement is rank 0 of the parallel replay (:func:`replay.replacement.recover_stage`).
     ``script``: the module whose ``main(argv)`` each process runs; it takes the arguments above
@@ -236,84 +196,123 @@ def run_with_failures(
             f"kills: more than one KillSpec for stage(s) {twice}; a stage's first process is killed once "
             "(its replacement is not): give one KillSpec per stage"
         )
-    host = _launch.StoreHost()
-    store = host.store
-    keys = RecoveryKeys(run_id)
-    out_dir = os.path.join(base_dir, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    ctx = _ctx()
-    procs: dict[str, Any] = {}
-    logs: dict[str, str] = {}
-    current: dict[int, str] = {}  # stage -> name of its live process
-    roots: dict[int, str] = {}
-    timeline: list[dict[str, Any]] = []
-    kill_of = {ks.stage: ks for ks in kills}
-    t0 = time.time()
-    gen = 0
-    fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
-    abandoned: str | None = None  # an in-place recovery given up because of a death during it
-    raised: dict[
-        int, dict[str, str]
-    ] = {}  # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
-    stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
-    exited: set[str] = set()  # those whose exit was looked at
-    error: str | None = None  # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
+    return _Scheduler(
+        args,
+        run_id=run_id,
+        base_dir=base_dir,
+        checkpoint_url=checkpoint_url,
+        kills=kills,
+        mode=mode,
+        num_stages=num_stages,
+        replay_workers=replay_workers,
+        timeout_s=timeout_s,
+        max_restarts=max_restarts,
+        grace_s=grace_s,
+        groups=groups,
+        script=script,
+    ).run()
 
-    def start(k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
-        root = os.path.join(base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
+
+class _Scheduler:
+    """One :func:`run_with_failures`: the processes it started, the generations, the timeline."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        run_id: str,
+        base_dir: str,
+        checkpoint_url: str,
+        kills: Sequence[KillSpec],
+        mode: str,
+        num_stages: int,
+        replay_workers: int,
+        timeout_s: float,
+        max_restarts: int,
+        grace_s: float,
+        groups: Sequence[int] | None,
+        script: str,
+    ) -> None:
+        self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
+        self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
+        self.timeout_s, self.max_restarts, self.grace_s, self.groups, self.script = (
+            timeout_s,
+            max_restarts,
+            grace_s,
+            groups,
+            script,
+        )
+        self.host = StoreHost()
+        self.store = self.host.store
+        self.keys = RecoveryKeys(run_id)
+        self.out_dir = os.path.join(base_dir, "out")
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.ctx = _ctx(script)
+        self.procs: dict[str, Any] = {}
+        self.logs: dict[str, str] = {}
+        self.current: dict[int, str] = {}  # stage -> name of its live process
+        self.roots: dict[int, str] = {}
+        self.timeline: list[dict[str, Any]] = []
+        self.kill_of = {ks.stage: ks for ks in kills}
+        self.t0 = time.time()
+        self.gen = 0
+        self.fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
+        self.abandoned: str | None = None  # an in-place recovery given up because of a death during it
+        # stage -> {process name: the error it exited with (rc > 0: it raised, no signal)}
+        self.raised: dict[int, dict[str, str]] = {}
+        self.stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
+        self.exited: set[str] = set()  # those whose exit was looked at
+        # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
+        self.error: str | None = None
+        # the generation whose in-place recovery is under way (its wake key not yet set)
+        self.recovering: int | None = None
+        self.timed_out = False
+
+    # -- starting processes ---------------------------------------------------------------
+    def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
+        root = os.path.join(self.base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
         if not helper:
-            roots[k] = root
+            self.roots[k] = root
         argv = [
             "--resilient",
             "--stage",
             str(k),
             "--num-stages",
-            str(num_stages),
+            str(self.num_stages),
             "--store-port",
-            str(host.port),
+            str(self.host.port),
             "--out",
-            out_dir,
+            self.out_dir,
             "--run-id",
-            run_id,
+            self.run_id,
             "--store-root",
             root,
             "--checkpoint-url",
-            checkpoint_url,
-            *args,
+            self.checkpoint_url,
+            *self.args,
             *extra,
         ]
-        logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
-        p = ctx.Process(target=_entry, args=(argv, logs[name], script), name=name)
-        with _launch.main_module_hidden():
-            p.start()
-        procs[name] = _launch._ForkProc(p)
+        self.logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
+        self.procs[name] = start_process(self.ctx, run_module_main, (argv, self.logs[name], self.script), name)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
-            timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
+            self.timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
             return
-        current[k] = name
-        stage_of[name] = k
-        timeline.append(
-            {
-                "t": time.time(),
-                "what": "start",
-                "name": name,
-                "stage": k,
-                "generation": g,
-            }
-        )
+        self.current[k] = name
+        self.stage_of[name] = k
+        self.timeline.append({"t": time.time(), "what": "start", "name": name, "stage": k, "generation": g})
 
-    def start_replacement(j: int, g: int) -> None:
+    def start_replacement(self, j: int, g: int) -> None:
         # no --sources: the replacement reads the store roots the survivors report. Parallel replay:
         # the scheduler starts the replacement's K - 1 helpers with it (from the same fork server:
         # no start-up cost); the replacement is rank 0
-        start(
+        self.start(
             j,
             g + 1,
-            ["--replacement", "--generation", str(g), "--replay-helpers", str(replay_workers - 1)],
+            ["--replacement", "--generation", str(g), "--replay-helpers", str(self.replay_workers - 1)],
             name=f"stage{j}-g{g + 1}",
         )
-        for r in range(1, replay_workers):
-            start(
+        for r in range(1, self.replay_workers):
+            self.start(
                 j,
                 g,
                 ["--generation", str(g), "--replay-helper-rank", str(r)],
@@ -321,169 +320,152 @@ def run_with_failures(
                 helper=True,
             )
 
-    recovering: int | None = None  # the generation whose in-place recovery is under way (its wake key not yet set)
+    def rollback(self, reason: str) -> None:
+        """Kill every stage and restart all of them from the newest common checkpoint."""
+        self.recovering = None
+        for n in self.current.values():
+            if self.procs[n].poll() is None:
+                self.procs[n].kill()
+        for n in self.current.values():
+            self.procs[n].wait()
+        c = common_checkpoint(self.checkpoint_url, self.num_stages, 1 << 40)
+        self.timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
+        self.store.set(self.keys.failed(self.gen), reason)
+        self.gen += 1
+        for k in range(self.num_stages):
+            extra = ["--generation", str(self.gen)] + (["--resume-from", str(c)] if c is not None else [])
+            self.start(k, self.gen, extra, name=f"stage{k}-g{self.gen}")
 
-    def rollback(reason: str) -> None:
-        nonlocal gen, recovering
-        recovering = None
-        for n in current.values():
-            if procs[n].poll() is None:
-                procs[n].kill()
-        for n in current.values():
-            procs[n].wait()
-        c = common_checkpoint(checkpoint_url, num_stages, 1 << 40)
-        timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
-        store.set(keys.failed(gen), reason)
-        gen += 1
-        for k in range(num_stages):
-            extra = ["--generation", str(gen)] + (["--resume-from", str(c)] if c is not None else [])
-            start(k, gen, extra, name=f"stage{k}-g{gen}")
-
-    timed_out = False
-    try:
-        for k in range(num_stages):
-            start(
-                k,
-                0,
-                ["--kill-at", kill_of[k].arg()] if k in kill_of else [],
-                name=f"stage{k}-g0",
-            )
-        while True:
-            if time.time() - t0 > timeout_s:
-                timed_out = True
-                break
-            states = {k: procs[n].poll() for k, n in current.items()}
-            if all(rc == 0 for rc in states.values()):
-                break
-            dead = [k for k, rc in states.items() if rc not in (None, 0)]
-            for (
-                n,
-                j,
-            ) in (
-                stage_of.items()
-            ):  # every exit, also those a settle or a rollback took over: the errors a later process may repeat
-                if n not in exited and (rc_n := procs[n].poll()) is not None:
-                    exited.add(n)
-                    line = _last_error(logs[n]) if rc_n > 0 else None
-                    if line is not None:
-                        raised.setdefault(j, {})[n] = line
-            bug = _script_bug(states, {k: (n, logs[n]) for k, n in current.items()}, raised)
-            if bug is not None:
-                error = bug
-                timeline.append({"t": time.time(), "what": "give_up", "reason": error})
-                break
-            if gen > 0 and store.check([keys.fallback(gen - 1)]) and fallback is None:
-                fallback = _s(store.get(keys.fallback(gen - 1)))
-                timeline.append({"t": time.time(), "what": "fallback", "reason": fallback})
-                rollback(f"in-place recovery impossible: {fallback}")
-                continue
-            if dead:
-                k = dead[0]
-                name, rc = current[k], states[k]
-                timeline.append(
-                    {
-                        "t": time.time(),
-                        "what": "exit",
-                        "name": name,
-                        "stage": k,
-                        "rc": rc,
-                    }
-                )
-                if gen >= max_restarts:
-                    timeline.append(
-                        {
-                            "t": time.time(),
-                            "what": "give_up",
-                            "reason": f"{gen} restarts already",
-                        }
-                    )
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> RecoveryRun:
+        try:
+            for k in range(self.num_stages):
+                kill = ["--kill-at", self.kill_of[k].arg()] if k in self.kill_of else []
+                self.start(k, 0, kill, name=f"stage{k}-g0")
+            while True:
+                if time.time() - self.t0 > self.timeout_s:
+                    self.timed_out = True
                     break
-                if recovering is not None and store.check([keys.wake(recovering)]):
-                    recovering = None
-                if (
-                    mode == "rollback" or recovering is not None
-                ):  # a death while a recovery is under way: restart from the checkpoint
-                    if (
-                        recovering is not None and abandoned is None
-                    ):  # the in-place recovery was abandoned: say why, as for a replacement's fallback
-                        abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {recovering}"
-                    rollback(
-                        f"stage {k} died (rc={rc})"
-                        + (f" during the recovery of generation {recovering}" if recovering is not None else "")
-                    )
+                states = {k: self.procs[n].poll() for k, n in self.current.items()}
+                if all(rc == 0 for rc in states.values()):
+                    break
+                dead = [k for k, rc in states.items() if rc not in (None, 0)]
+                self._note_exits()
+                bug = _script_bug(states, {k: (n, self.logs[n]) for k, n in self.current.items()}, self.raised)
+                if bug is not None:
+                    self.error = bug
+                    self.timeline.append({"t": time.time(), "what": "give_up", "reason": self.error})
+                    break
+                if self.gen > 0 and self.store.check([self.keys.fallback(self.gen - 1)]) and self.fallback is None:
+                    self.fallback = _s(self.store.get(self.keys.fallback(self.gen - 1)))
+                    self.timeline.append({"t": time.time(), "what": "fallback", "reason": self.fallback})
+                    self.rollback(f"in-place recovery impossible: {self.fallback}")
+                    continue
+                if dead:
+                    if not self._on_death(dead, states):
+                        break
+                    continue
+                # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
+                alive = [self.procs[n].sentinel for n in self.current.values() if self.procs[n].poll() is None]
+                if alive:
+                    multiprocessing.connection.wait(alive, timeout=0.02)
                 else:
-                    store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
-                    for j in _group_members(groups, dead, num_stages):
-                        if procs[current[j]].poll() is None:
-                            procs[current[j]].kill()  # its state depends on the lost stage's unlogged sends
-                            timeline.append(
-                                {
-                                    "t": time.time(),
-                                    "what": "kill_group_member",
-                                    "stage": j,
-                                }
-                            )
-                    lost = sorted(set(dead) | set(_group_members(groups, dead, num_stages)))
-                    # the replacements of the stages known lost start now: their process start and
-                    # set-up overlap the survivors' reports (they wait for the failed-stage list)
-                    for j in lost:
-                        start_replacement(j, gen)
-                    failed = _settle(store, keys, gen, procs, current, lost, grace_s)
-                    store.set(keys.failed_stages(gen), json.dumps(failed))
-                    timeline.append(
-                        {
-                            "t": time.time(),
-                            "what": "replace",
-                            "stages": failed,
-                            "generation": gen,
-                        }
-                    )
-                    for j in failed:
-                        if j not in lost:  # died while the others reported
-                            start_replacement(j, gen)
-                    recovering = gen
-                    gen += 1
-                continue
-            # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
-            alive = [procs[n].sentinel for n in current.values() if procs[n].poll() is None]
-            if alive:
-                multiprocessing.connection.wait(alive, timeout=0.02)
-            else:
-                time.sleep(0.02)
-    finally:
-        _launch.stop_all(procs.values())
-    outputs = {}
-    for n, path in logs.items():
-        with open(path) as f:
-            outputs[n] = f.read()
-        os.unlink(path)
-    rcs = {n: p.returncode for n, p in procs.items()}
-    ok = not timed_out and all(procs[n].returncode == 0 for n in current.values())
-    run = RecoveryRun(
-        ok,
-        mode,
-        out_dir,
-        time.time() - t0,
-        rcs,
-        outputs,
-        timeline=timeline,
-        fallback=fallback or abandoned,
-        timed_out=timed_out,
-        t0=t0,
-        error=error,
-    )
-    if store.check([keys.progress()]):
-        entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
-        run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
-    run.kill_times = {
-        k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])
-    }
-    if ok:
-        run.results = {
-            k: torch.load(os.path.join(out_dir, f"stage{k}.pt"), weights_only=False) for k in range(num_stages)
+                    time.sleep(0.02)
+        finally:
+            stop_all(self.procs.values())
+        return self._result()
+
+    def _note_exits(self) -> None:
+        """Every exit, also those a settle or a rollback took over: the errors a later process may repeat."""
+        for n, j in self.stage_of.items():
+            if n not in self.exited and (rc_n := self.procs[n].poll()) is not None:
+                self.exited.add(n)
+                line = _last_error(self.logs[n]) if rc_n > 0 else None
+                if line is not None:
+                    self.raised.setdefault(j, {})[n] = line
+
+    def _on_death(self, dead: list[int], states: dict[int, int | None]) -> bool:
+        """A stage process died: replace it (and its group), or roll every stage back. False: give up."""
+        k = dead[0]
+        name, rc = self.current[k], states[k]
+        self.timeline.append({"t": time.time(), "what": "exit", "name": name, "stage": k, "rc": rc})
+        if self.gen >= self.max_restarts:
+            self.timeline.append({"t": time.time(), "what": "give_up", "reason": f"{self.gen} restarts already"})
+            return False
+        if self.recovering is not None and self.store.check([self.keys.wake(self.recovering)]):
+            self.recovering = None
+        if self.mode == "rollback" or self.recovering is not None:
+            # a death while a recovery is under way: restart from the checkpoint
+            if self.recovering is not None and self.abandoned is None:
+                # the in-place recovery was abandoned: say why, as for a replacement's fallback
+                self.abandoned = f"stage {k} died (rc={rc}) during the recovery of generation {self.recovering}"
+            self.rollback(
+                f"stage {k} died (rc={rc})"
+                + (f" during the recovery of generation {self.recovering}" if self.recovering is not None else "")
+            )
+        else:
+            self._replace(k, rc, dead)
+        return True
+
+    def _replace(self, k: int, rc: int | None, dead: list[int]) -> None:
+        """In-place recovery of generation ``gen``: the dead stages (and their logging groups) are
+        replaced; the survivors keep their state."""
+        store, keys, gen = self.store, self.keys, self.gen
+        store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
+        members = _group_members(self.groups, dead, self.num_stages)
+        for j in members:
+            if self.procs[self.current[j]].poll() is None:
+                self.procs[self.current[j]].kill()  # its state depends on the lost stage's unlogged sends
+                self.timeline.append({"t": time.time(), "what": "kill_group_member", "stage": j})
+        lost = sorted(set(dead) | set(_group_members(self.groups, dead, self.num_stages)))
+        # the replacements of the stages known lost start now: their process start and
+        # set-up overlap the survivors' reports (they wait for the failed-stage list)
+        for j in lost:
+            self.start_replacement(j, gen)
+        failed = _settle(store, keys, gen, self.procs, self.current, lost, self.grace_s)
+        store.set(keys.failed_stages(gen), json.dumps(failed))
+        self.timeline.append({"t": time.time(), "what": "replace", "stages": failed, "generation": gen})
+        for j in failed:
+            if j not in lost:  # died while the others reported
+                self.start_replacement(j, gen)
+        self.recovering = gen
+        self.gen += 1
+
+    def _result(self) -> RecoveryRun:
+        outputs = {}
+        for n, path in self.logs.items():
+            with open(path) as f:
+                outputs[n] = f.read()
+            os.unlink(path)
+        rcs = {n: p.returncode for n, p in self.procs.items()}
+        ok = not self.timed_out and all(self.procs[n].returncode == 0 for n in self.current.values())
+        store, keys = self.store, self.keys
+        run = RecoveryRun(
+            ok,
+            self.mode,
+            self.out_dir,
+            time.time() - self.t0,
+            rcs,
+            outputs,
+            timeline=self.timeline,
+            fallback=self.fallback or self.abandoned,
+            timed_out=self.timed_out,
+            t0=self.t0,
+            error=self.error,
+        )
+        if store.check([keys.progress()]):
+            entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
+            run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
+        run.kill_times = {
+            k: _f(store.get(keys.kill_time(k))) for k in range(self.num_stages) if store.check([keys.kill_time(k)])
         }
-        run.timings = _timings(store, keys, run, num_stages)
-    return run
+        if ok:
+            run.results = {
+                k: torch.load(os.path.join(self.out_dir, f"stage{k}.pt"), weights_only=False)
+                for k in range(self.num_stages)
+            }
+            run.timings = recovery_timings(store, keys, run.timeline, self.num_stages)
+        return run
 
 
 def _script_bug(
@@ -498,14 +480,17 @@ def _script_bug(
     lines = {k: _last_error(logs[k][1]) for k, rc in states.items() if rc is not None and rc > 0}
     for k, line in lines.items():
         if line is not None and any(n != logs[k][0] and old == line for n, old in raised.get(k, {}).items()):
-            return f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not a machine failure"
+            return (
+                f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not "
+                "a machine failure"
+            )
     if len(states) > 1 and all(rc is not None and rc > 0 for rc in states.values()):
         seen = [line for line in lines.values() if line is not None]
         for line in seen:
             if seen.count(line) > 1:
                 return (
-                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, not a machine "
-                    "failure (no stage was killed)"
+                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, "
+                    "not a machine failure (no stage was killed)"
                 )
     return None
 
@@ -566,74 +551,6 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _timings(store: Any, keys: RecoveryKeys, run: RecoveryRun, num_stages: int) -> list[dict[str, Any]]:
-    """Per failed generation: detect / fetch / replay / rejoin / resumed (seconds), from the store's stamps;
-    ``verified``: every replaced stage's replay verified (``verified_by_stage`` has each)."""
-    out = []
-    kills = {k: _f(store.get(keys.kill_time(k))) for k in range(num_stages) if store.check([keys.kill_time(k)])}
-    gens = sorted({e["generation"] for e in run.timeline if e["what"] == "replace"})
-    for g in gens:
-        d: dict[str, Any] = {"generation": g}
-        reps = [
-            json.loads(_s(store.get(keys.survivor(g, k))))
-            for k in range(num_stages)
-            if store.check([keys.survivor(g, k)])
-        ]
-        failed = json.loads(_s(store.get(keys.failed_stages(g))))
-        ready_by = {k: json.loads(_s(store.get(keys.ready(g, k)))) for k in failed if store.check([keys.ready(g, k)])}
-        ready = list(ready_by.values())
-        rejoined = [_f(store.get(keys.rejoined(g, k))) for k in range(num_stages) if store.check([keys.rejoined(g, k)])]
-        t_kill = min((kills[k] for k in failed if k in kills), default=None)
-        d["failed_stages"] = failed
-        d["resume"] = reps[0]["resume"] if reps else None
-        if t_kill is not None and reps:
-            d["detect_s"] = min(r["t_detect"] for r in reps) - t_kill
-            d["all_detected_s"] = max(r["t_detect"] for r in reps) - t_kill
-            d["survivors_reported_s"] = max(r.get("t_reported", r["t_detect"]) for r in reps) - t_kill
-            d["survivor_teardown_s"] = max(r.get("teardown_s", 0.0) for r in reps)
-            d["survivor_destroy_s"] = max(r.get("destroy_s", 0.0) for r in reps)
-            d["survivor_drain_s"] = max(r.get("drain_s", 0.0) for r in reps)
-        if ready:
-            tm = ready[0].get("timings", {})
-            d["wait_survivors_s"] = tm.get("wait_survivors_s")
-            d["fetch_s"] = (tm.get("setup_s") or 0.0) + (tm.get("fetch_s") or 0.0)
-            d["replay_s"] = tm.get("replay_s")
-            d["replay_workers"] = tm.get("workers")
-            d["bytes_fetched"] = ready[0].get("bytes_fetched")
-            d["records_fetched"] = ready[0].get("records_fetched")
-            d["verified"] = all(r.get("verified") for r in ready)  # every replaced stage's (a group has several)
-            d["verified_by_stage"] = {k: r.get("verified") for k, r in ready_by.items()}
-            d["digests_checked"] = ready[0].get("digests_checked")
-            d["checkpoint_iteration"] = ready[0].get("checkpoint_iteration")
-            d["warnings"] = ready[0].get("warnings", [])  # the replay's (e.g. a META it had to stand in for)
-            replace_t = next(
-                (e["t"] for e in run.timeline if e["what"] == "replace" and e["generation"] == g),
-                None,
-            )
-            start_t = next(
-                (
-                    e["t"]
-                    for e in run.timeline
-                    if e["what"] == "start" and e["generation"] == g + 1 and e["stage"] in failed
-                ),
-                None,
-            )
-            if t_kill is not None and replace_t is not None and start_t is not None:
-                d["scheduler_s"] = start_t - t_kill  # death noticed, replacement launched
-                d["settle_s"] = replace_t - t_kill  # every other stage reported or died: failed list written
-                if "t_main" in ready[0] and "t_recover" in ready[0]:  # (stamps a script may leave out)
-                    d["replacement_start_s"] = ready[0]["t_main"] - start_t  # process start (fork server)
-                    d["replacement_setup_s"] = (
-                        ready[0]["t_recover"] - ready[0]["t_main"]
-                    )  # store connection, log client
-            if rejoined:
-                d["rejoin_s"] = max(rejoined) - max(r["t"] for r in ready)
-        if t_kill is not None and rejoined:
-            d["resumed_s"] = max(rejoined) - t_kill
-        out.append(d)
-    return out
-
-
 def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | None:
     """Rollback mode: seconds from the kill to the restarted pipeline finishing ``fail_iteration - 1``
     again (i.e. standing where it was when the failure hit), from the stages' iteration stamps.
@@ -656,64 +573,3 @@ def resumed_after_rollback(run: RecoveryRun, fail_iteration: int) -> float | Non
             return None
         ends.append(t[0])
     return max(ends) - kill
-
-
-_STATE_PARTS = ("model", "optimizer", "lr_scheduler")
-
-
-def states_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
-    """What differs between two stages' states, bit for bit; [] when they are the same.
-
-    ``a`` and ``b`` map ``"model"``, ``"optimizer"`` and ``"lr_scheduler"`` to state dicts, as a
-    stage's result does (``RecoveryRun.results[k]``). Other keys are not compared, nor is a part
-    that is None or absent on both sides. Every entry is compared, the optimizer's
-    ``param_groups`` too. Tensors are the same when dtype, shape and bytes are: -0.0 differs from
-    0.0, a float32 from a float64 of the same values, and a NaN equals the same NaN. Numbers are
-    the same when type and bits are. A key on one side only is a difference. Each difference is
-    named by where it is, e.g. ``model['0.weight']: bytes differ``.
-
-    Never: compares by value (``torch.equal`` or ``==`` on floats).
-    """
-    bad: list[str] = []
-    for part in _STATE_PARTS:
-        x, y = a.get(part), b.get(part)
-        if x is not None or y is not None:
-            _differences(x, y, part, bad)
-    return bad
-
-
-def _differences(x: Any, y: Any, where: str, out: list[str]) -> None:
-    """Append to ``out`` where ``x`` and ``y`` differ (nested state dicts, lists, tensors, scalars)."""
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        both = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-        if not (both and x.dtype == y.dtype and x.shape == y.shape):
-            out.append(f"{where}: {_kind(x)} vs {_kind(y)}")
-        elif not torch.equal(_bits(x), _bits(y)):
-            out.append(f"{where}: bytes differ")
-    elif isinstance(x, Mapping) and isinstance(y, Mapping):
-        for k in sorted(x.keys() | y.keys(), key=repr):
-            if k not in x or k not in y:
-                out.append(f"{where}[{k!r}]: in {'the first' if k in x else 'the second'} only")
-            else:
-                _differences(x[k], y[k], f"{where}[{k!r}]", out)
-    elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        if len(x) != len(y):
-            out.append(f"{where}: {len(x)} vs {len(y)} entries")
-        for i, (v, w) in enumerate(zip(x, y, strict=False)):
-            _differences(v, w, f"{where}[{i}]", out)
-    elif type(x) is not type(y) or (struct.pack("<d", x) != struct.pack("<d", y) if isinstance(x, float) else x != y):
-        out.append(f"{where}: {_kind(x)} vs {_kind(y)}")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 tensor on the CPU."""
-    return t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _kind(v: Any) -> str:
-    """A short description of ``v`` for a difference: a tensor's dtype and shape, a scalar's value, else its type."""
-    if isinstance(v, torch.Tensor):
-        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return repr(v)[:80]
-    return type(v).__name__

@@ -72,7 +72,7 @@ class MetaDocSource:
 
     A replacement reads them from the commit store (``trainer_client.commit.stored_metas``): the
     copy of every committed iteration's META that outlives the failed stage's machine. ``docs``
-    maps ``"stage/iteration"`` to the JSON text as the stage encoded it (so a :class:`~replay.engine.ReplayJob` carries
+    maps ``"stage/iteration"`` to the JSON text as the stage encoded it (so a :class:`~replay.job.ReplayJob` carries
     them to helper processes as plain values). Never holds or returns another channel's records.
     """
 
@@ -127,7 +127,8 @@ class LogReader:
         self._taken: set[RecordKey] = set()  # fetched by get() while a prefetch thread runs
         self._prefetchers = 0
         self._hot_only: set[int] = set()  # ids of stores read from their hot tiers only (cold tier unreachable)
-        # a key no listing placed (META is read without one) is asked of the node roots and servers before a cold-tier-only store
+        # a key no listing placed (META is read without one) is asked of the node roots and servers before a
+        # cold-tier-only store
         self._order = sorted(range(len(self.stores)), key=lambda i: _cold_only(self.stores[i]))
         self.fetched_records = 0
         self.fetched_seconds = 0.0
@@ -258,8 +259,9 @@ class LogReader:
                 Kind.REDUCED,
             )  # logged by the stage itself: its node and the cold tier had them
             hint = (
-                "a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: give it (--cold-url); "
-                "if it was given, the record never reached it (shipping off, or the node died first)"
+                "a stage's own inputs / targets / reduced gradients outlive its node only in the run's cold tier: "
+                "give it (--cold-url); if it was given, the record never reached it (shipping off, or the node died "
+                "first)"
                 if own
                 else "the sender's logs are incomplete: replay from an older checkpoint or recover the group"
             )

@@ -6,8 +6,8 @@ A replacement machine usually cannot open a surviving node's disk; it asks that 
   ``logstore.codec`` blob) with ``X-Swiftlog-Checksum`` (xxh3-64 of the body, hex);
 - ``GET /v1/runs/{run}/records?channel=&it_lo=&it_hi=&limit=&cursor=`` lists keys, one page at a time.
 
-:class:`HttpRecordSource` is a :class:`replay.core.RecordSource` over one server;
-:class:`RemoteLogReader` is a :class:`replay.core.LogReader` over several servers (and, optionally,
+:class:`HttpRecordSource` is a :class:`replay.reader.RecordSource` over one server;
+:class:`RemoteLogReader` is a :class:`replay.reader.LogReader` over several servers (and, optionally,
 local sources such as the cold tier as a fallback).
 
 Every blob is checked twice before use: its xxh3 against the header the server sent (a transfer
@@ -15,7 +15,7 @@ error or a lying proxy), then the codec's checksum of the decoded raw bytes. A m
 ``CorruptRecordError`` naming the key; wrong bytes are never returned. Errors are translated: 404 ->
 ``RecordNotFoundError``, 409 (corrupt on the server) -> ``CorruptRecordError``, 401/403 ->
 ``StoreError`` (not retryable; check the token), 5xx and transport errors -> retried with backoff,
-then :class:`NodeUnavailableError` (retryable: the reader tries its other sources). A kept-alive
+then :class:`~replay.errors.NodeUnavailableError` (retryable: the reader tries its other sources). A kept-alive
 connection the server closed as it was reused is reopened at once, without spending an attempt.
 
 A token never travels in clear to another machine: with a token, a plain ``http://`` URL must name
@@ -40,26 +40,22 @@ from urllib.parse import quote, urlsplit
 import httpx
 import torch
 
-from logstore import Channel, CheckpointInfo, RecordInfo, RecordKey, codec, validate_run
+from logstore import Channel, RecordKey, codec, validate_run
 from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError, StoreError
 from logstore.segment import blob_checksum
-from replay.core import LogReader, RecordSource
+from logstore.store import CheckpointInfo, RecordInfo
+from replay.errors import NodeUnavailableError
+from replay.reader import LogReader, RecordSource
 
-__all__ = ["HttpRecordSource", "RemoteLogReader", "NodeUnavailableError"]
+__all__ = ["HttpRecordSource", "RemoteLogReader"]
 
 logger = logging.getLogger(__name__)
 
 _PAGE = 1000  # the server's default max_page_size
 
 
-class NodeUnavailableError(StoreError):
-    """A node server did not answer, or answered with a server error, after the retries."""
-
-    retryable = True
-
-
 class HttpRecordSource:
-    """One node server's records of one run, as a :class:`replay.core.RecordSource`.
+    """One node server's records of one run, as a :class:`replay.reader.RecordSource`.
 
     Args:
         base_url: e.g. ``http://10.0.0.5:8080`` (the server's root, without ``/v1``).

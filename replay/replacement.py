@@ -16,19 +16,20 @@ operator or a Slurm ``--requeue`` hook, starts the same training command with ``
    a directory; elsewhere a node server's URL or the cold tier after a flush), verifying every
    regenerated send against its receiver's digest. The failed stage's META documents (its
    autocast regions, clip norms, learning rates) come from the commit store, where the commit step
-   put them (``trainer_client.commit``): its own log may not have shipped the last ones. Parallel replay (SWIFT's parallel recovery)
-   comes in two forms: ``helpers=H`` - the scheduler started H helper processes together with the
-   replacement (:func:`serve_replay_helper`; on a cluster: on spare capacity or on the survivors'
-   nodes, whose devices idle while they wait); the replacement publishes the job
-   (``RecoveryKeys.replay_job``), is rank 0 of the replay group itself and keeps the recovered state
-   in memory. Helpers cost nothing to start when the scheduler starts them with the replacement.
-   Or ``workers=K``: the replacement spawns K fresh worker processes (:func:`replay.replay`;
-   they import torch first and hand the state back through a checkpoint file);
+   put them (``trainer_client.commit``): its own log may not have shipped the last ones. Parallel
+   replay (SWIFT's parallel recovery) comes in two forms: ``helpers=H`` - the scheduler started H
+   helper processes together with the replacement (``replay.helpers.serve_replay_helper``; on a
+   cluster: on spare capacity or on the survivors' nodes, whose devices idle while they wait); the
+   replacement publishes the job (``RecoveryKeys.replay_job``), is rank 0 of the replay group
+   itself and keeps the recovered state in memory. Helpers cost nothing to start when the
+   scheduler starts them with the replacement. Or ``workers=K``: the replacement spawns K fresh
+   worker processes (:func:`replay.replay`; they import torch first and hand the state back
+   through a checkpoint file);
 4. returns the recovered objects; the caller reports ready (:func:`report_ready`) and joins the
    new process-group generation like the survivors.
 
 When the replay cannot be done (records gone, digest mismatch) :func:`recover_stage` raises
-:class:`ReplacementFallback`; the caller writes the fallback key (:func:`report_fallback`) so the
+:class:`~replay.errors.ReplacementFallback`; the caller writes the fallback key (:func:`report_fallback`) so the
 survivors stop waiting and the scheduler rolls every stage back to a common checkpoint instead.
 Never: modifies the survivors' stores or the checkpoints; waits without a deadline.
 """
@@ -38,42 +39,34 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 
-from replay.core import ReplayError, ReplayOrderError
-from replay.engine import PreparedStates, ReplayJob, ReplayResult, SourceSpec, build_states, load_object, replay
-from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
+from replay.checkpoints import newest_common
+from replay.engine import replay
+from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
+from replay.helpers import release_helpers, replay_with_helpers
+from replay.job import ReplayJob, ReplayResult, SourceSpec
+from replay.states import PreparedStates, build_states, require_factory, stage_factory
+from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError, RecoveryFailedError
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
     "RecoveredStage",
-    "ReplacementFallback",
-    "common_checkpoint",
-    "latest_checkpoint",
     "prepare_states",
     "recover_stage",
     "report_fallback",
     "report_ready",
-    "serve_replay_helper",
 ]
 
 logger = logging.getLogger(__name__)
-
-_IT_RE = re.compile(r"it(\d{12})\.pt$")
-
-
-class ReplacementFallback(RecoveryFailedError):
-    """The failed stage cannot be replayed; every stage must restart from a checkpoint."""
 
 
 @dataclass(slots=True)
@@ -110,61 +103,34 @@ class RecoveredStage:
         }
 
 
-def _checkpoint_iterations(base: str, stage: int, storage_options: dict[str, Any] | None = None) -> dict[int, str]:
-    fs, path = fsspec.core.url_to_fs(base.rstrip("/") + f"/stage{stage:05d}", **(storage_options or {}))
-    try:
-        names = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return {}
-    its = [int(m.group(1)) for m in (_IT_RE.search(str(n)) for n in names) if m]
-    return {i: checkpoint_uri(base, stage, i) for i in its}
-
-
-def _newest_common(
-    base: str, stages: Sequence[int], at_most: int | None = None, storage_options: dict[str, Any] | None = None
-) -> tuple[int, dict[int, str]] | None:
-    """The newest iteration (<= ``at_most`` if given) at which every stage of ``stages`` has a
-    checkpoint under ``base``, with each stage's URI; None when there is none."""
-    per_stage = [_checkpoint_iterations(base, k, storage_options) for k in stages]
-    common = (
-        set.intersection(*({i for i in its if at_most is None or i <= at_most} for its in per_stage))
-        if per_stage
-        else set()
-    )
-    if not common:
-        return None
-    it = max(common)
-    return it, {k: its[it] for k, its in zip(stages, per_stage, strict=True)}
-
-
 def prepare_states(
     checkpoint_url: str,
     *,
     run_id: str,
     stages: Sequence[int],
     num_stages: int,
-    model: str = "replay.examples:gpt_stage",
+    model: str | None = None,
     model_args: dict[str, Any] | None = None,
     checkpoint_options: dict[str, Any] | None = None,
     factory: Callable[..., Any] | None = None,
 ) -> PreparedStates:
     """Start building ``stages`` from their newest common checkpoint under ``checkpoint_url``, ahead
-    of the job (a background thread; see :class:`~replay.engine.PreparedStates`).
+    of the job (a background thread; see :class:`~replay.states.PreparedStates`).
 
     The failed stages write no more checkpoints, so their newest one is final when the
     replacement starts; the job uses it unless the survivors resume below it (then the objects
     are not used and the job's own checkpoint is built instead).
     """
 
-    def newest_common() -> dict[int, str] | None:
-        found = _newest_common(checkpoint_url, stages, None, checkpoint_options)
+    def guess() -> dict[int, str] | None:
+        found = newest_common(checkpoint_url, stages, None, checkpoint_options)
         return found[1] if found else None
 
     return PreparedStates(
         run=run_id,
         num_stages=num_stages,
         stages=stages,
-        checkpoints=newest_common,
+        checkpoints=guess,
         checkpoint_options=checkpoint_options,
         model=model,
         model_args=model_args,
@@ -190,28 +156,6 @@ class _CountingSource:
         return getattr(self.inner, name)
 
 
-def latest_checkpoint(
-    base: str, stage: int, at_most: int, storage_options: dict[str, Any] | None = None
-) -> tuple[int, str] | None:
-    """(iteration, URI) of the newest checkpoint of ``stage`` under ``base`` with iteration <= ``at_most``.
-
-    Checkpoints are written atomically (temporary name, rename), so a listed one is complete.
-    """
-    found = _newest_common(base, [stage], at_most, storage_options)
-    return (found[0], found[1][stage]) if found else None
-
-
-def common_checkpoint(
-    base: str,
-    num_stages: int,
-    at_most: int,
-    storage_options: dict[str, Any] | None = None,
-) -> int | None:
-    """The newest iteration <= ``at_most`` at which every stage has a checkpoint (global rollback)."""
-    found = _newest_common(base, range(num_stages), at_most, storage_options)
-    return found[0] if found else None
-
-
 def recover_stage(
     store: dist.Store,
     *,
@@ -221,7 +165,7 @@ def recover_stage(
     generation: int,
     checkpoint_url: str,
     sources: Sequence[SourceSpec] | None,
-    model: str = "replay.examples:gpt_stage",
+    model: str | None = None,
     model_args: dict[str, Any] | None = None,
     data_source: str | None = None,
     loss: str | None = None,
@@ -240,7 +184,9 @@ def recover_stage(
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
 
     Returns the recovered stage. Raises ReplacementFallback when the replay is impossible or does
-    not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``.
+    not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``,
+    ConfigError when neither ``model`` (``"module:function"``) nor ``factory`` names the stage
+    factory.
     ``workers`` > 1 replays with parallel helpers (:mod:`replay.parallel`); their recovered state
     is written to ``output`` (default: a temporary directory) and loaded back here. ``group``: the
     logging group of ``stage`` (only its boundaries were logged): the whole group is replayed
@@ -250,13 +196,14 @@ def recover_stage(
     read the records; None: the store roots the survivors reported (and their cold tier), which
     works when this process can reach them (one machine, a shared filesystem); on a cluster pass
     the survivors' node servers (``SourceSpec("http", url)``) and the cold tier. ``helpers``: how
-    many helper processes the scheduler started for this replacement (:func:`serve_replay_helper`,
+    many helper processes the scheduler started for this replacement (``serve_replay_helper``,
     ranks 1..helpers); they are always told the outcome (the job, or a cancellation when the
     replay is not needed or impossible), so none waits in vain. When the helpers fail (one dies,
     the rendezvous times out) the replacement replays alone instead. ``loss`` (``"module:attr"``)
     or ``loss_fn`` (picklable when ``workers`` > 1 without helpers): the loss function for a
     replay of the last stage; default: the one the live schedule used, as its META names it.
     """
+    require_factory(model, factory)  # a usage error, not a reason to roll every stage back
     keys = RecoveryKeys(run_id, commit_prefix)
     members = sorted(set(group or [stage]) | {stage})
     # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint listing)
@@ -271,51 +218,19 @@ def recover_stage(
         factory=factory,
     )
     try:
-        g = generation
         t0 = time.monotonic()
-        v = wait_for_keys(
-            store,
-            [keys.failed_stages(g)],
-            timeout=timeout,
-            what=f"replacement of stage {stage}: waiting for the failed-stage list",
-        )
-        failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
-        if stage not in failed:
-            raise RecoveryFailedError(
-                f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}"
-            )
-        survivors = [k for k in range(num_stages) if k not in failed]
-        reports = wait_for_keys(
-            store,
-            [keys.survivor(g, k) for k in survivors],
-            timeout=timeout,
-            what=f"replacement of stage {stage}: waiting for the survivors' reports",
-        )
-        docs = {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
-        resumes = {k: d["resume"] for k, d in docs.items()}
+        failed, docs = _wait_for_survivors(store, keys, generation, stage, num_stages, timeout)
         if sources is None:
             sources = _sources_from_reports(docs)
-        if len(set(resumes.values())) > 1:
-            raise RecoveryFailedError(
-                f"survivors disagree on the resume iteration: {resumes} (was the commit step disabled?)"
-            )
-        resume = next(iter(resumes.values())) if resumes else None
-        if resume is None:
-            raise ReplacementFallback(f"no survivor of generation {g}: nothing to replay against")
+        resume = _agreed_resume(docs, generation)
         t_survivors = time.monotonic()
-        # a failed neighbour took the records of what it sent this stage with it (and vice versa):
-        # replay the whole run of adjacent failed stages together, its inner sends regenerated
-        while members[0] - 1 in failed or members[-1] + 1 in failed:
-            members = [members[0] - 1, *members] if members[0] - 1 in failed else [*members, members[-1] + 1]
-        if members != list(range(members[0], members[-1] + 1)) or any(k not in failed for k in members):
-            raise RecoveryFailedError(
-                f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
-            )
+        members = _unit_of(stage, members, failed)
         # a logging group restarts from one iteration: the newest checkpoint every member has
-        found = _newest_common(checkpoint_url, members, resume, checkpoint_options)
+        found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
             raise ReplacementFallback(
-                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under {checkpoint_url}"
+                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under "
+                f"{checkpoint_url}"
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
@@ -343,10 +258,8 @@ def recover_stage(
         if ck_it == resume:  # nothing to replay: the checkpoint is the state
             try:
                 mine = next(st for st in build_states(job, factory, prepared) if st.stage == stage)
-            except (
-                ReplayError,
-                CheckpointError,
-            ) as e:  # a factory that does not fit the checkpoint: the same fallback as a replay's
+            except (ReplayError, CheckpointError) as e:
+                # a factory that does not fit the checkpoint: the same fallback as a replay's
                 raise ReplacementFallback(
                     f"loading stage {stage}'s checkpoint at {ck_it} (nothing to replay) failed: {e}"
                 ) from e
@@ -367,43 +280,9 @@ def recover_stage(
             job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
         opened = [_CountingSource(s.open(run_id)) for s in job.sources]
         try:
-            res = None
-            if helpers > 0:
-                try:
-                    res = _replay_with_helpers(
-                        store,
-                        keys,
-                        generation,
-                        stage,
-                        job.replace(output=output),
-                        helpers,
-                        opened,
-                        factory,
-                        timeout,
-                        prepared,
-                        loss_fn,
-                    )
-                except ReplayOrderError as e:  # the stage needs its live order, which only a replay alone follows
-                    logger.warning("stage %d: %s; replaying alone", stage, e.message)
-                except (ReplayError, CheckpointError):
-                    raise
-                except Exception as e:  # a helper died or never came: the replacement can still replay alone
-                    logger.warning(
-                        "stage %d: replay with %d helper(s) failed (%s: %s); replaying alone",
-                        stage,
-                        helpers,
-                        type(e).__name__,
-                        e,
-                    )
-            if res is None and helpers <= 0 and job.workers > 1:
-                try:
-                    res = replay(job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
-                except ReplayOrderError as e:
-                    logger.warning("stage %d: %s; replaying alone", stage, e.message)
-            if res is None:
-                res = replay(
-                    job.replace(workers=1), factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared
-                )
+            res = _replay_unit(
+                store, keys, generation, stage, job, helpers, output, opened, factory, timeout, prepared, loss_fn
+            )
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}") from e
         finally:
@@ -416,13 +295,7 @@ def recover_stage(
             raise ReplacementFallback(
                 f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {res.report.unverified_reason}"
             )
-        if res.states is not None:
-            mine = next(st for st in res.states if st.stage == stage)
-            st_mod, st_opt, st_sched = mine.module, mine.optimizer, mine.lr_scheduler
-        else:
-            rck = load_checkpoint(res.outputs[stage], storage_options=job.output_options or None)
-            st_mod, st_opt, st_sched = (factory or load_object(model))(stage, num_stages, rck, **(model_args or {}))
-            rck.apply(st_mod, st_opt, st_sched)
+        st_mod, st_opt, st_sched = _recovered_objects(res, job, stage, model, model_args, factory)
         rep = res.report
         nbytes = sum(s.bytes for s in opened)
         timings = {
@@ -453,7 +326,129 @@ def recover_stage(
         )
     finally:
         if helpers > 0:
-            _release_helpers(store, keys.replay_job(generation, stage))
+            release_helpers(store, keys.replay_job(generation, stage))
+
+
+def _wait_for_survivors(
+    store: dist.Store, keys: RecoveryKeys, g: int, stage: int, num_stages: int, timeout: datetime.timedelta
+) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    """Step 1: the stages the scheduler replaces after generation ``g``, and every survivor's report."""
+    v = wait_for_keys(
+        store,
+        [keys.failed_stages(g)],
+        timeout=timeout,
+        what=f"replacement of stage {stage}: waiting for the failed-stage list",
+    )
+    failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
+    if stage not in failed:
+        raise RecoveryFailedError(f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}")
+    survivors = [k for k in range(num_stages) if k not in failed]
+    reports = wait_for_keys(
+        store,
+        [keys.survivor(g, k) for k in survivors],
+        timeout=timeout,
+        what=f"replacement of stage {stage}: waiting for the survivors' reports",
+    )
+    return failed, {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
+
+
+def _agreed_resume(docs: dict[int, dict[str, Any]], g: int) -> int:
+    """The iteration every survivor resumes at (the commit step makes them agree)."""
+    resumes = {k: d["resume"] for k, d in docs.items()}
+    if len(set(resumes.values())) > 1:
+        raise RecoveryFailedError(
+            f"survivors disagree on the resume iteration: {resumes} (was the commit step disabled?)"
+        )
+    resume = next(iter(resumes.values())) if resumes else None
+    if resume is None:
+        raise ReplacementFallback(f"no survivor of generation {g}: nothing to replay against")
+    return resume
+
+
+def _unit_of(stage: int, members: list[int], failed: list[int]) -> list[int]:
+    """The stages replayed together with ``stage``: its logging group, grown by the adjacent failed
+    stages (a failed neighbour took the records of what it sent this stage with it, and vice versa:
+    the whole run of adjacent failed stages replays together, its inner sends regenerated)."""
+    while members[0] - 1 in failed or members[-1] + 1 in failed:
+        members = [members[0] - 1, *members] if members[0] - 1 in failed else [*members, members[-1] + 1]
+    if members != list(range(members[0], members[-1] + 1)) or any(k not in failed for k in members):
+        raise RecoveryFailedError(
+            f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
+        )
+    return members
+
+
+def _replay_unit(
+    store: dist.Store,
+    keys: RecoveryKeys,
+    generation: int,
+    stage: int,
+    job: ReplayJob,
+    helpers: int,
+    output: str | None,
+    opened: Sequence[Any],
+    factory: Callable[..., Any] | None,
+    timeout: datetime.timedelta,
+    prepared: PreparedStates,
+    loss_fn: Callable[..., Any] | None,
+) -> ReplayResult:
+    """Step 3: the replay, with the helpers the scheduler started, with spawned workers, or alone (a
+    helper that fails, or a stage that needs its live order, means replaying alone)."""
+    res = None
+    if helpers > 0:
+        try:
+            res = replay_with_helpers(
+                store,
+                keys,
+                generation,
+                stage,
+                job.replace(output=output),
+                helpers,
+                opened,
+                factory,
+                timeout,
+                prepared,
+                loss_fn,
+            )
+        except ReplayOrderError as e:  # the stage needs its live order, which only a replay alone follows
+            logger.warning("stage %d: %s; replaying alone", stage, e.message)
+        except (ReplayError, CheckpointError):
+            raise
+        except Exception as e:  # a helper died or never came: the replacement can still replay alone
+            logger.warning(
+                "stage %d: replay with %d helper(s) failed (%s: %s); replaying alone",
+                stage,
+                helpers,
+                type(e).__name__,
+                e,
+            )
+    if res is None and helpers <= 0 and job.workers > 1:
+        try:
+            res = replay(job, factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
+        except ReplayOrderError as e:
+            logger.warning("stage %d: %s; replaying alone", stage, e.message)
+    if res is None:
+        res = replay(job.replace(workers=1), factory=factory, loss_fn=loss_fn, sources=opened, prepared=prepared)
+    return res
+
+
+def _recovered_objects(
+    res: ReplayResult,
+    job: ReplayJob,
+    stage: int,
+    model: str | None,
+    model_args: dict[str, Any] | None,
+    factory: Callable[..., Any] | None,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """``stage``'s recovered module, optimizer and scheduler: kept in memory by a replay in this
+    process, else loaded from the checkpoint the spawned workers wrote."""
+    if res.states is not None:
+        mine = next(st for st in res.states if st.stage == stage)
+        return mine.module, mine.optimizer, mine.lr_scheduler
+    rck = load_checkpoint(res.outputs[stage], storage_options=job.output_options or None)
+    st_mod, st_opt, st_sched = stage_factory(model, factory)(stage, job.num_stages, rck, **(model_args or {}))
+    rck.apply(st_mod, st_opt, st_sched)
+    return st_mod, st_opt, st_sched
 
 
 def _committed_metas(
@@ -473,15 +468,6 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _release_helpers(store: dist.Store, key: str) -> None:
-    """Tell waiting helpers they are not needed, unless the job was published (never raises)."""
-    try:
-        if not store.check([key]):
-            store.set(key, json.dumps({"cancel": "the replacement replays without helpers"}))
-    except Exception as e:  # the store is gone: the helpers time out on their own
-        logger.warning("could not release the replay helpers (%s): %s", key, e)
-
-
 def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
     """The survivors' reported store roots (their hot tiers), then each cold tier once.
 
@@ -492,99 +478,6 @@ def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
     for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):
         out.append(SourceSpec(kind="cold", location=cold))
     return out
-
-
-def _replay_with_helpers(
-    store: dist.Store,
-    keys: RecoveryKeys,
-    generation: int,
-    stage: int,
-    job: ReplayJob,
-    helpers: int,
-    sources: Sequence[Any],
-    factory: Callable[..., Any] | None,
-    timeout: datetime.timedelta,
-    prepared: PreparedStates | None = None,
-    loss_fn: Callable[..., Any] | None = None,
-) -> ReplayResult:
-    """Publish ``job`` for the helpers and replay it as rank 0 of ``helpers + 1`` workers, in process."""
-    from replay.parallel import result_of, worker_main
-
-    world = helpers + 1
-    job = job.replace(workers=world)
-    prefix = keys.replay_rendezvous(generation, stage)
-    store.set(keys.replay_job(generation, stage), json.dumps({"job": job.to_dict(), "world": world, "prefix": prefix}))
-    t0 = time.perf_counter()
-    doc = worker_main(
-        0,
-        world,
-        job,
-        store=dist.PrefixStore(prefix, store),
-        sources=sources,
-        factory=factory,
-        loss_fn=loss_fn,
-        keep_states=True,
-        timeout=timeout,
-        prepared=prepared,
-    )
-    assert doc is not None  # rank 0 always returns the result
-    return result_of(job, doc, time.perf_counter() - t0, states=doc["states"])
-
-
-def serve_replay_helper(
-    store: dist.Store,
-    run_id: str,
-    generation: int,
-    stage: int,
-    rank: int,
-    *,
-    factory: Callable[..., Any] | None = None,
-    loss_fn: Callable[..., Any] | None = None,
-    timeout: datetime.timedelta = datetime.timedelta(seconds=120),
-    commit_prefix: str | None = None,
-    prepared: PreparedStates | None = None,
-) -> bool:
-    """Be replay worker ``rank`` (>= 1) for the replacement of ``stage`` after generation ``generation``.
-
-    Waits (at most ``timeout``) for the replacement's job, opens the job's record sources itself,
-    replays its share of every iteration and takes part in the gradient exchange; the replacement
-    (rank 0) keeps the result. Returns True when it took part, False when the replacement
-    cancelled (no replay needed, impossible, or fewer helpers wanted). Raises
-    RecoveryTimeoutError when no job comes, and what the replay raises. ``prepared``: the stage
-    objects built ahead while the job is awaited (:func:`prepare_states`; used when they match).
-    ``factory`` / ``loss_fn``: in-process objects instead of the job's names (as the replacement's).
-    """
-    from replay.parallel import worker_main
-
-    if rank < 1:
-        raise ValueError(f"helper ranks start at 1 (the replacement is rank 0), got {rank}")
-    keys = RecoveryKeys(run_id, commit_prefix)
-    key = keys.replay_job(generation, stage)
-    # a short poll period: the replacement (rank 0) waits for this helper at the rendezvous
-    got = wait_for_keys(
-        store,
-        [key],
-        timeout=timeout,
-        what=f"replay helper {rank} of stage {stage}: waiting for the job",
-        max_poll_s=0.002,
-    )
-    doc = json.loads(got[key])
-    if "cancel" in doc or rank >= int(doc["world"]):
-        logger.info(
-            "replay helper %d of stage %d: not needed (%s)", rank, stage, doc.get("cancel", f"world {doc.get('world')}")
-        )
-        return False
-    worker_main(
-        rank,
-        int(doc["world"]),
-        ReplayJob.from_dict(doc["job"]),
-        store=dist.PrefixStore(doc["prefix"], store),
-        factory=factory,
-        loss_fn=loss_fn,
-        timeout=timeout,
-        prepared=prepared,
-    )
-    return True
 
 
 def report_ready(

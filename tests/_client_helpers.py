@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from logstore import LogStore
-from replay.core import LogReader, StageState, replay_stage
+from replay import LogReader, StageState, replay_stage
 from trainer_client import (
     ClientConfig,
     SwiftlogClient,
@@ -135,7 +135,7 @@ def single_rank_run(
 
 
 def same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    from replay.launcher import states_equal
+    from replay import states_equal
 
     return states_equal({"model": dict(a.named_parameters())}, {"model": dict(b.named_parameters())}) == []
 

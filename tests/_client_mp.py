@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from logstore import LogStore
-from replay.core import StageState
-from replay.launcher import states_equal
+from replay.compare import states_equal
+from replay.stage import StageState
 from trainer_client import load_checkpoint
 from trainer_client.examples.gpt import (
     GPTConfig,
@@ -106,7 +106,7 @@ def stage_from_checkpoint(run: PipelineRun, stage: int, iteration: int) -> Stage
 
 
 def state_differences(state: StageState, result: dict[str, Any]) -> list[str]:
-    """Where a stage's live objects differ bit for bit from a stage result (:func:`replay.launcher.states_equal`);
+    """Where a stage's live objects differ bit for bit from a stage result (:func:`replay.compare.states_equal`);
     the scheduler is compared when the stage has one."""
     mine = {"model": state.module.state_dict(), "optimizer": state.optimizer.state_dict()}
     if state.lr_scheduler is not None:

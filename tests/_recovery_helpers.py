@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from replay.launcher import DEFAULT_SCRIPT, KillSpec, RecoveryRun, run_with_failures, states_equal
+from replay.compare import states_equal
+from replay.launcher import DEFAULT_SCRIPT, KillSpec, RecoveryRun, run_with_failures
 
 __all__ = [
     "CKPTS",

@@ -1,9 +1,10 @@
 """Helpers of the replay tests: the runs' handle (:class:`Run`) and bitwise state comparisons.
 
 The runs themselves are session fixtures in ``tests/_replay_fixtures.py`` (load it with
-``pytest_plugins = ["tests._replay_fixtures"]``). Every run is a real 4-stage pipeline (one process per stage, gloo on CPU, the example GPT with
-dropout), logged by the trainer client, checkpointed at iteration :data:`CKPT` and run to
-:data:`ITERS`. They are session-scoped so that every replay test module shares them:
+``pytest_plugins = ["tests._replay_fixtures"]``). Every run is a real 4-stage pipeline (one
+process per stage, gloo on CPU, the example GPT with dropout), logged by the trainer client,
+checkpointed at iteration :data:`CKPT` and run to :data:`ITERS`. They are session-scoped so
+that every replay test module shares them:
 
 - ``gpipe_s3_run``: GPipe, cold tier and checkpoints on a moto S3 server;
 - ``f1b_run``: 1F1B, cold tier in a directory (``file://``);
@@ -24,8 +25,8 @@ import torch
 from logstore import LogStore
 from logstore.hot import HotTier
 from logstore.keys import RecordKey
-from replay.engine import SourceSpec
-from replay.launcher import states_equal
+from replay.compare import states_equal
+from replay.job import ReplayJob, SourceSpec
 from replay.plan import cold_only_store
 from tests._client_mp import NUM_STAGES, SEED, PipelineRun, run_pipeline
 from trainer_client import Checkpoint
@@ -45,6 +46,8 @@ __all__ = [
 
 CKPT = 2
 ITERS = 6
+#: the example GPT's stage factory, which every replay of these runs names
+EXAMPLE_MODEL = "trainer_client.examples.factories:gpt_stage"
 
 
 @dataclass
@@ -91,8 +94,9 @@ class Run:
         return SourceSpec(kind="cold", location=url or self.cold_url, options=dict(self.cold_options))
 
     def job_fields(self) -> dict[str, Any]:
-        """ReplayJob fields every job of this run needs (model sizes, checkpoint credentials)."""
-        return {"model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
+        """ReplayJob fields every job of this run needs (the stage factory and model sizes,
+        checkpoint credentials)."""
+        return {"model": EXAMPLE_MODEL, "model_args": self.gpt.to_dict(), "checkpoint_options": dict(self.cold_options)}
 
 
 def file_run(
@@ -107,7 +111,7 @@ def file_run(
 
 # ------------------------------------------------------------------------------ comparisons
 def state_bytes_differ(model_a: dict, opt_a: dict | None, model_b: dict, opt_b: dict | None) -> list[str]:
-    """Where two models and optimizer states differ bit for bit (:func:`replay.launcher.states_equal`)."""
+    """Where two models and optimizer states differ bit for bit (:func:`replay.compare.states_equal`)."""
     return states_equal({"model": model_a, "optimizer": opt_a}, {"model": model_b, "optimizer": opt_b})
 
 
@@ -151,15 +155,15 @@ def copy_run_files(run: Run, dst: Path) -> tuple[str, str]:
 
 
 def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` whose forward in parallel-replay worker 1 (a worker on a busy core)
-    sleeps six times as long as it computed, and at least 30 ms, for the balancing tests. The sleep
-    grows with the forward's own time, so worker 1 stays the slower one however loaded the machine is.
-    The arithmetic is untouched."""
+    """``trainer_client.examples.factories.gpt_stage`` whose forward in parallel-replay worker 1 (a
+    worker on a busy core) sleeps six times as long as it computed, and at least 30 ms, for the
+    balancing tests. The sleep grows with the forward's own time, so worker 1 stays the slower one
+    however loaded the machine is. The arithmetic is untouched."""
     import time
 
     import torch.distributed as dist
 
-    from replay.examples import gpt_stage
+    from trainer_client.examples.factories import gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     started: list[float] = []
@@ -177,9 +181,9 @@ def slow_second_worker_gpt_stage(stage: int, num_stages: int, checkpoint: Checkp
 
 
 def frozen_ln_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` with its first LayerNorm frozen (``requires_grad=False``): a
+    """``trainer_client.examples.factories.gpt_stage`` with its first LayerNorm frozen (``requires_grad=False``): a
     stage with parameters that get no gradient and no gradient hook."""
-    from replay.examples import gpt_stage
+    from trainer_client.examples.factories import gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     for p in module.blocks[0].ln1.parameters():
@@ -188,10 +192,10 @@ def frozen_ln_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **m
 
 
 def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any) -> Any:
-    """``replay.examples.gpt_stage`` with a counter buffer that its forward starts to bump only after
+    """``trainer_client.examples.factories.gpt_stage`` with a counter buffer that its forward starts to bump only after
     the first ``n_microbatches`` calls (after a parallel replay's first iteration); the outputs are
     untouched. For the test that such a late buffer update is an error, not a silent difference."""
-    from replay.examples import gpt_config, gpt_stage
+    from trainer_client.examples.factories import gpt_config, gpt_stage
 
     module, optimizer, scheduler = gpt_stage(stage, num_stages, checkpoint, **model_args)
     quiet_calls = gpt_config(checkpoint, **model_args).n_microbatches
@@ -207,3 +211,18 @@ def late_buffer_gpt_stage(stage: int, num_stages: int, checkpoint: Checkpoint, *
 
     module.register_forward_pre_hook(count)
     return module, optimizer, scheduler
+
+
+def job_for(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
+    """A job replaying ``stage_or_stages`` of ``run`` from its checkpoint at CKPT to ITERS."""
+    stages = [stage_or_stages] if isinstance(stage_or_stages, int) else list(stage_or_stages)
+    kw.setdefault("sources", [run.spec()])
+    kw.setdefault("output", str(tmp_path / "out"))
+    return ReplayJob(
+        run=run.run_id,
+        num_stages=NUM_STAGES,
+        stages=stages,
+        stop_iteration=ITERS,
+        checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
+        **{**run.job_fields(), **kw},
+    )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from logstore import Channel, LogStore, RecordKey
-from replay.core import LogReader, ReplayReport, StageState, replay_stage
+from replay import LogReader, ReplayReport, StageState, replay_stage
 from replay.errors import ReplayError, ReplayMismatchError
 from tests._client_helpers import (
     Masked,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from logstore import Channel, LogStore, RecordKey
 from logstore.errors import ConfigError
-from replay.core import LogReader, ReplayReport, StageState, replay_stage
+from replay import LogReader, ReplayReport, StageState, replay_stage
 from replay.errors import ReplayError, ReplayMismatchError
 from tests._client_helpers import (
     Masked,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from logstore import Channel, LogStore, RecordKey
-from replay.core import LogReader, StageState, replay_stage
+from replay import LogReader, StageState, replay_stage
 from replay.errors import ReplayError
 from tests._client_helpers import (
     Masked,

@@ -22,8 +22,10 @@ from logstore import Channel, RecordKey
 from logstore.cold import ColdTier
 from logstore.hot import HotTier
 from logstore.testing import free_port
-from replay.core import LogReader, ReplayInputMissingError, replay_stage, replay_stages
-from replay.launcher import states_equal
+from replay import replay_stage, replay_stages
+from replay.compare import states_equal
+from replay.errors import ReplayInputMissingError
+from replay.reader import LogReader
 from tests._client_mp import (
     ITERS,
     NUM_STAGES,
@@ -367,7 +369,7 @@ def test_keyword_inputs_that_reach_every_stage_are_logged_and_replayed(tmp_path)
     import torch.multiprocessing as mp
 
     from logstore import LogStore
-    from replay.core import StageState
+    from replay.stage import StageState
     from trainer_client import load_checkpoint
 
     host = loopback_store()

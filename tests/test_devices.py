@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from logstore import Channel, LogStore, RecordKey
-from replay.core import LogReader, ReplayError, StageState, replay_device, replay_stage
+from replay.core import replay_device, replay_stage
+from replay.errors import ReplayError
+from replay.reader import LogReader
+from replay.stage import StageState
 from trainer_client import ClientConfig, SwiftlogClient, load_checkpoint
 from trainer_client.config import WriterConfig
 from trainer_client.digest import digest_from_record, tensor_digest
@@ -319,8 +322,9 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
         stop_iteration=4,
         checkpoints={0: uri},
         sources=[SourceSpec(kind="store", location=root)],
+        model="trainer_client.examples.factories:gpt_stage",
         model_args=cfg.to_dict(),
-        data_source=None if source is None else "replay.examples:gpt_data",
+        data_source=None if source is None else "trainer_client.examples.factories:gpt_data",
         device="cuda",
         output=str(tmp_path / "out"),
     )

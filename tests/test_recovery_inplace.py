@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback, states_equal
+from replay.compare import states_equal
+from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback
 from tests._recovery_helpers import PG_TIMEOUT_S, References, assert_same_as, run
 
 

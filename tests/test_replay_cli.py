@@ -1,4 +1,4 @@
-"""``swiftlog replay`` (replay/cli.py, registered on the swiftlog app) and ``swiftlog plan`` over the replay planner."""
+"""``swiftlog replay`` (server/cli/replay.py) and ``swiftlog plan`` over the replay planner."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from server.cli import app
-from tests._replay_helpers import CKPT, ITERS, checkpoint_vs_live
+from tests._replay_helpers import CKPT, EXAMPLE_MODEL, ITERS, checkpoint_vs_live
 from trainer_client import load_checkpoint
 from trainer_client.commit import loopback_store
 
@@ -18,7 +18,18 @@ runner = CliRunner()
 
 
 def _args(run, *extra: str) -> list[str]:
-    return ["replay", "--run", run.run_id, "--root", run.root, "--cold-url", run.cold_url, *extra]
+    return [
+        "replay",
+        "--run",
+        run.run_id,
+        "--root",
+        run.root,
+        "--cold-url",
+        run.cold_url,
+        "--model",
+        EXAMPLE_MODEL,
+        *extra,
+    ]
 
 
 def test_plan_only_then_replay_writes_a_verified_checkpoint(f1b_run, tmp_path):
@@ -60,6 +71,8 @@ def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path)
             str(ITERS),
             "-o",
             str(tmp_path),
+            "--model",
+            EXAMPLE_MODEL,
         ],
     )
     assert (
@@ -71,6 +84,10 @@ def test_impossible_plans_and_bad_input_exit_nonzero(f1b_run, gap_run, tmp_path)
     assert not any(tmp_path.iterdir())
     r = runner.invoke(app, _args(f1b_run, "-s", "1"))
     assert r.exit_code == 2 and "--output is required" in r.output
+    # no silent default: the stage factory is named, or the replay does not start
+    no_model = ["replay", "--run", f1b_run.run_id, "--root", f1b_run.root, "-s", "1", "-o", str(tmp_path)]
+    r = runner.invoke(app, no_model)
+    assert r.exit_code == 2 and "--model is required" in r.output, r.output
     r = runner.invoke(app, _args(f1b_run, "-s", "9", "--plan-only"))
     assert r.exit_code == 2 and "outside the pipeline" in r.output
     r = runner.invoke(
@@ -169,7 +186,7 @@ def test_replay_takes_the_failed_stages_meta_from_the_commit_store(f1b_run, tmp_
                 meta_key(f"swiftlog/{f1b_run.run_id}", 1, it),
                 st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes(),
             )
-    args = ["replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1"]
+    args = ["replay", "--run", f1b_run.run_id, "--cold-url", cold, "-s", "1", "--model", EXAMPLE_MODEL]
     alone = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
     # alone: a neighbour's META stands in; every send matches, but the last step is unproven: NOT verified, exit 1
     assert (
@@ -252,6 +269,7 @@ def test_an_object_store_outage_plans_and_replays_from_the_hot_tiers(f1b_run, tm
         )
     }
     args = ["replay", "--run", f1b_run.run_id, "--root", f1b_run.root, "--cold-url", "s3://gone/x", "-s", "1"]
+    args += ["--model", EXAMPLE_MODEL]
     r = runner.invoke(app, [*args, "--plan-only", "--json"], env=dead)
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
@@ -283,6 +301,7 @@ def test_replay_through_node_servers_plans_from_what_the_servers_hold(f1b_run, t
     shutil.rmtree(Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "act_0_1")  # only on the node's disk
     with ServerProcess(Path(root)) as srv:
         args = ["replay", "--run", f1b_run.run_id, "--server", srv.url, "--cold-url", cold, "-s", "1"]
+        args += ["--model", EXAMPLE_MODEL]
         p = runner.invoke(app, [*args, "--plan-only", "--json"])
         assert p.exit_code == 0, p.output
         unit = json.loads(p.stdout)["units"][0]
@@ -332,6 +351,8 @@ def test_json_errors_of_an_unreachable_commit_store_and_a_corrupt_record(f1b_run
             tmp_path / "o",
             "--commit-store",
             f"127.0.0.1:{free_port()}",
+            "--model",
+            EXAMPLE_MODEL,
             "--json",
         ),
         ("show", str(key), "--root", root, "--run", f1b_run.run_id, "--json"),

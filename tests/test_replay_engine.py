@@ -1,18 +1,18 @@
-"""The replay engine on logs of real 4-stage pipeline runs (GPipe and 1F1B, dropout on).
+"""The replay loop on logs of real 4-stage pipeline runs (GPipe and 1F1B, dropout on).
 
 Sequential replay of every stage reproduces the live parameters, AdamW state, lr scheduler and
-iteration bit for bit and proves it against the receivers' digests; a logging group replays as
-one; the cold tier (moto S3), the hot tier and a node server over HTTP feed identical replays;
-a corrupt or missing record fails naming it; a perturbed model is caught at its first send.
+iteration bit for bit and proves it against the receivers' digests (also with clipping to a global
+norm, under autocast, with weights tied across stages); a logging group replays as one; a perturbed
+model is caught at its first send; a lost META is stood in for; the passes keep the live orders.
+Where the records come from: ``tests/test_replay_sources.py``; building the stages:
+``tests/test_replay_stages.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logstore import Channel, LogStore, RecordKey
-from logstore.errors import CorruptRecordError
 from replay import (
-    RemoteLogReader,
     ReplayJob,
     ReplayMismatchError,
     SourceSpec,
@@ -34,18 +32,12 @@ from replay import (
     replay_stage,
     replay_stages,
 )
-from replay.core import (
-    LogReader,
-    ReplayError,
-    ReplayHooks,
-    ReplayInputMissingError,
-    StageState,
-    _passes,
-    _Plan,
-    locate_logs,
-)
-from replay.engine import build_states, checkpoint_of
-from replay.examples import gpt_stage
+from replay._iteration_plan import IterationPlan
+from replay._iteration_plan import passes as plan_passes
+from replay.errors import ReplayInputMissingError
+from replay.reader import LogReader
+from replay.stage import ReplayHooks, StageState
+from replay.states import build_states, checkpoint_of
 from server.testing import ServerProcess
 from tests._replay_helpers import (
     CKPT,
@@ -53,29 +45,14 @@ from tests._replay_helpers import (
     NUM_STAGES,
     checkpoint_vs_live,
     copy_run_files,
-    corrupt_hot_record,
+    job_for,
     state_bytes_differ,
 )
 from trainer_client import load_checkpoint, save_checkpoint
-from trainer_client.commit import loopback_store
+from trainer_client.examples.factories import gpt_stage
 from trainer_client.examples.gpt import loss_fn
 
 pytest_plugins = ["tests._replay_fixtures"]
-
-
-def _job(run, stage_or_stages, tmp_path: Path, **kw) -> ReplayJob:
-    stages = [stage_or_stages] if isinstance(stage_or_stages, int) else list(stage_or_stages)
-    kw.setdefault("sources", [run.spec()])
-    kw.setdefault("output", str(tmp_path / "out"))
-    return ReplayJob(
-        run=run.run_id,
-        num_stages=NUM_STAGES,
-        stages=stages,
-        stop_iteration=ITERS,
-        checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
-        **run.job_fields(),
-        **kw,
-    )
 
 
 @pytest.fixture(params=[pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
@@ -87,7 +64,7 @@ def test_sequential_replay_of_every_stage_is_bit_exact(any_run, tmp_path):
     run = any_run
     n_mb = run.gpt.n_microbatches
     for k in range(NUM_STAGES):
-        res = replay(_job(run, k, tmp_path))
+        res = replay(job_for(run, k, tmp_path))
         ck = checkpoint_of(res, k)
         assert checkpoint_vs_live(ck, run.results[k]) == [], f"stage {k}"
         assert ck.extra["recovered"]["verified"] is True and ck.extra["recovered"]["from_iteration"] == CKPT
@@ -128,7 +105,7 @@ def test_clipping_to_a_global_norm_replays_bit_for_bit(clip_run, tmp_path):
             assert all(len(c) == 1 and c[0]["max_norm"] == 0.05 and c[0]["params"] is None for c in clips)
             assert min(norms) > 0.05 and max(norms) - min(norms) <= 1e-6 * max(norms)  # active; one global norm
     for stage, workers in ((1, 1), (3, 2)):
-        res = replay(_job(clip_run, stage, tmp_path / f"s{stage}", workers=workers))
+        res = replay(job_for(clip_run, stage, tmp_path / f"s{stage}", workers=workers))
         assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), clip_run.results[stage]) == [], (
             f"stage {stage}"
         )
@@ -140,7 +117,7 @@ def test_a_run_under_autocast_replays_under_it_bit_for_bit(autocast_run, tmp_pat
             {"device_type": "cpu", "dtype": "bfloat16", "cache_enabled": True}
         ]
     for stage, workers in ((3, 1), (1, 2)):
-        res = replay(_job(autocast_run, stage, tmp_path / f"s{stage}", workers=workers))
+        res = replay(job_for(autocast_run, stage, tmp_path / f"s{stage}", workers=workers))
         assert res.verified and checkpoint_vs_live(checkpoint_of(res, stage), autocast_run.results[stage]) == [], (
             f"stage {stage}"
         )
@@ -187,8 +164,8 @@ def test_the_report_counts_the_micro_batches_that_ran(f1b_run):
 
 def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, tmp_path):
     seen = []
-    a = replay(_job(f1b_run, 1, tmp_path / "a", prefetch=0))
-    b = replay(_job(f1b_run, 1, tmp_path / "b", prefetch=3), on_progress=seen.append)
+    a = replay(job_for(f1b_run, 1, tmp_path / "a", prefetch=0))
+    b = replay(job_for(f1b_run, 1, tmp_path / "b", prefetch=3), on_progress=seen.append)
     assert (
         state_bytes_differ(
             a.states[0].module.state_dict(),
@@ -210,37 +187,6 @@ def test_prefetch_does_not_change_the_result_and_progress_is_reported(f1b_run, t
     assert b.to_dict()["report"]["verified"] is True
 
 
-class _ListingCounter:
-    """A record source that counts its listings (``keys`` / ``list_records`` calls)."""
-
-    def __init__(self, inner):
-        self.inner, self.listings = inner, 0
-
-    def keys(self, *a, **kw):
-        self.listings += 1
-        return self.inner.keys(*a, **kw)
-
-    def list_records(self, *a, **kw):
-        self.listings += 1
-        return self.inner.list_records(*a, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def test_locate_logs_lists_ahead_of_the_replay_and_never_raises(f1b_run, tmp_path):
-    with f1b_run.store() as st:
-        src = _ListingCounter(st)
-        reader = LogReader([src])
-        locate_logs(reader, [1], NUM_STAGES, CKPT)
-        listed = src.listings
-        assert listed > 0 and reader.meta(1, CKPT) is not None
-        assert reader.part_keys(Channel.activation(0), CKPT, 0) and reader.part_keys(Channel.gradient(2), CKPT, 1)
-        assert src.listings == listed  # the replay's first iteration finds them listed already
-    with LogStore.open(tmp_path / "empty", "other-run") as empty:
-        locate_logs(LogReader([empty]), [1], NUM_STAGES, CKPT)  # nothing there: left for the replay to report
-
-
 def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
     # a logging group [0, 1] (its inner boundary was not logged) restarts and replays as one
     with groups_run.store() as st:
@@ -254,119 +200,14 @@ def test_group_replay_of_two_adjacent_stages(groups_run, f1b_run, tmp_path):
         res.verified and res.report.digests_checked == (ITERS - CKPT) * groups_run.gpt.n_microbatches
     )  # act 1->2 only
     # two adjacent stages of a fully logged run can also replay chained in one process
-    res2 = replay(_job(f1b_run, [1, 2], tmp_path / "12"))
+    res2 = replay(job_for(f1b_run, [1, 2], tmp_path / "12"))
     for k in (1, 2):
         assert checkpoint_vs_live(checkpoint_of(res2, k), f1b_run.results[k]) == [], f"stage {k}"
     assert res2.verified and res2.report.digests_checked == 2 * (ITERS - CKPT) * f1b_run.gpt.n_microbatches
 
 
-@pytest.mark.slow
-def test_replay_from_the_cold_tier_equals_replay_from_the_hot_tier(gpipe_s3_run, tmp_path):
-    run = gpipe_s3_run
-    hot = replay(_job(run, 2, tmp_path / "hot", sources=[run.spec(cold=False)]))
-    cold = replay(_job(run, 2, tmp_path / "cold", sources=[run.cold_spec()]))
-    assert hot.verified and cold.verified
-    a, b = checkpoint_of(hot, 2), checkpoint_of(cold, 2)
-    assert state_bytes_differ(a.model, a.optimizer, b.model, b.optimizer) == [] and a.lr_scheduler == b.lr_scheduler
-    assert checkpoint_vs_live(b, run.results[2]) == []
-    # the cold tier really served it: a cold-only store lists the records and has no hot tier
-    with run.cold_store() as st:
-        assert st.keys(Channel.activation(1), CKPT, ITERS) and st.stats()["hot"]["records"] == 0
-
-
-def test_replay_through_a_node_server(f1b_run, tmp_path):
-    with ServerProcess(Path(f1b_run.root), cold_url=f1b_run.cold_url) as srv:
-        res = replay(_job(f1b_run, 1, tmp_path, sources=[SourceSpec.parse(srv.url)]))
-        assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
-        with RemoteLogReader(srv.url, f1b_run.run_id) as reader:
-            st = build_states(_job(f1b_run, 2, tmp_path))[0]
-            rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn, prefetch=1)
-            assert rep.verified and rep.records_fetched > 0
-            missing = RecordKey(Channel.activation(1), ITERS + 5, 0)
-            with pytest.raises(ReplayInputMissingError) as ei:  # the server answers 404 for what it does not have
-                reader.get(missing)
-            assert ei.value.key == missing and str(missing) in str(ei.value)
-
-
-@pytest.mark.slow
-def test_the_python_api_plans_and_replays_over_a_node_server_and_a_root(f1b_run, tmp_path):
-    """README's Python snippet with a node server among the sources: plan_recovery reads it through
-    its API, jobs_from_plan turns each source object into its spec, the replay is exact."""
-    from replay.remote import HttpRecordSource
-
-    with (
-        ServerProcess(Path(f1b_run.root)) as srv,
-        HttpRecordSource(srv.url, f1b_run.run_id) as http,
-        LogStore.open(f1b_run.root, f1b_run.run_id) as st,
-        f1b_run.cold_store() as cold,
-    ):
-        plan = plan_recovery([http, st, cold], [1])
-        # inputs and digests from the server (first, and it holds them hot); the failed stage's own META from the cold tier
-        # (its hot copy is on the failed stage's node: read only if nothing else has it)
-        assert plan.possible and {(f.purpose, f.source) for f in plan.units[0].fetch} == {
-            ("input", 0),
-            ("verify", 0),
-            ("meta", 2),
-        }
-        (job,) = jobs_from_plan(plan, sources=[http, st, cold], output=str(tmp_path / "out"), **f1b_run.job_fields())
-        assert [(sp.kind, sp.location) for sp in job.sources] == [
-            ("http", srv.url),
-            ("store", f1b_run.root),
-            ("cold", f1b_run.cold_url),
-        ]
-        res = replay(job)
-    assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
-
-
-def test_a_record_on_a_survivors_disk_is_read_there_not_from_the_object_store(f1b_run, tmp_path):
-    """Sources in the order cold tier, node root: every record is asked of the node first (its hot
-    tier lists it), not of the object store that listed it first (was: all of them from there)."""
-
-    class Counting:  # the run's cold tier, counting what is read from it
-        def __init__(self, inner):
-            self.inner, self.gets = inner, 0
-
-        def get(self, key):
-            self.gets += 1
-            return self.inner.get(key)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    with f1b_run.cold_store() as cold, LogStore.open(f1b_run.root, f1b_run.run_id) as node:
-        counting = Counting(cold)
-        res = replay(_job(f1b_run, 1, tmp_path), sources=[counting, node])
-        assert res.verified and res.report.records_fetched > 0 and counting.gets == 0
-    assert checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
-
-
-def test_a_corrupt_record_fails_the_replay_naming_it(f1b_run, tmp_path):
-    root, _ = copy_run_files(f1b_run, tmp_path)
-    key = RecordKey(Channel.gradient(3), 4, 2, 0)
-    corrupt_hot_record(root, f1b_run.run_id, key)
-    src = SourceSpec(kind="store", location=root)  # the node's hot tiers: their copy is the corrupt one
-    with pytest.raises(CorruptRecordError) as ei:
-        replay(_job(f1b_run, 2, tmp_path, sources=[src], prefetch=2))
-    assert str(key) in str(ei.value) and ei.value.key == key
-    with LogStore.open(root, f1b_run.run_id) as st:
-        plan = plan_recovery(st, [2], check_records=True)
-    assert not plan.possible and plan.units[0].missing == [str(key)]
-
-
-def test_a_missing_record_fails_the_replay_naming_it(f1b_run, tmp_path):
-    _, cold = copy_run_files(f1b_run, tmp_path)
-    seg_dir = Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / "grad_2_1"
-    for p in seg_dir.glob("000000000004-*"):
-        p.unlink()
-    src = SourceSpec(kind="cold", location=cold)
-    with pytest.raises(ReplayInputMissingError) as ei:
-        replay(_job(f1b_run, 1, tmp_path, sources=[src]))
-    assert str(ei.value.key) == "grad_2_1/it4/mb0/p0" and "grad_2_1" in str(ei.value)
-    assert not (tmp_path / "out").exists()  # nothing is written when the replay failed
-
-
 def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
-    job = _job(f1b_run, 2, tmp_path)
+    job = job_for(f1b_run, 2, tmp_path)
     (st,) = build_states(job)
     w = dict(st.module.named_parameters())["blocks.0.fc1.weight"]
     with torch.no_grad():
@@ -410,120 +251,8 @@ def test_verification_catches_a_perturbed_model(f1b_run, tmp_path):
     )  # a wrong state is never written as a recovered checkpoint
 
 
-def test_a_stage_factory_of_the_wrong_shape_is_named(f1b_run, tmp_path):
-    """A factory with another signature, or one that returns something else than (module,
-    optimizer, scheduler), is a ReplayError naming the factory and the expected form."""
-    job = _job(f1b_run, 1, tmp_path)
-
-    def two_args(stage, num_stages, **kw):
-        raise AssertionError("never called with two arguments")
-
-    def two_things(stage, num_stages, checkpoint, **kw):
-        return gpt_stage(stage, num_stages, checkpoint, **kw)[:2]
-
-    with pytest.raises(
-        ReplayError,
-        match=r"stage 1: calling the given stage factory failed: TypeError: .*two_args\(\) takes 2 positional arguments",
-    ) as e:
-        build_states(job, factory=two_args)
-    assert (
-        "fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)" in e.value.hint
-    )
-    with pytest.raises(
-        ReplayError,
-        match=r"stage 1: the given stage factory returned a tuple of 2 \(StageModule, AdamW\), not \(module, optimizer, lr_scheduler or None\)",
-    ):
-        build_states(job, factory=two_things)
-
-
-def test_checkpoints_must_agree(f1b_run, tmp_path):
-    job = _job(f1b_run, [1, 2], tmp_path)
-    with pytest.raises(ValueError, match="no checkpoint URI"):
-        ReplayJob.from_dict({**job.to_dict(), "checkpoints": {"1": job.checkpoints[1]}})
-    wrong = job.replace(checkpoints={1: job.checkpoints[2], 2: job.checkpoints[2]})
-    with pytest.raises(Exception, match="stage 2, not run"):
-        replay(wrong)
-    assert ReplayJob.from_dict(job.to_dict()) == job
-    states = [
-        StageState.from_checkpoint(
-            load_checkpoint(job.checkpoints[k]),
-            *gpt_stage(k, NUM_STAGES, load_checkpoint(job.checkpoints[k]), **f1b_run.gpt.to_dict()),
-        )
-        for k in (1, 2)
-    ]
-    rep = replay_stages(states, f1b_run.store(), num_stages=NUM_STAGES, stop_iteration=CKPT)  # nothing to do is fine
-    # and verified: the result is the durable checkpoint (a torchrun restart replays every stage to f, and some are there already)
-    assert rep.iterations_done == 0 and rep.micro_batches == 0 and rep.verified
-    last = load_checkpoint(
-        f1b_run.results[3]["checkpoints"][CKPT]
-    )  # the last stage needs no loss function for nothing (it asked for one)
-    rep = replay_stages(
-        [StageState.from_checkpoint(last, *gpt_stage(3, NUM_STAGES, last, **f1b_run.gpt.to_dict()))],
-        f1b_run.store(),
-        num_stages=NUM_STAGES,
-        stop_iteration=CKPT,
-    )
-    assert rep.iterations_done == 0 and rep.verified
-
-
-def _other_model(
-    stage: int, num_stages: int, checkpoint: object, **kw: object
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, None]:
-    m = torch.nn.Linear(3, 3)
-    return m, torch.optim.SGD(m.parameters(), lr=0.1), None
-
-
-def test_a_stage_factory_that_builds_another_model_is_told_what_to_pass(f1b_run, tmp_path):
-    """A user who forgets --model gets the example GPT's factory: the checkpoint does not fit it,
-    and the error says which keys and what to pass, instead of a traceback from load_state_dict."""
-    with pytest.raises(
-        ReplayError,
-        match=r"(?s)stage 1: checkpoint \S+ of stage 1 \(iteration \d+\) does not fit the model Linear: .*Missing key\(s\)",
-    ) as e:
-        replay(_job(f1b_run, 1, tmp_path), factory=_other_model)
-    assert "--model module:function" in (e.value.hint or "")
-
-
-def test_a_lost_meta_of_the_last_stage_leaves_its_loss_function_to_its_neighbours(f1b_run, tmp_path):
-    """The replay of the last stage uses the loss function META names; without the stage's own META
-    (an offline replay after its node died), the one the stage before it names, and says so."""
-    _, cold = copy_run_files(f1b_run, tmp_path)
-    for p in (Path(cold[len("file://") :]) / f1b_run.run_id / "segments" / f"meta_{NUM_STAGES - 1}").glob("*"):
-        p.unlink()
-    res = replay(_job(f1b_run, NUM_STAGES - 1, tmp_path, sources=[SourceSpec(kind="cold", location=cold)]))
-    assert res.job.loss is None and res.report.ok  # every send matched; the last step is not proven (below)
-    assert not res.verified and res.report.unknown_steps == list(range(CKPT, ITERS))
-    assert checkpoint_vs_live(checkpoint_of(res, NUM_STAGES - 1), f1b_run.results[NUM_STAGES - 1]) == []
-
-
-def test_an_error_in_the_users_model_names_where_the_replay_was(f1b_run, tmp_path):
-    """A stage factory whose module fails on what it receives: a ReplayError naming the stage,
-    iteration and micro-batch and what to check (was torch's bare traceback), the cause chained."""
-    from replay.core import load_object
-
-    job = _job(f1b_run, 1, tmp_path)
-    real = load_object(job.model)
-
-    def broken(stage, num_stages, checkpoint, **kw):
-        built = real(stage, num_stages, checkpoint, **kw)
-
-        def boom(*a, **k):
-            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)\nmore torch text")
-
-        built[0].forward = boom
-        return built
-
-    with pytest.raises(
-        ReplayError,
-        match=rf"stage 1 iteration {CKPT} micro-batch 0: the stage's forward raised RuntimeError: mat1 and mat2 "
-        r"shapes cannot be multiplied \(4x8 and 16x8\) \(hint: ",
-    ) as e:
-        replay(job, factory=broken)
-    assert "--model" in (e.value.hint or "") and isinstance(e.value.__cause__, RuntimeError)
-
-
 def test_a_job_names_the_device_it_replays_on(f1b_run, tmp_path):
-    job = _job(f1b_run, 1, tmp_path, device="cpu")
+    job = job_for(f1b_run, 1, tmp_path, device="cpu")
     res = replay(job)
     assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
     assert ReplayJob.from_dict(job.to_dict()).device == "cpu"
@@ -543,7 +272,7 @@ def test_a_lost_meta_record_is_stood_in_for_by_a_neighbours(f1b_run, tmp_path):
         plan = plan_recovery(st, [1])
     assert plan.possible and any("stands in" in w for w in plan.units[0].warnings)
     assert {f.channel for f in plan.units[0].fetch if f.purpose == "meta"} == {"meta_0"}
-    res = replay(_job(f1b_run, 1, tmp_path, sources=[src]))
+    res = replay(job_for(f1b_run, 1, tmp_path, sources=[src]))
     assert (
         checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
     )  # this run neither clips nor sets rates by hand
@@ -569,7 +298,7 @@ def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, t
             f"1/{it}": st.get(RecordKey(Channel.meta(1), it, 0)).numpy().tobytes().decode() for it in range(CKPT, ITERS)
         }
     metas = SourceSpec(kind="metas", location="the commit store", docs=docs)
-    job = _job(f1b_run, 1, tmp_path, sources=[metas, SourceSpec(kind="cold", location=cold)])
+    job = job_for(f1b_run, 1, tmp_path, sources=[metas, SourceSpec(kind="cold", location=cold)])
     assert ReplayJob.from_dict(job.to_dict()).sources[0] == metas
     res = replay(job)
     assert res.verified and checkpoint_vs_live(checkpoint_of(res, 1), f1b_run.results[1]) == []
@@ -582,133 +311,6 @@ def test_meta_documents_from_the_commit_store_stand_for_the_lost_ones(f1b_run, t
         src.get(RecordKey(Channel.activation(0), CKPT, 0))
     with pytest.raises(ValueError, match="carries docs"):
         SourceSpec(kind="metas", location="the commit store")
-
-
-def test_an_unreachable_node_server_falls_through_to_the_next_source(f1b_run, tmp_path):
-    from logstore.testing import free_port
-    from replay.plan import cold_only_store
-
-    dead = f"http://127.0.0.1:{free_port()}"
-    with (
-        cold_only_store(f1b_run.cold_url, f1b_run.run_id) as cold,
-        RemoteLogReader(dead, f1b_run.run_id, fallback=[cold], retries=1) as reader,
-    ):
-        st = build_states(_job(f1b_run, 1, tmp_path))[0]
-        rep = replay_stage(st, reader, num_stages=NUM_STAGES, stop_iteration=ITERS, loss_fn=loss_fn)
-    assert rep.verified
-    from replay.remote import HttpRecordSource, NodeUnavailableError
-
-    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src, pytest.raises(NodeUnavailableError) as ei:
-        src.get(RecordKey(Channel.activation(0), CKPT, 0))
-    assert ei.value.retryable and "unavailable" in str(ei.value)
-    # every source unlistable: no plan of zero iterations "verified" (a QA check: a node server answering 500), but why not
-    with (
-        HttpRecordSource(dead, f1b_run.run_id, retries=1) as src,
-        pytest.raises(ValueError, match=r"no source could be read: listing channels of"),
-    ):
-        plan_recovery([src], [1])
-    with HttpRecordSource(dead, f1b_run.run_id, retries=1) as src:  # the checkpoints known, the logs not
-        plan = plan_recovery([src], [1], num_stages=NUM_STAGES)
-    assert not plan.possible and plan.units[0].reasons[0].startswith(
-        "no source could list the run's logs: listing channels of"
-    ), plan.reasons
-
-
-def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path):
-    """recover_stage(helpers=1) publishes the job, waits for the rendezvous, and when no helper
-    shows up within the timeout replays alone: still verified and bit-exact."""
-    import datetime
-    import json
-
-    from replay.replacement import recover_stage
-    from trainer_client.recovery_keys import RecoveryKeys
-
-    store = loopback_store(datetime.timedelta(seconds=30))
-    keys = RecoveryKeys(f1b_run.run_id)
-    store.set(keys.failed_stages(0), json.dumps([1]))
-    for k in (0, 2, 3):  # the survivors' reports: where they stand and where their logs are
-        store.set(
-            keys.survivor(0, k), json.dumps({"resume": ITERS, "store_root": f1b_run.root, "cold_url": f1b_run.cold_url})
-        )
-    ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
-    rec = recover_stage(
-        store,
-        run_id=f1b_run.run_id,
-        stage=1,
-        num_stages=NUM_STAGES,
-        generation=0,
-        checkpoint_url=ck_base,
-        sources=None,
-        model_args=f1b_run.gpt.to_dict(),
-        n_microbatches=f1b_run.gpt.n_microbatches,
-        threads=1,
-        helpers=1,
-        timeout=datetime.timedelta(seconds=3),
-    )
-    assert rec.verified and rec.resume == ITERS and rec.checkpoint_iteration == CKPT
-    assert rec.timings["workers"] == 1  # replayed alone after the helper did not come
-    assert json.loads(store.get(keys.replay_job(0, 1)))["world"] == 2  # the job was published for it
-    live = f1b_run.results[1]
-    assert (
-        state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
-    )
-
-
-def test_stages_built_ahead_are_used_once_and_only_for_their_job(f1b_run, tmp_path, caplog):
-    """PreparedStates (a replacement builds from its newest checkpoint while it waits for the
-    survivors): a matching job uses the objects built ahead, once; a different job, a second
-    replay or a failed guess builds its own; the replay stays bit-exact either way."""
-    from replay.engine import PreparedStates
-    from replay.replacement import prepare_states
-
-    builds = []
-
-    def counting(*a, **kw):
-        builds.append(a[0])
-        return gpt_stage(*a, **kw)
-
-    job = _job(f1b_run, 1, tmp_path, output=None)
-    ahead = PreparedStates(
-        run=job.run,
-        num_stages=NUM_STAGES,
-        stages=[1],
-        checkpoints=job.checkpoints,
-        model=job.model,
-        model_args=job.model_args,
-        factory=counting,
-    )
-    assert not ahead.matches(job.replace(model_args={**job.model_args, "dropout": 0.0}))
-    assert ahead.take(job.replace(checkpoints={1: job.checkpoints[1] + ".other"})) is None and builds == [1]
-    live = f1b_run.results[1]
-    first = replay(job, factory=counting, prepared=ahead)
-    assert builds == [1], "the objects built ahead were not used"
-    second = replay(job, factory=counting, prepared=ahead)  # taken already: built anew
-    assert builds == [1, 1] and second.states[0].module is not first.states[0].module
-    for res in (first, second):
-        st = res.states[0]
-        assert (
-            res.verified
-            and state_bytes_differ(st.module.state_dict(), st.optimizer.state_dict(), live["model"], live["optimizer"])
-            == []
-        )
-    # the replacement's guess: the newest common checkpoint under the checkpoint URL
-    ck_base = f1b_run.results[1]["checkpoints"][CKPT].rsplit("/stage", 1)[0]
-    assert prepare_states(
-        ck_base, run_id=job.run, stages=[1], num_stages=NUM_STAGES, model_args=job.model_args
-    ).matches(job)
-    # nothing to guess from, or a guess that fails: nothing is handed out and nothing raises
-    with caplog.at_level("INFO", logger="replay.engine"):
-        assert (
-            prepare_states(str(tmp_path / "no-checkpoints"), run_id=job.run, stages=[1], num_stages=NUM_STAGES).take(
-                job
-            )
-            is None
-        )
-        broken = PreparedStates(
-            run=job.run, num_stages=NUM_STAGES, stages=[1], checkpoints={1: str(tmp_path / "missing.pt")}
-        )
-        assert broken.take(job) is None
-    assert "building stages [1] ahead failed" in caplog.text
 
 
 @st.composite
@@ -724,7 +326,7 @@ def _orders(draw):
 @given(_orders())
 def test_passes_keep_the_live_orders_and_run_each_backward_as_early_as_they_allow(orders):
     fwd, bwd, mine = orders
-    passes = _passes(_Plan(len(fwd), fwd, bwd, 1, None, mine))
+    passes = plan_passes(IterationPlan(len(fwd), fwd, bwd, 1, None, mine))
     assert [mb for k, mb in passes if k == "F"] == [mb for mb in fwd if mb in mine]  # live forward order: buffers
     assert [mb for k, mb in passes if k == "B"] == mine  # live backward order: gradient sums
     seen = 0
@@ -741,69 +343,11 @@ def test_passes_keep_the_live_orders_and_run_each_backward_as_early_as_they_allo
         assert passes == [p for mb in mine for p in (("F", mb), ("B", mb))]
 
 
-class _SlowListing:
-    """A real store whose key listings take 50 ms and are counted (to make two readers overlap)."""
-
-    def __init__(self, inner: LogStore) -> None:
-        self.inner, self.listings = inner, 0
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def keys(self, channel=None, it_lo=0, it_hi=None):
-        self.listings += 1
-        time.sleep(0.05)
-        return self.inner.keys(channel, it_lo, it_hi)
-
-    def gaps(self):
-        return self.inner.gaps()
-
-
-def test_concurrent_listings_of_one_window_share_one_call_per_source(f1b_run):
-    with f1b_run.store() as st:
-        src = _SlowListing(st)
-        reader = LogReader([src])
-        ch = Channel.activation(0)
-        with ThreadPoolExecutor(4) as pool:  # the compute and the prefetch thread start on the same iteration
-            got = list(pool.map(lambda mb: reader.part_keys(ch, CKPT, mb % 2), range(4)))
-        assert src.listings == 1
-        assert got[0] == got[2] == st.keys(ch, CKPT, CKPT + 1)[: len(got[0])] and got[0] and got[1] and got[0] != got[1]
-        assert reader.part_keys(ch, CKPT + 1, 0) and src.listings == 1  # the window was listed at once
-
-
-class _CountingGets:
-    def __init__(self, inner: LogStore) -> None:
-        self.inner, self.gets = inner, 0
-
-    def get(self, key):
-        self.gets += 1
-        return self.inner.get(key)
-
-    def keys(self, channel=None, it_lo=0, it_hi=None):
-        return self.inner.keys(channel, it_lo, it_hi)
-
-    def gaps(self):
-        return self.inner.gaps()
-
-
-def test_a_key_is_asked_first_of_the_source_that_listed_it(f1b_run, tmp_path):
-    with LogStore.open(str(tmp_path / "empty"), f1b_run.run_id) as empty, f1b_run.store() as full:
-        a, b = _CountingGets(empty), _CountingGets(full)
-        reader = LogReader([a, b])
-        ch = Channel.activation(1)
-        parts = reader.require_parts(ch, CKPT, 1)
-        assert parts and a.gets == 0 and b.gets == len(parts)
-        assert all(torch.equal(p, full.get(k)) for p, k in zip(parts, reader.part_keys(ch, CKPT, 1), strict=True))
-        with pytest.raises(ReplayInputMissingError):  # a key nobody listed is still looked for everywhere
-            reader.get(RecordKey(ch, ITERS + 5, 0))
-        assert a.gets == 1 and b.gets == len(parts) + 1
-
-
 def test_a_replacement_says_in_words_why_its_replay_is_not_verified():
     """A QA check: a replacement's fallback read "first mismatch None, missing digests []; not every
     send could be checked, or the last step is unproven", which did not say which. Now it names the
     one reason that applies."""
-    from replay.core import ReplayReport
+    from replay.report import ReplayReport
 
     def _unverified(r: ReplayReport) -> str:
         return r.unverified_reason
@@ -834,10 +378,10 @@ def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reducti
     says what is missing and the replay names the record."""
     n_reduced = ITERS - CKPT
     for k in (0, NUM_STAGES - 1):
-        res = replay(_job(tied_run, k, tmp_path / f"s{k}"))
+        res = replay(job_for(tied_run, k, tmp_path / f"s{k}"))
         assert res.verified and checkpoint_vs_live(checkpoint_of(res, k), tied_run.results[k]) == [], f"stage {k}"
         assert res.report.steps_checked == n_reduced and res.report.grad_mismatches == []
-    par = replay(_job(tied_run, 0, tmp_path / "par", workers=2))
+    par = replay(job_for(tied_run, 0, tmp_path / "par", workers=2))
     assert par.verified and checkpoint_vs_live(checkpoint_of(par, 0), tied_run.results[0]) == []
     with ServerProcess(
         Path(tied_run.root), cold_url=tied_run.cold_url
@@ -846,7 +390,7 @@ def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reducti
             urllib.request.Request(f"{srv.url}/v1/runs/{tied_run.run_id}", headers=srv.headers())
         ) as resp:
             assert "reduced_0" in {c["name"] for c in json.load(resp)["channels"]}
-        res = replay(_job(tied_run, 0, tmp_path / "srv", sources=[SourceSpec.parse(srv.url)]))
+        res = replay(job_for(tied_run, 0, tmp_path / "srv", sources=[SourceSpec.parse(srv.url)]))
         assert (
             res.verified
             and res.report.iterations_done == ITERS - CKPT
@@ -869,7 +413,7 @@ def test_weights_tied_across_stages_replay_bit_for_bit_from_their_logged_reducti
     assert not plan.possible and plan.units[0].missing[0] == f"reduced_0/it{CKPT}/mb0/p0", plan.units[0].missing
     assert any("all_reduce_grads_" in r for r in plan.reasons), plan.reasons
     with pytest.raises(ReplayInputMissingError) as ei:
-        replay(_job(tied_run, 0, tmp_path / "missing", sources=[src]))
+        replay(job_for(tied_run, 0, tmp_path / "missing", sources=[src]))
     assert str(ei.value.key) == f"reduced_0/it{CKPT}/mb0/p0"
 
 
@@ -878,14 +422,14 @@ def test_a_plain_all_reduce_of_tied_weights_makes_the_replay_unverified(raw_tied
     The gradient digests in META show it at the first replayed step (the last one too, where no
     later send could): not verified, naming the stage, iteration and parameter; never written."""
     k = NUM_STAGES - 1
-    res = replay(_job(raw_tied_run, k, tmp_path))
+    res = replay(job_for(raw_tied_run, k, tmp_path))
     assert not res.verified and res.outputs == {}
     assert res.report.grad_mismatches[0] == {"stage": k, "iteration": CKPT, "params": ["head.weight"]}
     assert (
         f"stage {k} iteration {CKPT}: the gradients the optimizer step used differ from the live step's (head.weight)"
         in res.report.unverified_reason
     )
-    job = _job(raw_tied_run, k, tmp_path / "last")
+    job = job_for(raw_tied_run, k, tmp_path / "last")
     last = replay(job.replace(stop_iteration=CKPT + 1))
     assert (
         not last.verified

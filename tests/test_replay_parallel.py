@@ -32,20 +32,14 @@ from replay import (
     replay,
     replay_stages,
 )
-from replay.core import LogReader, ReplayError, ReplayInputMissingError, ReplayOrderError, StageState
-from replay.engine import build_states, checkpoint_of
-from replay.parallel import (
-    SHM_DIR,
-    _Claims,
-    _GradReducer,
-    _remove_stale_chains,
-    _Share,
-    _SharedChain,
-    adamw_update_bound,
-    balanced_counts,
-    share_layout,
-    slice_of,
-)
+from replay.errors import ReplayError, ReplayInputMissingError, ReplayOrderError
+from replay.parallel import adamw_update_bound, balanced_counts, slice_of
+from replay.parallel.chain import SHM_DIR, SharedChain, remove_stale_chains
+from replay.parallel.reducer import GradReducer
+from replay.parallel.shares import Claims, Share, share_layout
+from replay.reader import LogReader
+from replay.stage import StageState
+from replay.states import build_states, checkpoint_of
 from server.testing import subprocess_env
 from tests._replay_helpers import (
     CKPT,
@@ -71,8 +65,7 @@ def _job(run, stages, out: Path, **kw) -> ReplayJob:
         stop_iteration=ITERS,
         output=str(out),
         checkpoints={k: run.results[k]["checkpoints"][CKPT] for k in stages},
-        **run.job_fields(),
-        **kw,
+        **{**run.job_fields(), **kw},
     )
 
 
@@ -121,7 +114,7 @@ def test_gradient_buckets_are_contiguous_runs_of_one_dtype():
     ]
     for i, (shape, dt) in enumerate(shapes):
         m.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(shape, dtype=dt)))
-    red = _GradReducer([StageState(0, m, torch.optim.SGD(m.parameters(), lr=0.1))], 0, 1, exact=True, start=0)
+    red = GradReducer([StageState(0, m, torch.optim.SGD(m.parameters(), lr=0.1))], 0, 1, exact=True, start=0)
     assert red.buckets == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]  # 600x600 fp32 > 1 MiB: alone
     covered = {dt: 0 for dt in red.dtypes}
     for b, r in enumerate(red.buckets):
@@ -179,8 +172,8 @@ def test_share_layouts_partition_the_micro_batches_and_claims_split_the_conteste
                 for r in range(0, k - 1, 2):  # a pair: claims interleaved at random
                     (sa, ca, _), (sb, cb, _) = lay[r], lay[r + 1]
                     assert ca == cb and sa.stop == ca.start and cb.stop == sb.start
-                    claims = _Claims(dist.PrefixStore(f"{n}-{k}-{counts}-{r}", store))
-                    shares = [_Share(range(n), sa, ca, True, "x"), _Share(range(n), sb, cb, False, "x")]
+                    claims = Claims(dist.PrefixStore(f"{n}-{k}-{counts}-{r}", store))
+                    shares = [Share(range(n), sa, ca, True, "x"), Share(range(n), sb, cb, False, "x")]
                     got: list[list[int]] = [list(sa), list(sb)]
                     rng = random.Random(n * 31 + k)
                     while not all(sh.done for sh in shares):
@@ -198,29 +191,29 @@ def test_dynamic_shares_only_where_a_micro_batch_is_worth_a_claim():
     micro-batch took at least claim_min_s, measured lag iterations before (the same numbers on
     every worker), or before anything was measured (freshly started workers differ most)."""
     m = torch.nn.Linear(2, 2)
-    red = _GradReducer(
+    red = GradReducer(
         [StageState(0, m, torch.optim.SGD(m.parameters(), lr=0.1))],
         0,
         2,
         exact=True,
         start=5,
         lag=2,
-        claims=_Claims(dist.HashStore()),
+        claims=Claims(dist.HashStore()),
         claim_min_s=0.02,
     )
     try:
-        assert red._dynamic(5) and red._dynamic(6)
-        red.per_mb[5] = [0.01, 0.01]
-        assert not red._dynamic(7)
-        red.per_mb[6] = [0.03, 0.03]
-        assert red._dynamic(8)
-        assert red.select(8, list(range(8))) == [0, 1] and red.likely(8, list(range(8))) == [
+        assert red.schedule.dynamic(5) and red.schedule.dynamic(6)
+        red.schedule.per_mb[5] = [0.01, 0.01]
+        assert not red.schedule.dynamic(7)
+        red.schedule.per_mb[6] = [0.03, 0.03]
+        assert red.schedule.dynamic(8)
+        assert red.schedule.select(8, list(range(8))) == [0, 1] and red.schedule.likely(8, list(range(8))) == [
             2,
             3,
         ]  # sure, then its side of the boundary
-        assert red.select(7, list(range(8))) == [0, 1, 2, 3]  # fixed
-        red.claim_min_s = 0.0
-        assert red._dynamic(7)
+        assert red.schedule.select(7, list(range(8))) == [0, 1, 2, 3]  # fixed
+        red.schedule.claim_min_s = 0.0
+        assert red.schedule.dynamic(7)
     finally:
         red.close()
 
@@ -251,7 +244,7 @@ def test_dynamic_shares_move_micro_batches_off_a_slow_worker_at_once_and_stay_bi
 
 def _shm_usable() -> bool:
     """Whether this host's /dev/shm can hold a shared chain (worker 0's own test of it)."""
-    path = _SharedChain.create(SHM_DIR, 1 << 16, b"probe")
+    path = SharedChain.create(SHM_DIR, 1 << 16, b"probe")
     if path is not None:
         os.unlink(path)
     return path is not None
@@ -352,7 +345,8 @@ def test_approximate_parallel_replay_stays_within_the_stated_bound(workers, f1b_
             err = (g_par - g_seq).abs()
             assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
             worst = max(worst, float(err.max()))
-    # the dumped bounds are float32 products (rounded to nearest), the reported one the float64 product: equal within an ulp
+    # the dumped bounds are float32 products (rounded to nearest), the reported one the float64 product: equal
+    # within an ulp
     assert 0 < par.grad_error_bound and par.grad_error_bound >= max(
         float(b.max()) for b in dump["bound"] if b is not None
     ) * (1 - 2**-23)
@@ -430,7 +424,8 @@ def test_a_group_whose_stages_ran_one_order_replays_buffers_changed_in_the_backw
 
 
 def test_frozen_parameters_replay_in_parallel_as_sequentially(f1b_run, tmp_path):
-    model = "tests._replay_helpers:frozen_ln_gpt_stage"  # differs from the live run: compared with the sequential replay only
+    # differs from the live run: compared with the sequential replay only
+    model = "tests._replay_helpers:frozen_ln_gpt_stage"
     seq = replay(_job(f1b_run, [1], tmp_path / "seq", model=model, verify=False))
     par = replay(_job(f1b_run, [1], tmp_path / "par", model=model, verify=False, workers=2))
     a, b = checkpoint_of(seq, 1), checkpoint_of(par, 1)
@@ -501,7 +496,7 @@ def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str,
     (as a worker on another host or in another IPC namespace would not)."""
     import os as _os
 
-    from replay import parallel as par
+    from replay.parallel.chain import SharedChain as _Chain
 
     store = dist.TCPStore(
         "127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=60)
@@ -514,7 +509,7 @@ def _open_shared_chain(rank: int, port: int, hide_file_on_rank1: bool, out: str,
                 False if str(p).startswith(_os.path.join(directory, "swiftlog-chain-")) else real(p)
             )  # type: ignore[assignment]
         sizes = {torch.float32: 1000, torch.bfloat16: 17}
-        sc = par._SharedChain.open(sizes, rank, directory=directory)
+        sc = _Chain.open(sizes, rank, directory=directory)
         got = {"mapped": sc is not None}
         if sc is not None:  # one worker's writes are the other's reads, in both parity buffers
             if rank == 0:
@@ -560,19 +555,19 @@ def test_a_chain_file_a_killed_worker_left_is_removed_once_older_than_the_rendez
     hour_ago = time.time() - 3600
     for p in (stale, other):
         os.utime(p, (hour_ago, hour_ago))
-    path = _SharedChain.create(str(tmp_path), 1 << 12, b"token")
+    path = SharedChain.create(str(tmp_path), 1 << 12, b"token")
     assert path is not None and sorted(os.listdir(tmp_path)) == sorted([young.name, other.name, os.path.basename(path)])
     os.unlink(path)
-    assert _remove_stale_chains(str(tmp_path), older_than_s=0.0) == [young.name] and sorted(os.listdir(tmp_path)) == [
+    assert remove_stale_chains(str(tmp_path), older_than_s=0.0) == [young.name] and sorted(os.listdir(tmp_path)) == [
         other.name
     ]
-    assert _remove_stale_chains(str(tmp_path / "missing")) == []
+    assert remove_stale_chains(str(tmp_path / "missing")) == []
 
 
 def test_workers_fetch_ahead_only_with_a_spare_core_or_a_remote_source(f1b_run, tmp_path):
     """No prefetch thread when the workers fill every core and read only this host's files (it would
     only compete for the GIL); with a core to spare, or a source behind a network, it stays."""
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
     from replay.parallel import worker_prefetch
 
     local = _job(

@@ -101,8 +101,8 @@ def test_adjacent_failed_stages_whose_sends_to_each_other_are_gone_replay_togeth
     reached the cold tier. Planned apart, neither could replay; planned as one unit, the sends
     between them are regenerated and the replay verifies at the unit's edges, bit-exact."""
     from replay import ReplayJob, SourceSpec, jobs_from_plan, replay
-    from replay.engine import checkpoint_of
     from replay.plan import cold_only_store
+    from replay.states import checkpoint_of
     from tests._replay_helpers import checkpoint_vs_live
 
     _, cold = copy_run_files(f1b_run, tmp_path)
@@ -201,7 +201,8 @@ def test_missing_records_and_targets_beyond_the_logs(f1b_run, tmp_path):
     ), reasons
     assert (
         reasons[-1]
-        == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged (nor is {ITERS} completely)"
+        == f"target iteration {2**53 - 1} is beyond the logs: iterations [{ITERS + 1}, {2**53 - 1}) are not logged "
+        f"(nor is {ITERS} completely)"
     )
     shutil.rmtree(root)
 
@@ -259,7 +260,8 @@ def test_a_target_below_a_newer_checkpoint_whose_gc_removed_the_logs_says_so(f1b
     assert not plan.possible and u.checkpoint_iteration == CKPT and u.newest_checkpoint == 4
     assert (
         u.reasons[0]
-        == f"the logs of [{CKPT}, 4) were garbage-collected when stage(s) [2] registered their checkpoint at 4: a replay starts from it and reaches only iterations from 4 on"
+        == f"the logs of [{CKPT}, 4) were garbage-collected when stage(s) [2] registered their checkpoint at 4: a "
+        "replay starts from it and reaches only iterations from 4 on"
     ), u.reasons
     assert not any("beyond the logs" in r for r in u.reasons), u.reasons
     shutil.rmtree(root)

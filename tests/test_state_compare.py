@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from replay.core import StageState
-from replay.launcher import states_equal
+from replay.compare import states_equal
+from replay.stage import StageState
 from tests._client_mp import state_differences
 from tests._replay_helpers import checkpoint_vs_live, state_bytes_differ
 from trainer_client import Checkpoint

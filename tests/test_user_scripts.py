@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from logstore import Channel, LogStore, RecordKey
-from replay.core import absolute_spec, is_script_spec, load_object
-from replay.launcher import states_equal
+from replay.compare import states_equal
+from replay.user_code import absolute_spec, is_script_spec, load_object
 from trainer_client import load_checkpoint
 from trainer_client.commit import loopback_store
 from trainer_client.meta import decode_meta, script_defines_only

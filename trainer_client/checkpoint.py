@@ -478,6 +478,9 @@ def _local_path(uri: str) -> str | None:
     return None
 
 
+local_path = _local_path  # public: the local file a checkpoint URI names (None for a remote one)
+
+
 def _write_local_atomic(path: str, data: memoryview) -> None:
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)

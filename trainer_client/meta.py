@@ -195,7 +195,7 @@ def importable_name(obj: Any) -> str | None:
     """``"module:qualname"`` under which another process can import ``obj`` again, or None when it
     has no such name: a lambda, a closure, a ``functools.partial``, a callable instance (e.g. an
     ``nn.CrossEntropyLoss()``). A function of a script run by path (``python train.py``, its
-    spawned children, torchrun) is named ``"/abs/path/train.py:qualname"`` (``replay.core.load_object``
+    spawned children, torchrun) is named ``"/abs/path/train.py:qualname"`` (``replay.user_code.load_object``
     loads the file under another module name, so its ``if __name__ == "__main__"`` block does not
     run) when importing the script is known to be harmless: it is a multiprocessing child's main
     module (spawn imported it already), or its top level only defines things (:func:`script_defines_only`).

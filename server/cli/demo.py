@@ -131,12 +131,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the three trainings under ``workdir``; return the report (``ok``: recovery verified and
     bit-exact). Writes report.json, report.md and progress.png there."""
-    from replay.launcher import (
-        KillSpec,
-        resumed_after_rollback,
-        run_with_failures,
-        states_equal,
-    )
+    from replay.compare import states_equal
+    from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures
 
     say = say or (lambda *_: None)
     phase = str(getattr(phase, "value", phase))

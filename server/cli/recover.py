@@ -89,8 +89,8 @@ def plan(
     if json_out:
         print_json(p)
     else:
-        from replay.cli import print_plan
         from replay.plan import RecoveryPlan
+        from server.cli.replay import print_plan
 
         try:
             print_plan(RecoveryPlan.from_dict(p.plan), False)

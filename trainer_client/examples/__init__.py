@@ -7,5 +7,7 @@
   trains the same stage through ``ResilientLoop``; :mod:`trainer_client.examples.common` holds the
   command line and configs both share.
 - :mod:`trainer_client.examples.minimal_resilient`: the template for a script of one's own.
+- :mod:`trainer_client.examples.factories`: the example GPT's stage factory and data source for a
+  replay (``--model trainer_client.examples.factories:gpt_stage``).
 - :mod:`trainer_client.examples.launch`: host a TCPStore and run every stage as its own process.
 """

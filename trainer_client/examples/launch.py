@@ -18,116 +18,23 @@ Never leaves a stage process running: on timeout every stage still alive is kill
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer_client.commit import gloo_on_loopback, loopback_store
+from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
 
-__all__ = ["LaunchResult", "StoreHost", "launch_pipeline", "load_stage_result"]
+__all__ = ["LaunchResult", "launch_pipeline", "load_stage_result"]
 
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
-_FORKSERVER: Any = None
-
-
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """Start processes inside this block so that they do not re-run the parent's ``__main__``.
-
-    A multiprocessing child (spawn or forkserver) re-executes the parent's main script before
-    running its target (CPython 3.11's fork server never preloads it), so a process started from
-    the ``swiftlog`` CLI paid ~0.2 s of CLI imports before its first line. Stage and replacement
-    targets live in importable modules and never need the parent's ``__main__``, so it is hidden
-    (an empty module) while ``Process.start()`` collects the child's preparation data.
-    """
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
-def _forkserver() -> Any:
-    global _FORKSERVER
-    if _FORKSERVER is None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "trainer_client.examples.train_pipeline"])
-        _FORKSERVER = ctx
-    return _FORKSERVER
-
-
-def _stage_entry(argv: list[str], log_path: str, env: dict[str, str]) -> None:
-    """Body of a forkserver stage process: output to ``log_path``, then the training script."""
-    import traceback
-
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(env)
-    gloo_on_loopback()
-    from trainer_client.examples import train_pipeline
-
-    try:
-        rc = train_pipeline.main(argv)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
-class _ForkProc:
-    """The subset of Popen the launcher uses, over a multiprocessing.Process."""
-
-    def __init__(self, proc: Any) -> None:
-        self._p = proc
-
-    def poll(self) -> int | None:
-        return None if self._p.is_alive() else self._p.exitcode
-
-    def kill(self) -> None:
-        self._p.kill()
-
-    def wait(self) -> int:
-        self._p.join()
-        return self._p.exitcode
-
-    @property
-    def returncode(self) -> int | None:
-        return self._p.exitcode
-
-    @property
-    def sentinel(self) -> int:
-        """A handle that becomes ready when the process ends (``multiprocessing.connection.wait``)."""
-        return self._p.sentinel
-
-
-class StoreHost:
-    """A TCPStore server on 127.0.0.1 (free port) owned by this process."""
-
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
-        self.store = loopback_store(
-            timeout
-        )  # listening on 127.0.0.1 only (torch's own server listens on every interface)
-        self.port: int = self.store.port
+#: the training script every stage process runs
+_SCRIPT = "trainer_client.examples.train_pipeline"
 
 
 @dataclass(slots=True)
@@ -176,8 +83,7 @@ def launch_pipeline(
         raise ValueError(f"method must be 'subprocess' or 'forkserver', got {method!r}")
     host = store_host or StoreHost()
     os.makedirs(out_dir, exist_ok=True)
-    penv = dict(os.environ)
-    penv["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + penv["PYTHONPATH"] if penv.get("PYTHONPATH") else "")
+    penv = dict(os.environ)  # children find the packages the way this process did
     penv.setdefault("OMP_NUM_THREADS", "1")
     penv.update(env or {})
     procs: dict[int, Any] = {}
@@ -199,15 +105,13 @@ def launch_pipeline(
             ]
             logs[k] = tempfile.NamedTemporaryFile(mode="w+", prefix=f"stage{k}-", suffix=".log")
             if method == "subprocess":
-                cmd = [sys.executable, "-m", "trainer_client.examples.train_pipeline", *argv]
-                procs[k] = subprocess.Popen(cmd, stdout=logs[k], stderr=subprocess.STDOUT, cwd=_REPO_ROOT, env=penv)
+                cmd = [sys.executable, "-m", _SCRIPT, *argv]
+                procs[k] = subprocess.Popen(cmd, stdout=logs[k], stderr=subprocess.STDOUT, env=penv)
             else:
-                p = _forkserver().Process(
-                    target=_stage_entry, args=(argv, logs[k].name, dict(env or {})), name=f"stage{k}"
+                ctx = forkserver_context(["torch", "torch.distributed.pipelining", _SCRIPT])
+                procs[k] = start_process(
+                    ctx, run_module_main, (argv, logs[k].name, _SCRIPT, dict(env or {})), f"stage{k}"
                 )
-                with main_module_hidden():
-                    p.start()
-                procs[k] = _ForkProc(p)
         timed_out = False
         while any(p.poll() is None for p in procs.values()):
             if time.monotonic() - t0 > timeout_s:
@@ -228,17 +132,6 @@ def launch_pipeline(
             outputs[k] = g.read()
         f.close()
     return LaunchResult({k: p.returncode for k, p in procs.items()}, outputs, out_dir, time.monotonic() - t0, timed_out)
-
-
-def stop_all(procs: Any) -> None:
-    """SIGKILL every process of ``procs`` still running, then reap them all (subprocess.Popen or
-    the fork server's process handles, both expose poll/kill/wait)."""
-    procs = list(procs)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
 
 
 def load_stage_result(out_dir: str, stage: int) -> dict[str, Any]:

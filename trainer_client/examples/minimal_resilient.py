@@ -7,17 +7,17 @@ API only:
 
 - a stage: :class:`~trainer_client.SwiftlogClient` + :class:`~trainer_client.ResilientLoop` (a
   peer's death: keep the state, wait for the replacement, re-form the process group, go on);
-- a replacement (``--replacement --generation G``): :func:`replay.replacement.recover_stage`
+- a replacement (``--replacement --generation G``): :func:`replay.recover_stage`
   rebuilds the lost stage from its newest checkpoint and the survivors' logs (the stage factory
   below builds the objects it loads the checkpoint into; the loss function is the one the live
-  schedule used, which META names), then :func:`~replay.replacement.report_ready` and the loop
-  joins the next generation; when a replay is impossible, :func:`~replay.replacement.report_fallback`
+  schedule used, which META names), then :func:`~replay.report_ready` and the loop
+  joins the next generation; when a replay is impossible, :func:`~replay.report_fallback`
   and exit code 3 (the scheduler then restarts every stage from a common checkpoint:
   ``--resume-from C``);
-- a replay helper (``--replay-helper-rank R``): :func:`replay.replacement.serve_replay_helper`.
+- a replay helper (``--replay-helper-rank R``): :func:`replay.serve_replay_helper`.
 
 Who starts which process, with which arguments, is the scheduler's part:
-``replay.launcher.run_with_failures(args, script="trainer_client.examples.minimal_resilient", ...)``
+``replay.run_with_failures(args, script="trainer_client.examples.minimal_resilient", ...)``
 on one machine (it also injects ``--kill-at IT,MB,PHASE``; this script honours the phases
 "forward" and "optimizer" of iteration IT), a cluster's job controller in production
 (``docs/recovery.md``). Arguments: ``--stage --num-stages --run-id --store-host --store-port
@@ -52,7 +52,6 @@ from trainer_client import (
 
 __all__ = ["build_parser", "factory", "loss", "main"]
 
-EXIT_FALLBACK = 3
 SEED = 7
 WIDTH, CLASSES, BATCH, N_MICROBATCHES = 32, 5, 16, 4
 
@@ -125,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replay.replacement import (
+    from replay import (
+        EXIT_FALLBACK,
         ReplacementFallback,
         recover_stage,
         report_fallback,
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         except SwiftlogError as e:  # the replay is impossible (a ReplayError, a CheckpointError)
             # the replacement reports the fallback
             print(f"helper {args.replay_helper_rank}: {e}", flush=True)
-            return 3
+            return EXIT_FALLBACK
         return 0
     t_main = time.time()
     generation, start, recovered = args.generation, 0, None

@@ -9,7 +9,7 @@ Roles:
 - a normal stage (generation 0, or ``--generation N --resume-from C`` after a global rollback:
   load the checkpoint at C and start there);
 - ``--replacement --generation G --sources ROOT,ROOT,...``: the replacement of this stage after
-  generation G failed: :func:`replay.replacement.recover_stage` replays it from its checkpoint and
+  generation G failed: :func:`replay.recover_stage` replays it from its checkpoint and
   the surviving nodes' stores, then it joins generation G + 1 at the agreed iteration. Exit code 3
   when in-place recovery is impossible (the fallback key tells the scheduler to roll back).
 
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replay.launcher import KILL_PHASES
 from trainer_client import (
     CheckpointError,
     RecoveryConfig,
@@ -61,12 +62,9 @@ from trainer_client.examples.gpt import (
     make_optimizer,
 )
 
-__all__ = ["EXIT_FALLBACK", "KILL_PHASES", "build_parser", "main", "run_stage"]
+__all__ = ["build_parser", "main", "run_stage"]
 
 logger = logging.getLogger(__name__)
-
-KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
-EXIT_FALLBACK = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,9 +168,10 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swiftlog-open")
         opening = opener.submit(make_client)
         opener.shutdown(wait=False)
-        from replay import SourceSpec
-        from replay.replacement import (
+        from replay import (
+            EXIT_FALLBACK,
             ReplacementFallback,
+            SourceSpec,
             recover_stage,
             report_fallback,
             report_ready,
@@ -194,8 +193,9 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 generation=generation,
                 checkpoint_url=config.resolved_checkpoint_url(),
                 sources=sources,
+                model="trainer_client.examples.factories:gpt_stage",
                 model_args=cfg.to_dict(),
-                data_source="replay.examples:gpt_data" if args.data_source else None,
+                data_source="trainer_client.examples.factories:gpt_data" if args.data_source else None,
                 n_microbatches=cfg.n_microbatches,
                 threads=args.threads,
                 workers=args.replay_workers,
@@ -375,7 +375,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_replay_helper(args: argparse.Namespace) -> int:
     """Serve as a replay helper of the replacement of ``args.stage`` (no training, no results file)."""
-    from replay.replacement import prepare_states, serve_replay_helper
+    from replay import serve_replay_helper
+    from replay.replacement import prepare_states
 
     torch.set_num_threads(args.threads)
     # build the stage from its newest checkpoint while the replacement works out the job
@@ -384,10 +385,11 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         stages=_group_of(args.groups, args.stage),
         num_stages=args.num_stages,
+        model="trainer_client.examples.factories:gpt_stage",
         model_args=gpt_config_from_args(args).to_dict(),
     )
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    from replay import ReplayError
+    from replay import EXIT_FALLBACK, ReplayError
 
     info: dict[str, Any] = {"stage": args.stage, "rank": args.replay_helper_rank}
     try:

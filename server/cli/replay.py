@@ -1,8 +1,9 @@
 """``swiftlog replay``: plan and run the recovery of failed stages; write the recovered checkpoints.
 
-Registered on the ``swiftlog`` typer app by ``server/cli`` (:func:`register`); also a typer app of
-its own (:data:`app`, ``python -m replay.cli --run ...``). Thin: it parses options, calls
-:func:`replay.plan_recovery` and :func:`replay.replay`, and prints.
+Thin: it parses options, calls :func:`replay.plan_recovery` and :func:`replay.replay`, and prints.
+The replay package is imported when the command runs, not when the ``swiftlog`` app is built: it
+pulls in torch.distributed.pipelining, which no other command needs. :func:`print_plan` prints a
+plan for ``swiftlog plan`` too.
 
 Where the logs are (any mix, tried in this order):
 ``--root DIR`` (repeatable; a node's store root, every writer's hot tier there, plus ``--cold-url``),
@@ -26,6 +27,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,10 +36,7 @@ import typer
 from server.cli._common import Command, check_cold_url, cold_url_param, fail, parse_cold_options, parse_kv
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
-__all__ = ["app", "register", "replay_command", "print_plan"]
-
-
-app = typer.Typer(name="replay", add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+__all__ = ["register", "replay_command", "print_plan"]
 
 
 def replay_command(
@@ -85,22 +84,24 @@ def replay_command(
         bool,
         typer.Option(
             "--exact/--approximate",
-            help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, within a stated bound; "
-            "on one host the exact one is also the faster: its sums go through shared memory)",
+            help="parallel gradient reduction in live order (bit-exact) or any order (one all-reduce over gloo, "
+            "within a stated bound; on one host the exact one is also the faster: its sums go through shared memory)",
         ),
     ] = True,
     dynamic_share: Annotated[
         bool,
         typer.Option(
             "--dynamic-share/--fixed-share",
-            help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes 20 ms or more), or always split them up front by measured speed",
+            help="parallel workers claim part of an iteration's micro-batches as they go (when a micro-batch takes "
+            "20 ms or more), or always split them up front by measured speed",
         ),
     ] = True,
     shared_memory: Annotated[
         bool,
         typer.Option(
             "--shared-memory/--no-shared-memory",
-            help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over gloo)",
+            help="exact parallel replay on one host: form the gradient chain's sums in /dev/shm (else they go over "
+            "gloo)",
         ),
     ] = True,
     target_iteration: Annotated[
@@ -109,16 +110,19 @@ def replay_command(
             "--target-iteration",
             "-t",
             min=0,
-            help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely logged)",
+            help="the survivors' iteration: replay up to it, exclusive (default: the first iteration not completely "
+            "logged)",
         ),
     ] = None,
     model: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--model",
-            help="stage factory module:function or path/to/file.py:function (modules of the current directory import, as with python -m)",
+            help="stage factory module:function or path/to/file.py:function, required to replay "
+            "(modules of the current directory import, as with python -m)",
+            show_default=False,
         ),
-    ] = "replay.examples:gpt_stage",
+    ] = None,
     model_arg: Annotated[
         list[str] | None, typer.Option("--model-arg", help="factory keyword KEY=VALUE (repeatable; JSON values)")
     ] = None,
@@ -133,7 +137,8 @@ def replay_command(
         str | None,
         typer.Option(
             "--data-source",
-            help="data source factory module:function or path/to/file.py:function, for runs that did not log inputs/targets",
+            help="data source factory module:function or path/to/file.py:function, for runs that did not log "
+            "inputs/targets",
         ),
     ] = None,
     prefetch: Annotated[
@@ -141,7 +146,8 @@ def replay_command(
         typer.Option(
             "--prefetch",
             min=0,
-            help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read local files)",
+            help="iterations fetched ahead (default: 2, or 0 for parallel workers that fill every core and read "
+            "local files)",
             show_default=False,
         ),
     ] = None,
@@ -167,14 +173,16 @@ def replay_command(
         str | None,
         typer.Option(
             "--commit-store",
-            help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, which their logs may not have shipped",
+            help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, "
+            "which their logs may not have shipped",
         ),
     ] = None,
     commit_prefix: Annotated[
         str | None,
         typer.Option(
             "--commit-prefix",
-            help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under swiftlog/RUN/restartN, see ClientConfig.commit_prefix)",
+            help="key prefix in the commit store (default: swiftlog/RUN; a job torchrun restarted commits under "
+            "swiftlog/RUN/restartN, see ClientConfig.commit_prefix)",
         ),
     ] = None,
 ) -> None:
@@ -185,37 +193,12 @@ def replay_command(
         StoreError,
         SwiftlogError,
     )
-    from replay.core import ReplayInputMissingError
+    from replay.errors import ReplayInputMissingError
     from trainer_client.errors import CheckpointError
 
-    if not (root or server or cold_url):
-        raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
-    if not plan_only and not output:
-        raise fail(
-            "--output is required to replay",
-            hint="a directory or URL for the recovered checkpoints, or pass --plan-only",
-        )
-    for r in root or []:
-        if not r.is_dir():
-            raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
-    check_cold_url(cold_url)
-    opts = parse_cold_options(cold_option)
-    from replay.core import absolute_spec
-
-    if (
-        os.getcwd() not in sys.path and "" not in sys.path
-    ):  # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
-        sys.path.insert(0, os.getcwd())
-    model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
-    if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
-        from replay.core import load_object
-
-        try:
-            load_object(loss)
-        except ValueError as e:
-            raise fail(f"--loss: {e}") from None
-    if output and not plan_only:
-        _check_writable_output(output)
+    opts, model, loss, data_source = _checked_options(
+        root, server, cold_url, cold_option, output, plan_only, model, loss, data_source
+    )
     try:
         plan, specs = _plan(
             run,
@@ -233,7 +216,8 @@ def replay_command(
         if plan_only or not plan.possible:
             print_plan(plan, json_out)
             raise typer.Exit(EXIT_OK if plan.possible else EXIT_PROBLEMS)
-        from replay.engine import DYNAMIC_SHARE_MIN_S, jobs_from_plan, replay
+        from replay.engine import replay
+        from replay.job import DYNAMIC_SHARE_MIN_S, jobs_from_plan
 
         jobs = jobs_from_plan(
             plan,
@@ -255,23 +239,10 @@ def replay_command(
         )
         if commit_store:
             jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
-        # the unit with the last stage first: what it alone needs (the loss function) fails before another unit wrote its checkpoints
+        # the unit with the last stage first: what it alone needs (the loss function) fails before another unit
+        # wrote its checkpoints
         jobs.sort(key=lambda j: j.stages[-1] != j.num_stages - 1)
-        results = []
-        for job in jobs:
-            last = [0.0]
-
-            def progress(p: Any, last: list[float] = last) -> None:
-                now = time.monotonic()
-                if not json_out and (now - last[0] > 2.0 or p.done == p.total):
-                    last[0] = now
-                    eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
-                    typer.echo(
-                        f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}",
-                        err=True,
-                    )
-
-            results.append(replay(job, on_progress=progress))
+        results = [replay(job, on_progress=_progress_printer(json_out)) for job in jobs]
     except typer.Exit:
         raise
     except (ReplayInputMissingError, RecordNotFoundError, CorruptRecordError) as e:
@@ -283,33 +254,107 @@ def replay_command(
     except ValueError as e:
         raise fail(str(e)) from None
     ok = all(r.verified for r in results)
+    _print_results(plan, results, ok, json_out, output)
+    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+
+
+def _checked_options(
+    root: list[Path] | None,
+    server: list[str] | None,
+    cold_url: str | None,
+    cold_option: list[str] | None,
+    output: str | None,
+    plan_only: bool,
+    model: str | None,
+    loss: str | None,
+    data_source: str | None,
+) -> tuple[dict[str, Any], str | None, str | None, str | None]:
+    """The options checked before anything runs (a CLI failure, exit 2 or 3, names the first one
+    that cannot work); returns the cold tier's options and the factory, loss and data source
+    specs, a relative file path made absolute (workers may start elsewhere)."""
+    if not (root or server or cold_url):
+        raise fail("no log source given", hint="pass --root (a node's store root), --server URL or --cold-url")
+    if not plan_only and not model:
+        raise fail(
+            "--model is required to replay: the stage factory the training used",
+            hint="--model module:function or path/to/file.py:function, with --model-arg KEY=VALUE for its "
+            "arguments (the example GPT's: --model trainer_client.examples.factories:gpt_stage)",
+        )
+    if not plan_only and not output:
+        raise fail(
+            "--output is required to replay",
+            hint="a directory or URL for the recovered checkpoints, or pass --plan-only",
+        )
+    for r in root or []:
+        if not r.is_dir():
+            raise fail(f"store root {str(r)!r} does not exist", code=EXIT_NOT_FOUND)
+    check_cold_url(cold_url)
+    opts = parse_cold_options(cold_option)
+    from replay.user_code import absolute_spec
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # --model mymodule:fn finds ./mymodule.py, as python -m would (workers inherit sys.path)
+        sys.path.insert(0, os.getcwd())
+    model, loss, data_source = absolute_spec(model) or model, absolute_spec(loss), absolute_spec(data_source)
+    if loss is not None:  # named now, not after a replay that may not need it (only the last stage's does)
+        from replay.user_code import load_object
+
+        try:
+            load_object(loss)
+        except ValueError as e:
+            raise fail(f"--loss: {e}") from None
+    if output and not plan_only:
+        _check_writable_output(output)
+    return opts, model, loss, data_source
+
+
+def _progress_printer(json_out: bool) -> Callable[[Any], None]:
+    """A job's ``on_progress``: a line on stderr every 2 s and at the end (nothing under ``--json``)."""
+    last = [0.0]
+
+    def progress(p: Any) -> None:
+        now = time.monotonic()
+        if not json_out and (now - last[0] > 2.0 or p.done == p.total):
+            last[0] = now
+            eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
+            typer.echo(
+                f"stages {list(p.stages)}: {p.done}/{p.total} iterations, {p.rate:.2f} it/s, eta {eta}",
+                err=True,
+            )
+
+    return progress
+
+
+def _print_results(plan: Any, results: list[Any], ok: bool, json_out: bool, output: str | None) -> None:
+    """Each unit's outcome: verified, or why not; where its checkpoints went (JSON under ``--json``)."""
     if json_out:
         print(
             json.dumps({"plan": plan.to_dict(), "results": [r.to_dict() for r in results], "verified": ok}, indent=2),
             flush=True,
         )
-    else:
-        for r in results:
-            state = "verified" if r.verified else "NOT verified"
-            if r.report.diverged:
-                first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
-                state = f"DIVERGED: {r.report.unverified_reason}{first}"
-            typer.echo(
-                f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with {r.job.workers} worker(s) "
-                f"in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends checked)"
+        return
+    for r in results:
+        state = "verified" if r.verified else "NOT verified"
+        if r.report.diverged:
+            first = f" (first diverging send: {json.dumps(r.first_mismatch)})" if r.first_mismatch else ""
+            state = f"DIVERGED: {r.report.unverified_reason}{first}"
+        typer.echo(
+            f"stages {r.job.stages}: replayed [{r.report.start_iteration}, {r.report.stop_iteration}) with "
+            f"{r.job.workers} worker(s) in {r.seconds:.2f} s (replay proper {r.replay_seconds:.2f} s, the rest "
+            f"start-up and checkpoints): {state} ({r.report.digests_checked}/{r.report.sends_generated} sends "
+            "checked)"
+        )
+        for k, uri in sorted(r.outputs.items()):
+            typer.echo(f"  stage {k}: {uri}")
+        if r.report.diverged and output:
+            why = (
+                "what changed the live gradients is not replayed"
+                if r.report.grad_mismatches and not r.first_mismatch
+                else "check --model / --model-arg / --loss against the training run"
             )
-            for k, uri in sorted(r.outputs.items()):
-                typer.echo(f"  stage {k}: {uri}")
-            if r.report.diverged and output:
-                why = (
-                    "what changed the live gradients is not replayed"
-                    if r.report.grad_mismatches and not r.first_mismatch
-                    else "check --model / --model-arg / --loss against the training run"
-                )
-                typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
-            for w in r.report.warnings:
-                typer.echo(f"  warning: {w}")
-    raise typer.Exit(EXIT_OK if ok else EXIT_PROBLEMS)
+            typer.echo(f"  nothing written to {output}: the replayed state is wrong ({why})")
+        for w in r.report.warnings:
+            typer.echo(f"  warning: {w}")
 
 
 def _check_writable_output(output: str) -> None:
@@ -319,9 +364,9 @@ def _check_writable_output(output: str) -> None:
     URLs are left to the replay."""
     import tempfile
 
-    from trainer_client.checkpoint import _local_path  # where save_checkpoint writes for such a URI
+    from trainer_client.checkpoint import local_path  # where save_checkpoint writes for such a URI
 
-    path = _local_path(output)
+    path = local_path(output)
     if path is None:
         return
     existing = path
@@ -346,12 +391,15 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
 
     import torch.distributed as dist
 
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise fail(f"--commit-store {address!r} is not HOST:PORT")
-    hint = "the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay with the META the logs hold"
+    hint = (
+        "the job's TCPStore must still run (under torchrun it ends with the job); or drop --commit-store to replay "
+        "with the META the logs hold"
+    )
     try:  # a plain connection first: torch's store client prints its C++ stack to stderr when it cannot connect
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
@@ -389,7 +437,7 @@ def _plan(
     check_records: bool,
 ) -> tuple[Any, list[Any]]:
     from logstore import LogStore
-    from replay.engine import SourceSpec
+    from replay.job import SourceSpec
     from replay.plan import cold_only_store, plan_recovery
     from replay.remote import HttpRecordSource
 
@@ -417,12 +465,14 @@ def _plan(
 
 
 def print_plan(plan: Any, json_out: bool) -> None:
-    """Print a :class:`replay.plan.RecoveryPlan` as text (or JSON): what each unit replays and fetches, or why it cannot."""
+    """Print a :class:`replay.plan.RecoveryPlan` as text (or JSON): what each unit replays and
+    fetches, or why it cannot."""
     if json_out:
         print(json.dumps(plan.to_dict(), indent=2), flush=True)
         return
     typer.echo(
-        f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups {plan.logging_groups}):"
+        f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups "
+        f"{plan.logging_groups}):"
     )
     for u in plan.units:
         head = f"  stages {u.stages}" + (f" (rolled back with them: {u.rolled_back})" if u.rolled_back else "")
@@ -438,7 +488,8 @@ def print_plan(plan: Any, json_out: bool) -> None:
         for f in u.fetch:
             where = f"hot tier of {f.writer}" if f.tier == "hot" else "cold tier"
             typer.echo(
-                f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, {f.bytes} bytes from {where} (source {f.source})"
+                f"    {f.purpose:6} {f.channel:12} it {f.first_iteration}..{f.last_iteration}: {f.records} records, "
+                f"{f.bytes} bytes from {where} (source {f.source})"
             )
         for w in u.warnings:
             typer.echo(f"    warning: {w}")
@@ -449,12 +500,5 @@ def print_plan(plan: Any, json_out: bool) -> None:
         typer.echo(f"fallback: {fb.get('note')}")
 
 
-def register(main_app: typer.Typer) -> None:
-    """Add ``replay`` to the ``swiftlog`` app."""
-    main_app.command("replay", cls=Command)(replay_command)
-
-
-app.command("replay", cls=Command)(replay_command)
-
-if __name__ == "__main__":  # python -m replay.cli --run ... (a one-command app: the options of `swiftlog replay`)
-    sys.exit(app())
+def register(app: typer.Typer) -> None:
+    app.command("replay", cls=Command)(replay_command)

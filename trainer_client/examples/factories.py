@@ -1,4 +1,4 @@
-"""Stage factories and data sources for the example GPT (``trainer_client.examples.gpt``).
+"""Stage factory and data source of the example GPT (``trainer_client.examples.gpt``), for a replay.
 
 A replay must rebuild the lost stage's module, optimizer and scheduler exactly as training built
 them before loading the checkpoint into them. The engine names the builder as ``"module:function"``
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer_client.checkpoint import Checkpoint
-from trainer_client.data import DataSource
+from trainer_client import Checkpoint, DataSource
 from trainer_client.examples.gpt import (
     GPTConfig,
     SyntheticTokens,
