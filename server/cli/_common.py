@@ -37,7 +37,7 @@ from typer.core import TyperCommand
 
 from logstore.cold import parse_cold_url
 from logstore.errors import SwiftlogError
-from server.errors import EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
+from server.errors import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
 from server.node import Node
 from server.settings import ENV_COLD_OPTIONS, ENV_COLD_URL, ENV_ROOT
 
@@ -204,7 +204,7 @@ def handle_errors() -> Iterator[None]:
         msg = p.message if p.key is None or p.key in p.message else f"{p.message} [{p.key}]"
         raise fail(msg, hint=p.hint, code=p.exit_code, error_type=p.code, key=p.key, retryable=p.retryable) from None
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def parse_cold_options(items: list[str] | None) -> dict[str, Any]:

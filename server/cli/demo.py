@@ -29,6 +29,7 @@ Never: starts a training with an option it will refuse later.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import shutil
@@ -40,9 +41,9 @@ from typing import Annotated, Any
 import typer
 
 from server.cli._common import Command, JsonOpt, console, deprecated_alias, fail, handle_errors, human_bytes, print_json
-from server.errors import EXIT_PROBLEMS
+from server.errors import EXIT_PROBLEMS, EXIT_UNAVAILABLE, DemoRunError
 
-__all__ = ["register", "run_demo", "Phase", "DemoRunError"]
+__all__ = ["register", "run_demo", "Phase"]
 
 RUN = "demo-run"
 
@@ -57,10 +58,6 @@ class Phase(StrEnum):
     commit = "commit"
     optimizer = "optimizer"
     upload = "upload"
-
-
-class DemoRunError(RuntimeError):
-    """One of the demo's trainings did not finish (its stage logs are in the message)."""
 
 
 def _failure_iteration(iterations: int, checkpoint_every: int) -> int:
@@ -449,6 +446,12 @@ def demo(
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
     workers = deprecated_alias(workers, replay_workers, new_flag="--workers/-w", old_flag="--replay-workers") or 1
     _failure_iteration(iterations, checkpoint_every)  # refused now, not after the reference run
+    if importlib.util.find_spec("matplotlib") is None:  # the plot is drawn last: say so before three trainings
+        raise fail(
+            "swiftlog demo draws its progress plot with matplotlib, which is not installed",
+            hint="pip install 'swiftlog[demo]'",
+            code=EXIT_UNAVAILABLE,
+        )
     workdir = (directory or Path("swiftlog-demo")).resolve()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
