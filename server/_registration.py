@@ -29,7 +29,8 @@ def check_registration(
     named = {st for c in s.channels for st in (c.src, c.dst)}
     if named and req.stage > max(named):
         raise BadRequestError(
-            f"stage {req.stage} is beyond the stages of run {run!r} (its channels name stages {min(named)}..{max(named)})",
+            f"stage {req.stage} is beyond the stages of run {run!r} "
+            f"(its channels name stages {min(named)}..{max(named)})",
             hint='check the stage; pass "force": true to register it anyway',
         )
     last = max(
@@ -43,8 +44,8 @@ def check_registration(
     )
     if last is not None and req.iteration > last + 1:
         raise BadRequestError(
-            f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
-            f"record stage {req.stage} received garbage",
+            f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): "
+            f"it would make every record stage {req.stage} received garbage",
             hint='check the iteration; pass "force": true to register it anyway',
         )
     if req.uri is None:

@@ -93,7 +93,8 @@ def tensor_stats(t: torch.Tensor) -> TensorStats:
 
 def checkpoint_view(c: Any) -> Checkpoint:
     meta = c.meta
-    try:  # a registration older than the check on portable JSON may hold a lone surrogate: served, not a 500 on every list
+    # a registration older than the check on portable JSON may hold a lone surrogate: served, not a 500 on every list
+    try:
         check_portable_json(meta)
     except ValueError:
         meta = {"unreadable_meta": json.dumps(meta, ensure_ascii=True, default=repr)}
