@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from logstore.errors import ColdTierError, ColdTierUnavailableError
 from logstore.keys import Channel
@@ -130,81 +131,25 @@ def summarize(st: LogStore, run: str, run_dir: Path) -> RunSummary:
     wm: dict[int, int] = {}
     try:
         cps = st.checkpoints()
-    except (
-        ColdTierUnavailableError,
-        ColdTierError,
-    ) as e:  # unreachable or refusing: what this node registered itself, and the watermarks it last saw
+    except (ColdTierUnavailableError, ColdTierError) as e:
+        # unreachable or refusing: what this node registered itself, and the watermarks it last saw
         cold_error = f"checkpoints: {e.message}"
         cps, wm = st.checkpoints(hot_only=True), st.watermarks(max_age=math.inf)
         incomplete += ["checkpoints", "watermarks", "gaps"]
     for c in cps:
         wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
     gaps = st.gaps(hot_only=cold_error is not None)
-    channels: list[ChannelSummary] = []
-    stages: set[int] = set(wm)
-    hot_lo: list[int] = []
-    hot_hi: list[int] = []
-    cold_lo: list[int] = []
-    cold_hi: list[int] = []
-    for name, tiers in sorted(stats["channels"].items(), key=lambda kv: Channel.parse(kv[0])):
-        ch = Channel.parse(name)
-        stages.update((ch.src, ch.dst))
-        ranges: dict[str, TierRange | None] = {"hot": None, "cold": None}
-        for tier, lo_l, hi_l in (("hot", hot_lo, hot_hi), ("cold", cold_lo, cold_hi)):
-            t = tiers.get(tier)
-            if t and t["records"] > 0:
-                ranges[tier] = TierRange(
-                    records=t["records"],
-                    stored_bytes=t["stored_bytes"],
-                    raw_bytes=t["raw_bytes"],
-                    first_iteration=t["lo"],
-                    last_iteration=t["hi"],
-                )
-                lo_l.append(t["lo"])
-                hi_l.append(t["hi"])
-        channels.append(
-            ChannelSummary(name=ch.name, kind=kind_name(ch.kind), src=ch.src, dst=ch.dst, owner=ch.owner, **ranges)
-        )
+    channels, stages, bounds = _channel_summaries(stats["channels"])
     h = stats["hot"]
-    segs = h["segments"]
-    hot = HotTierSummary(
-        records=h["records"],
-        stored_bytes=h["stored_bytes"],
-        raw_bytes=h["raw_bytes"],
-        first_iteration=min(hot_lo, default=None),
-        last_iteration=max(hot_hi, default=None),
-        disk_bytes=h["disk_bytes"],
-        writers=writers_under(run_dir),
-        unreadable=st.unreadable_writers(),
-        collected=[Collected(stage=k, **c) for k, c in sorted(h["collected"].items())],
-        segments=SegmentStates(
-            open=segs.get("open", 0),
-            sealed=segs.get("sealed", 0),
-            uploaded=segs.get("uploaded", 0),
-            evicted=segs.get("evicted", 0),
-        ),
-    )
-    cold = None
-    if stats["cold"] is not None:
-        c = stats["cold"]
-        err = "; ".join(e for e in (c.get("error"), cold_error) if e) or None
-        cold = ColdTierSummary(
-            records=c["records"],
-            stored_bytes=c["stored_bytes"],
-            raw_bytes=c["raw_bytes"],
-            first_iteration=min(cold_lo, default=None),
-            last_iteration=max(cold_hi, default=None),
-            segments=c["segments"],
-            object_bytes=c["object_bytes"],
-            error=err,
-        )
+    hot = _hot_summary(h, bounds["hot"], writers_under(run_dir), st.unreadable_writers())
+    cold = None if stats["cold"] is None else _cold_summary(stats["cold"], bounds["cold"], cold_error)
     ratio = stats["compression_ratio"]
     if ratio is None and cold is not None and cold.stored_bytes:
         ratio = cold.raw_bytes / cold.stored_bytes
     return RunSummary(
         run=run,
         as_of=time.time(),
-        stages=sorted(stages),
+        stages=sorted(stages | set(wm)),
         channels=channels,
         hot=hot,
         cold=cold,
@@ -215,4 +160,76 @@ def summarize(st: LogStore, run: str, run_dir: Path) -> RunSummary:
         watermarks=[Watermark(stage=s, iteration=i) for s, i in sorted(wm.items())],
         gaps=[Gap(**{k: g[k] for k in ("channel", "iteration", "micro_batch", "reason", "at")}) for g in gaps],
         incomplete=sorted(set(incomplete)),
+    )
+
+
+_Bounds = tuple[int | None, int | None]  # a tier's first and last iteration over every channel
+
+
+def _channel_summaries(
+    channel_stats: dict[str, dict[str, Any]],
+) -> tuple[list[ChannelSummary], set[int], dict[str, _Bounds]]:
+    """Each channel's range per tier (from ``LogStore.stats()["channels"]``), the stages the channels
+    name, and each tier's first and last iteration."""
+    channels: list[ChannelSummary] = []
+    stages: set[int] = set()
+    los: dict[str, list[int]] = {"hot": [], "cold": []}
+    his: dict[str, list[int]] = {"hot": [], "cold": []}
+    for name, tiers in sorted(channel_stats.items(), key=lambda kv: Channel.parse(kv[0])):
+        ch = Channel.parse(name)
+        stages.update((ch.src, ch.dst))
+        ranges: dict[str, TierRange | None] = {"hot": None, "cold": None}
+        for tier in ("hot", "cold"):
+            t = tiers.get(tier)
+            if t and t["records"] > 0:
+                ranges[tier] = TierRange(
+                    records=t["records"],
+                    stored_bytes=t["stored_bytes"],
+                    raw_bytes=t["raw_bytes"],
+                    first_iteration=t["lo"],
+                    last_iteration=t["hi"],
+                )
+                los[tier].append(t["lo"])
+                his[tier].append(t["hi"])
+        channels.append(
+            ChannelSummary(name=ch.name, kind=kind_name(ch.kind), src=ch.src, dst=ch.dst, owner=ch.owner, **ranges)
+        )
+    bounds = {tier: (min(los[tier], default=None), max(his[tier], default=None)) for tier in ("hot", "cold")}
+    return channels, stages, bounds
+
+
+def _hot_summary(h: dict[str, Any], bounds: _Bounds, writers: list[str], unreadable: dict[str, str]) -> HotTierSummary:
+    """The hot tiers' part of the summary, from ``LogStore.stats()["hot"]``."""
+    segs = h["segments"]
+    return HotTierSummary(
+        records=h["records"],
+        stored_bytes=h["stored_bytes"],
+        raw_bytes=h["raw_bytes"],
+        first_iteration=bounds[0],
+        last_iteration=bounds[1],
+        disk_bytes=h["disk_bytes"],
+        writers=writers,
+        unreadable=unreadable,
+        collected=[Collected(stage=k, **c) for k, c in sorted(h["collected"].items())],
+        segments=SegmentStates(
+            open=segs.get("open", 0),
+            sealed=segs.get("sealed", 0),
+            uploaded=segs.get("uploaded", 0),
+            evicted=segs.get("evicted", 0),
+        ),
+    )
+
+
+def _cold_summary(c: dict[str, Any], bounds: _Bounds, cold_error: str | None) -> ColdTierSummary:
+    """The cold tier's part of the summary, from ``LogStore.stats()["cold"]``; ``error`` joins the
+    listing's error and the registrations' (``cold_error``)."""
+    return ColdTierSummary(
+        records=c["records"],
+        stored_bytes=c["stored_bytes"],
+        raw_bytes=c["raw_bytes"],
+        first_iteration=bounds[0],
+        last_iteration=bounds[1],
+        segments=c["segments"],
+        object_bytes=c["object_bytes"],
+        error="; ".join(e for e in (c.get("error"), cold_error) if e) or None,
     )
