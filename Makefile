@@ -1,7 +1,8 @@
 # Two entry points, each self-sufficient on a fresh machine:
 #   make demo  - pipeline training with an injected failure and its recovery (embedded defaults)
 #   make test  - the test suite, every test (the full tier: what CI runs)
-# Both create .venv if missing and install the project with its dev extra.
+# Both create .venv if missing and install the project with every extra (server, demo, dev).
+# A training rank needs none of them: `pip install swiftlog` is logstore, trainer_client and replay.
 # make test-fast runs the fast tier, what a developer runs on every change: every test not marked slow.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 first: this pin resolves to the CPU wheel kept on disk on this kind of machine
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[server,demo,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

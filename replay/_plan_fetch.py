@@ -14,9 +14,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from logstore import Channel, RecordKey
+from logstore import Channel, RecordInfo, RecordKey
 from logstore.errors import SwiftlogError
-from logstore.store import RecordInfo
 from replay._plan_index import LogIndex
 from replay.plan_types import FetchItem, ReplayUnit
 

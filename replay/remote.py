@@ -40,10 +40,9 @@ from urllib.parse import quote, urlsplit
 import httpx
 import torch
 
-from logstore import Channel, RecordKey, codec, validate_run
+from logstore import Channel, CheckpointInfo, RecordInfo, RecordKey, codec, validate_run
 from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError, StoreError
 from logstore.segment import blob_checksum
-from logstore.store import CheckpointInfo, RecordInfo
 from replay.errors import NodeUnavailableError
 from replay.reader import LogReader, RecordSource
 

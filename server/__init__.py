@@ -6,16 +6,17 @@ Public API::
 
 ``create_app(settings)`` builds the FastAPI app (see :mod:`server.app` for the endpoints);
 ``Node`` is what both the API and the CLI call; ``serve(settings)`` runs the app under uvicorn.
-Names are imported on first use, so the CLI does not pay for FastAPI unless it serves.
-Must never be imported by logstore/, trainer_client/ or replay/ (it sits at the top).
+``__version__`` is the installed distribution's (``version`` in pyproject.toml, see ``_version.py``).
+Names are imported on first use, so the CLI does not pay for FastAPI unless it serves, and an
+install without the ``server`` extra can still import this package.
+
+Never: imported by logstore/, trainer_client/ or replay/ (it sits at the top).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
-
-__version__ = "0.1.0"
 
 __all__ = ["Settings", "create_app", "Node", "serve", "__version__"]
 
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from server._version import version
+
+        return version()
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'server' has no attribute {name!r}")

@@ -1,22 +1,26 @@
-"""Errors of the admin layer and the one table that maps every error to an HTTP status and an exit code.
+"""Errors of the admin layer, the CLI's exit codes, and the one table that maps every error to both.
 
 Hierarchy (server-specific errors extend the log store's, see ``logstore.errors``)::
 
     SwiftlogError
     ├── StoreError
-    │   ├── RunNotFoundError        no hot tier of that run under the node's root       404 / exit 3
-    │   └── CheckpointNotFoundError no such registration of the run                     404 / exit 3
-    ├── BadRequestError (ValueError) a request that cannot be answered as asked         400 / exit 2
+    │   ├── RunNotFoundError        no hot tier of that run under the node's root        404 / exit 3
+    │   └── CheckpointNotFoundError no such registration of the run                      404 / exit 3
+    ├── BadRequestError (ValueError) a request that cannot be answered as asked          400 / exit 2
     ├── NoColdTierError             an operation that needs a cold tier, none configured 409 / exit 2
     ├── NotAvailableError           a feature whose package is not installed (replay/)   501 / exit 4
     └── AuthError                   missing/invalid token (401) or mutations disabled (403)
+    RuntimeError
+    └── DemoRunError                one of ``swiftlog demo``'s trainings did not finish       exit 1
 
 :func:`classify` is used by the API's exception handlers and by the CLI, so the same failure reads
 the same everywhere: ``{"error": {"code", "message", "hint", "key", "retryable"}}`` over HTTP,
 ``error: <message>`` plus ``hint: <hint>`` and an exit code on the command line.
 
-Exit codes: 0 ok, 1 problems found (verify, corrupt data), 2 usage or bad input, 3 not found,
-4 unavailable (object store down, feature not installed, store failure).
+Exit codes, defined here once (``EXIT_*``): 0 ok, 1 problems found (verify, corrupt data),
+2 usage or bad input, 3 not found, 4 unavailable (object store down, feature not installed, store
+failure), 130 interrupted (Ctrl-C). The stage processes of a resilient training have their own
+code 3, "recovery fell back to a global rollback": that one is defined in ``replay``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "NoColdTierError",
     "NotAvailableError",
     "AuthError",
+    "DemoRunError",
     "Problem",
     "classify",
     "plain_message",
@@ -56,9 +61,11 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_NOT_FOUND",
     "EXIT_UNAVAILABLE",
+    "EXIT_INTERRUPTED",
 ]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 class RunNotFoundError(StoreError):
@@ -87,6 +94,10 @@ class AuthError(SwiftlogError):
     def __init__(self, message: str, *, status: int, hint: str | None = None) -> None:
         self.status = status
         super().__init__(message, hint=hint)
+
+
+class DemoRunError(RuntimeError):
+    """One of ``swiftlog demo``'s trainings did not finish (its stage logs are in the message)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +141,8 @@ _TABLE: tuple[tuple[type[BaseException], int, str, int], ...] = (
     (ColdTierUnavailableError, 503, "cold_tier_unavailable", EXIT_UNAVAILABLE),
     (StoreClosedError, 503, "store_closed", EXIT_UNAVAILABLE),
     (StoreFullError, 507, "store_full", EXIT_UNAVAILABLE),
-    (
-        WriterFencedError,
-        409,
-        "writer_fenced",
-        EXIT_PROBLEMS,
-    ),  # an earlier incarnation's segments: never shipped over a later one's
+    # an earlier incarnation's segments: never shipped over a later one's
+    (WriterFencedError, 409, "writer_fenced", EXIT_PROBLEMS),
     (ColdTierError, 502, "cold_tier_error", EXIT_UNAVAILABLE),
     (StoreError, 500, "store_error", EXIT_UNAVAILABLE),
 )

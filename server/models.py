@@ -285,8 +285,9 @@ class CheckpointRequest(_Model):
 
     force: StrictBool = Field(
         False,
-        description="register even a stage beyond the run's logged stages, an iteration beyond its logs, or a local uri "
-        "that does not exist on this node (each refused with 400 otherwise: it would make logs garbage for nothing)",
+        description="register even a stage beyond the run's logged stages, an iteration beyond its logs, "
+        "or a local uri that does not exist on this node "
+        "(each refused with 400 otherwise: it would make logs garbage for nothing)",
     )
 
 

@@ -7,11 +7,12 @@ and the CLI are never the writer), keeps them open, and answers with the pydanti
 Reading never blocks a training process writing the same store: LMDB readers take no lock a
 writer waits on, read transactions are short, and segment files are read with ``pread``.
 
-Run summaries are served from a small cache (stale-while-revalidate): younger than
-``summary_ttl`` as is; up to ``summary_max_stale`` old as is while one background thread
+Run summaries are served from a small cache (stale-while-revalidate, ``_summary.py``): younger
+than ``summary_ttl`` as is; up to ``summary_max_stale`` old as is while one background thread
 recomputes it; older or missing, computed in the caller's thread (one computation per run at a
 time). Mutations through this class (checkpoint, GC, flush) drop the run's entry at once.
-``as_of`` in every summary says when it was computed.
+``as_of`` in every summary says when it was computed. The answers' conversions live in
+``_views.py``, the checks of a registration in ``_registration.py``.
 
 Never: writes a record, seals a segment (that is the writer's job), or deletes anything except
 through ``gc(confirm=True)``.
@@ -19,40 +20,33 @@ through ``gc(confirm=True)``.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from logstore import LogStore, RecordInfo, StoreConfig, codec, list_runs
-from logstore.checkpoints import check_portable_json
 from logstore.errors import CodecError, ColdTierError, ColdTierUnavailableError, SwiftlogError
-from logstore.keys import KEY_SIZE, Channel, Kind, RecordKey, validate_run
+from logstore.keys import Channel, Kind, RecordKey, validate_run
 from logstore.segment import BlobStream, blob_checksum
 from logstore.store import writers_under
+from server._registration import check_registration
+from server._summary import SummaryCache, summarize
+from server._views import checkpoint_view, decode_cursor, encode_cursor, hex64, kind_name, record_entry, tensor_stats
 from server.errors import BadRequestError, CheckpointNotFoundError, NoColdTierError, RunNotFoundError
 from server.models import (
-    ChannelSummary,
     Checkpoint,
     CheckpointList,
     CheckpointRequest,
-    ColdTierSummary,
-    Collected,
     FlushResult,
-    Gap,
     GcPreview,
     GcResult,
-    HotTierSummary,
     OpenSegment,
     RecordDetail,
     RecordEntry,
@@ -61,9 +55,6 @@ from server.models import (
     RunBrief,
     RunList,
     RunSummary,
-    SegmentStates,
-    TensorStats,
-    TierRange,
     UnregisterRequest,
     UnregisterResult,
     VerifyProblem,
@@ -76,172 +67,6 @@ from server.settings import Settings
 __all__ = ["Node", "encode_cursor", "decode_cursor", "tensor_stats"]
 
 logger = logging.getLogger(__name__)
-
-_CURSOR_RE = re.compile(rf"^[0-9a-f]{{{2 * KEY_SIZE}}}$")
-_STATS_CHUNK = 1 << 22  # elements per float64 pass: bounds the memory of tensor statistics
-
-
-def encode_cursor(key: RecordKey) -> str:
-    """Opaque page cursor: the last key of a page, hex-encoded."""
-    return key.encode().hex()
-
-
-def decode_cursor(cursor: str) -> RecordKey:
-    """Inverse of :func:`encode_cursor`; BadRequestError for anything else."""
-    if not isinstance(cursor, str) or not _CURSOR_RE.match(cursor):
-        raise BadRequestError(
-            f"invalid cursor {cursor[:80]!r}", hint="pass back next_cursor from the previous page unchanged"
-        )
-    try:
-        return RecordKey.decode(bytes.fromhex(cursor))
-    except SwiftlogError:
-        raise BadRequestError(
-            f"invalid cursor {cursor!r}", hint="pass back next_cursor from the previous page unchanged"
-        ) from None
-
-
-def _hex(x: int) -> str:
-    return f"{x:016x}"
-
-
-def _kind_name(k: Kind) -> str:
-    return k.name.lower()
-
-
-def tensor_stats(t: torch.Tensor) -> TensorStats:
-    """min / max / mean / L2 norm over the finite values, NaN and Inf counts; float64 accumulation
-    in bounded chunks. Raises TypeError for dtypes without a real numeric value (complex, bits)."""
-    if t.is_complex():
-        raise TypeError(f"no real statistics for complex dtype {t.dtype}")
-    flat = t.reshape(-1)
-    n = flat.numel()
-    mn, mx, total, sq, count, nans, infs = math.inf, -math.inf, 0.0, 0.0, 0, 0, 0
-    for start in range(0, n, _STATS_CHUNK):
-        c = flat[start : start + _STATS_CHUNK]
-        c = c.to(torch.uint8) if c.dtype == torch.bool else c
-        c = c.to(torch.float64)
-        finite = torch.isfinite(c)
-        nf = int(finite.sum())
-        if nf != c.numel():
-            nans += int(torch.isnan(c).sum())
-            infs += int(torch.isinf(c).sum())
-            c = c[finite]
-        if nf:
-            mn = min(mn, float(c.min()))
-            mx = max(mx, float(c.max()))
-            total += float(c.sum())
-            sq += float(torch.dot(c, c))
-            count += nf
-    if not count:
-        return TensorStats(numel=n, nan_count=nans, inf_count=infs)
-    return TensorStats(numel=n, min=mn, max=mx, mean=total / count, norm=math.sqrt(sq), nan_count=nans, inf_count=infs)
-
-
-def _checkpoint(c: Any) -> Checkpoint:
-    meta = c.meta
-    try:  # a registration older than the check on portable JSON may hold a lone surrogate: served, not a 500 on every list
-        check_portable_json(meta)
-    except ValueError:
-        meta = {"unreadable_meta": json.dumps(meta, ensure_ascii=True, default=repr)}
-    return Checkpoint(stage=c.stage, iteration=c.iteration, uri=c.uri, registered_at=c.registered_at, meta=meta)
-
-
-def _entry(info: RecordInfo) -> dict[str, Any]:
-    k = info.key
-    return {
-        "key": str(k),
-        "channel": k.channel.name,
-        "kind": _kind_name(k.channel.kind),
-        "iteration": k.iteration,
-        "micro_batch": k.micro_batch,
-        "part": k.part,
-        "tier": info.tier,
-        "writer": info.writer,
-        "stored_bytes": info.stored_bytes,
-        "raw_bytes": info.raw_bytes,
-        "checksum": _hex(info.checksum),
-    }
-
-
-class _SummaryCache:
-    """Per-run summaries, stale-while-revalidate (see the module docstring)."""
-
-    def __init__(self, compute: Callable[[str], RunSummary], ttl: float, max_stale: float) -> None:
-        self._compute = compute
-        self._ttl = ttl
-        self._max_stale = max(max_stale, ttl)
-        self._lock = threading.Lock()
-        self._entries: dict[str, tuple[float, RunSummary]] = {}
-        self._gen: dict[str, int] = {}
-        self._run_locks: dict[str, threading.Lock] = {}
-        self._refreshing: set[str] = set()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swiftlog-summary")
-
-    def _run_lock(self, run: str) -> threading.Lock:
-        with self._lock:
-            return self._run_locks.setdefault(run, threading.Lock())
-
-    def get(self, run: str) -> RunSummary:
-        now = time.monotonic()
-        with self._lock:
-            e = self._entries.get(run)
-        if e is not None:
-            age = now - e[0]
-            if age <= self._ttl:
-                return e[1]
-            if age <= self._max_stale:
-                self._refresh_soon(run)
-                return e[1]
-        with self._run_lock(run):  # one computation per run; later callers reuse its result
-            with self._lock:
-                e = self._entries.get(run)
-            if e is not None and time.monotonic() - e[0] <= self._ttl:
-                return e[1]
-            return self._fill(run)
-
-    def _fill(self, run: str) -> RunSummary:
-        with self._lock:
-            gen = self._gen.get(run, 0)
-        started = time.monotonic()
-        s = self._compute(run)
-        with self._lock:
-            if self._gen.get(run, 0) == gen:  # not invalidated while computing
-                self._entries[run] = (started, s)
-        return s
-
-    def _refresh_soon(self, run: str) -> None:
-        with self._lock:
-            if run in self._refreshing:
-                return
-            self._refreshing.add(run)
-
-        def job() -> None:
-            try:
-                with self._run_lock(run):
-                    self._fill(run)
-            except Exception as e:  # the stale entry stays; the next synchronous miss reports
-                logger.warning("summary refresh of run %s failed: %s", run, e)
-            finally:
-                with self._lock:
-                    self._refreshing.discard(run)
-
-        try:
-            self._pool.submit(job)
-        except RuntimeError:  # shutting down
-            with self._lock:
-                self._refreshing.discard(run)
-
-    def cached(self) -> dict[str, RunSummary]:
-        with self._lock:
-            return {r: e[1] for r, e in self._entries.items()}
-
-    def invalidate(self, run: str) -> None:
-        with self._lock:
-            self._entries.pop(run, None)
-            self._gen[run] = self._gen.get(run, 0) + 1
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Node:
@@ -276,7 +101,7 @@ class Node:
         self.planner = planner
         self._stores: OrderedDict[str, LogStore] = OrderedDict()
         self._lock = threading.Lock()
-        self._summaries = _SummaryCache(self._compute_summary, summary_ttl, summary_max_stale)
+        self._summaries = SummaryCache(self._compute_summary, summary_ttl, summary_max_stale)
         self._used: dict[str, float] = {}
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
@@ -384,99 +209,7 @@ class Node:
         return self._summaries.cached()
 
     def _compute_summary(self, run: str) -> RunSummary:
-        st = self.store(run)
-        stats = st.stats()
-        cold_error: str | None = None
-        incomplete: list[str] = ["cold"] if stats["cold"] is not None and stats["cold"].get("error") else []
-        wm: dict[int, int] = {}
-        try:
-            cps = st.checkpoints()
-        except (
-            ColdTierUnavailableError,
-            ColdTierError,
-        ) as e:  # unreachable or refusing: what this node registered itself, and the watermarks it last saw
-            cold_error = f"checkpoints: {e.message}"
-            cps, wm = st.checkpoints(hot_only=True), st.watermarks(max_age=math.inf)
-            incomplete += ["checkpoints", "watermarks", "gaps"]
-        for c in cps:
-            wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
-        gaps = st.gaps(hot_only=cold_error is not None)
-        channels: list[ChannelSummary] = []
-        stages: set[int] = set(wm)
-        hot_lo: list[int] = []
-        hot_hi: list[int] = []
-        cold_lo: list[int] = []
-        cold_hi: list[int] = []
-        for name, tiers in sorted(stats["channels"].items(), key=lambda kv: Channel.parse(kv[0])):
-            ch = Channel.parse(name)
-            stages.update((ch.src, ch.dst))
-            ranges: dict[str, TierRange | None] = {"hot": None, "cold": None}
-            for tier, lo_l, hi_l in (("hot", hot_lo, hot_hi), ("cold", cold_lo, cold_hi)):
-                t = tiers.get(tier)
-                if t and t["records"] > 0:
-                    ranges[tier] = TierRange(
-                        records=t["records"],
-                        stored_bytes=t["stored_bytes"],
-                        raw_bytes=t["raw_bytes"],
-                        first_iteration=t["lo"],
-                        last_iteration=t["hi"],
-                    )
-                    lo_l.append(t["lo"])
-                    hi_l.append(t["hi"])
-            channels.append(
-                ChannelSummary(name=ch.name, kind=_kind_name(ch.kind), src=ch.src, dst=ch.dst, owner=ch.owner, **ranges)
-            )
-        h = stats["hot"]
-        segs = h["segments"]
-        hot = HotTierSummary(
-            records=h["records"],
-            stored_bytes=h["stored_bytes"],
-            raw_bytes=h["raw_bytes"],
-            first_iteration=min(hot_lo, default=None),
-            last_iteration=max(hot_hi, default=None),
-            disk_bytes=h["disk_bytes"],
-            writers=self._writers(run),
-            unreadable=st.unreadable_writers(),
-            collected=[Collected(stage=k, **c) for k, c in sorted(h["collected"].items())],
-            segments=SegmentStates(
-                open=segs.get("open", 0),
-                sealed=segs.get("sealed", 0),
-                uploaded=segs.get("uploaded", 0),
-                evicted=segs.get("evicted", 0),
-            ),
-        )
-        cold = None
-        if stats["cold"] is not None:
-            c = stats["cold"]
-            err = "; ".join(e for e in (c.get("error"), cold_error) if e) or None
-            cold = ColdTierSummary(
-                records=c["records"],
-                stored_bytes=c["stored_bytes"],
-                raw_bytes=c["raw_bytes"],
-                first_iteration=min(cold_lo, default=None),
-                last_iteration=max(cold_hi, default=None),
-                segments=c["segments"],
-                object_bytes=c["object_bytes"],
-                error=err,
-            )
-        ratio = stats["compression_ratio"]
-        if ratio is None and cold is not None and cold.stored_bytes:
-            ratio = cold.raw_bytes / cold.stored_bytes
-        return RunSummary(
-            run=run,
-            as_of=time.time(),
-            stages=sorted(stages),
-            channels=channels,
-            hot=hot,
-            cold=cold,
-            raw_bytes=h["raw_bytes"],
-            stored_bytes=h["stored_bytes"],
-            compression_ratio=ratio,
-            checkpoints=[_checkpoint(c) for c in cps],
-            watermarks=[Watermark(stage=s, iteration=i) for s, i in sorted(wm.items())],
-            gaps=[Gap(**{k: g[k] for k in ("channel", "iteration", "micro_batch", "reason", "at")}) for g in gaps],
-            incomplete=sorted(set(incomplete)),
-        )
+        return summarize(self.store(run), run, self.root / run)
 
     # ------------------------------------------------------------------ records
     def records(
@@ -500,7 +233,7 @@ class Node:
                 kinds = [Kind[kind.upper()]]
             except KeyError:
                 raise BadRequestError(
-                    f"unknown kind {kind!r}", hint="use " + ", ".join(_kind_name(k) for k in Kind)
+                    f"unknown kind {kind!r}", hint="use " + ", ".join(kind_name(k) for k in Kind)
                 ) from None
             if ch is not None and ch.kind not in kinds:
                 raise BadRequestError(f"channel {ch.name} is not of kind {kind}", hint="drop one of the two filters")
@@ -526,7 +259,7 @@ class Node:
         infos = infos[:limit]
         return RecordPage(
             run=run,
-            records=[RecordEntry.model_construct(**_entry(i)) for i in infos],  # built from trusted index data
+            records=[RecordEntry.model_construct(**record_entry(i)) for i in infos],  # built from trusted index data
             next_cursor=encode_cursor(infos[-1].key) if more and infos else None,
             cold_error=cold_error,
         )
@@ -581,9 +314,9 @@ class Node:
         ):  # the bytes came from the hot tier; its listing of both tiers needs the cold one
             info = None
         entry = (
-            _entry(info)
+            record_entry(info)
             if info is not None
-            else _entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
+            else record_entry(RecordInfo(k, "hot", "", len(blob), header.raw_len, blob_checksum(blob), ""))
         )
         entry["raw_bytes"] = header.raw_len
         stats, skipped, document = None, None, None
@@ -615,7 +348,7 @@ class Node:
             dtype=str(header.dtype).removeprefix("torch."),
             shape=list(header.shape),
             codec=header.codec,
-            raw_checksum=_hex(header.checksum),
+            raw_checksum=hex64(header.checksum),
             stats=stats,
             stats_skipped=skipped,
             meta=document,
@@ -630,7 +363,7 @@ class Node:
             wm[c.stage] = max(wm.get(c.stage, 0), c.iteration)
         return CheckpointList(
             run=run,
-            checkpoints=[_checkpoint(c) for c in cps],
+            checkpoints=[checkpoint_view(c) for c in cps],
             watermarks=[Watermark(stage=s, iteration=i) for s, i in sorted(wm.items())],
         )
 
@@ -644,12 +377,13 @@ class Node:
         s3:// with the cold tier's options; other schemes are not fetched)."""
         st = self.store(run)
         if not req.force:
-            self._check_registration(run, req)
+            summary = self.summary(run, fresh=True)  # the newest iteration may be seconds old
+            check_registration(summary, req, cold_url=self.cold_url, cold_options=self.cold_options)
         try:
             c = st.register_checkpoint(req.stage, req.iteration, uri=req.uri, meta=req.meta)
         finally:
             self._summaries.invalidate(run)
-        return _checkpoint(c)
+        return checkpoint_view(c)
 
     def unregister_checkpoint(self, run: str, req: UnregisterRequest) -> UnregisterResult:
         """Preview (unless ``req.confirm``) or withdraw one registration: the watermarks and a GC
@@ -693,88 +427,13 @@ class Node:
         return UnregisterResult(
             run=run,
             dry_run=not req.confirm,
-            checkpoint=_checkpoint(p.checkpoint),
+            checkpoint=checkpoint_view(p.checkpoint),
             watermarks_before=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_before.items())],
             watermarks_after=[Watermark(stage=s, iteration=i) for s, i in sorted(p.watermarks_after.items())],
             gc_before=preview(p.gc_before),
             gc_after=preview(p.gc_after),
             notes=notes,
         )
-
-    def _check_registration(self, run: str, req: CheckpointRequest) -> None:
-        s = self.summary(run, fresh=True)  # the newest iteration may be seconds old
-        named = {st for c in s.channels for st in (c.src, c.dst)}
-        if named and req.stage > max(named):
-            raise BadRequestError(
-                f"stage {req.stage} is beyond the stages of run {run!r} (its channels name stages {min(named)}..{max(named)})",
-                hint='check the stage; pass "force": true to register it anyway',
-            )
-        last = max(
-            (
-                t.last_iteration
-                for c in s.channels
-                for t in (c.hot, c.cold)
-                if t is not None and t.last_iteration is not None
-            ),
-            default=None,
-        )
-        if last is not None and req.iteration > last + 1:
-            raise BadRequestError(
-                f"iteration {req.iteration} is beyond the logs of run {run!r} (last logged iteration {last}): it would make every "
-                f"record stage {req.stage} received garbage",
-                hint='check the iteration; pass "force": true to register it anyway',
-            )
-        if req.uri is None:
-            raise BadRequestError(
-                f"a registration of stage {req.stage} at iteration {req.iteration} without a uri cannot be checked",
-                hint='give the uri the checkpoint was saved to; pass "force": true to register it anyway',
-            )
-        self._check_checkpoint_file(run, req.stage, req.iteration, req.uri)
-
-    def _check_checkpoint_file(self, run: str, stage: int, iteration: int, uri: str) -> None:
-        """BadRequestError unless ``uri`` is a swiftlog checkpoint of ``run``'s ``stage`` at ``iteration``:
-        read here (a local path or file://, or s3:// with the cold tier's options), by its pickle alone.
-        A missing file and a file of another kind get the same answer: the check reveals no file."""
-        scheme = uri.split("://", 1)[0] if "://" in uri else None
-        unchecked = 'pass "force": true to register it unchecked'
-        if scheme is not None and scheme != scheme.lower():
-            raise BadRequestError(
-                f"checkpoint uri {uri!r}: the scheme must be lower case (fsspec does not know {scheme!r})",
-                hint="e.g. file:///ckpt/stage00001/it000000000005.pt or s3://bucket/...",
-            )
-        local = uri[len("file://") :] if scheme == "file" else (uri if scheme is None else None)
-        if local is not None and not os.path.isabs(local):
-            raise BadRequestError(
-                f"checkpoint uri {uri!r} is a relative path: it would be read relative to whichever process reads it",
-                hint="give an absolute path (file:///abs/path/it000000000005.pt) or a URL",
-            )
-        options: dict[str, Any] = {}
-        if scheme in ("s3", "s3a"):
-            if not (self.cold_url or "").startswith(("s3://", "s3a://")):
-                raise BadRequestError(
-                    f"checkpoint uri {uri!r} cannot be checked: no S3 cold tier here whose credentials read it",
-                    hint=unchecked,
-                )
-            options = self.cold_options
-        elif local is None:
-            raise BadRequestError(
-                f"checkpoint uri {uri!r} cannot be checked: the server reads checkpoints from local paths, file:// "
-                f"and s3:// only (it never fetches {scheme}:// URLs)",
-                hint=unchecked,
-            )
-        from trainer_client.checkpoint import read_identity  # (only for registrations)
-
-        try:
-            ident = read_identity(uri, storage_options=options)
-        except SwiftlogError:
-            ident = None
-        if ident is None or (ident.run_id, ident.stage, ident.iteration) != (run, stage, iteration):
-            raise BadRequestError(
-                f"checkpoint uri {uri!r} is not a readable swiftlog checkpoint of run {run!r}, stage {stage}, "
-                f"iteration {iteration}",
-                hint="register a checkpoint once it is durable, with the uri save_checkpoint returned; "
-                'pass "force": true if it is readable elsewhere',
-            )
 
     def gc(self, run: str, *, confirm: bool = False) -> GcResult:
         """Garbage below the watermarks: reported (dry run) unless ``confirm``, then deleted."""

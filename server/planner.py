@@ -35,7 +35,8 @@ def load_planner(spec: str = DEFAULT_PLANNER) -> Callable[..., Any]:
         if missing and (mod_name == missing or mod_name.startswith(missing + ".")):
             raise NotAvailableError(
                 f"{NOT_AVAILABLE} (module {mod_name!r} is not installed)",
-                hint="check --planner / SWIFTLOG_PLANNER (module:function; the default is replay.plan:plan_recovery, installed with swiftlog)",
+                hint="check --planner / SWIFTLOG_PLANNER "
+                "(module:function; the default is replay.plan:plan_recovery, installed with swiftlog)",
             ) from None
         raise
     fn = getattr(mod, fn_name, None)

@@ -2,7 +2,10 @@
 
 Which source wins: an explicit value (a ``swiftlog serve`` flag, a keyword to :meth:`Settings.from_env`)
 beats the environment variable, which beats the default. Every environment variable is a named
-constant below.
+constant below. :class:`EnvSettings` (pydantic-settings, prefix ``SWIFTLOG_``) is the one place
+they are read; :meth:`Settings.from_env` puts the explicit values over them. The one-shot CLI
+commands declare ``--root``, ``--cold-url`` and ``plan --planner`` with the same constants as
+their environment variables, with the same precedence.
 
 Security rules enforced here, before anything binds a socket:
 
@@ -25,17 +28,21 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
-from logstore.errors import ConfigError
+from logstore.cold import parse_cold_url
+from logstore.errors import ConfigError, SwiftlogError
 
 __all__ = [
     "Settings",
+    "EnvSettings",
     "is_loopback",
     "ENV_ROOT",
     "ENV_COLD_URL",
@@ -53,6 +60,7 @@ __all__ = [
     "MIN_TOKEN_LENGTH",
 ]
 
+ENV_PREFIX = "SWIFTLOG_"
 ENV_ROOT = "SWIFTLOG_ROOT"  # the node's store root
 ENV_COLD_URL = "SWIFTLOG_COLD_URL"  # file:///dir or s3://bucket/prefix
 ENV_COLD_OPTIONS = "SWIFTLOG_COLD_OPTIONS"  # JSON object of fsspec storage options
@@ -151,6 +159,16 @@ class Settings(BaseModel):
             )
         return v
 
+    @field_validator("cold_url")
+    @classmethod
+    def _cold_url_form(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                parse_cold_url(v)  # as the cold tier parses it: a malformed URL never reaches a request
+            except SwiftlogError as e:
+                raise ValueError(f"{e.message} ({e.hint})" if e.hint else e.message) from None
+        return v
+
     @field_validator("planner")
     @classmethod
     def _planner_form(cls, v: str) -> str:
@@ -215,38 +233,10 @@ class Settings(BaseModel):
         return "insecure-loopback" if self.allow_insecure_loopback_writes else "read-only"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **explicit: Any) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
         """Build settings: ``explicit`` values (None means "not given") over ``env`` (default
         ``os.environ``) over defaults. Raises ConfigError naming the bad value."""
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        if env.get(ENV_ROOT):
-            values["root"] = env[ENV_ROOT]
-        if env.get(ENV_COLD_URL):
-            values["cold_url"] = env[ENV_COLD_URL]
-        if env.get(ENV_COLD_OPTIONS):
-            try:
-                values["cold_options"] = json.loads(env[ENV_COLD_OPTIONS])
-            except ValueError as e:
-                raise ConfigError(
-                    f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}'
-                ) from None
-        if env.get(ENV_TOKEN):
-            values["token"] = env[ENV_TOKEN]
-        if env.get(ENV_HOST):
-            values["host"] = env[ENV_HOST]
-        if env.get(ENV_PORT):
-            values["port"] = env[ENV_PORT]
-        if env.get(ENV_ALLOW_INSECURE_LOOPBACK_WRITES):
-            values["allow_insecure_loopback_writes"] = env[ENV_ALLOW_INSECURE_LOOPBACK_WRITES].lower() in _TRUE
-        if env.get(ENV_PLANNER):
-            values["planner"] = env[ENV_PLANNER]
-        if env.get(ENV_ALLOWED_HOSTS):
-            values["allowed_hosts"] = tuple(env[ENV_ALLOWED_HOSTS].split(","))
-        if env.get(ENV_TLS_CERT):
-            values["tls_certfile"] = env[ENV_TLS_CERT]
-        if env.get(ENV_TLS_KEY):
-            values["tls_keyfile"] = env[ENV_TLS_KEY]
+        values = EnvSettings.read(env).settings_values()
         values.update({k: v for k, v in explicit.items() if v is not None})
         if "root" not in values:
             raise ConfigError("no store root given", hint=f"pass --root or set {ENV_ROOT}")
@@ -265,3 +255,71 @@ class Settings(BaseModel):
                 for err in e.errors()
             )
             raise ConfigError(f"invalid server settings: {msgs}") from None
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self.env_vars = parse_env_vars(env, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+
+class EnvSettings(BaseSettings):
+    """The server's ``SWIFTLOG_*`` environment variables as set: the one place they are read.
+
+    A variable that is unset or empty is None. Values stay strings here; :class:`Settings`
+    validates them, so an error names the setting the same way whatever its source.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="ignore", frozen=True)
+
+    root: str | None = None
+    cold_url: str | None = None
+    cold_options: str | None = None
+    token: str | None = None
+    host: str | None = None
+    port: str | None = None
+    allow_insecure_loopback_writes: str | None = None
+    planner: str | None = None
+    allowed_hosts: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> EnvSettings:
+        """The variables of ``env``, by default ``os.environ``."""
+        if env is None:
+            return cls()
+        # model_validate would read os.environ as well; the fields are strings, there is nothing to validate
+        return cls.model_construct(**_MappingEnvSource(cls, env)())
+
+    def cold_options_value(self) -> Any:
+        """``SWIFTLOG_COLD_OPTIONS`` decoded (None when unset). Raises ConfigError when it is not JSON."""
+        if self.cold_options is None:
+            return None
+        try:
+            return json.loads(self.cold_options)
+        except ValueError as e:
+            raise ConfigError(
+                f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}'
+            ) from None
+
+    def settings_values(self) -> dict[str, Any]:
+        """The variables that are set, as :class:`Settings` keywords."""
+        values: dict[str, Any] = {
+            "root": self.root,
+            "cold_url": self.cold_url,
+            "cold_options": self.cold_options_value(),
+            "token": self.token,
+            "host": self.host,
+            "port": self.port,
+            "planner": self.planner,
+            "tls_certfile": self.tls_cert,
+            "tls_keyfile": self.tls_key,
+        }
+        if self.allow_insecure_loopback_writes is not None:
+            values["allow_insecure_loopback_writes"] = self.allow_insecure_loopback_writes.lower() in _TRUE
+        if self.allowed_hosts is not None:
+            values["allowed_hosts"] = tuple(self.allowed_hosts.split(","))
+        return {k: v for k, v in values.items() if v is not None}

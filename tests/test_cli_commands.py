@@ -302,7 +302,8 @@ def test_flush(store_copy: StoreFixture) -> None:
     assert rep["uploaded_segments"] > 0 and rep["open_segments"] == []
     out = _ok(swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url)).stdout
     assert "uploaded 0 segment(s)" in out
-    # a writer whose index is left out (here truncated) ships nothing: flush says so and exits 1 (a QA check: it exited 0)
+    # a writer whose index is left out (here truncated) ships nothing: flush says so and exits 1
+    # (a QA check: it exited 0)
     data = store_copy.root / "run-a" / "stage0" / "index" / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)
     p = swiftlog("flush", "--root", store_copy.root, "--run", "run-a", "--cold-url", store_copy.cold_url, "--json")

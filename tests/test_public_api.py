@@ -194,3 +194,27 @@ def test_replay_public_api() -> None:
     ):
         m = importlib.import_module(mod)
         assert all(hasattr(m, n) for n in m.__all__), mod
+
+
+def test_server_public_api() -> None:
+    """The admin API (app, settings, serve), the node it serves, the version; the CLI's entry point."""
+    assert _exported("server") == {"Settings", "create_app", "Node", "serve", "__version__"}
+    assert _exported("server.cli") == {"app", "main"}
+    assert _exported("server.errors") == {
+        "RunNotFoundError",
+        "CheckpointNotFoundError",
+        "BadRequestError",
+        "NoColdTierError",
+        "NotAvailableError",
+        "AuthError",
+        "DemoRunError",
+        "Problem",
+        "classify",
+        "plain_message",
+        "EXIT_OK",
+        "EXIT_PROBLEMS",
+        "EXIT_USAGE",
+        "EXIT_NOT_FOUND",
+        "EXIT_UNAVAILABLE",
+        "EXIT_INTERRUPTED",
+    }

@@ -296,14 +296,6 @@ def test_reads_do_not_block_a_writing_process(store_copy: StoreFixture) -> None:
     assert writer.returncode == 0, err
 
 
-def test_public_names_are_pinned() -> None:
-    import server
-
-    assert set(server.__all__) == {"Settings", "create_app", "Node", "serve", "__version__"}
-    for name in server.__all__:
-        assert getattr(server, name) is not None
-
-
 def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path) -> None:
     """A multi-chunk record is streamed (verified while read); after a flipped byte its download
     ends short (the client sees an incomplete body), and a one-chunk record answers 409."""

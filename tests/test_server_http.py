@@ -139,7 +139,10 @@ def test_a_request_must_arrive_within_the_read_timeout(tmp_path: Path) -> None:
         assert response.startswith(b"HTTP/1.1 408 "), (sent, response[:200])
         assert sent < len(head)
         # a body that stops short: the app waits for it, the deadline ends the wait
-        short = b"POST /v1/runs/run-a/gc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{}"
+        short = (
+            b"POST /v1/runs/run-a/gc HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 40\r\n\r\n{}"
+        )
         with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
             s.sendall(short)
             assert _read_response(s).startswith(b"HTTP/1.1 408 ")

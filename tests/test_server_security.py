@@ -230,7 +230,8 @@ def test_cross_origin_writes_are_refused(store_copy: StoreFixture) -> None:
             assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_request", (headers, r.text)
         after = httpx.get(srv.url + "/v1/runs/run-a", params={"fresh": "true"}).json()["hot"]["segments"]["sealed"]
         assert after == sealed  # nothing was flushed
-        # reads stay open to any origin (the browser does not show the page the answer), the server's own origin may write
+        # reads stay open to any origin (the browser does not show the page the answer);
+        # the server's own origin may write
         assert httpx.get(srv.url + "/v1/runs", headers={"Origin": "http://attacker.example"}).status_code == 200
         r = httpx.post(
             srv.url + "/v1/runs/run-a/flush",
@@ -442,7 +443,8 @@ def test_flush_then_checkpoint_and_gc(store_copy: StoreFixture) -> None:
         httpx.Client(base_url=srv.url, timeout=60, headers=AUTH) as c,
     ):
         _flush_checks(c, store_copy)
-        # what would make logs garbage for nothing is refused, naming it (a stage or iteration beyond the logs, a missing file)
+        # what would make logs garbage for nothing is refused, naming it
+        # (a stage or iteration beyond the logs, a missing file)
         for bad, needle in (
             (
                 {"stage": 9, "iteration": 4},

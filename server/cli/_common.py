@@ -36,10 +36,10 @@ from rich.console import Console
 from typer.core import TyperCommand
 
 from logstore.cold import parse_cold_url
-from logstore.errors import SwiftlogError
-from server.errors import EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
+from logstore.errors import ConfigError, SwiftlogError
+from server.errors import EXIT_INTERRUPTED, EXIT_NOT_FOUND, EXIT_PROBLEMS, EXIT_UNAVAILABLE, EXIT_USAGE, classify
 from server.node import Node
-from server.settings import ENV_COLD_OPTIONS, ENV_COLD_URL, ENV_ROOT
+from server.settings import ENV_COLD_OPTIONS, ENV_COLD_URL, ENV_ROOT, EnvSettings
 
 __all__ = [
     "RootOpt",
@@ -204,20 +204,17 @@ def handle_errors() -> Iterator[None]:
         msg = p.message if p.key is None or p.key in p.message else f"{p.message} [{p.key}]"
         raise fail(msg, hint=p.hint, code=p.exit_code, error_type=p.code, key=p.key, retryable=p.retryable) from None
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def parse_cold_options(items: list[str] | None) -> dict[str, Any]:
     """``SWIFTLOG_COLD_OPTIONS`` (a JSON object) updated by ``--cold-option KEY=VALUE`` flags."""
     opts: dict[str, Any] = {}
-    env = os.environ.get(ENV_COLD_OPTIONS)
-    if env:
-        try:
-            loaded = json.loads(env)
-        except ValueError as e:
-            raise fail(
-                f"{ENV_COLD_OPTIONS} is not JSON: {e}", hint='write e.g. {"key": "...", "secret": "..."}'
-            ) from None
+    try:
+        loaded = EnvSettings.read().cold_options_value()
+    except ConfigError as e:
+        raise fail(e.message, hint=e.hint) from None
+    if loaded is not None:
         if not isinstance(loaded, dict):
             raise fail(f"{ENV_COLD_OPTIONS} must be a JSON object")
         opts.update(loaded)
@@ -246,7 +243,7 @@ def check_cold_url(cold_url: str | None) -> None:
     if cold_url and cold_url.startswith("file://") and not os.path.isdir(cold_url[len("file://") :]):
         raise fail(
             f"cold tier directory {cold_url[len('file://') :]!r} does not exist",
-            hint="check --cold-url / SWIFTLOG_COLD_URL",
+            hint=f"check --cold-url / {ENV_COLD_URL}",
             code=EXIT_NOT_FOUND,
         )
 

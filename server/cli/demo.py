@@ -29,6 +29,7 @@ Never: starts a training with an option it will refuse later.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import shutil
@@ -40,9 +41,9 @@ from typing import Annotated, Any
 import typer
 
 from server.cli._common import Command, JsonOpt, console, deprecated_alias, fail, handle_errors, human_bytes, print_json
-from server.errors import EXIT_PROBLEMS
+from server.errors import EXIT_PROBLEMS, EXIT_UNAVAILABLE, DemoRunError
 
-__all__ = ["register", "run_demo", "Phase", "DemoRunError"]
+__all__ = ["register", "run_demo", "Phase"]
 
 RUN = "demo-run"
 
@@ -57,10 +58,6 @@ class Phase(StrEnum):
     commit = "commit"
     optimizer = "optimizer"
     upload = "upload"
-
-
-class DemoRunError(RuntimeError):
-    """One of the demo's trainings did not finish (its stage logs are in the message)."""
 
 
 def _failure_iteration(iterations: int, checkpoint_every: int) -> int:
@@ -184,7 +181,8 @@ def run_demo(
     ref = launch("reference", [], "swift")
     say(f"    done in {ref.wall_s:.1f} s")
     say(
-        f"[bold]2/3[/] SWIFT: SIGKILL stage {kill.stage} at iteration {kill.iteration}, micro-batch {kill.micro_batch}, {kill.phase}"
+        f"[bold]2/3[/] SWIFT: SIGKILL stage {kill.stage} at iteration {kill.iteration}, "
+        f"micro-batch {kill.micro_batch}, {kill.phase}"
     )
     sw = launch("swift", [kill], "swift")
     say(f"    done in {sw.wall_s:.1f} s")
@@ -338,21 +336,26 @@ def _markdown(r: dict[str, Any]) -> str:
     lines = [
         "# swiftlog demo: a stage failure, recovered in place",
         "",
-        f"- failure: SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, {f['phase']}",
+        f"- failure: SIGKILL of stage {f['stage']} at iteration {f['iteration']}, "
+        f"micro-batch {f['micro_batch']}, {f['phase']}",
         (
-            f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} to iteration {p['resume_iteration']} "
+            f"- plan: replay stage(s) {p['failed_stages']} from checkpoint {p['checkpoint_iteration']} "
+            f"to iteration {p['resume_iteration']} "
             f"from {p['sources']}; survivors {p['survivors']} keep their state"
         ),
-        f"- verification: {'verified' if r['verification']['verified'] else 'NOT verified'} ({r['verification']['digests_checked']} digests)",
+        f"- verification: {'verified' if r['verification']['verified'] else 'NOT verified'} "
+        f"({r['verification']['digests_checked']} digests)",
         f"- fetched: {r['records_fetched']} records, {r['bytes_fetched']} bytes",
-        f"- final state vs failure-free run: {'bit-exact on every stage' if r['final_state']['bit_exact'] else 'DIFFERENT'}",
+        "- final state vs failure-free run: "
+        + ("bit-exact on every stage" if r["final_state"]["bit_exact"] else "DIFFERENT"),
         "",
         "| phase | seconds |",
         "|---|---|",
         *[f"| {k.removesuffix('_s')} | {_fmt(v)} |" for k, v in tm.items()],
         "",
         (
-            f"Global rollback from checkpoint {g['checkpoint_iteration']} (redoes {g['iterations_redone']} iterations on every stage): "
+            f"Global rollback from checkpoint {g['checkpoint_iteration']} "
+            f"(redoes {g['iterations_redone']} iterations on every stage): "
             f"{_fmt(g['resumed_s'])} s from the failure to standing where it was; SWIFT: {_fmt(tm['resumed_s'])} s "
             f"(ratio {_fmt(r['recovery_vs_global_rollback'])})."
         ),
@@ -369,10 +372,12 @@ def _print_report(r: dict[str, Any]) -> None:
     f, p, tm, g = r["failure"], r["plan"], r["timings_s"], r["global_rollback"]
     console.print()
     console.print(
-        f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, micro-batch {f['micro_batch']}, during {f['phase']}"
+        f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, "
+        f"micro-batch {f['micro_batch']}, during {f['phase']}"
     )
     console.print(
-        f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} from its checkpoint at iteration {p['checkpoint_iteration']} "
+        f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} "
+        f"from its checkpoint at iteration {p['checkpoint_iteration']} "
         f"to iteration {p['resume_iteration']} (agreed by the survivors {p['survivors']}, which keep their state)"
     )
     console.print(f"          records from: {p['sources']}")
@@ -411,8 +416,10 @@ def _print_report(r: dict[str, Any]) -> None:
         + ("[green]bit-exact on every stage[/]" if fs["bit_exact"] else f"[red]differs[/] {fs['per_stage']}")
     )
     console.print(
-        f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} (redo {g['iterations_redone']} iterations on all 4 stages): "
-        f"{_fmt(g['resumed_s'])} s to stand where it was (final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
+        f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} "
+        f"(redo {g['iterations_redone']} iterations on all 4 stages): "
+        f"{_fmt(g['resumed_s'])} s to stand where it was "
+        f"(final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
         f"SWIFT took {_fmt(tm['resumed_s'])} s: ratio [bold]{_fmt(r['recovery_vs_global_rollback'])}[/]"
     )
     console.print(f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]")
@@ -442,9 +449,15 @@ def demo(
     replay_workers: Annotated[int | None, typer.Option("--replay-workers", min=1, max=8, hidden=True)] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, with a report and a plot."""
+    """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, a report, a plot."""
     workers = deprecated_alias(workers, replay_workers, new_flag="--workers/-w", old_flag="--replay-workers") or 1
     _failure_iteration(iterations, checkpoint_every)  # refused now, not after the reference run
+    if importlib.util.find_spec("matplotlib") is None:  # the plot is drawn last: say so before three trainings
+        raise fail(
+            "swiftlog demo draws its progress plot with matplotlib, which is not installed",
+            hint="pip install 'swiftlog[demo]'",
+            code=EXIT_UNAVAILABLE,
+        )
     workdir = (directory or Path("swiftlog-demo")).resolve()
     try:
         workdir.mkdir(parents=True, exist_ok=True)

@@ -238,11 +238,13 @@ def _print_summary(s: RunSummary) -> None:
         console.print("gaps: unknown (the cold tier cannot be read)")
     else:
         console.print(
-            "gaps: none (no record was noted as dropped; `swiftlog verify` or `swiftlog replay --plan-only` find missing ones)"
+            "gaps: none (no record was noted as dropped; "
+            "`swiftlog verify` or `swiftlog replay --plan-only` find missing ones)"
         )
     if s.incomplete:
         console.print(
-            f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them (cold tier unreachable)"
+            f"[yellow]incomplete:[/] {', '.join(s.incomplete)} as this node's hot tier knows them "
+            "(cold tier unreachable)"
         )
 
 
@@ -341,7 +343,8 @@ def export(
                     import torch
 
                     wide = torch.complex64 if t.is_complex() else torch.float32
-                    note = f"{str(t.dtype).removeprefix('torch.')} has no numpy dtype; saved as {str(wide).removeprefix('torch.')} (exact)"
+                    dtype, saved_as = str(t.dtype).removeprefix("torch."), str(wide).removeprefix("torch.")
+                    note = f"{dtype} has no numpy dtype; saved as {saved_as} (exact)"
                     arr = t.to(wide).numpy()
                 np.save(f, arr, allow_pickle=False)
         os.replace(tmp, output)

@@ -30,7 +30,7 @@ from server.cli._common import (
 )
 from server.errors import EXIT_PROBLEMS
 from server.planner import DEFAULT_PLANNER
-from server.settings import ENV_ROOT
+from server.settings import ENV_PLANNER, ENV_ROOT
 
 __all__ = ["register"]
 
@@ -53,7 +53,7 @@ def plan(
     # the old spelling of --stage: hidden, still works, says it is deprecated
     failed: Annotated[list[int] | None, typer.Option("--failed", "-f", min=0, max=0xFFFF, hidden=True)] = None,
     planner: Annotated[
-        str, typer.Option("--planner", envvar="SWIFTLOG_PLANNER", help="module:function of the planner")
+        str, typer.Option("--planner", envvar=ENV_PLANNER, help="module:function of the planner")
     ] = DEFAULT_PLANNER,
     target_iteration: Annotated[
         int | None, typer.Option("--target-iteration", "-t", min=0, help="the iteration the survivors stand at")

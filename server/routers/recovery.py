@@ -35,7 +35,8 @@ def build(settings: Settings) -> APIRouter:
             None,
             ge=0,
             le=2**53 - 1,
-            description="the iteration the survivors stand at: the replay stops before it (default: the first iteration not completely logged)",
+            description="the iteration the survivors stand at: the replay stops before it "
+            "(default: the first iteration not completely logged)",
         ),
         bandwidth_mbps: float | None = Query(
             None, ge=0.001, le=1e7, allow_inf_nan=False, description="fetch bandwidth for the time estimate, MB/s"
