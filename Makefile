@@ -30,6 +30,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -ra -m "not slow"
