@@ -204,7 +204,8 @@ def main() -> int:
         "bytes_per_iteration_stored": stored / n_logged_iters,
         "compression_ratio": raw / stored if stored else None,
         "queue_peak_bytes": max(x["queue_peak_bytes"] for x in w),
-        # first / last stage with a cold tier: commit waits for the iteration's inputs / targets there (CommitConfig.ship_wait)
+        # first / last stage with a cold tier: commit waits for the iteration's inputs / targets there
+        # (CommitConfig.ship_wait)
         "ship_wait_ms_per_logged_iteration": max(s["stats"]["commit"].get("ship_wait_s", 0.0) for s in stages)
         * 1e3
         / n_logged_iters,

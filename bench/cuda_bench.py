@@ -303,15 +303,20 @@ def main() -> None:
     )
     if doc["d2h_pinned_gbps"] is not None:
         print(
-            f"D2H: pinned side stream {doc['d2h_pinned_gbps']:.1f} GB/s, pageable .cpu() {doc['d2h_pageable_gbps']:.1f} GB/s\n"
+            f"D2H: pinned side stream {doc['d2h_pinned_gbps']:.1f} GB/s, "
+            f"pageable .cpu() {doc['d2h_pageable_gbps']:.1f} GB/s\n"
         )
-    head = f"| {'mode':10} | {'iter off s':>10} | {'iter on s':>9} | {'ratio':>6} | {'capture us/MB':>13} | {'log GB/s':>8} | {'waits':>5} | {'stored/raw':>10} | {'enc cpu s/GB':>12} |"
+    head = (
+        f"| {'mode':10} | {'iter off s':>10} | {'iter on s':>9} | {'ratio':>6} | {'capture us/MB':>13} "
+        f"| {'log GB/s':>8} | {'waits':>5} | {'stored/raw':>10} | {'enc cpu s/GB':>12} |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
         print(
-            f"| {r['mode']:10} | {r['iteration_s_off']:10.3f} | {r['iteration_s_on']:9.3f} | {r['ratio']:6.3f} | {r['capture_us_per_mb']:13.1f} | "
-            f"{r['log_rate_gbps']:8.2f} | {r.get('overflow_waits', '-')!s:>5} | {r.get('stored_over_raw', float('nan')):10.3f} | "
+            f"| {r['mode']:10} | {r['iteration_s_off']:10.3f} | {r['iteration_s_on']:9.3f} | {r['ratio']:6.3f} "
+            f"| {r['capture_us_per_mb']:13.1f} | {r['log_rate_gbps']:8.2f} | {r.get('overflow_waits', '-')!s:>5} "
+            f"| {r.get('stored_over_raw', float('nan')):10.3f} | "
             f"{r.get('encode_cpu_s_per_gb', float('nan')):12.2f} |"
         )
     print(f"\nwrote {args.out}")

@@ -179,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             },
             "runs": {"swift": swift, "rollback": rollback},
             "notes": (
-                "recovery_s: SIGKILL -> every stage in the new process group at the failed iteration (detect + survivors report + "
-                "replacement start + checkpoint load + fetch + replay + verify + rejoin). global_rollback_s: SIGKILL -> restarted "
-                "pipeline finished the failed iteration - 1 again (kill all + restart 4 processes + rejoin + checkpoint load + redo). "
-                "fetch_s includes the replacement's checkpoint load and stage build; it overlaps replay_s through prefetching."
+                "recovery_s: SIGKILL -> every stage in the new process group at the failed iteration "
+                "(detect + survivors report + replacement start + checkpoint load + fetch + replay + verify + rejoin). "
+                "global_rollback_s: SIGKILL -> restarted pipeline finished the failed iteration - 1 again "
+                "(kill all + restart 4 processes + rejoin + checkpoint load + redo). "
+                "fetch_s includes the replacement's checkpoint load and stage build; "
+                "it overlaps replay_s through prefetching."
             ),
         }
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -83,16 +83,18 @@ import torch  # noqa: E402
 RESULTS = _ROOT / "bench" / "results" / "replay.json"
 NOTES = [
     (
-        "headline speedups are medians over rounds of each round's ratio (sequential and parallel replay run back to back); "
+        "headline speedups are medians over rounds of each round's ratio "
+        "(sequential and parallel replay run back to back); "
         "_best_of variants divide the fastest times, _median the median times"
     ),
     (
-        "two cores shared with other users: see other_processes_cores_busy; parallel replay needs both cores at once, so any other "
-        "work stalls one worker and, through the per-iteration gradient exchange, both"
+        "two cores shared with other users: see other_processes_cores_busy; parallel replay needs both cores at once, "
+        "so any other work stalls one worker and, through the per-iteration gradient exchange, both"
     ),
     (
-        "replay_vs_live compares against 4 live stage processes sharing 2 cores; with one device per stage the live step is about "
-        "(n+S-1)/n micro-batch slots, so replay_vs_live would be near ideal_replay_vs_live_one_device_per_stage (0.73) for one worker"
+        "replay_vs_live compares against 4 live stage processes sharing 2 cores; "
+        "with one device per stage the live step is about (n+S-1)/n micro-batch slots, "
+        "so replay_vs_live would be near ideal_replay_vs_live_one_device_per_stage (0.73) for one worker"
     ),
 ]
 NUM_STAGES = 4
@@ -242,7 +244,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.live_runs):
             other = _wait_quiet(args.quiet_cores, args.max_wait_s)
             print(
-                f"live run {i}: 4 stages, {ckpt + iters} iterations, checkpoint at {ckpt} (others busy: {other} cores) ...",
+                f"live run {i}: 4 stages, {ckpt + iters} iterations, checkpoint at {ckpt} "
+                f"(others busy: {other} cores) ...",
                 flush=True,
             )
             results, wall = live_run(base / f"live{i}", ckpt, iters)
@@ -306,8 +309,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 if name == "k2_exact":
                     splits[r] = [res.split[k] for k in sorted(res.split)]
                 print(
-                    f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  end-to-end {res.seconds:7.3f} s  "
-                    f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  verified={res.verified}",
+                    f"round {r} {name:10s} replay {res.replay_seconds:7.3f} s  cpu {max(res.cpu_seconds):7.3f} s  "
+                    f"end-to-end {res.seconds:7.3f} s  "
+                    f"other load {others[name][-1] if others[name] else float('nan'):4.2f} cores  "
+                    f"verified={res.verified}",
                     flush=True,
                 )
         # calibration: the same sequential replay, alone and then two at once in two processes

@@ -114,7 +114,8 @@ class LogReader:
     """
 
     def __init__(self, stores: RecordSource | Sequence[RecordSource]) -> None:
-        self.stores: list[RecordSource] = list(stores) if isinstance(stores, (list, tuple)) else [stores]  # type: ignore[list-item]
+        many = isinstance(stores, (list, tuple))
+        self.stores: list[RecordSource] = list(stores) if many else [stores]  # type: ignore[list-item]
         if not self.stores:
             raise ValueError("LogReader needs at least one record source")
         self._lock = threading.Lock()

@@ -312,7 +312,8 @@ def test_a_one_stage_gpt_pipeline_on_cuda_replays_there_bit_for_bit(tmp_path, sc
         assert a.is_cuda and torch.equal(a, b)
     got, want = fopt.state_dict()["state"], opt.state_dict()["state"]
     assert all(torch.equal(got[i]["exp_avg_sq"], want[i]["exp_avg_sq"]) for i in want)
-    # the same through a job (what `swiftlog replay --device cuda` runs): the example factory builds on CPU, the job moves it
+    # the same through a job (what `swiftlog replay --device cuda` runs): the example factory builds on CPU,
+    # the job moves it
     from replay import ReplayJob, SourceSpec, replay
 
     job = ReplayJob(
