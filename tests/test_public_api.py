@@ -89,6 +89,7 @@ def test_trainer_client_public_api() -> None:
             "FlushReport",
             "Fault",
             "DataSource",
+            "loopback_store",
             "ResilientLoop",
             "RecoveryKeys",
             "Checkpoint",

@@ -52,7 +52,7 @@ those from their modules; a training script needs none of them.
 
 from trainer_client.checkpoint import Checkpoint, checkpoint_uri, load_checkpoint, save_checkpoint
 from trainer_client.client import SwiftlogClient
-from trainer_client.commit import CommitResult
+from trainer_client.commit import CommitResult, loopback_store
 from trainer_client.config import (
     CheckpointConfig,
     ClientConfig,
@@ -95,6 +95,7 @@ __all__ = [
     "FlushReport",
     "Fault",
     "DataSource",
+    "loopback_store",
     # in-place recovery
     "ResilientLoop",
     "RecoveryKeys",
