@@ -1,8 +1,9 @@
-"""Print the headline benchmark table (markdown) from bench/results/*.json.
+"""Print the benchmark table (markdown) from bench/results/*.json.
 
-``python bench/table.py`` prints it; ``--readme`` also rewrites the table between the
-``<!-- bench:start -->`` / ``<!-- bench:end -->`` markers of README.md. Reads only; a missing
-result file shows as "not run".
+``python bench/table.py`` prints every row; ``--readme`` also rewrites the tables between the
+``<!-- bench:start -->`` / ``<!-- bench:end -->`` markers: README.md gets the headline rows (those
+with a target), bench/README.md every row. Reads only results; a missing result file shows as
+"not run".
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
-def table() -> str:
+def table(*, headline: bool = False) -> str:
+    """The table's markdown; ``headline``: only the rows with a target."""
     cache: dict[str, dict | None] = {}
     lines = ["| bench | metric | measured | target | met |", "|---|---|---|---|---|"]
     for f, key, target, op, bound in ROWS:
+        if headline and op is None:
+            continue
         if f not in cache:
             p = RESULTS / f"{f}.json"
             cache[f] = json.loads(p.read_text()) if p.exists() else None
@@ -104,22 +108,31 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def _rewrite(path: Path, t: str) -> bool:
+    """Replace the text between the bench markers of ``path``; False when it has none."""
+    text = path.read_text()
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    if start not in text or end not in text:
+        print(f"{path.relative_to(ROOT)} has no bench markers", file=sys.stderr)
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{t}\n{end}{tail}")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    ap.add_argument(
+        "--readme", action="store_true", help="rewrite the tables in README.md (headline) and bench/README.md (all)"
+    )
     args = ap.parse_args(argv)
     t = table()
     print(t)
     if args.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        start, end = "<!-- bench:start -->", "<!-- bench:end -->"
-        if start not in text or end not in text:
-            print("README.md has no bench markers", file=sys.stderr)
-            return 2
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        readme.write_text(f"{head}{start}\n{t}\n{end}{tail}")
+        ok = _rewrite(ROOT / "README.md", table(headline=True))
+        ok = _rewrite(ROOT / "bench" / "README.md", t) and ok
+        return 0 if ok else 2
     return 0
 
 
