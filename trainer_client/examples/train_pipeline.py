@@ -12,7 +12,7 @@ per-iteration times, the client's stats and close report, and with ``--record-re
 tensor it received, keyed ``(iteration, micro_batch, "act" | "grad")``) and prints one JSON line
 ``RESULT {...}`` on stdout.
 
-The training loop is the README snippet plus measurement knobs: ``--no-logging`` (baseline),
+The training loop is docs/training-contract.md's plus measurement knobs: ``--no-logging`` (baseline),
 ``--alternate-logging N`` (blocks of N iterations with logging on, then off, ...: both
 configurations in the same run, for a fair overhead measurement on a noisy machine).
 ``--resilient`` (and ``--replacement``) hand over to ``train_resilient``: the same stage trained
