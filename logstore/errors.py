@@ -18,6 +18,35 @@ Hierarchy::
     │   └── StoreClosedError            use after close()
     └── ConfigError (ValueError)        a configuration value that cannot work
 
+The other packages' errors derive from these (each in its package's ``errors`` module; this is
+the whole tree of what swiftlog raises)::
+
+    SwiftlogError
+    ├── ConfigError
+    │   └── trainer_client: UnsupportedScheduleError
+    ├── trainer_client: ClientError
+    │   ├── CommitError
+    │   │   ├── IterationAbortedError
+    │   │   └── CommitStoreError
+    │   ├── CheckpointError
+    │   └── RecoveryFailedError
+    │       ├── RecoveryTimeoutError
+    │       └── replay: ReplacementFallback      a replay is impossible: roll back instead
+    ├── replay: ReplayError
+    │   ├── ReplayInputMissingError
+    │   ├── ReplayMismatchError
+    │   └── ReplayOrderError
+    ├── StoreError
+    │   ├── replay: NodeUnavailableError       a node server cannot be reached (retryable)
+    │   ├── server: RunNotFoundError
+    │   └── server: CheckpointNotFoundError
+    ├── server: BadRequestError (ValueError)
+    ├── server: NoColdTierError
+    ├── server: NotAvailableError
+    └── server: AuthError
+
+    server: DemoRunError (RuntimeError)      the demo's training or recovery failed (the CLI's exit code)
+
 Outside the tree (never raised to a caller of the store)::
 
     ObjectExistsError                   cold tier internal: an exclusive write found the key taken

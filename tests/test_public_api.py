@@ -219,3 +219,22 @@ def test_server_public_api() -> None:
         "EXIT_UNAVAILABLE",
         "EXIT_INTERRUPTED",
     }
+
+
+def test_one_docstring_draws_every_error_class() -> None:
+    """logstore.errors' docstring draws the whole tree: every error class of the four packages."""
+    import inspect
+
+    from logstore import errors
+
+    drawn = errors.__doc__ or ""
+    for name in ("logstore.errors", "trainer_client.errors", "replay.errors", "server.errors"):
+        mod = importlib.import_module(name)
+        classes = [
+            n
+            for n, c in vars(mod).items()
+            if inspect.isclass(c) and issubclass(c, BaseException) and c.__module__ == name
+        ]
+        assert classes, name
+        missing = [n for n in classes if n not in drawn]
+        assert not missing, f"{name}: {missing} missing from logstore.errors' docstring"
