@@ -26,7 +26,8 @@ from tests._recovery_helpers import PG_TIMEOUT_S, References, assert_same_as, ru
 def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> References:
     """Failure-free runs, one per (script, arguments), shared by every test and kept in pytest's
     cache between sessions (``pytest --cache-clear`` runs them again)."""
-    cache = request.config.cache.mkdir("swiftlog-references") if request.config.cache is not None else None
+    config_cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    cache = config_cache.mkdir("swiftlog-references") if config_cache is not None else None
     return References(tmp_path_factory.mktemp("references"), cache)
 
 
