@@ -215,6 +215,7 @@ def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
         app.include_router(mod.build(settings), dependencies=read_deps)
     app.include_router(_docs_router(app.title), dependencies=read_deps)
     _install_handlers(app, _path_redactor(settings))
+    app.add_middleware(records.RawDownloads, settings=settings, node=node)  # innermost: after every check below
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HostOriginMiddleware, host_names=settings.host_names)  # before anything reads the request
     app.add_middleware(MetricsMiddleware, metrics=server_metrics)  # outermost: sees every response

@@ -334,6 +334,63 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
         assert status == 409 and b"corrupt_record" in body
 
 
+def test_raw_downloads_answer_alike_before_and_after_the_run_is_open(store_copy: StoreFixture) -> None:
+    """The first download of a run goes through the route, which opens the run's store; later ones
+    are answered before the routing (records.RawDownloads): the same status, headers and bytes, the
+    same answers to what is wrong, and the same label in /metrics."""
+    key = RecordKey(Channel.activation(0), 1, 0)
+    url = f"/v1/runs/run-a/records/{key}/raw"
+    with (
+        ServerProcess(store_copy.root, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
+        first, again = c.get(url), c.get(url)
+        assert first.status_code == again.status_code == 200
+        assert first.content == again.content
+        assert torch.equal(codec.decode_tensor(again.content), sample_tensor(key.channel, 1, 0))
+        assert dict(first.headers) | {"date": ""} == dict(again.headers) | {"date": ""}
+        for path, status in (
+            ("/v1/runs/run-a/records/act_0_1/it999/mb0/raw", 404),
+            ("/v1/runs/run-a/records/act_0_1/bogus/raw", 422),
+            ("/v1/runs/nope/records/act_0_1/it1/mb0/raw", 404),
+            ("/v1/runs/run-a/records/grad_3_2/it1/mb0/raw", 200),  # evicted: the route reads the cold tier
+        ):
+            assert c.get(path).status_code == status, path
+        r = c.get(url, headers={"Host": "attacker.example"})  # the Host check comes first on either path
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request"
+        text = c.get("/metrics").text
+        label = 'method="GET",route="/v1/runs/{run}/records/{key}/raw",status="200"'
+        assert f"swiftlog_http_requests_total{{{label}}} 3.0" in text
+
+
+def test_a_download_from_an_open_run_is_answered_before_the_route(store_copy: StoreFixture) -> None:
+    """In process: once the route opened the run's store, a download of a record in a local segment
+    file never reaches the route (Node.blob_stream); one only the cold tier holds does."""
+    import asyncio
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings.build(root=store_copy.root, cold_url=store_copy.cold_url))
+    node, calls = app.state.node, []
+    routed = node.blob_stream
+    node.blob_stream = lambda *a: calls.append(a[1]) or routed(*a)
+    url = "/v1/runs/run-a/records/{}/raw"
+
+    async def fetch() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1") as c:
+            first = await c.get(url.format("act_0_1/it1/mb0"))
+            again = await c.get(url.format("act_0_1/it1/mb0"))
+            assert first.status_code == again.status_code == 200 and first.content == again.content
+            assert (await c.get(url.format("grad_3_2/it1/mb0"))).status_code == 200  # evicted: cold only
+
+    try:
+        asyncio.run(fetch())
+    finally:
+        node.close()
+    assert calls == ["act_0_1/it1/mb0", "grad_3_2/it1/mb0"]
+
+
 def test_node_server_lists_gaps_for_a_remote_planner(tmp_path) -> None:
     """HttpRecordSource.gaps (what plan_recovery reads through a node server) sees recorded gaps."""
     from logstore import LogStore
