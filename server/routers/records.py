@@ -165,7 +165,12 @@ class RawDownloads:
 def build(settings: Settings) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["records"])
 
-    @router.get("/runs/{run}/records", response_model=RecordPage, responses=errors(), summary="List records (one page)")
+    @router.get(
+        "/runs/{run}/records",
+        response_model=RecordPage,
+        responses=errors(400, 404, 503),
+        summary="List records (one page)",
+    )
     async def list_records(
         run: RunId,
         channel: str | None = Query(None, pattern=CHANNEL_PATTERN, description="e.g. act_0_1, grad_2_1, input_0"),
@@ -199,7 +204,7 @@ def build(settings: Settings) -> APIRouter:
                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                 "headers": {h: {"description": d, "schema": {"type": "string"}} for h, d in BLOB_HEADERS.items()},
             },
-            **errors(),
+            **errors(400, 404, 409, 502, 503),
         },
         summary="Download one record's encoded blob",
     )
@@ -210,7 +215,7 @@ def build(settings: Settings) -> APIRouter:
     @router.get(
         "/runs/{run}/records/{key:path}",
         response_model=RecordDetail,
-        responses=errors(),
+        responses=errors(400, 404, 409, 502, 503),
         summary="One record's metadata and tensor summary",
     )
     async def record_detail(
