@@ -1,6 +1,7 @@
-"""The ceiling of record downloads over HTTP from Python here: a bare ASGI app under the same
-uvicorn (same event loop and HTTP parser choice as ``swiftlog serve``) that serves blobs already
-in its memory, in 4 MiB writes, and does nothing else (no index lookup, no read, no checksum).
+"""The ceiling of record downloads over HTTP from Python here: a bare ASGI app under the uvicorn
+configuration ``swiftlog serve`` ships (``server.serve.uvicorn_config``: event loop, HTTP protocol
+and its limits) that serves blobs already in its memory, in 4 MiB writes, and does nothing else
+(no index lookup, no read, no checksum).
 
 Used by bench/api_bench.py: ``python bench/_bare_asgi.py PORT BLOBS.json`` where BLOBS.json lists
 ``[path, offset, length]`` triples; GET /{i} returns blob i.
@@ -11,8 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from server.serve import uvicorn_config  # noqa: E402
+from server.settings import Settings  # noqa: E402
 
 CHUNK = 4 << 20
 
@@ -39,7 +46,8 @@ def main() -> None:
                 {"type": "http.response.body", "body": body[off : off + CHUNK], "more_body": off + CHUNK < len(body)}
             )
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    settings = Settings.build(root=Path(spec).parent, port=port, log_level="warning")
+    uvicorn.Server(uvicorn_config(app, settings)).run()
 
 
 if __name__ == "__main__":

@@ -246,6 +246,14 @@ class Retention:
             self._wm_at = time.monotonic()
             return group_watermarks(wm, self._wm_groups)
 
+    def cached_watermarks(self, max_age: float) -> dict[int, int] | None:
+        """The watermarks as last read, when that was less than ``max_age`` seconds ago; else None.
+        Never reads the registrations (no I/O)."""
+        with self._lock:
+            if time.monotonic() - self._wm_at >= max_age:
+                return None
+            return group_watermarks(self._wm_cache, self._wm_groups)
+
     # ---------------------------------------------------------------- GC
     def gc(self, *, dry_run: bool = False, watermarks: dict[int, int] | None = None) -> GcReport:
         """``LogStore.gc``."""

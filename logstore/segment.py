@@ -80,6 +80,8 @@ class BlobStream:
     every byte of an intact record; on a mismatch or a short read it gets CorruptRecordError
     instead of the last chunk, so a corrupt record is never delivered whole. ``head`` is the first
     chunk (already read: enough for the codec header). Never holds more than two chunks in memory.
+    A stream over a map of the file (:meth:`of_view`) yields read-only views of the map instead of
+    ``bytes``: nothing is copied, nothing is held but page cache.
     """
 
     def __init__(
@@ -87,8 +89,8 @@ class BlobStream:
         key: RecordKey,
         length: int,
         checksum: int,
-        head: bytes,
-        rest: Iterator[bytes],
+        head: bytes | memoryview,
+        rest: Iterator[bytes | memoryview],
         close: Callable[[], None] | None = None,
     ) -> None:
         self.key, self.length, self.checksum, self.head = key, length, checksum, head
@@ -157,7 +159,30 @@ class BlobStream:
             raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
         return cls(key, length, checksum, first, rest(), close=release)
 
-    def __iter__(self) -> Iterator[bytes]:
+    @classmethod
+    def of_view(cls, key: RecordKey, view: memoryview, checksum: int, chunk_size: int, where: str) -> BlobStream:
+        """A stream over ``view`` (a map's pages) in chunks of ``chunk_size``. A one-chunk record is
+        checked at once; otherwise each chunk after ``head`` is hashed just before it is handed out,
+        and the last one only once the whole record matched."""
+        length = len(view)
+        head = view[:chunk_size]
+        if len(head) == length:
+            if blob_checksum(head) != checksum:
+                raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
+            return cls(key, length, checksum, head, iter(()))
+
+        def rest() -> Iterator[memoryview]:
+            h = xxhash.xxh3_64(head)
+            for o in range(chunk_size, length, chunk_size):
+                chunk = view[o : o + chunk_size]
+                h.update(chunk)
+                if o + chunk_size >= length and h.intdigest() != checksum:  # the last chunk only once all matched
+                    raise CorruptRecordError(f"corrupt record {key} in {where}: checksum mismatch", key=key)
+                yield chunk
+
+        return cls(key, length, checksum, head, rest())
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
         yield self.head
         yield from self._rest
 

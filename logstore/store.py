@@ -256,29 +256,35 @@ class LogStore:
         return RecordNotFoundError(f"record {key} of run {self.run!r} not found in any tier", key=key)
 
     def open_blob(self, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream:
-        """The encoded record under ``key`` as a :class:`~logstore.segment.BlobStream`: chunks
-        read from the local segment file and verified on the way (the last chunk only after the
-        whole record matched its checksum), so a big record can be sent while it is read. Records
-        not in a local segment file come from :meth:`get_blob` (read whole, verified). Raises
-        like :meth:`get_blob`; the caller closes the stream (or iterates it to the end)."""
+        """The encoded record under ``key`` as a :class:`~logstore.segment.BlobStream`, verified as it is read
+        (the last chunk only once the whole record matched); one in no local segment file comes from
+        :meth:`get_blob`. Raises like :meth:`get_blob`; the caller closes the stream or iterates it to the end."""
         self._refuse_collected(key)
-        for hot, loc in self._hot_locations(key):
-            try:
-                stream = hot.stream_local(loc, key, chunk_size)
-            except (
-                CorruptRecordError
-            ):  # a one-chunk record checked at once, or an unreadable file: another copy may be intact
-                break
-            if stream is not None:
-                return stream
-            break  # its segment file is gone: the read-through below finds it (cold tier)
-        return BlobStream.of_bytes(key, self.get_blob(key), chunk_size)
+        stream = self._stream_here(key, chunk_size)
+        return stream if stream is not None else BlobStream.of_bytes(key, self.get_blob(key), chunk_size)
+
+    def open_local_blob(self, key: RecordKey, chunk_size: int = 1 << 20) -> BlobStream | None:
+        """:meth:`open_blob` from this node's memory and disk alone, or None where that is not enough:
+        the watermarks were not read in the last 2 s, the record may be garbage, it is in no local
+        segment file, or its local copy fails its first check. Never touches the network."""
+        wm = self._retention.cached_watermarks(max_age=2.0)
+        if wm is None or key.iteration < wm.get(key.channel.owner, 0):
+            return None
+        return self._stream_here(key, chunk_size)
+
+    def _stream_here(self, key: RecordKey, chunk_size: int) -> BlobStream | None:
+        """The record from the first local segment file that indexes it; None when none does, its file
+        is gone, or its first check fails (the cold tier or another copy may serve it)."""
+        found = next(self._hot_locations(key), None)
+        try:
+            return None if found is None else found[0].stream_local(found[1], key, chunk_size)
+        except CorruptRecordError:
+            return None
 
     def _hot_locations(self, key: RecordKey) -> Iterator[tuple[HotTier, Location]]:
         """Each hot tier here that indexes ``key``, with the record's location in it."""
         for hot in self._tiers.all():
-            loc = hot.lookup(key)
-            if loc is not None:
+            if (loc := hot.lookup(key)) is not None:
                 yield hot, loc
 
     def _refuse_collected(self, key: RecordKey) -> None:

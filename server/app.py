@@ -34,6 +34,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, FastAPI, Request, Security
@@ -48,8 +49,10 @@ from server.auth import require_read
 from server.errors import Problem, classify, plain_message
 from server.metrics import ServerMetrics
 from server.middleware import BodyLimitMiddleware, HostOriginMiddleware, MetricsMiddleware
+from server.models import ErrorResponse
 from server.node import Node
 from server.routers import checkpoints, health, maintenance, metrics, records, recovery, runs
+from server.routers._common import DESCRIPTIONS
 from server.settings import Settings
 
 __all__ = ["create_app"]
@@ -161,6 +164,38 @@ def _install_handlers(app: FastAPI, redact: Callable[[Problem], Problem]) -> Non
         return _respond(redact(classify(exc)))
 
 
+_SAFE_METHODS = {"get", "head", "options"}
+
+
+def _layer_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """Write into ``schema`` the errors the HTTP layer gives, route by route: 421 (a foreign Host) on
+    every route, 401 where the token is needed, 400 (a body that does not parse), 403, 413 and 415
+    where a request may change state, and 422 in the API's own error body (FastAPI documents its own). Idempotent."""
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    if "ErrorResponse" not in components:
+        defs = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(defs.pop("$defs", {}))
+        components["ErrorResponse"] = defs
+    for ops in schema.get("paths", {}).values():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            codes = {421}
+            if op.get("security"):
+                codes.add(401)
+            if method not in _SAFE_METHODS:
+                codes |= {400, 403, 413, 415}
+            if "422" in responses:
+                codes.add(422)
+            for code in codes:
+                content = {"application/json": {"schema": ref}}
+                responses[str(code)] = {"description": DESCRIPTIONS[code], "content": content}
+            op["responses"] = dict(sorted(responses.items()))
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    return schema
+
+
 def _docs_router(title: str) -> APIRouter:
     """/openapi.json and /docs as routes of their own, so that they take the read dependency and have
     a route label in /metrics (FastAPI's built-in ones have neither)."""
@@ -206,7 +241,10 @@ def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
         openapi_url=None,  # served by _docs_router, behind the read dependency
         docs_url=None,
         redoc_url=None,
+        generate_unique_id_function=lambda route: route.name,  # operationIds: the handlers' names
     )
+    generate_schema = app.openapi
+    app.openapi = lambda: _layer_errors(generate_schema())  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.node = node
     app.state.metrics = server_metrics
@@ -215,6 +253,7 @@ def create_app(settings: Settings, *, node: Node | None = None) -> FastAPI:
         app.include_router(mod.build(settings), dependencies=read_deps)
     app.include_router(_docs_router(app.title), dependencies=read_deps)
     _install_handlers(app, _path_redactor(settings))
+    app.add_middleware(records.RawDownloads, settings=settings, node=node)  # innermost: after every check below
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(HostOriginMiddleware, host_names=settings.host_names)  # before anything reads the request
     app.add_middleware(MetricsMiddleware, metrics=server_metrics)  # outermost: sees every response

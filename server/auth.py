@@ -15,11 +15,12 @@ import hmac
 
 from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from server.errors import AuthError
 from server.settings import ENV_TOKEN, Settings, is_loopback
 
-__all__ = ["bearer", "require_write", "require_read"]
+__all__ = ["bearer", "require_write", "require_read", "token_matches"]
 
 bearer = HTTPBearer(
     auto_error=False,
@@ -55,3 +56,13 @@ async def require_write(request: Request, creds: HTTPAuthorizationCredentials | 
 async def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> None:
     """Allow a reading request; only installed when reads need the token."""
     _check_token(request.app.state.settings, creds)
+
+
+def token_matches(settings: Settings, authorization: str | None) -> bool:
+    """Whether an ``Authorization`` header value carries the server's token, read as
+    :func:`require_read` reads it (HTTPBearer's parsing, a constant-time comparison). For what
+    answers a request before FastAPI's dependencies run. Never raises; False without a token."""
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    if settings.token is None or not (authorization and scheme and credentials) or scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(credentials.encode(), settings.token.get_secret_value().encode())

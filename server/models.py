@@ -47,6 +47,9 @@ __all__ = [
     "FlushResult",
     "VerifyProblem",
     "VerifyResult",
+    "PlanFetch",
+    "PlanUnit",
+    "RecoveryPlanDetail",
     "RecoveryPlan",
     "MAX_API_ITERATION",
 ]
@@ -391,8 +394,79 @@ class VerifyResult(_Model):
     problems: list[VerifyProblem]
 
 
+class PlanFetch(_Model):
+    """A run of records of one channel that one source serves (``replay.plan.FetchItem``)."""
+
+    channel: str
+    purpose: Literal["input", "meta", "verify"] = Field(
+        description="needed to replay, the live order and scaling, or digests to check the replay's sends against"
+    )
+    source: int = Field(description="index into the plan's sources")
+    tier: Literal["hot", "cold"]
+    writer: str
+    first_iteration: int
+    last_iteration: int
+    records: int
+    bytes: int
+    on_failed_node: bool = Field(
+        False, description="a failed stage's writer: its hot tier is reachable only if that node's disk survived"
+    )
+
+
+class PlanUnit(_Model):
+    """The plan of one replay unit (``replay.plan.ReplayUnit``)."""
+
+    stages: list[int]
+    failed: list[int]
+    rolled_back: list[int]
+    possible: bool = False
+    reasons: list[str] = Field(default_factory=list)
+    checkpoint_iteration: int | None = Field(None, description="where every stage of the unit restarts")
+    checkpoints: dict[str, str | None] = Field(default_factory=dict, description="stage -> checkpoint URI")
+    stop_iteration: int | None = Field(None, description="the first iteration not replayed")
+    logged_through: int | None = None
+    newest_checkpoint: int | None = None
+    iterations: int = 0
+    n_microbatches: int | None = None
+    needs_data_source: bool = False
+    verifiable: bool = False
+    fetch: list[PlanFetch] = Field(default_factory=list)
+    records: int = 0
+    bytes: int = 0
+    estimate: dict[str, Any] = Field(default_factory=dict, description="seconds, by phase")
+    missing: list[str] = Field(default_factory=list, description="the first missing input keys")
+    gaps: list[dict[str, Any]] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+
+class RecoveryPlanDetail(_Model):
+    """What the default planner (``replay.plan:plan_recovery``) decided (``replay.plan.RecoveryPlan``)."""
+
+    run: str
+    num_stages: int
+    failed_stages: list[int]
+    target_iteration: int | None = Field(description="the iteration every unit replays up to")
+    possible: bool
+    recommended: Literal["replay", "global_rollback"]
+    reasons: list[str]
+    logging_groups: list[list[int]]
+    groups_from: str
+    units: list[PlanUnit]
+    fallback: dict[str, Any] = Field(description="the global rollback: iteration, checkpoint URIs, iterations lost")
+    records: int
+    bytes: int
+    estimated_seconds: float | None
+    sources: list[str]
+    assumptions: dict[str, Any]
+    warnings: list[str] = Field(default_factory=list)
+    planned_at: float = 0.0
+
+
 class RecoveryPlan(_Model):
     run: str
     failed_stages: list[int]
     planner: str
-    plan: Any = Field(description="what the planner returned, as JSON")
+    plan: RecoveryPlanDetail | dict[str, Any] = Field(
+        union_mode="left_to_right",
+        description="the default planner's plan; another planner's JSON object as it returned it",
+    )

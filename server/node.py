@@ -270,6 +270,14 @@ class Node:
         )
         return next((i for i in infos if i.key == key), None)
 
+    def opened(self, run: str) -> LogStore | None:
+        """The run's store if it is open already; never opens one (no I/O)."""
+        with self._lock:
+            st = self._stores.get(run)
+            if st is not None:
+                self._used[run] = time.monotonic()
+            return st
+
     def blob(self, run: str, key: str) -> tuple[RecordKey, bytes, codec.TensorHeader]:
         """The encoded record (verified against its stored checksum) and its header."""
         st = self.store(run)

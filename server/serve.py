@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from logstore import segmap
 from logstore.errors import ConfigError
 from server.app import create_app
 from server.protocol import HttpLimits, protocol_class
@@ -75,6 +76,10 @@ def serve(settings: Settings) -> None:
             ENV_TLS_CERT,
         )
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
-    server.run()
+    segmap.install()  # downloads send from maps of sealed segment files: nothing copied on the way
+    try:
+        server.run()
+    finally:
+        segmap.uninstall()
     if not server.started:
         raise OSError(f"could not start the server on {settings.host}:{settings.port} (address in use?)")

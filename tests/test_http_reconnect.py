@@ -7,8 +7,12 @@ request on it races that close: bench/api_bench.py failed twice with ``RemoteDis
 
 from __future__ import annotations
 
+import importlib.util
+import select
 import socket
 import threading
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -16,6 +20,14 @@ from logstore import codec
 from logstore.keys import Channel, RecordKey
 from logstore.segment import blob_checksum
 from replay.remote import HttpRecordSource
+from server.testing import REPO_ROOT, ServerProcess
+
+
+def _api_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("api_bench", REPO_ROOT / "bench" / "api_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class _ClosingServer:
@@ -63,3 +75,36 @@ def test_the_record_source_reopens_a_connection_closed_as_it_was_reused() -> Non
             assert srv.connections == 2
     finally:
         srv.close()
+
+
+def test_the_bench_client_reopens_a_connection_closed_as_it_was_reused() -> None:
+    blob = b"x" * 1000
+    srv = _ClosingServer(blob)
+    conn = _api_bench().KeepAliveConnection("127.0.0.1", srv.port)
+    try:
+        assert conn.get("/a")[::2] == (200, blob)
+        assert conn.get("/a")[::2] == (200, blob)  # reused, closed unanswered, reopened once
+        assert conn.reopened == 1 and srv.connections == 2
+    finally:
+        conn.close()
+        srv.close()
+
+
+def test_the_bench_client_reopens_a_connection_uvicorn_closed_while_idle(tmp_path: Path) -> None:
+    """The real server: uvicorn's keep-alive timeout closes an idle connection; the next GET on it
+    goes out again on a new one (http.client alone raises RemoteDisconnected)."""
+    root = tmp_path / "node"
+    root.mkdir()
+    with ServerProcess(root) as srv:
+        conn = _api_bench().KeepAliveConnection("127.0.0.1", srv.port)
+        try:
+            status, _, body = conn.get("/v1/health")
+            assert status == 200 and b'"status":"ok"' in body
+            sock = conn._conn.sock
+            readable, _, _ = select.select([sock], [], [], 60)
+            assert readable and sock.recv(1, socket.MSG_PEEK) == b"", "the server did not close the idle connection"
+            status, _, body = conn.get("/v1/health")
+            assert status == 200 and b'"status":"ok"' in body
+            assert conn.reopened == 1
+        finally:
+            conn.close()

@@ -224,7 +224,8 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
         for m, op in ops.items():
             if p == "/metrics":
                 continue
-            assert "404" in op["responses"] and "422" in op["responses"], (m, p)
+            if "{run}" in p:
+                assert "404" in op["responses"] and "422" in op["responses"], (m, p)
             ok = op["responses"].get("200") or op["responses"].get("201")
             content = ok["content"]
             assert "application/json" in content or "application/octet-stream" in content
@@ -243,6 +244,56 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
 
 
 @pytest.mark.slow
+def test_openapi_operations_are_named_and_list_only_their_errors(client: httpx.Client) -> None:
+    """operationIds a client generator can use as method names; per route, the errors it can give
+    (the HTTP layer's on every route: 421 for a foreign Host, 401 where the token is needed, 400,
+    403, 413 and 415 on mutating routes; 422 in the API's error body)."""
+    s = client.get("/openapi.json").json()
+    ops = {(m, p): op for p, methods in s["paths"].items() for m, op in methods.items()}
+    ids = {k: op["operationId"] for k, op in ops.items()}
+    assert len(set(ids.values())) == len(ids)
+    named = {
+        ("get", "/v1/health"): "health",
+        ("get", "/v1/runs/{run}/records"): "list_records",
+        ("get", "/v1/runs/{run}/records/{key}/raw"): "record_raw",
+        ("post", "/v1/runs/{run}/gc"): "gc",
+        ("get", "/v1/runs/{run}/recovery-plan"): "recovery_plan",
+    }
+    assert {k: ids[k] for k in named} == named
+    assert all(i.isidentifier() and "_v1_" not in i for i in ids.values()), ids
+    errs = {k: {int(c) for c in op["responses"] if int(c) >= 400} for k, op in ops.items()}
+    for path in ("/v1/health", "/metrics", "/v1/runs"):
+        assert errs[("get", path)] == {421}, path  # reads need no token on this server
+    assert errs[("get", "/v1/runs/{run}")] == {404, 421, 422, 503}
+    assert errs[("get", "/v1/runs/{run}/records/{key}/raw")] == {400, 404, 409, 421, 422, 502, 503}
+    assert errs[("get", "/v1/runs/{run}/recovery-plan")] == {400, 404, 421, 422, 501, 502, 503}
+    assert errs[("post", "/v1/runs/{run}/flush")] == {400, 401, 403, 404, 409, 413, 415, 421, 422, 502, 503, 507}
+    for (m, p), codes in errs.items():
+        assert (m == "post") == ({400, 403, 413, 415} <= codes), (m, p)  # a body is refused only where one is read
+        assert (507 in codes) == (m == "post"), (m, p)  # only what writes can find the disk full
+        for c in codes:
+            schema = ops[(m, p)]["responses"][str(c)]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (m, p, c)
+    assert "HTTPValidationError" not in s["components"]["schemas"]
+
+
+def test_recovery_plan_response_has_a_schema(client: httpx.Client) -> None:
+    from replay.plan import FetchItem, ReplayUnit
+    from replay.plan import RecoveryPlan as Planned
+    from server.models import PlanFetch, PlanUnit, RecoveryPlanDetail
+
+    s = client.get("/openapi.json").json()
+    plan = s["components"]["schemas"]["RecoveryPlan"]["properties"]["plan"]
+    assert {"$ref": "#/components/schemas/RecoveryPlanDetail"} in plan["anyOf"]
+    detail = s["components"]["schemas"]["RecoveryPlanDetail"]["properties"]
+    assert detail["units"]["items"] == {"$ref": "#/components/schemas/PlanUnit"}
+    # the schema is the default planner's output, field for field
+    for model, dc in ((RecoveryPlanDetail, Planned), (PlanUnit, ReplayUnit), (PlanFetch, FetchItem)):
+        assert set(model.model_fields) == set(dc.__dataclass_fields__), model
+    body = client.get("/v1/runs/run-a/recovery-plan", params={"failed": [1]}).json()
+    RecoveryPlanDetail.model_validate(body["plan"])
+
+
 def test_reads_do_not_block_a_writing_process(store_copy: StoreFixture) -> None:
     """A training process keeps writing (same run, same node) while clients hammer the API."""
     live_ch = Channel.activation(4)
@@ -332,6 +383,63 @@ def test_raw_download_streams_and_never_delivers_a_corrupt_record_whole(tmp_path
         corrupt_hot_record(str(tmp_path), "run-s", small_key)
         status, body, _ = get(small_key)
         assert status == 409 and b"corrupt_record" in body
+
+
+def test_raw_downloads_answer_alike_before_and_after_the_run_is_open(store_copy: StoreFixture) -> None:
+    """The first download of a run goes through the route, which opens the run's store; later ones
+    are answered before the routing (records.RawDownloads): the same status, headers and bytes, the
+    same answers to what is wrong, and the same label in /metrics."""
+    key = RecordKey(Channel.activation(0), 1, 0)
+    url = f"/v1/runs/run-a/records/{key}/raw"
+    with (
+        ServerProcess(store_copy.root, cold_url=store_copy.cold_url) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
+        first, again = c.get(url), c.get(url)
+        assert first.status_code == again.status_code == 200
+        assert first.content == again.content
+        assert torch.equal(codec.decode_tensor(again.content), sample_tensor(key.channel, 1, 0))
+        assert dict(first.headers) | {"date": ""} == dict(again.headers) | {"date": ""}
+        for path, status in (
+            ("/v1/runs/run-a/records/act_0_1/it999/mb0/raw", 404),
+            ("/v1/runs/run-a/records/act_0_1/bogus/raw", 422),
+            ("/v1/runs/nope/records/act_0_1/it1/mb0/raw", 404),
+            ("/v1/runs/run-a/records/grad_3_2/it1/mb0/raw", 200),  # evicted: the route reads the cold tier
+        ):
+            assert c.get(path).status_code == status, path
+        r = c.get(url, headers={"Host": "attacker.example"})  # the Host check comes first on either path
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request"
+        text = c.get("/metrics").text
+        label = 'method="GET",route="/v1/runs/{run}/records/{key}/raw",status="200"'
+        assert f"swiftlog_http_requests_total{{{label}}} 3.0" in text
+
+
+def test_a_download_from_an_open_run_is_answered_before_the_route(store_copy: StoreFixture) -> None:
+    """In process: once the route opened the run's store, a download of a record in a local segment
+    file never reaches the route (Node.blob_stream); one only the cold tier holds does."""
+    import asyncio
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings.build(root=store_copy.root, cold_url=store_copy.cold_url))
+    node, calls = app.state.node, []
+    routed = node.blob_stream
+    node.blob_stream = lambda *a: calls.append(a[1]) or routed(*a)
+    url = "/v1/runs/run-a/records/{}/raw"
+
+    async def fetch() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1") as c:
+            first = await c.get(url.format("act_0_1/it1/mb0"))
+            again = await c.get(url.format("act_0_1/it1/mb0"))
+            assert first.status_code == again.status_code == 200 and first.content == again.content
+            assert (await c.get(url.format("grad_3_2/it1/mb0"))).status_code == 200  # evicted: cold only
+
+    try:
+        asyncio.run(fetch())
+    finally:
+        node.close()
+    assert calls == ["act_0_1/it1/mb0", "grad_3_2/it1/mb0"]
 
 
 def test_node_server_lists_gaps_for_a_remote_planner(tmp_path) -> None:

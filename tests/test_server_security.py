@@ -139,6 +139,21 @@ def test_reads_can_require_the_token(store_copy: StoreFixture) -> None:
         spec = httpx.get(srv.url + "/openapi.json", headers=AUTH).json()
         for path in ("/v1/runs/{run}", "/v1/health", "/metrics"):
             assert spec["paths"][path]["get"]["security"] == [{"bearerToken": []}], path
+        # record downloads, also once the run's store is open (answered before the routing then)
+        raw = srv.url + "/v1/runs/run-a/records/act_0_1/it1/mb0/raw"
+        body = httpx.get(raw, headers=AUTH).content
+        for headers in (
+            {},
+            {"Authorization": "Bearer " + "x" * len(TOKEN)},
+            {"Authorization": f"Basic {TOKEN}"},
+            {"Authorization": f"Bearer {TOKEN[:-1]}"},
+            {"Authorization": f"Bearer {TOKEN}x"},
+            {"Authorization": "Bearer"},
+        ):
+            r = httpx.get(raw, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", headers
+        assert httpx.get(raw, headers=AUTH).content == body and len(body) > 0
+        assert httpx.get(raw, headers={"Authorization": f"bearer {TOKEN}"}).content == body  # the scheme's case
 
 
 def test_error_bodies_name_no_server_paths(store_copy: StoreFixture) -> None:

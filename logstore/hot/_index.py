@@ -23,6 +23,7 @@ from typing import Any
 
 import lmdb
 
+from logstore import segmap
 from logstore.errors import (
     CorruptIndexError,
     CorruptRecordError,
@@ -372,7 +373,24 @@ class IndexAccess:
                     key=key,
                 ) from e
             raise
+        view = self._mapped(fd, loc) if loc.segment.state != OPEN else None
+        if view is not None:
+            os.close(fd)
+            return BlobStream.of_view(key, view, loc.checksum, chunk_size, where)
         return BlobStream.of_file(key, fd, loc.offset, loc.length, loc.checksum, chunk_size, where)
+
+    def _mapped(self, fd: int, loc: Location) -> memoryview | None:
+        """The blob at ``loc`` as a view of the process's map of its sealed segment file, or None when
+        the maps are off or refuse the file (``logstore.segmap``: another size than the index says).
+        Never maps an open segment: its writer's crash recovery may cut it."""
+        maps = segmap.installed()
+        if maps is None:
+            return None
+        try:
+            return maps.view(fd, loc.offset, loc.length, loc.segment.file_size)
+        except OSError as e:  # pread reads it, or says why not
+            logger.debug("hot tier %s: segment %d not mapped: %s", self.dir, loc.segment.id, e)
+            return None
 
     def keys(
         self,

@@ -19,6 +19,7 @@ __all__ = [
     "KEY_PATTERN",
     "CHANNEL_PATTERN",
     "errors",
+    "DESCRIPTIONS",
 ]
 
 API_PREFIX = "/v1"  # set on each router (not at include time) so every route knows its full path
@@ -50,13 +51,15 @@ RecordKeyPath = Annotated[
     ),
 ]
 
-_DESCRIPTIONS = {
+DESCRIPTIONS = {
     400: "bad input (invalid name, key, cursor or filter)",
     401: "missing or invalid bearer token",
-    403: "mutating endpoints are disabled on this server",
+    403: "mutating endpoints are disabled on this server, or the request came from a web page of another origin",
     404: "no such run or record (or garbage-collected)",
-    409: "corrupt record (checksum mismatch), or no cold tier configured",
+    409: "corrupt record (checksum mismatch), no cold tier configured, or a writer fenced by a later incarnation",
     413: "request body too large",
+    415: "the request body is not JSON",
+    421: "the Host header names no name of this server (see --allowed-host)",
     422: "request does not match the schema",
     501: "the recovery planner cannot be loaded (see --planner)",
     502: "the object store refused the operation",
@@ -66,10 +69,10 @@ _DESCRIPTIONS = {
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for the given error statuses plus those any route may answer
-    (bad input, auth, not found, corrupt data, oversized body, object store trouble)."""
-    codes = sorted({400, 401, 403, 404, 409, 413, 422, 502, 503, *statuses})
-    return {c: {"model": ErrorResponse, "description": _DESCRIPTIONS[c]} for c in codes}
+    """OpenAPI ``responses`` entries for the error statuses a route's handler can give. What the HTTP
+    layer adds on its own (a foreign Host, a missing token, a refused body, a schema mismatch) the
+    app writes into the schema itself (``server.app``)."""
+    return {c: {"model": ErrorResponse, "description": DESCRIPTIONS[c]} for c in sorted(statuses)}
 
 
 async def get_node(request: Request) -> Node:

@@ -20,7 +20,7 @@ def build(settings: Settings) -> APIRouter:
     @router.get(
         "/runs/{run}/checkpoints",
         response_model=CheckpointList,
-        responses=errors(),
+        responses=errors(404, 502, 503),
         summary="Checkpoints and watermarks",
     )
     async def list_checkpoints(run: RunId, node: Node = Depends(get_node)) -> CheckpointList:
@@ -30,7 +30,7 @@ def build(settings: Settings) -> APIRouter:
         "/runs/{run}/checkpoints",
         response_model=Checkpoint,
         status_code=201,
-        responses=errors(),
+        responses=errors(400, 404, 502, 503, 507),
         dependencies=[Security(require_write)],
         summary="Register a durable checkpoint",
         description=(
@@ -45,7 +45,7 @@ def build(settings: Settings) -> APIRouter:
     @router.post(
         "/runs/{run}/checkpoints/unregister",
         response_model=UnregisterResult,
-        responses=errors(),
+        responses=errors(400, 404, 502, 503, 507),
         dependencies=[Security(require_write)],
         summary="Withdraw a checkpoint registration (preview unless confirmed)",
         description=(

@@ -7,7 +7,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server.models import Health
 from server.node import Node
-from server.routers._common import API_PREFIX, errors, get_node
+from server.routers._common import API_PREFIX, get_node
 from server.settings import Settings
 
 __all__ = ["build"]
@@ -16,7 +16,7 @@ __all__ = ["build"]
 def build(settings: Settings) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["health"])
 
-    @router.get("/health", response_model=Health, responses=errors(), summary="Liveness and configuration")
+    @router.get("/health", response_model=Health, summary="Liveness and configuration")
     async def health(node: Node = Depends(get_node)) -> Health:
         from server import __version__
 

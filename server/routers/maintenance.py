@@ -20,7 +20,7 @@ def build(settings: Settings) -> APIRouter:
     @router.post(
         "/runs/{run}/gc",
         response_model=GcResult,
-        responses=errors(507),
+        responses=errors(404, 502, 503, 507),
         dependencies=[Security(require_write)],
         summary="Garbage-collect below the checkpoint watermarks (dry run unless confirmed)",
         description=(
@@ -35,7 +35,7 @@ def build(settings: Settings) -> APIRouter:
     @router.post(
         "/runs/{run}/flush",
         response_model=FlushResult,
-        responses=errors(507),
+        responses=errors(404, 409, 502, 503, 507),
         dependencies=[Security(require_write)],
         summary="Upload the node's sealed segments to the cold tier",
         description=(

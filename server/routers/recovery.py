@@ -22,7 +22,7 @@ def build(settings: Settings) -> APIRouter:
     @router.get(
         "/runs/{run}/recovery-plan",
         response_model=RecoveryPlan,
-        responses=errors(501),
+        responses=errors(400, 404, 501, 502, 503),
         summary="Recovery plan for failed stages",
         description=f"Calls the planner `{settings.planner}`; answers 501 while it is not installed.",
     )

@@ -16,14 +16,14 @@ __all__ = ["build"]
 def build(settings: Settings) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["runs"])
 
-    @router.get("/runs", response_model=RunList, responses=errors(), summary="Runs with a hot tier on this node")
+    @router.get("/runs", response_model=RunList, summary="Runs with a hot tier on this node")
     async def list_runs(node: Node = Depends(get_node)) -> RunList:
         return await run_in_threadpool(node.runs)
 
     @router.get(
         "/runs/{run}",
         response_model=RunSummary,
-        responses=errors(),
+        responses=errors(404, 503),
         summary="A run's summary",
         description=(
             "Stages, channels with iteration ranges per tier, records, raw and stored bytes, compression "
