@@ -5,7 +5,8 @@ Endpoints (all JSON unless said otherwise; ``/openapi.json`` has the full schema
     GET  /v1/health                              liveness, configuration
     GET  /v1/runs                                runs with a hot tier on this node
     GET  /v1/runs/{run}                          summary (cached a few seconds; ?fresh=true)
-    GET  /v1/runs/{run}/records                  filtered, paginated listing (?channel&kind&it_lo&it_hi&micro_batch&limit&cursor)
+    GET  /v1/runs/{run}/records                  filtered, paginated listing
+                                                 (?channel&kind&it_lo&it_hi&micro_batch&limit&cursor)
     GET  /v1/runs/{run}/records/{key}            one record's metadata and tensor statistics
     GET  /v1/runs/{run}/records/{key}/raw        the encoded record, application/octet-stream
     GET  /v1/runs/{run}/checkpoints              checkpoints and watermarks
@@ -16,7 +17,8 @@ Endpoints (all JSON unless said otherwise; ``/openapi.json`` has the full schema
     GET  /metrics                                Prometheus
     GET  /docs, /openapi.json                    the schema, rendered and as JSON
 
-When reads need the token (``Settings.reads_need_token``), every endpoint needs it. Every error is ``{"error": {"code", "message", "hint", "key", "retryable"}}`` with a 4xx status for
+When reads need the token (``Settings.reads_need_token``), every endpoint needs it. Every error is
+``{"error": {"code", "message", "hint", "key", "retryable"}}`` with a 4xx status for
 bad input (never a 500), 404 for what does not exist, 409 for corrupt data, 5xx only for the
 object store or a bug. Error bodies never name a path on the node: the store root reads ``<root>``,
 a file:// cold tier ``<cold>``. Handlers are plain ``def`` functions: FastAPI runs them in its thread pool,

@@ -200,7 +200,8 @@ def build(settings: Settings) -> APIRouter:
         response_class=Response,
         responses={
             200: {
-                "description": "exactly the encoded record (a logstore.codec blob), verified against its stored checksum",
+                "description": "exactly the encoded record (a logstore.codec blob), "
+                "verified against its stored checksum",
                 "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                 "headers": {h: {"description": d, "schema": {"type": "string"}} for h, d in BLOB_HEADERS.items()},
             },
