@@ -85,7 +85,9 @@ def plan(
         node = make_node(root[0], cold_url, cold_option)
         node.planner = planner
         p = node.plan(run, stages, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
-    impossible = isinstance(p.plan, dict) and p.plan.get("possible") is False  # exit 1, as swiftlog replay --plan-only
+    # the default planner's plan is a model, another planner's a plain JSON object
+    doc = p.plan if isinstance(p.plan, dict) else p.plan.model_dump(mode="json")
+    impossible = doc.get("possible") is False  # exit 1, as swiftlog replay --plan-only
     if json_out:
         print_json(p)
     else:
@@ -93,10 +95,10 @@ def plan(
         from server.cli.replay import print_plan
 
         try:
-            print_plan(RecoveryPlan.from_dict(p.plan), False)
+            print_plan(RecoveryPlan.from_dict(doc), False)
         except (KeyError, TypeError, AttributeError):  # another planner's document: shown as it is
             console.print(f"recovery plan for run {p.run}, failed stages {p.failed_stages} ({p.planner}):")
-            console.print_json(json.dumps(p.plan))
+            console.print_json(json.dumps(doc))
     if impossible:
         raise typer.Exit(EXIT_PROBLEMS)
 
