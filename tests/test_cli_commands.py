@@ -358,6 +358,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.slow
 def test_errors_say_what_to_do_and_exit_codes_mean_something(written_store: StoreFixture) -> None:
     env = {"SWIFTLOG_ROOT": str(written_store.root)}
     help_code = "import sys; from server.cli import main; sys.argv = ['swiftlog', '--help']; main()"

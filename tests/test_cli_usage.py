@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from logstore import LogStore
 from server.testing import StoreFixture
 from tests._cli_helpers import fails, json_error, ok, swiftlog, swiftlog_all
@@ -39,6 +41,7 @@ def test_demo_refuses_a_phase_it_cannot_inject_before_anything_starts(tmp_path: 
     assert not d.exists()
 
 
+@pytest.mark.slow
 def test_every_command_taking_cold_url_refuses_a_malformed_one_by_name(tmp_path: Path) -> None:
     """`swiftlog ls --root R --cold-url s3:/broken` exited 0 (the URL was never parsed without --run),
     and `serve` started with it. Every command parses it first: exit 2, naming the URL; the env

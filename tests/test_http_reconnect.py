@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from logstore import codec
@@ -90,6 +91,7 @@ def test_the_bench_client_reopens_a_connection_closed_as_it_was_reused() -> None
         srv.close()
 
 
+@pytest.mark.slow
 def test_the_bench_client_reopens_a_connection_uvicorn_closed_while_idle(tmp_path: Path) -> None:
     """The real server: uvicorn's keep-alive timeout closes an idle connection; the next GET on it
     goes out again on a new one (http.client alone raises RemoteDisconnected)."""

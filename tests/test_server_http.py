@@ -10,6 +10,8 @@ import socket
 import threading
 from pathlib import Path
 
+import pytest
+
 from server.testing import TOKEN, ServerProcess
 
 MiB = 2**20
@@ -114,6 +116,7 @@ def test_the_head_bound_is_exact_for_a_head_sent_at_once(tmp_path: Path) -> None
         assert _request(srv.port, head(4200)).startswith(b"HTTP/1.1 431 ")
 
 
+@pytest.mark.slow
 def test_a_request_must_arrive_within_the_read_timeout(tmp_path: Path) -> None:
     """A head trickled in a byte at a time, a body that stops short, and a connection that sends
     nothing are each closed at the read deadline (408 where a request had begun)."""

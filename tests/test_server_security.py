@@ -287,6 +287,7 @@ def _self_signed(where: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+@pytest.mark.slow
 def test_serve_over_tls(store_copy: StoreFixture, tmp_path: Path) -> None:
     """--tls-cert/--tls-key serve https: reads, the replay's record source, and nothing in clear."""
     cert, key = _self_signed(tmp_path)
