@@ -109,16 +109,11 @@ def replay(
             report = replay_stages(
                 states,
                 reader,
-                num_stages=job.num_stages,
-                stop_iteration=job.stop_iteration,
                 loss_fn=loss,
                 data_source=data,
-                n_microbatches=job.n_microbatches,
-                scale_grads=job.scale_grads,
-                verify=job.verify,
-                compare_logged=job.compare_logged,
                 prefetch=job.fetch_ahead,
                 on_iteration=ProgressTracker(job, start, on_progress),
+                **job.replay_options(),
             )
         cpu = time.process_time() - cpu0
         outputs = write_outputs(job, states, report)

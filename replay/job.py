@@ -305,6 +305,17 @@ class ReplayJob:
         """``prefetch``, or its default when None."""
         return DEFAULT_PREFETCH if self.prefetch is None else self.prefetch
 
+    def replay_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``replay_stages`` that this job fixes, for every worker alike."""
+        return {
+            "num_stages": self.num_stages,
+            "stop_iteration": self.stop_iteration,
+            "n_microbatches": self.n_microbatches,
+            "scale_grads": self.scale_grads,
+            "verify": self.verify,
+            "compare_logged": self.compare_logged,
+        }
+
 
 def jobs_from_plan(plan: Any, *, sources: Sequence[Any] | None = None, **fields: Any) -> list[ReplayJob]:
     """One job per replay unit of a possible :class:`~replay.plan.RecoveryPlan`.

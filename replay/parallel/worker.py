@@ -124,17 +124,12 @@ def worker_main(
         report = replay_stages(
             states,
             reader,
-            num_stages=job.num_stages,
-            stop_iteration=job.stop_iteration,
             loss_fn=loss,
             data_source=data,
-            n_microbatches=job.n_microbatches,
-            scale_grads=job.scale_grads,
-            verify=job.verify,
-            compare_logged=job.compare_logged,
             prefetch=prefetch,
             hooks=hooks,
             on_iteration=on_iteration,
+            **job.replay_options(),
         )
         replay_s = time.perf_counter() - t_replay
         replay_cpu = time.process_time() - cpu0
