@@ -31,6 +31,7 @@ the whole tree of what swiftlog raises)::
     │   ├── CheckpointError
     │   └── RecoveryFailedError
     │       ├── RecoveryTimeoutError
+    │       ├── ReplicaTransferError          a replica's state arrived other than sent
     │       └── replay: ReplacementFallback      a replay is impossible: roll back instead
     ├── replay: ReplayError
     │   ├── ReplayInputMissingError

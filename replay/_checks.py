@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from logstore import Channel, RecordKey
 from logstore.errors import SwiftlogError
@@ -39,8 +40,10 @@ from replay.report import ReplayReport
 from replay.stage import StageState
 from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests, tensor_digest
 from trainer_client.meta import decode_meta, hparam_changes, optimizer_hparams
+from trainer_client.replicas import average_gradients_
 
 __all__ = [
+    "average_as_live",
     "check_grad_digests",
     "check_hyperparameters",
     "check_live_interleaving",
@@ -257,8 +260,42 @@ def grad_ops(meta: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
         ops.append((int(c.get("seq", j)), j, "clip", c))
     for j, r in enumerate(meta.get("grad_reduce") or ()):
         ops.append((int(r.get("seq", 0)), j, "reduce", {**r, "call": j}))
+    for j, r in enumerate(meta.get("replica_average") or ()):
+        ops.append((int(r.get("seq", 0)), j, "average", r))
     ops.sort(key=lambda o: (o[0], o[1]))
     return [(kind, op) for _, _, kind, op in ops]
+
+
+def average_as_live(ctx: Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:
+    """Repeat the live average over the stage's replicas (META ``replica_average``) over the group
+    of the replicas replayed together (``ReplayHooks.replica_group``), after checking the replay's
+    own gradients against the digests taken before it. Raises ReplayError without such a group, or
+    when its size is not the live one's: no gradient was logged, only the replicas can repeat it."""
+    group = ctx.hooks.replica_group
+    world = int(op["world"])
+    if group is None or dist.get_world_size(group) != world:
+        have = "no group of replicas" if group is None else f"a group of {dist.get_world_size(group)}"
+        raise ReplayError(
+            f"stage {st.stage} iteration {it}: the live stage averaged its gradients over {world} replicas "
+            f"(ranks {op.get('ranks')}), and this replay has {have}",
+            hint="a stage with a live replica is copied from it; when every replica was lost, they are replayed "
+            "together (one replacement per replica, ReplayHooks.replica_group)",
+        )
+    params = [p for p in st.module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    pre = op.get("pre")
+    mine = hex_digests(grads) if pre is not None and ctx.checks_step(it) else None
+    if mine is not None:
+        names = [n for n, p in st.module.named_parameters() if p.requires_grad]
+        changed = grad_digest_changes(names, pre, mine)
+        if changed:
+            report.grad_mismatches.append(
+                {"stage": st.stage, "iteration": it, "params": changed, "at": "before the replicas' average"}
+            )
+    average_gradients_(grads, group, int(op["bucket_bytes"]))
 
 
 def reduce_as_logged(ctx: Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:

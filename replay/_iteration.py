@@ -30,6 +30,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 
 from logstore import Channel
 from replay._checks import (
+    average_as_live,
     check_grad_digests,
     check_hyperparameters,
     check_live_interleaving,
@@ -267,6 +268,8 @@ class IterationReplay:
             for kind, op in grad_ops(meta):  # the live clip_grad_norm_ / all_reduce_grads_ calls, in their order
                 if kind == "clip":
                     clip_as_logged(st, it, op, ctx.device)
+                elif kind == "average":
+                    average_as_live(ctx, st, it, op, report)
                 else:
                     reduce_as_logged(ctx, st, it, op, report)
             check_hyperparameters(st, it, meta)

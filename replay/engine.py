@@ -31,6 +31,7 @@ from replay.job import (
 )
 from replay.parallel import run_parallel
 from replay.reader import LogReader, RecordSource
+from replay.stage import ReplayHooks
 from replay.states import PreparedStates, build_states, loss_and_data, require_factory, write_outputs
 
 __all__ = ["replay"]
@@ -49,6 +50,7 @@ def replay(
     start_method: str = "forkserver",
     timeout_s: float | None = None,
     prepared: PreparedStates | None = None,
+    replica_group: Any = None,
 ) -> ReplayResult:
     """Run ``job``: sequentially here (``workers == 1``) or over ``workers`` processes.
 
@@ -58,6 +60,8 @@ def replay(
     open ``job.sources`` themselves). ``start_method`` / ``timeout_s`` apply to parallel replay
     (see :func:`replay.parallel.run_parallel`). ``prepared``: stage objects built ahead for a
     sequential replay (:class:`PreparedStates`; used only when they match the job).
+    ``replica_group``: sequential replay of one of a stage's data-parallel replicas, all lost:
+    the process group of the replicas replayed together (``ReplayHooks.replica_group``).
 
     Returns the result with the merged report (mismatches are reported, not raised: check
     ``result.verified`` or call ``result.report.raise_for_mismatch()``). Raises
@@ -113,6 +117,7 @@ def replay(
                 data_source=data,
                 prefetch=job.fetch_ahead,
                 on_iteration=ProgressTracker(job, start, on_progress),
+                hooks=ReplayHooks(replica_group=replica_group),
                 **job.replay_options(),
             )
         cpu = time.process_time() - cpu0

@@ -115,15 +115,28 @@ class SourceSpec:
 
     @classmethod
     def from_commit_store(
-        cls, store: Any, prefix: str, stages: Sequence[int], iterations: range, *, where: str = "the commit store"
+        cls,
+        store: Any,
+        prefix: str,
+        stages: Sequence[int],
+        iterations: range,
+        *,
+        where: str = "the commit store",
+        ranks: Sequence[int] | None = None,
     ) -> SourceSpec | None:
         """The META documents of ``stages`` over ``iterations`` that the commit step put into
         ``store`` (a ``torch.distributed.Store``; keys under ``prefix``, by default
-        ``swiftlog/{run}``) as a "metas" source, or None when it holds none. Raises what the store
-        client raises when it cannot be reached."""
+        ``swiftlog/{run}``) as a "metas" source, or None when it holds none. ``ranks``: the mesh
+        ranks the stages' documents were committed by (default: the stages, a mesh of one
+        replica). Raises what the store client raises when it cannot be reached."""
         from trainer_client.commit import stored_metas
 
-        docs = {f"{k}/{it}": b.decode() for k in stages for it, b in stored_metas(store, prefix, k, iterations).items()}
+        ranks = list(stages) if ranks is None else list(ranks)
+        docs = {
+            f"{k}/{it}": b.decode()
+            for k, r in zip(stages, ranks, strict=True)
+            for it, b in stored_metas(store, prefix, r, iterations).items()
+        }
         return cls(kind="metas", location=where, docs=docs) if docs else None
 
     @classmethod

@@ -43,6 +43,7 @@ from replay._timings import recovery_timings
 from replay.checkpoints import common_checkpoint
 from replay.errors import EXIT_FALLBACK
 from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
+from trainer_client.mesh import MeshLayout
 from trainer_client.recovery_keys import RecoveryKeys
 
 __all__ = [
@@ -63,7 +64,8 @@ KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "uplo
 
 @dataclass(frozen=True, slots=True)
 class KillSpec:
-    """SIGKILL ``stage`` at ``iteration`` (micro-batch ``micro_batch`` for forward/backward) in ``phase``.
+    """SIGKILL ``stage`` (its ``replica`` in a mesh with replicas) at ``iteration`` (micro-batch
+    ``micro_batch`` for forward/backward) in ``phase``.
 
     Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward, commit,
     optimizer, checkpoint, upload (in the uploader thread), recovering (right after reporting as a
@@ -74,9 +76,10 @@ class KillSpec:
     iteration: int
     micro_batch: int = 0
     phase: str = "forward"
+    replica: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("stage", "iteration", "micro_batch"):
+        for name in ("stage", "iteration", "micro_batch", "replica"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"KillSpec.{name} must be an int >= 0, got {v!r}")
@@ -158,6 +161,7 @@ def run_with_failures(
     grace_s: float = 3.0,
     groups: Sequence[int] | None = None,
     script: str = DEFAULT_SCRIPT,
+    dp_replicate: int = 1,
 ) -> RecoveryRun:
     """Run the pipeline (``args``: the training script's arguments without --stage/--num-stages/
     --store-port/--out/--store-root/--run-id/--checkpoint-url/--kill-at, which the launcher sets)
@@ -176,6 +180,9 @@ def run_with_failures(
     ``script``: the module whose ``main(argv)`` each process runs; it takes the arguments above
     (``args`` are passed on as given) and writes ``{out}/stage{k}.pt`` when done, e.g.
     ``trainer_client.examples.minimal_resilient``, the template for a script of your own.
+    ``dp_replicate``: R > 1 runs a ``pp`` x ``dp_replicate`` mesh of ``num_stages * R`` ranks
+    (the script also gets ``--replica r --dp-replicate R``; rank = stage * R + replica, and the
+    results are keyed by rank); a lost rank whose stage has a live replica is copied from it.
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
@@ -185,10 +192,19 @@ def run_with_failures(
         raise ValueError(f"replay_workers must be an int >= 1 (the replacement itself), got {replay_workers!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if not isinstance(dp_replicate, int) or dp_replicate < 1:
+        raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
+    if dp_replicate > 1 and groups:
+        raise ValueError("logging groups with dp_replicate > 1 are not supported")
     outside = sorted({ks.stage for ks in kills if ks.stage >= num_stages})
     if outside:  # such a kill would never fire: the run would pass as a failure-free one
         raise ValueError(f"kills: stage(s) {outside} outside the pipeline of {num_stages} stages")
-    twice = sorted({ks.stage for ks in kills if sum(1 for o in kills if o.stage == ks.stage) > 1})
+    outside = sorted({ks.replica for ks in kills if ks.replica >= dp_replicate})
+    if outside:
+        raise ValueError(f"kills: replica(s) {outside} outside the {dp_replicate} replica(s) of each stage")
+    twice = sorted(
+        {ks.stage for ks in kills if sum(1 for o in kills if (o.stage, o.replica) == (ks.stage, ks.replica)) > 1}
+    )
     if (
         twice
     ):  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
@@ -210,6 +226,7 @@ def run_with_failures(
         grace_s=grace_s,
         groups=groups,
         script=script,
+        dp_replicate=dp_replicate,
     ).run()
 
 
@@ -232,9 +249,12 @@ class _Scheduler:
         grace_s: float,
         groups: Sequence[int] | None,
         script: str,
+        dp_replicate: int = 1,
     ) -> None:
         self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
         self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
+        self.layout = MeshLayout(num_stages, dp_replicate)
+        self.world = self.layout.world_size  # the ranks; each "stage process" below is one rank
         self.timeout_s, self.max_restarts, self.grace_s, self.groups, self.script = (
             timeout_s,
             max_restarts,
@@ -253,7 +273,7 @@ class _Scheduler:
         self.current: dict[int, str] = {}  # stage -> name of its live process
         self.roots: dict[int, str] = {}
         self.timeline: list[dict[str, Any]] = []
-        self.kill_of = {ks.stage: ks for ks in kills}
+        self.kill_of = {self.layout.rank(ks.stage, ks.replica): ks for ks in kills}
         self.t0 = time.time()
         self.gen = 0
         self.fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
@@ -269,14 +289,26 @@ class _Scheduler:
         self.timed_out = False
 
     # -- starting processes ---------------------------------------------------------------
+    def name(self, k: int) -> str:
+        """Rank ``k``'s process name prefix: ``stage{k}``, or ``stage{s}-dp{r}`` with replicas."""
+        c = self.layout.coord(k)
+        return f"stage{k}" if self.layout.dp_replicate == 1 else f"stage{c.stage}-dp{c.replica}"
+
     def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
         root = os.path.join(self.base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
         if not helper:
             self.roots[k] = root
+        c = self.layout.coord(k)
+        mesh = (
+            []
+            if self.layout.dp_replicate == 1
+            else ["--replica", str(c.replica), "--dp-replicate", str(self.layout.dp_replicate)]
+        )
         argv = [
             "--resilient",
             "--stage",
-            str(k),
+            str(c.stage),
+            *mesh,
             "--num-stages",
             str(self.num_stages),
             "--store-port",
@@ -309,14 +341,14 @@ class _Scheduler:
             j,
             g + 1,
             ["--replacement", "--generation", str(g), "--replay-helpers", str(self.replay_workers - 1)],
-            name=f"stage{j}-g{g + 1}",
+            name=f"{self.name(j)}-g{g + 1}",
         )
         for r in range(1, self.replay_workers):
             self.start(
                 j,
                 g,
                 ["--generation", str(g), "--replay-helper-rank", str(r)],
-                name=f"stage{j}-g{g + 1}-helper{r}",
+                name=f"{self.name(j)}-g{g + 1}-helper{r}",
                 helper=True,
             )
 
@@ -328,20 +360,30 @@ class _Scheduler:
                 self.procs[n].kill()
         for n in self.current.values():
             self.procs[n].wait()
-        c = common_checkpoint(self.checkpoint_url, self.num_stages, 1 << 40)
+        c = self._common_checkpoint()
         self.timeline.append({"t": time.time(), "what": "rollback", "checkpoint": c, "reason": reason})
         self.store.set(self.keys.failed(self.gen), reason)
         self.gen += 1
-        for k in range(self.num_stages):
+        for k in range(self.world):
             extra = ["--generation", str(self.gen)] + (["--resume-from", str(c)] if c is not None else [])
-            self.start(k, self.gen, extra, name=f"stage{k}-g{self.gen}")
+            self.start(k, self.gen, extra, name=f"{self.name(k)}-g{self.gen}")
+
+    def _common_checkpoint(self) -> int | None:
+        """The newest checkpoint every rank has (each replica's are under ``{url}/dp{r}``)."""
+        if self.layout.dp_replicate == 1:
+            return common_checkpoint(self.checkpoint_url, self.num_stages, 1 << 40)
+        found = [
+            common_checkpoint(f"{self.checkpoint_url.rstrip('/')}/dp{r}", self.num_stages, 1 << 40)
+            for r in range(self.layout.dp_replicate)
+        ]
+        return None if any(c is None for c in found) else min(c for c in found if c is not None)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> RecoveryRun:
         try:
-            for k in range(self.num_stages):
+            for k in range(self.world):
                 kill = ["--kill-at", self.kill_of[k].arg()] if k in self.kill_of else []
-                self.start(k, 0, kill, name=f"stage{k}-g0")
+                self.start(k, 0, kill, name=f"{self.name(k)}-g0")
             while True:
                 if time.time() - self.t0 > self.timeout_s:
                     self.timed_out = True
@@ -457,14 +499,14 @@ class _Scheduler:
             entries = [e.split(":") for e in _s(store.get(keys.progress())).split(";") if e]
             run.progress = [(int(i), float(t), int(g)) for i, t, g in entries]
         run.kill_times = {
-            k: _f(store.get(keys.kill_time(k))) for k in range(self.num_stages) if store.check([keys.kill_time(k)])
+            k: _f(store.get(keys.kill_time(k))) for k in range(self.world) if store.check([keys.kill_time(k)])
         }
         if ok:
             run.results = {
-                k: torch.load(os.path.join(self.out_dir, f"stage{k}.pt"), weights_only=False)
-                for k in range(self.num_stages)
+                k: torch.load(os.path.join(self.out_dir, f"{self.name(k)}.pt"), weights_only=False)
+                for k in range(self.world)
             }
-            run.timings = recovery_timings(store, keys, run.timeline, self.num_stages)
+            run.timings = recovery_timings(store, keys, run.timeline, self.world)
         return run
 
 

@@ -56,6 +56,7 @@ from replay.job import ReplayJob, ReplayResult, SourceSpec
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError, RecoveryFailedError
+from trainer_client.mesh import MeshLayout, recovery_paths
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
@@ -85,11 +86,19 @@ class RecoveredStage:
     bytes_fetched: int
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: "replay" (the objects hold the replayed state) or "replica": fresh objects, into which
+    #: ``ResilientLoop.join`` copies the state of ``donor``, a live replica, verified by digest
+    path: str = "replay"
+    donor: int | None = None
+    why: str = ""
 
     def summary(self) -> dict[str, Any]:
         return {
             k: getattr(self, k)
             for k in (
+                "path",
+                "donor",
+                "why",
                 "resume",
                 "checkpoint_iteration",
                 "checkpoint_uri",
@@ -180,8 +189,17 @@ def recover_stage(
     output: str | None = None,
     group: Sequence[int] | None = None,
     helpers: int = 0,
+    replica: int = 0,
+    dp_replicate: int = 1,
 ) -> RecoveredStage:
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
+
+    In a mesh with replicas (``dp_replicate`` > 1; this process is ``replica``), a stage that
+    still has a live replica is not replayed: the result's ``path`` is "replica", its objects are
+    fresh from the factory, and the donor's state reaches them when the caller's
+    ``ResilientLoop`` joins the next generation. ``checkpoint_url`` is then this replica's own
+    (``ClientConfig.resolved_checkpoint_url``), and the logs are those of its run
+    (``f"{run_id}.dp{replica}"``).
 
     Returns the recovered stage. Raises ReplacementFallback when the replay is impossible or does
     not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``,
@@ -205,25 +223,56 @@ def recover_stage(
     """
     require_factory(model, factory)  # a usage error, not a reason to roll every stage back
     keys = RecoveryKeys(run_id, commit_prefix)
+    layout = MeshLayout(num_stages, dp_replicate)
+    rank = layout.rank(stage, replica)
+    log_run = run_id if dp_replicate == 1 else f"{run_id}.dp{replica}"
     members = sorted(set(group or [stage]) | {stage})
-    # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint listing)
-    prepared = prepare_states(
-        checkpoint_url,
-        run_id=run_id,
-        stages=members,
-        num_stages=num_stages,
-        model=model,
-        model_args=model_args,
-        checkpoint_options=checkpoint_options,
-        factory=factory,
-    )
+
+    def prepare() -> PreparedStates:
+        return prepare_states(
+            checkpoint_url,
+            run_id=log_run,
+            stages=members,
+            num_stages=num_stages,
+            model=model,
+            model_args=model_args,
+            checkpoint_options=checkpoint_options,
+            factory=factory,
+        )
+
+    # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint
+    # listing); with replicas, a copy from a live one is likelier: built once the path is known
+    prepared = prepare() if dp_replicate == 1 else None
     try:
         t0 = time.monotonic()
-        failed, docs = _wait_for_survivors(store, keys, generation, stage, num_stages, timeout)
-        if sources is None:
-            sources = _sources_from_reports(docs)
+        failed, docs = _wait_for_survivors(store, keys, generation, layout, rank, timeout)
         resume = _agreed_resume(docs, generation)
         t_survivors = time.monotonic()
+        path = recovery_paths(layout, failed)[rank]
+        if path.path == "replica":
+            st_mod, st_opt, st_sched = stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
+            return RecoveredStage(
+                st_mod,
+                st_opt,
+                st_sched,
+                resume,
+                resume,
+                "",
+                True,
+                0,
+                0,
+                0,
+                {"wait_survivors_s": t_survivors - t0, "fetch_s": 0.0, "replay_s": 0.0},
+                path="replica",
+                donor=path.donor,
+                why=path.why,
+            )
+        if prepared is None:
+            prepared = prepare()
+        docs = {layout.coord(r).stage: d for r, d in docs.items() if layout.coord(r).replica == replica}
+        failed = [layout.coord(r).stage for r in failed if layout.coord(r).replica == replica]
+        if sources is None:
+            sources = _sources_from_reports(docs)
         members = _unit_of(stage, members, failed)
         # a logging group restarts from one iteration: the newest checkpoint every member has
         found = newest_common(checkpoint_url, members, resume, checkpoint_options)
@@ -234,12 +283,12 @@ def recover_stage(
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
-        metas = _committed_metas(store, keys, members, range(ck_it, resume))
+        metas = _committed_metas(store, keys, members, range(ck_it, resume), [layout.rank(k, replica) for k in members])
         if metas is not None:  # first: the dead stage's own log may not have shipped its last META
             sources = [metas, *sources]
         t_ck = time.monotonic()
         job = ReplayJob(
-            run=run_id,
+            run=log_run,
             num_stages=num_stages,
             stages=members,
             stop_iteration=resume,
@@ -275,14 +324,20 @@ def recover_stage(
                 0,
                 0,
                 {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0},
+                why=path.why,
             )
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
-        opened = [_CountingSource(s.open(run_id)) for s in job.sources]
+        opened = [_CountingSource(s.open(log_run)) for s in job.sources]
         try:
-            res = _replay_unit(
-                store, keys, generation, stage, job, helpers, output, opened, factory, timeout, prepared, loss_fn
-            )
+            if len(path.replay_group) > 1:  # every replica lost: replayed together, their average repeated
+                res = _replay_replicas(
+                    store, keys, generation, layout, rank, ck_it, job, opened, factory, prepared, loss_fn
+                )
+            else:
+                res = _replay_unit(
+                    store, keys, generation, stage, job, helpers, output, opened, factory, timeout, prepared, loss_fn
+                )
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}") from e
         finally:
@@ -323,6 +378,7 @@ def recover_stage(
             nbytes,
             timings,
             list(rep.warnings),
+            why=path.why,
         )
     finally:
         if helpers > 0:
@@ -330,24 +386,26 @@ def recover_stage(
 
 
 def _wait_for_survivors(
-    store: dist.Store, keys: RecoveryKeys, g: int, stage: int, num_stages: int, timeout: datetime.timedelta
+    store: dist.Store, keys: RecoveryKeys, g: int, layout: MeshLayout, rank: int, timeout: datetime.timedelta
 ) -> tuple[list[int], dict[int, dict[str, Any]]]:
-    """Step 1: the stages the scheduler replaces after generation ``g``, and every survivor's report."""
+    """Step 1: the ranks the scheduler replaces after generation ``g``, and every survivor's report
+    (by rank; with one replica the ranks are the stages)."""
+    who = f"replacement of {layout.describe(rank)}"
     v = wait_for_keys(
         store,
         [keys.failed_stages(g)],
         timeout=timeout,
-        what=f"replacement of stage {stage}: waiting for the failed-stage list",
+        what=f"{who}: waiting for the failed-rank list",
     )
     failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
-    if stage not in failed:
-        raise RecoveryFailedError(f"replacement of stage {stage}: the scheduler replaces stages {failed}, not {stage}")
-    survivors = [k for k in range(num_stages) if k not in failed]
+    if rank not in failed:
+        raise RecoveryFailedError(f"{who}: the scheduler replaces ranks {failed}, not {rank}")
+    survivors = [k for k in range(layout.world_size) if k not in failed]
     reports = wait_for_keys(
         store,
         [keys.survivor(g, k) for k in survivors],
         timeout=timeout,
-        what=f"replacement of stage {stage}: waiting for the survivors' reports",
+        what=f"{who}: waiting for the survivors' reports",
     )
     return failed, {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
 
@@ -376,6 +434,52 @@ def _unit_of(stage: int, members: list[int], failed: list[int]) -> list[int]:
             f"replacement of stage {stage}: group {members} must be consecutive and all replaced (failed: {failed})"
         )
     return members
+
+
+def _replay_replicas(
+    store: dist.Store,
+    keys: RecoveryKeys,
+    generation: int,
+    layout: MeshLayout,
+    rank: int,
+    ck_it: int,
+    job: ReplayJob,
+    opened: Sequence[Any],
+    factory: Callable[..., Any] | None,
+    prepared: PreparedStates | None,
+    loss_fn: Callable[..., Any] | None,
+) -> ReplayResult:
+    """The replay of one of a stage's replicas, all lost: each replacement replays its own
+    pipeline's logs, and the live average over the replicas is repeated over a process group of
+    the replacements (same world size, replica order and bucket layout: the same bits). They must
+    start from checkpoints of one iteration (a ReplayError otherwise). The group is destroyed
+    before returning (the caller's ``ResilientLoop`` forms the next generation's)."""
+    c = layout.coord(rank)
+    base = f"{keys.base}/gen{generation}/replicas/{c.stage}"
+    store.set(f"{base}/checkpoint/{c.replica}", str(ck_it))
+    others = wait_for_keys(
+        store,
+        [f"{base}/checkpoint/{r}" for r in range(layout.dp_replicate)],
+        timeout=datetime.timedelta(seconds=120),
+        what=f"replacement of {layout.describe(rank)}: the other lost replicas' checkpoints",
+    )
+    its = sorted({int(_s(v)) for v in others.values()})
+    if its != [ck_it]:
+        raise ReplayError(f"the lost replicas of stage {c.stage} have checkpoints at different iterations: {its}")
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"{base}/pg", store), rank=c.replica, world_size=layout.dp_replicate
+    )
+    try:
+        return replay(
+            job.replace(workers=1),
+            factory=factory,
+            loss_fn=loss_fn,
+            sources=opened,
+            prepared=prepared,
+            replica_group=dist.group.WORLD,
+        )
+    finally:
+        dist.destroy_process_group()
 
 
 def _replay_unit(
@@ -452,13 +556,13 @@ def _recovered_objects(
 
 
 def _committed_metas(
-    store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range
+    store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range, ranks: Sequence[int]
 ) -> SourceSpec | None:
     """The META documents of ``stages`` over ``iterations`` that the commit step stored (see
     ``trainer_client.commit``), as a source; None when there are none (no commit store, a run
     without META). A store error is logged, never raised: the logs may still hold them."""
     try:
-        return SourceSpec.from_commit_store(store, keys.commit_prefix, stages, iterations)
+        return SourceSpec.from_commit_store(store, keys.commit_prefix, stages, iterations, ranks=ranks)
     except Exception as e:
         logger.warning("reading the stored META documents of stages %s failed: %s", list(stages), e)
         return None

@@ -76,6 +76,9 @@ class ReplayHooks:
     likely(iteration, backward_order) -> micro-batches ``claim`` will probably give: the prefetch
         thread fetches their records ahead with ``select``'s (one it did not is fetched when
         claimed; one fetched but never claimed is dropped when the iteration is over).
+    replica_group: the process group of the data-parallel replicas of the stage replayed together
+        (every replica of it was lost), ranked in replica order. A live average over the replicas
+        (META ``replica_average``) is repeated over it; without it such a replay stops.
     """
 
     select: Callable[[int, Sequence[int]], Collection[int]] | None = None
@@ -87,3 +90,4 @@ class ReplayHooks:
     shadow_forwards: Callable[[int], bool] | None = None
     claim: Callable[[int], int | None] | None = None
     likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
+    replica_group: Any = None

@@ -142,9 +142,11 @@ class References:
         script: str = DEFAULT_SCRIPT,
         groups: Sequence[int] | None = None,
         timeout_s: float = 150.0,
+        dp_replicate: int = 1,
     ) -> Reference:
-        """The failure-free run of ``script`` with ``args(base)`` (``base``: the run's directory)."""
-        key = self._key(list(args(Path("/BASE"))), run_id, num_stages, script, groups)
+        """The failure-free run of ``script`` with ``args(base)`` (``base``: the run's directory);
+        with ``dp_replicate`` > 1 a mesh, its results keyed by rank."""
+        key = self._key(list(args(Path("/BASE"))), run_id, num_stages, script, groups, dp_replicate)
         if key in self._runs:
             return self._runs[key]
         ref = self._load(key)
@@ -161,6 +163,7 @@ class References:
                 timeout_s=timeout_s,
                 groups=groups,
                 script=script,
+                dp_replicate=dp_replicate,
             )
             assert r.ok, r.describe()
             ref = Reference({k: {p: res.get(p) for p in _STATE_PARTS} for k, res in r.results.items()})
@@ -169,8 +172,17 @@ class References:
         self._runs[key] = ref
         return ref
 
-    def _key(self, args: list[str], run_id: str, num_stages: int, script: str, groups: Sequence[int] | None) -> str:
+    def _key(
+        self,
+        args: list[str],
+        run_id: str,
+        num_stages: int,
+        script: str,
+        groups: Sequence[int] | None,
+        dp_replicate: int = 1,
+    ) -> str:
         what = {
+            **({"dp_replicate": dp_replicate} if dp_replicate > 1 else {}),
             "args": args,
             "run_id": run_id,
             "num_stages": num_stages,

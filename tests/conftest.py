@@ -142,3 +142,15 @@ def cold_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ColdEnv
 def cold_tier(cold_env: ColdEnv) -> ColdTier:
     """A ColdTier on a fresh root of each backend (file, moto, seaweedfs)."""
     return cold_env.make()
+
+
+@pytest.fixture(scope="session")
+def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Failure-free runs (``tests._recovery_helpers.References``), one per (script, arguments),
+    shared by every test and kept in pytest's cache between sessions (``pytest --cache-clear``
+    runs them again)."""
+    from tests._recovery_helpers import References
+
+    config_cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    cache = config_cache.mkdir("swiftlog-references") if config_cache is not None else None
+    return References(tmp_path_factory.mktemp("references"), cache)

@@ -92,6 +92,9 @@ def test_trainer_client_public_api() -> None:
             "loopback_store",
             "ResilientLoop",
             "RecoveryKeys",
+            "MeshLayout",
+            "build_mesh",
+            "recovery_paths",
             "Checkpoint",
             "checkpoint_uri",
             "save_checkpoint",
@@ -106,6 +109,7 @@ def test_trainer_client_public_api() -> None:
             "UnsupportedScheduleError",
             "RecoveryFailedError",
             "RecoveryTimeoutError",
+            "ReplicaTransferError",
         ]
     )
     for name in trainer_client.__all__:

@@ -22,15 +22,6 @@ from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback
 from tests._recovery_helpers import PG_TIMEOUT_S, References, assert_same_as, run
 
 
-@pytest.fixture(scope="session")
-def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> References:
-    """Failure-free runs, one per (script, arguments), shared by every test and kept in pytest's
-    cache between sessions (``pytest --cache-clear`` runs them again)."""
-    config_cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    cache = config_cache.mkdir("swiftlog-references") if config_cache is not None else None
-    return References(tmp_path_factory.mktemp("references"), cache)
-
-
 def _check_recovered(r: RecoveryRun, failed: list[int], resume: int) -> None:
     assert r.fallback is None
     assert [t["failed_stages"] for t in r.timings][:1] == [failed]

@@ -72,8 +72,10 @@ from trainer_client.errors import (
     IterationAbortedError,
     RecoveryFailedError,
     RecoveryTimeoutError,
+    ReplicaTransferError,
     UnsupportedScheduleError,
 )
+from trainer_client.mesh import MeshLayout, build_mesh, recovery_paths
 from trainer_client.recovery_keys import RecoveryKeys
 from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.survivor import ResilientLoop
@@ -99,6 +101,10 @@ __all__ = [
     # in-place recovery
     "ResilientLoop",
     "RecoveryKeys",
+    # a data-parallel x pipeline mesh
+    "MeshLayout",
+    "build_mesh",
+    "recovery_paths",
     # checkpoints
     "Checkpoint",
     "checkpoint_uri",
@@ -116,4 +122,5 @@ __all__ = [
     "UnsupportedScheduleError",
     "RecoveryFailedError",
     "RecoveryTimeoutError",
+    "ReplicaTransferError",
 ]

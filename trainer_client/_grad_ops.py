@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from logstore import Channel
 from trainer_client.digest import hex_digests
+from trainer_client.replicas import average_gradients_
 from trainer_client.stage import StageRecorder
 from trainer_client.writer import AsyncLogWriter
 
@@ -43,15 +44,40 @@ class GradOps:
         self._stage_module = stage_module
         self.clips: list[dict[str, Any]] = []  # the current iteration's clip_grad_norm_ calls (META "grad_clip")
         self.reduces: list[dict[str, Any]] = []  # its all_reduce_grads_ calls (META "grad_reduce")
+        self.averages: list[dict[str, Any]] = []  # its averages over the replicas (META "replica_average")
 
     def begin(self) -> None:
         """A new iteration: no calls yet."""
         self.clips = []
         self.reduces = []
+        self.averages = []
 
     def meta_fields(self) -> dict[str, Any]:
-        """The iteration's calls as META has them: ``grad_clip`` and ``grad_reduce``."""
-        return {"grad_clip": list(self.clips), "grad_reduce": list(self.reduces)}
+        """The iteration's calls as META has them: ``grad_clip``, ``grad_reduce`` and
+        ``replica_average``."""
+        return {
+            "grad_clip": list(self.clips),
+            "grad_reduce": list(self.reduces),
+            "replica_average": list(self.averages),
+        }
+
+    def average_replicas_(self, group: dist.ProcessGroup, bucket_bytes: int) -> None:
+        """Average the stage module's gradients over the replicas' ``group`` (a collective; see
+        ``trainer_client.replicas.average_gradients_``). Every parameter that requires grad takes
+        part, in ``parameters()`` order; one without a gradient takes part with zeros (and keeps
+        them). META records the layout and, on CPU, the digests before it; nothing is logged: the
+        replicas repeat it among themselves when they are replayed."""
+        mod = self._stage_module()
+        if mod is None:
+            raise RuntimeError("the replicas' gradient average needs the stage built by client.pipeline_stage()")
+        params = [p for p in mod.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [cast("torch.Tensor", p.grad) for p in params]
+        pre = hex_digests(grads)
+        layout = average_gradients_(grads, group, bucket_bytes)
+        self.averages.append({"seq": self._seq(), **layout, "pre": pre})
 
     def clip_grad_norm_(
         self,
@@ -133,7 +159,7 @@ class GradOps:
     def _seq(self) -> int:
         """The place of the next clip_grad_norm_ / all_reduce_grads_ call among the iteration's ones
         (META ``seq``: the replay repeats them in this order)."""
-        return len(self.clips) + len(self.reduces)
+        return len(self.clips) + len(self.reduces) + len(self.averages)
 
     def _param_positions(
         self, what: str, params: Sequence[torch.Tensor], module: torch.nn.Module | None

@@ -50,6 +50,7 @@ from trainer_client.data import DataSource, data_inputs, on_device
 from trainer_client.determinism import seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
+from trainer_client.mesh import DP_REPLICATE, PP
 from trainer_client.meta import encode_meta, importable_name, script_name
 from trainer_client.metrics import MetricsExporter
 from trainer_client.reports import CommitReport, FlushReport
@@ -81,7 +82,7 @@ class SwiftlogClient:
     ) -> None:
         self.metrics: MetricsExporter | None = None  # bound first: a port in use fails before anything is opened
         if config.metrics.port is not None:
-            labels = {"run": config.run_id, "stage": str(config.stage), "writer": str(config.writer_name)}
+            labels = {"run": config.log_run, "stage": str(config.stage), "writer": str(config.writer_name)}
             self.metrics = MetricsExporter(
                 functools.partial(_stats_of, weakref.ref(self)),
                 labels,
@@ -110,10 +111,11 @@ class SwiftlogClient:
         self.recorder = StageRecorder(config, self.writer)
         self.coordinator: CommitCoordinator | None = None
         if commit_store is not None:
+            # the commit step spans the whole mesh: one done mark per rank
             self.coordinator = CommitCoordinator(
                 commit_store,
-                stage=config.stage,
-                num_stages=config.num_stages,
+                stage=config.rank,
+                num_stages=config.layout.world_size,
                 prefix=config.commit_prefix,
                 timeout=config.commit.timeout,
             )
@@ -126,6 +128,8 @@ class SwiftlogClient:
         # the iteration whose schedule step finished and is not yet committed or aborted
         self._stepped: int | None = None
         self._grad_ops = GradOps(config.stage, self.writer, self.recorder, lambda: self.stage_module)
+        self._pp_group: dist.ProcessGroup | None = None  # from set_mesh: the pipeline's sends
+        self._dp_group: dist.ProcessGroup | None = None  # from set_mesh: the replicas' gradient average
         self._meta = MetaLog(config, self.store, self.writer, self.recorder, self.coordinator)
         self._watch = StepWatcher(
             config.stage,
@@ -149,9 +153,9 @@ class SwiftlogClient:
         ck_base = config.resolved_checkpoint_url()
         shared = None
         if commit_store is not None:
-            shared = SharedRegistrations(
-                commit_store, prefix=config.commit_prefix, stage=config.stage, num_stages=config.num_stages
-            )
+            # registrations govern one pipeline's logs: each replica's pipeline shares its own
+            prefix = config.commit_prefix + ("" if config.dp_replicate == 1 else f"/dp{config.replica}")
+            shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
         elif config.cold_url is None and config.num_stages > 1:
             logger.warning(
                 "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
@@ -169,6 +173,30 @@ class SwiftlogClient:
         )
 
     # ================================================================ building the pipeline
+    def set_mesh(self, mesh: Any) -> None:
+        """Use a ``DeviceMesh`` with torchtitan's dimension names: ``mesh["pp"]`` carries the
+        pipeline's sends (the default group of :meth:`pipeline_stage`), ``mesh["dp_replicate"]``
+        the replicas' gradient average in :meth:`step`. Call it again with the mesh of every new
+        process-group generation (``ResilientLoop`` does): the groups are swapped underneath, no
+        module is wrapped. Raises ConfigError when the mesh's sizes or this rank's coordinate are
+        not the config's."""
+        c = self.config
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if PP not in names:
+            raise ConfigError(f"the mesh has dimensions {names}, not {PP!r}", hint="build it with trainer_client.mesh")
+        sizes = {n: mesh[n].size() for n in names}
+        want = {PP: c.num_stages, DP_REPLICATE: c.dp_replicate}
+        got = {PP: sizes[PP], DP_REPLICATE: sizes.get(DP_REPLICATE, 1)}
+        coord = mesh.get_coordinate()
+        here = (coord[names.index(PP)], coord[names.index(DP_REPLICATE)] if DP_REPLICATE in names else 0)
+        if got != want or here != (c.stage, c.replica):
+            raise ConfigError(
+                f"the mesh is {got} with this rank at (stage, replica) {here}, "
+                f"but the client is configured as {want} at {(c.stage, c.replica)}"
+            )
+        self._pp_group = mesh[PP].get_group()
+        self._dp_group = mesh[DP_REPLICATE].get_group() if c.dp_replicate > 1 else None
+
     def pipeline_stage(
         self,
         module: torch.nn.Module,
@@ -213,7 +241,7 @@ class SwiftlogClient:
             recorder=self.recorder,
             input_args=input_args,
             output_args=output_args,
-            group=group,
+            group=group if group is not None else self._pp_group,
             **kwargs,
         )
         return self._stage
@@ -283,11 +311,14 @@ class SwiftlogClient:
         return None if self._stage is None else self._stage.submod
 
     def release_pipeline(self) -> None:
-        """Forget the stage and schedule (after a failure), so that the process group they hold
-        can be destructed and its connections closed; build new ones before the next ``step``."""
+        """Forget the stage, the schedule and the mesh's groups (after a failure), so that the
+        process groups they hold can be destructed and their connections closed; build new ones
+        (and ``set_mesh``) before the next ``step``."""
         self._stage = None
         self._schedule = None
         self._stepped = None
+        self._pp_group = None  # the mesh's groups too (set_mesh gives the next generation's)
+        self._dp_group = None
 
     # ================================================================ per iteration
     def begin_iteration(self, iteration: int) -> None:
@@ -306,7 +337,9 @@ class SwiftlogClient:
 
         The same call works on every stage: inputs are passed only on the first stage and
         target/losses only on the last. With a data source and no inputs/target given, the
-        batch of ``iteration`` is fetched from it. Returns what ``schedule.step`` returns.
+        batch of ``iteration`` is fetched from it. With ``dp_replicate > 1`` the gradients are
+        then averaged over the replicas (the mesh's ``dp_replicate`` group, :meth:`set_mesh`), in
+        the fixed layout a replay of lost replicas repeats. Returns what ``schedule.step`` returns.
         """
         if self._schedule is None:
             raise RuntimeError(
@@ -342,6 +375,13 @@ class SwiftlogClient:
         out = self._schedule.step(*args, target=target, losses=losses, **kwargs)
         self._stepped = iteration
         self._watch.after_schedule_step()  # what the coming optimizer step should find
+        if c.dp_replicate > 1:
+            if self._dp_group is None:
+                raise RuntimeError(
+                    f"dp_replicate={c.dp_replicate}: call client.set_mesh(mesh) before client.step (ResilientLoop does)"
+                )
+            self._grad_ops.average_replicas_(self._dp_group, c.replica_bucket_bytes)
+            self._watch.note_replayed_change()
         return out
 
     def clip_grad_norm_(
@@ -610,7 +650,7 @@ class SwiftlogClient:
         opts = c.checkpoint_options()
         uri = save_checkpoint(
             uri,
-            run_id=c.run_id,
+            run_id=c.log_run,
             stage=c.stage,
             num_stages=c.num_stages,
             iteration=iteration,

@@ -36,6 +36,7 @@ from typing import Any
 
 from logstore import StoreConfig, validate_name, validate_run
 from logstore.errors import ConfigError, InvalidNameError
+from trainer_client.mesh import MeshLayout
 
 __all__ = [
     "ClientConfig",
@@ -269,6 +270,11 @@ class ClientConfig:
             (seed, stage, iteration, micro-batch), see ``trainer_client.determinism``.
         writer_name: this stage's writer name in the log store (default ``f"stage{stage}"``).
             Unique per process on a store root.
+        replica / dp_replicate: this rank's data-parallel replica and how many replicas hold
+            each stage (default 0 of 1). With more than one, the rank's coordinate in the
+            ``pp`` x ``dp_replicate`` mesh is ``(stage, replica)`` (``trainer_client.mesh``):
+            each replica's pipeline logs under a run of its own (:attr:`log_run`), the commit
+            step spans the whole mesh, and ``step`` averages the gradients over the replicas.
 
     Where logs go
         store_root: the node's log-store root directory (hot tier: LMDB index + segments).
@@ -302,6 +308,9 @@ class ClientConfig:
     cold_url: str | None = None
     seed: int = 0
     writer_name: str | None = None
+    replica: int = 0
+    dp_replicate: int = 1
+    replica_bucket_bytes: int = 25 << 20
     logging_groups: Sequence[int] | None = None
     log_data: bool = True
     enabled: bool = True
@@ -323,6 +332,14 @@ class ClientConfig:
             raise ConfigError(f"stage must be an int in 0..{self.num_stages - 1}, got {self.stage!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an int in 0..2**64-1, got {self.seed!r}")
+        _check_replica(self.replica, self.dp_replicate)
+        if not _is_int(self.replica_bucket_bytes) or self.replica_bucket_bytes < 1024:
+            raise ConfigError(f"replica_bucket_bytes must be an int >= 1024, got {self.replica_bucket_bytes!r}")
+        if self.dp_replicate > 1 and self.logging_groups is not None:
+            raise ConfigError(
+                "logging_groups with dp_replicate > 1 are not supported yet",
+                hint="log every boundary (logging_groups=None) in a mesh with replicas",
+            )
         if self.writer_name is None:
             self.writer_name = f"stage{self.stage}"
         try:
@@ -361,6 +378,22 @@ class ClientConfig:
 
     # -- derived ---------------------------------------------------------------------------
     @property
+    def layout(self) -> MeshLayout:
+        """The mesh: ``num_stages`` x ``dp_replicate``."""
+        return MeshLayout(self.num_stages, self.dp_replicate)
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank in the mesh (the stage, with one replica)."""
+        return self.layout.rank(self.stage, self.replica)
+
+    @property
+    def log_run(self) -> str:
+        """The run this rank's logs and checkpoints go under: ``run_id``, or with several
+        replicas ``f"{run_id}.dp{replica}"`` (each replica's pipeline is logged on its own)."""
+        return self.run_id if self.dp_replicate == 1 else f"{self.run_id}.dp{self.replica}"
+
+    @property
     def is_first(self) -> bool:
         return self.stage == 0
 
@@ -389,7 +422,7 @@ class ClientConfig:
         s = self.storage
         return StoreConfig(
             root=self.store_root,
-            run=self.run_id,
+            run=self.log_run,
             writer=self.writer_name,
             cold_url=self.cold_url,
             cold_options=dict(s.cold_options),
@@ -408,20 +441,22 @@ class ClientConfig:
     def resolved_checkpoint_url(self) -> str:
         """Where checkpoints go when ``checkpoints.url`` is None (see :class:`CheckpointConfig`)."""
         if self.checkpoints.url:
-            return self.checkpoints.url.rstrip("/")
+            base = self.checkpoints.url.rstrip("/")
+            return base if self.dp_replicate == 1 else f"{base}/dp{self.replica}"
         if self.cold_url:
             base = self.cold_url.rstrip("/")
             if "://" not in base:
                 base = "file://" + os.path.abspath(base)
-            return f"{base}/{self.run_id}/checkpoint-files"
-        return os.path.join(os.path.abspath(os.fspath(self.store_root)), self.run_id, "checkpoint-files")
+            return f"{base}/{self.log_run}/checkpoint-files"
+        return os.path.join(os.path.abspath(os.fspath(self.store_root)), self.log_run, "checkpoint-files")
 
 
 @dataclass(kw_only=True, slots=True)
 class RecoveryConfig:
     """How one stage takes part in in-place recovery (:class:`~trainer_client.ResilientLoop`).
 
-    run_id / stage / num_stages: as in :class:`ClientConfig`.
+    run_id / stage / num_stages / replica / dp_replicate: as in :class:`ClientConfig`. The
+        recovery protocol's keys and the process groups are per rank (``rank``, ``world_size``).
     generation: the process-group generation the stage starts in (default 0; the new one for a
         replacement).
     backend: the process groups' backend (default "gloo").
@@ -442,6 +477,8 @@ class RecoveryConfig:
     run_id: str
     stage: int
     num_stages: int
+    replica: int = 0
+    dp_replicate: int = 1
     generation: int = 0
     backend: str = "gloo"
     pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
@@ -456,12 +493,33 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.num_stages:
             raise ConfigError(f"stage {self.stage} is not in [0, {self.num_stages})")
+        _check_replica(self.replica, self.dp_replicate)
         if self.generation < 0:
             raise ConfigError(f"generation must be >= 0, got {self.generation}")
         if self.rejoin_timeout.total_seconds() <= 0:
             raise ConfigError("rejoin_timeout must be positive")
         if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+    @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout(self.num_stages, self.dp_replicate)
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank in the mesh: ``stage * dp_replicate + replica``."""
+        return self.layout.rank(self.stage, self.replica)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.dp_replicate
+
+
+def _check_replica(replica: object, dp_replicate: object) -> None:
+    if not _is_int(dp_replicate) or dp_replicate < 1:  # type: ignore[operator]
+        raise ConfigError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
+    if not _is_int(replica) or not 0 <= replica < dp_replicate:  # type: ignore[operator]
+        raise ConfigError(f"replica must be an int in 0..{dp_replicate - 1}, got {replica!r}")  # type: ignore[operator]
 
 
 def _default_commit_prefix(run_id: str) -> str:

@@ -11,7 +11,8 @@ Hierarchy (the log store's errors are reused, not redefined)::
         │   └── CommitStoreError              the decision store (TCPStore) is unreachable (retryable)
         ├── CheckpointError                   a checkpoint could not be written or read
         └── RecoveryFailedError               the pipeline could not be re-formed after a failure
-            └── RecoveryTimeoutError          a recovery wait passed its deadline
+            ├── RecoveryTimeoutError          a recovery wait passed its deadline
+            └── ReplicaTransferError          a replica's state arrived other than the donor sent it
 
 What is deliberately *not* here: logging faults (store full, cold tier down, encode errors).
 Those never raise into the training step; the client records and counts them and reports
@@ -31,6 +32,7 @@ __all__ = [
     "UnsupportedScheduleError",
     "RecoveryFailedError",
     "RecoveryTimeoutError",
+    "ReplicaTransferError",
     "ConfigError",
 ]
 
@@ -89,3 +91,7 @@ class RecoveryFailedError(ClientError):
 
 class RecoveryTimeoutError(RecoveryFailedError):
     """A recovery wait passed its deadline; the message names the keys it waited for."""
+
+
+class ReplicaTransferError(RecoveryFailedError):
+    """A state received from a replica does not match what the donor sent (a tensor's digest, the stage)."""

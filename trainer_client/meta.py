@@ -34,6 +34,10 @@ Fields (version 1):
   place among them and the ``grad_clip`` calls, which carry one too), ``params`` (positions in
   ``parameters()``), ``average``, ``world``, ``pre`` (the gradients' digests before the
   reduction, on CPU, else null).
+- ``replica_average``: the average over the stage's data-parallel replicas that ``step`` ran
+  (``dp_replicate > 1``): ``seq``, ``world``, ``bucket_bytes``, ``buckets``, ``ranks`` (the
+  participants' global ranks), ``pre`` (digests before it, on CPU). Nothing is logged: lost
+  replicas repeat it among themselves. Absent without replicas.
 - ``lrs``: each param group's learning rate at commit, the one the coming optimizer step uses, of
   the optimizer the client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any.
 - ``hparams``: each param group's other hyperparameters at commit (:func:`optimizer_hparams`;

@@ -54,6 +54,10 @@ class RecoveryKeys:
     def rejoined(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/rejoined/{stage}"
 
+    def healed(self, g: int, rank: int) -> str:
+        """The state transfer (``TransferReport.to_dict``) that healed ``rank`` after generation ``g``."""
+        return f"{self.base}/gen{g}/healed/{rank}"
+
     def heartbeat(self, g: int, stage: int) -> str:
         return f"{self.base}/gen{g}/hb/{stage}"
 

@@ -62,7 +62,9 @@ from trainer_client.errors import (
     RecoveryFailedError,
     RecoveryTimeoutError,
 )
+from trainer_client.mesh import build_mesh, recovery_paths
 from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
+from trainer_client.replicas import TransferReport, receive_state, send_state
 
 __all__ = [
     "RecoveryEvent",
@@ -162,7 +164,7 @@ class _Heartbeat:
             is_master=False,
             timeout=datetime.timedelta(seconds=30),
         )
-        self._thread = threading.Thread(target=self._run, name=f"swiftlog-heartbeat-{cfg.stage}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"swiftlog-heartbeat-{cfg.rank}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -172,11 +174,11 @@ class _Heartbeat:
             g = self.generation
             try:
                 now = time.monotonic()
-                self._store.set(keys.heartbeat(g, cfg.stage), repr(time.time()))
+                self._store.set(keys.heartbeat(g, cfg.rank), repr(time.time()))
                 if cfg.heartbeat_timeout is None or self._store.check([keys.failed(g)]):
                     continue
-                for k in range(cfg.num_stages):
-                    if k == cfg.stage or not self._store.check([keys.heartbeat(g, k)]):
+                for k in range(cfg.world_size):
+                    if k == cfg.rank or not self._store.check([keys.heartbeat(g, k)]):
                         continue  # not started yet in this generation: not judged
                     v = as_str(self._store.get(keys.heartbeat(g, k)))
                     prev = seen.get((g, k))
@@ -184,15 +186,15 @@ class _Heartbeat:
                         seen[(g, k)] = (v, now)
                     elif now - prev[1] > cfg.heartbeat_timeout.total_seconds():
                         logger.warning(
-                            "stage %d: stage %d's heartbeat is %.1f s old: marking generation %d failed",
-                            cfg.stage,
+                            "rank %d: rank %d's heartbeat is %.1f s old: marking generation %d failed",
+                            cfg.rank,
                             k,
                             now - prev[1],
                             g,
                         )
                         self._store.set(
                             keys.failed(g),
-                            f"heartbeat of stage {k} stale (seen by stage {cfg.stage})",
+                            f"heartbeat of rank {k} stale (seen by rank {cfg.rank})",
                         )
             except Exception as e:  # noqa: BLE001 - the monitor must never take the stage down
                 logger.debug("heartbeat: %s", e)
@@ -236,6 +238,7 @@ class ResilientLoop:
             )
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
+        self.lr_scheduler = lr_scheduler
         client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
         client.track_lr_scheduler(lr_scheduler)
         self.keys = RecoveryKeys(config.run_id, config.commit_prefix or client.coordinator.prefix)
@@ -243,6 +246,10 @@ class ResilientLoop:
         self.events: list[RecoveryEvent] = []
         self.iteration_end: list[tuple[int, float, int]] = []  # (iteration, time.time() at apply, generation)
         self._hb: _Heartbeat | None = None
+        #: the DeviceMesh of the current generation (None with one replica: the world is the pipeline)
+        self.mesh: Any = None
+        #: the state transfers this rank took part in (a replica copied to a replacement)
+        self.transfers: list[TransferReport] = []
         # module buffers at the start of the current iteration (restored when it is discarded)
         self._buffers = BufferSnapshot()
         self._buffers_of: torch.nn.Module | None = None
@@ -258,8 +265,10 @@ class ResilientLoop:
 
     # ------------------------------------------------------------------ process groups
     def join(self, generation: int | None = None) -> float:
-        """Form the process group of ``generation`` (default: the current one), set the commit
-        generation and rebuild stage and schedule; returns the seconds it took."""
+        """Form the process group of ``generation`` (default: the current one) over the whole
+        mesh, build the mesh (with replicas) and give it to the client, set the commit
+        generation, rebuild stage and schedule, and copy the state of every rank the last recovery
+        replaced from a live replica (:meth:`_heal`); returns the seconds it took."""
         g = self.generation if generation is None else generation
         t0 = time.monotonic()
         if dist.is_initialized():
@@ -269,21 +278,73 @@ class ResilientLoop:
             dist.init_process_group(
                 self.cfg.backend,
                 store=dist.PrefixStore(pg_prefix(self.cfg.run_id, g), self.store),
-                rank=self.cfg.stage,
-                world_size=self.cfg.num_stages,
+                rank=self.cfg.rank,
+                world_size=self.cfg.world_size,
                 timeout=self.cfg.pg_timeout,
             )
         except Exception as e:
             raise RecoveryTimeoutError(
-                f"stage {self.cfg.stage}: process group generation {g} did not form: {e}",
-                hint="a stage of the new generation never joined (check the replacement's log)",
+                f"{self._who}: process group generation {g} did not form: {e}",
+                hint="a rank of the new generation never joined (check the replacement's log)",
             ) from e
         self.generation = g
+        if self.cfg.dp_replicate > 1:  # new groups under the client: nothing wrapped holds the old ones
+            self.mesh = None
+            self.mesh = build_mesh(self.cfg.layout)
+            self.client.set_mesh(self.mesh)
         self.client.set_generation(g)
         if self._hb is not None:
             self._hb.generation = g
         self.rebuild()
+        self._heal(g)
         return time.monotonic() - t0
+
+    @property
+    def _who(self) -> str:
+        return self.cfg.layout.describe(self.cfg.rank)
+
+    def _heal(self, g: int) -> None:
+        """After the recovery of generation ``g - 1``: every rank replaced from a live replica
+        receives the state of its donor (``trainer_client.mesh.recovery_paths``: the same answer
+        on every rank), over the new generation's group, verified by digest. Donors send in rank
+        order; every other rank goes on at once."""
+        key = self.keys.failed_stages(g - 1)
+        if g == 0 or self.cfg.dp_replicate == 1 or not self.store.check([key]):
+            return
+        me = self.cfg.rank
+        lost = [int(x) for x in json.loads(as_str(self.store.get(key)))]
+        for p in recovery_paths(self.cfg.layout, lost).values():
+            if p.path != "replica" or me not in (p.donor, p.rank):
+                continue
+            module = self.client.stage_module
+            if module is None:
+                raise RecoveryFailedError(f"{self._who}: rebuild() built no stage, so there is no state to copy")
+            if p.donor == me:
+                state = {
+                    "stage": self.cfg.stage,
+                    "model": module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+                }
+                self.transfers.append(send_state(state, p.rank))
+                continue
+            state, report = receive_state(p.donor)
+            if state["stage"] != self.cfg.stage:
+                raise RecoveryFailedError(f"{self._who}: rank {p.donor} sent the state of stage {state['stage']}")
+            module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.transfers.append(report)
+            self.store.set(self.keys.healed(g - 1, me), json.dumps(report.to_dict()))
+            logger.warning(
+                "%s: state copied from rank %d: %.1f MB in %.3f s (%.2f GB/s)",
+                self._who,
+                p.donor,
+                report.bytes / 1e6,
+                report.seconds,
+                report.gb_per_s,
+            )
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -344,7 +405,7 @@ class ResilientLoop:
                 if failure is None:
                     return it
                 if failures >= self.cfg.max_failures:
-                    raise RecoveryFailedError(f"stage {self.cfg.stage}: {failure} (after {failures} recoveries)")
+                    raise RecoveryFailedError(f"{self._who}: {failure} (after {failures} recoveries)")
                 failures += 1
                 it = self._recover(it, failure, discard=False)
         finally:
@@ -359,15 +420,15 @@ class ResilientLoop:
         finished, else what failed (the generation was marked failed: by the scheduler, the
         heartbeat monitor or a stage). Raises RecoveryTimeoutError after ``rejoin_timeout``."""
         cfg, g = self.cfg, self.generation
-        done = [self.keys.finished(g, stop, k) for k in range(cfg.num_stages)]
-        self.store.set(done[cfg.stage], repr(time.time()))
+        done = [self.keys.finished(g, stop, k) for k in range(cfg.world_size)]
+        self.store.set(done[cfg.rank], repr(time.time()))
         try:
             wait_for_keys(
                 self.store,
                 done,
                 timeout=cfg.rejoin_timeout,
                 abort_keys=[self.keys.failed(g)],
-                what=f"stage {cfg.stage}: waiting for every stage to finish the run (generation {g})",
+                what=f"{self._who}: waiting for every rank to finish the run (generation {g})",
             )
         except RecoveryTimeoutError:
             raise
@@ -385,8 +446,8 @@ class ResilientLoop:
         cfg, keys, g = self.cfg, self.keys, self.generation
         t_detect = time.time()
         logger.warning(
-            "stage %d: pipeline failure in iteration %d (generation %d): %s",
-            cfg.stage,
+            "%s: pipeline failure in iteration %d (generation %d): %s",
+            self._who,
             it,
             g,
             msg,
@@ -401,10 +462,12 @@ class ResilientLoop:
             t_reported=time.time(),
         )
         self.store.set(
-            keys.survivor(g, cfg.stage),
+            keys.survivor(g, cfg.rank),
             json.dumps(
                 {
                     "resume": it,
+                    "stage": cfg.stage,
+                    "replica": cfg.replica,
                     # where this node's logs are (a replacement without explicit sources reads them there)
                     "store_root": str(self.client.config.store_root),
                     "cold_url": self.client.config.cold_url,
@@ -421,11 +484,11 @@ class ResilientLoop:
         teardown.wait(cfg.rejoin_timeout.total_seconds())
         self.join(g + 1)
         ev.t_rejoined = time.time()
-        self.store.set(keys.rejoined(g, cfg.stage), repr(ev.t_rejoined))
+        self.store.set(keys.rejoined(g, cfg.rank), repr(ev.t_rejoined))
         self.events.append(ev)
         logger.warning(
-            "stage %d: rejoined as generation %d, resuming at iteration %d",
-            cfg.stage,
+            "%s: rejoined as generation %d, resuming at iteration %d",
+            self._who,
             g + 1,
             it,
         )
@@ -435,13 +498,13 @@ class ResilientLoop:
 
     def _abort_generation(self, it: int, msg: str) -> None:
         """Step 2: every stage waiting in commit aborts; nobody can commit ``it`` any more."""
-        cfg, keys, g = self.cfg, self.keys, self.generation
+        keys, g = self.keys, self.generation
         try:
             if not self.store.check([keys.failed(g)]):
-                self.store.set(keys.failed(g), f"stage {cfg.stage} saw: {msg[:200]}")
-            self.client.abort(it, f"stage {cfg.stage} saw a failure")
+                self.store.set(keys.failed(g), f"{self._who} saw: {msg[:200]}")
+            self.client.abort(it, f"{self._who} saw a failure")
         except Exception as e:
-            raise RecoveryFailedError(f"stage {cfg.stage}: the store is unreachable during recovery: {e}") from e
+            raise RecoveryFailedError(f"{self._who}: the store is unreachable during recovery: {e}") from e
 
     def _stand_down(self, it: int, discard: bool) -> tuple[_GroupTeardown, dict[str, Any]]:
         """Tear the failed group down, keep the state (step 3: discard the unfinished iteration)
@@ -450,17 +513,16 @@ class ResilientLoop:
         t_a = time.monotonic()
         # at once, so that neighbours blocked in a receive from (or a send to) us fail fast too; on
         # its own thread: shutting gloo down joins its threads (~30 ms) and nothing below needs it
-        teardown = _GroupTeardown(cfg.stage)
+        teardown = _GroupTeardown(cfg.rank)
         # destroy_process_group only unregisters the group; its sockets close when the last reference
-        # (stage, schedule, pending work) is gone. A non-neighbour blocked on us waits until then.
+        # (stage, schedule, pending work, the mesh) is gone. A non-neighbour blocked on us waits until then.
         self.client.release_pipeline()
+        self.mesh = None
         gc.collect()
         t_b = time.monotonic()
         decision = self.client.coordinator.decision(it, g) if self.client.coordinator else None
         if decision == "commit":  # cannot happen: we never reported done for `it` without raising before
-            raise RecoveryFailedError(
-                f"stage {cfg.stage}: iteration {it} was committed but this stage did not apply it"
-            )
+            raise RecoveryFailedError(f"{self._who}: iteration {it} was committed but this rank did not apply it")
         if discard:  # 3. discard the unfinished iteration: its gradients and its buffer updates
             self.optimizer.zero_grad(set_to_none=True)
             if self._buffers_of is not None:
@@ -468,10 +530,7 @@ class ResilientLoop:
         drained = self.client.writer.drain(cfg.rejoin_timeout.total_seconds())
         t_c = time.monotonic()
         if not drained:
-            logger.warning(
-                "stage %d: log writer not drained before recovery; the replay may miss records",
-                cfg.stage,
-            )
+            logger.warning("%s: log writer not drained before recovery; the replay may miss records", self._who)
         return teardown, {"drained": drained, "teardown_s": t_b - t_a, "drain_s": t_c - t_b}
 
     def _await_replacements(self, ev: RecoveryEvent) -> None:
@@ -483,7 +542,7 @@ class ResilientLoop:
             self.store,
             [keys.failed_stages(g)],
             timeout=cfg.rejoin_timeout,
-            what=f"stage {cfg.stage}: waiting for the scheduler to name the failed stage(s) of generation {g}",
+            what=f"{self._who}: waiting for the scheduler to name the failed rank(s) of generation {g}",
             abort_keys=[keys.fallback(g)],
         )
         ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
@@ -492,12 +551,12 @@ class ResilientLoop:
             keys,
             g,
             timeout=cfg.rejoin_timeout,
-            what=f"stage {cfg.stage}: replacement(s) of stage(s) {ev.replaced}",
+            what=f"{self._who}: replacement(s) of rank(s) {ev.replaced}",
         )
         wait_for_keys(
             self.store,
             [keys.ready(g, k) for k in ev.replaced],
             timeout=cfg.rejoin_timeout,
-            what=f"stage {cfg.stage}: waiting for replacement(s) of stage(s) {ev.replaced}",
+            what=f"{self._who}: waiting for replacement(s) of rank(s) {ev.replaced}",
             abort_keys=[keys.fallback(g)],
         )

@@ -82,9 +82,11 @@ def example_io(stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros(mb, WIDTH, requires_grad=stage > 0), out
 
 
-def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The iteration's inputs and targets (every stage makes the same call; only the first and last use them)."""
-    g = torch.Generator().manual_seed(1000 + iteration)
+def batch(iteration: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The iteration's inputs and targets of data-parallel replica ``replica`` (every stage makes
+    the same call; only the first and last use them). A function of both: a replica's data
+    position is the iteration."""
+    g = torch.Generator().manual_seed(1000 + iteration + 7919 * replica)
     return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
@@ -99,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--stage", type=int, required=True)
     a("--num-stages", type=int, required=True)
+    a("--replica", type=int, default=0, help="this rank's data-parallel replica")
+    a("--dp-replicate", type=int, default=1, help="replicas of every stage (a pp x dp_replicate mesh)")
     a("--run-id", required=True)
     a("--store-host", default="127.0.0.1")
     a("--store-port", type=int, required=True)
@@ -110,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the logs' cold tier (file:///dir, s3://bucket/prefix); "
         "without one a failed first or last stage's own data is lost with it",
     )
-    a("--out", required=True, help="where stage{k}.pt (the final state) goes")
+    a("--out", required=True, help="where stage{k}.pt (stage{k}-dp{r}.pt with replicas), the final state, goes")
     a("--iters", type=int, default=8)
     a("--ckpt-at", default="0", help="iterations to checkpoint at, comma-separated")
     a("--generation", type=int, default=0)
@@ -135,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
-    k, S = args.stage, args.num_stages
+    k, S, r, R = args.stage, args.num_stages, args.replica, args.dp_replicate
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     config = ClientConfig(
         run_id=args.run_id,
         stage=k,
         num_stages=S,
+        replica=r,
+        dp_replicate=R,
         seed=SEED,
         store_root=args.store_root,
         cold_url=args.cold_url,
@@ -171,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                 sources=None,
                 factory=factory,
                 helpers=args.replay_helpers,
+                replica=r,
+                dp_replicate=R,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, args.generation, str(e))
             return EXIT_FALLBACK
         model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
-        report_ready(store, args.run_id, args.generation, k, recovered)
+        report_ready(store, args.run_id, args.generation, config.rank, recovered)
         start, generation = rec.resume, args.generation + 1
     else:
         model, optimizer, lr_scheduler = factory(k, S)
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def die_if(it: int, phase: str) -> None:
         if kill == (it, phase):
-            store.set(RecoveryKeys(args.run_id).kill_time(k), repr(time.time()))
+            store.set(RecoveryKeys(args.run_id).kill_time(config.rank), repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
     ckpt_at = {int(x) for x in args.ckpt_at.split(",") if x}
@@ -216,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def forward_backward(it: int) -> None:
         die_if(it, "forward")
-        x, y = batch(it)
-        client.step(it, x, target=y)
+        x, y = batch(it, r)
+        client.step(it, x, target=y)  # with replicas, it also averages the gradients over them
 
     def apply(it: int) -> None:
         die_if(it, "optimizer")
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             run_id=args.run_id,
             stage=k,
             num_stages=S,
+            replica=r,
+            dp_replicate=R,
             generation=generation,
             store_host=args.store_host,
             store_port=args.store_port,
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     loop.join()
     if args.replacement:
-        store.set(RecoveryKeys(args.run_id).rejoined(args.generation, k), repr(time.time()))
+        store.set(RecoveryKeys(args.run_id).rejoined(args.generation, config.rank), repr(time.time()))
     loop.run(start, args.iters, forward_backward=forward_backward, apply=apply, before=before, joined=True)
     report = client.close()
     dist.destroy_process_group()
@@ -250,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.save(
         {
             "stage": k,
+            "replica": r,
+            "transfers": [t.to_dict() for t in loop.transfers],
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "lr_scheduler": lr_scheduler.state_dict(),
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             "recovered": recovered,
             "close_ok": report.ok,
         },
-        os.path.join(args.out, f"stage{k}.pt"),
+        os.path.join(args.out, f"stage{k}.pt" if R == 1 else f"stage{k}-dp{r}.pt"),
     )
     return 0
 

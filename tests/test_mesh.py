@@ -1,0 +1,186 @@
+"""The data-parallel x pipeline mesh: coordinates, recovery paths, the replicas' gradient average
+and the state transfer between replicas (real gloo groups in real processes)."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from logstore.errors import ConfigError
+from trainer_client import ClientConfig, RecoveryConfig
+from trainer_client.commit import gloo_on_loopback, loopback_store
+from trainer_client.mesh import MeshCoord, MeshLayout, recovery_paths
+
+
+def test_ranks_and_coordinates_follow_torchtitans_order() -> None:
+    """pp outermost, then dp_replicate: rank = stage * R + replica; one replica: rank = stage."""
+    m = MeshLayout(3, 2)
+    assert [m.coord(r) for r in range(6)] == [MeshCoord(s, r) for s in range(3) for r in range(2)]
+    assert all(m.rank(c.stage, c.replica) == r for r in range(6) for c in [m.coord(r)])
+    assert (m.replicas_of(1), m.pipeline_of(1)) == ([2, 3], [1, 3, 5])
+    assert [MeshLayout(4).rank(k) for k in range(4)] == [0, 1, 2, 3]
+    for bad in (lambda: m.coord(6), lambda: m.rank(3, 0), lambda: m.rank(0, 2), lambda: MeshLayout(2, 0)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_a_lost_rank_is_copied_from_its_lowest_live_replica_or_replayed_with_the_other_lost_ones() -> None:
+    m = MeshLayout(2, 3)  # stage 0: ranks 0,1,2; stage 1: ranks 3,4,5
+    p = recovery_paths(m, [0, 4, 5, 3])
+    assert (p[0].path, p[0].donor) == ("replica", 1)
+    assert {r: p[r].path for r in (3, 4, 5)} == {3: "replay", 4: "replay", 5: "replay"}
+    assert p[4].replay_group == (3, 4, 5) and "every replica of stage 1 was lost" in p[4].why
+    assert "copy rank 1" in p[0].why
+    assert recovery_paths(m, [2, 1])[1].donor == 0  # the same answer on every rank
+    one = recovery_paths(MeshLayout(4), [2])[2]
+    assert (one.path, one.replay_group) == ("replay", (2,))
+    with pytest.raises(ValueError):
+        recovery_paths(m, [6])
+
+
+def test_a_replicas_config_names_its_run_checkpoints_and_rank() -> None:
+    c = ClientConfig(run_id="job", stage=1, num_stages=2, store_root="/tmp/x", replica=1, dp_replicate=3)
+    assert (c.rank, c.log_run) == (4, "job.dp1")
+    assert c.resolved_checkpoint_url().endswith("/job.dp1/checkpoint-files")
+    assert c.commit_prefix == "swiftlog/job"  # the commit step spans the mesh
+    from trainer_client import CheckpointConfig
+
+    c2 = ClientConfig(
+        run_id="job",
+        stage=0,
+        num_stages=2,
+        store_root="/tmp/x",
+        replica=2,
+        dp_replicate=3,
+        checkpoints=CheckpointConfig(url="s3://b/ck"),
+    )
+    assert c2.resolved_checkpoint_url() == "s3://b/ck/dp2"
+    single = ClientConfig(run_id="job", stage=1, num_stages=2, store_root="/tmp/x")
+    assert (single.rank, single.log_run) == (1, "job")
+    with pytest.raises(ConfigError, match="replica must be an int in 0..1"):
+        ClientConfig(run_id="job", stage=0, num_stages=2, store_root="/tmp/x", replica=2, dp_replicate=2)
+    with pytest.raises(ConfigError, match="dp_replicate must be an int >= 1"):
+        RecoveryConfig(run_id="job", stage=0, num_stages=2, dp_replicate=0)
+    with pytest.raises(ConfigError, match="logging_groups with dp_replicate > 1"):
+        ClientConfig(run_id="j", stage=0, num_stages=2, store_root="/x", dp_replicate=2, logging_groups=[2])
+    assert RecoveryConfig(run_id="job", stage=1, num_stages=2, replica=1, dp_replicate=2).rank == 3
+
+
+# ------------------------------------------------------------------ real gloo groups
+def _grads(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [
+        torch.randn(1000, generator=g),
+        torch.randn(37, 3, generator=g).to(torch.float64),
+        torch.randn(2000, generator=g),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+    ]
+
+
+def _average_worker(rank: int, world: int, port: int, q: Any) -> None:
+    from trainer_client.replicas import average_gradients_
+
+    gloo_on_loopback()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    out = []
+    for attempt in range(2):  # a fresh group each time: the replay's group, after the live one
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"a{attempt}", store), rank=rank, world_size=world)
+        grads = _grads(rank)
+        layout = average_gradients_(grads, None, bucket_bytes=1024)
+        out.append(([g.clone() for g in grads], layout))
+        dist.destroy_process_group()
+    _put(q, (rank, out))
+
+
+def _put(q: Any, item: Any) -> None:
+    """Tensors as bytes: a queue shares a tensor's memory with the reader, gone once the worker exits."""
+    buf = io.BytesIO()
+    torch.save(item, buf)
+    q.put(buf.getvalue())
+
+
+def _spawn(target: Any, world: int, *extra: Any) -> list[Any]:
+    gloo_on_loopback()
+    store = loopback_store()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, store.port, q, *extra)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [torch.load(io.BytesIO(q.get(timeout=120)), weights_only=False) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * world
+    return sorted(got, key=lambda x: x[0])
+
+
+def test_the_replicas_average_is_the_same_bits_on_every_replica_and_in_every_repetition() -> None:
+    """Three replicas (a+b+c is not c+b+a in floating point): every rank ends with the same bits,
+    a second group of the same size and layout repeats them exactly, and the result is the mean."""
+    got = _spawn(_average_worker, 3)
+    first = got[0][1][0][0]
+    for _, runs in got:
+        for grads, layout in runs:
+            assert all(torch.equal(a, b) for a, b in zip(grads, first, strict=True))
+            assert (layout["world"], layout["bucket_bytes"], layout["ranks"]) == (3, 1024, [0, 1, 2])
+    # float32 laid end to end (12000 bytes: 12 buckets of 1 KiB), float64 (888 bytes), bfloat16 (10 bytes)
+    assert got[0][1][0][1]["buckets"] == 12 + 1 + 1
+    mean = torch.stack([_grads(r)[0] for r in range(3)]).sum(0) / 3
+    assert torch.allclose(first[0], mean, atol=1e-6)
+
+
+def _transfer_worker(rank: int, world: int, port: int, q: Any, corrupt: bool) -> None:
+    from trainer_client import replicas
+
+    gloo_on_loopback()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.BatchNorm1d(200), torch.nn.Linear(200, 3))
+    opt = torch.optim.Adam(model.parameters())
+    if rank == 0:
+        model(torch.randn(8, 300)).sum().backward()
+        opt.step()
+        state = {"stage": 1, "model": model.state_dict(), "optimizer": opt.state_dict(), "note": ("a", 2)}
+        rep = replicas.send_state(state, 1, chunk_bytes=4096)
+        _put(q, (rank, rep.to_dict(), model.state_dict(), opt.state_dict()))
+    else:
+        if corrupt:  # what the receiver hashes is not what the donor hashed: the digest check must see it
+            real = replicas.tensor_digest
+            replicas.tensor_digest = lambda t: real(t) ^ (1 if t.numel() == 200 * 300 else 0)  # type: ignore[assignment]
+        try:
+            state, rep = replicas.receive_state(0)
+        except replicas.ReplicaTransferError as e:
+            _put(q, (rank, "error", str(e), None))
+            return
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        _put(q, (rank, rep.to_dict(), model.state_dict(), opt.state_dict()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_replicas_state_arrives_whole_or_is_refused(corrupt: bool) -> None:
+    """The donor's parameters, buffers and Adam state arrive bit for bit (chunks of 4 KiB: tensors
+    split over chunks and small ones packed together); a tensor whose digest differs is named."""
+    (_, sent, m0, o0), (_, got, m1, o1) = _spawn(_transfer_worker, 2, corrupt)
+    if corrupt:
+        assert got == "error" and "tensor 0 of the state received from rank 0 ((200, 300)" in m1
+        return
+    n_tensors = len(m0) + sum(len(st) for st in o0["state"].values())  # 9 in the model, 3 per Adam parameter
+    assert sent["bytes"] == got["bytes"] and got["tensors"] == sent["tensors"] == n_tensors == 9 + 18
+    assert all(torch.equal(m0[k], m1[k]) for k in m0)
+    for i, st in o0["state"].items():
+        assert all(torch.equal(v, o1["state"][i][k]) for k, v in st.items())
+    assert o0["param_groups"] == o1["param_groups"]
+
+
+if os.name != "posix":  # pragma: no cover
+    pytest.skip("gloo on loopback needs Linux", allow_module_level=True)

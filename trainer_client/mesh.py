@@ -1,0 +1,152 @@
+"""A rank's place in a data-parallel x pipeline mesh, and what recovers each lost rank.
+
+swiftlog owns a rank's identity: its mesh coordinate ``(stage, replica)``, never the global rank
+a rendezvous handed out. The mesh has torchtitan's dimension names and order, ``pp`` outermost
+then ``dp_replicate``, so the global rank of a coordinate is ``stage * dp_replicate + replica``
+(with one replica it is the stage, as before meshes existed).
+
+- :class:`MeshLayout`: the mesh's shape, and the maps between ranks and coordinates.
+- :func:`build_mesh`: the ``DeviceMesh`` of a layout over the current default process group
+  (``mesh["pp"]`` carries the pipeline's sends, ``mesh["dp_replicate"]`` the gradient average).
+- :func:`recovery_paths`: for every lost rank, how it comes back: a copy from a live replica of
+  its stage, or a replay from the logs when every replica of its stage was lost; and why.
+
+Never: creates the default process group (the caller, e.g. ``ResilientLoop.join``, does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DP_REPLICATE",
+    "PP",
+    "MeshCoord",
+    "MeshLayout",
+    "RankRecovery",
+    "build_mesh",
+    "recovery_paths",
+]
+
+#: torchtitan's names of the mesh dimensions swiftlog uses
+PP, DP_REPLICATE = "pp", "dp_replicate"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MeshCoord:
+    """A rank's coordinate: its pipeline stage and its data-parallel replica."""
+
+    stage: int
+    replica: int
+
+    def __str__(self) -> str:
+        return f"stage {self.stage} replica {self.replica}"
+
+
+@dataclass(frozen=True, slots=True)
+class MeshLayout:
+    """A ``pp`` x ``dp_replicate`` mesh: ``num_stages`` stages, each held by ``dp_replicate`` replicas."""
+
+    num_stages: int
+    dp_replicate: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "dp_replicate"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MeshLayout.{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.dp_replicate
+
+    def rank(self, stage: int, replica: int = 0) -> int:
+        """The global rank of ``(stage, replica)``; ValueError outside the mesh."""
+        if not (0 <= stage < self.num_stages and 0 <= replica < self.dp_replicate):
+            raise ValueError(f"({stage}, {replica}) is outside the {self.num_stages} x {self.dp_replicate} mesh")
+        return stage * self.dp_replicate + replica
+
+    def coord(self, rank: int) -> MeshCoord:
+        """The coordinate of global rank ``rank``; ValueError outside the mesh."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
+        return MeshCoord(rank // self.dp_replicate, rank % self.dp_replicate)
+
+    def replicas_of(self, stage: int) -> list[int]:
+        """The ranks holding ``stage`` (its replicas, replica 0 first)."""
+        return [self.rank(stage, r) for r in range(self.dp_replicate)]
+
+    def pipeline_of(self, replica: int) -> list[int]:
+        """The ranks of replica ``replica``'s pipeline, stage 0 first."""
+        return [self.rank(k, replica) for k in range(self.num_stages)]
+
+    def describe(self, rank: int) -> str:
+        """``"rank 3 (stage 1 replica 1)"``, or ``"stage 1"`` in a mesh of one replica."""
+        c = self.coord(rank)
+        return f"stage {c.stage}" if self.dp_replicate == 1 else f"rank {rank} ({c})"
+
+
+def build_mesh(layout: MeshLayout, device_type: str = "cpu") -> Any:
+    """The ``DeviceMesh`` of ``layout`` over the current default process group, with the
+    dimension names ``("pp", "dp_replicate")``. Every rank of the group must call it (it creates
+    the sub-groups). Raises RuntimeError when the default group's size is not the layout's."""
+    import torch  # here: a config (which uses the layout) imports no torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"the process group has {dist.get_world_size()} ranks but the mesh "
+            f"{layout.num_stages} x {layout.dp_replicate} needs {layout.world_size}"
+        )
+    ranks = torch.arange(layout.world_size).reshape(layout.num_stages, layout.dp_replicate)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=(PP, DP_REPLICATE))
+
+
+@dataclass(frozen=True, slots=True)
+class RankRecovery:
+    """How one lost rank comes back: ``path`` is ``"replica"`` (its state is copied from
+    ``donor``, a live rank of the same stage) or ``"replay"`` (recomputed from its checkpoint and
+    the logs, together with ``replay_group``: every lost replica of its stage). ``why`` says why."""
+
+    rank: int
+    stage: int
+    replica: int
+    path: str
+    why: str
+    donor: int | None = None
+    replay_group: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def recovery_paths(layout: MeshLayout, lost: Iterable[int]) -> dict[int, RankRecovery]:
+    """For every rank in ``lost``: copy from a live replica when its stage has one (the donor is
+    the lowest live replica: every rank computes the same answer), else replay with the other
+    lost replicas of its stage. Raises ValueError for a rank outside the mesh."""
+    lost_set = sorted(set(lost))
+    for r in lost_set:
+        layout.coord(r)
+    out: dict[int, RankRecovery] = {}
+    for r in lost_set:
+        c = layout.coord(r)
+        live = [x for x in layout.replicas_of(c.stage) if x not in lost_set]
+        if live:
+            out[r] = RankRecovery(
+                r,
+                c.stage,
+                c.replica,
+                "replica",
+                f"stage {c.stage} has {len(live)} live replica(s) ({', '.join(map(str, live))}): copy rank {live[0]}",
+                donor=live[0],
+            )
+        else:
+            group = tuple(x for x in layout.replicas_of(c.stage))
+            why = f"every replica of stage {c.stage} was lost (ranks {', '.join(map(str, group))}): " + (
+                "replay from the logs" if len(group) == 1 else "replay them together from their own logs"
+            )
+            out[r] = RankRecovery(r, c.stage, c.replica, "replay", why, replay_group=group)
+    return out
