@@ -59,7 +59,7 @@ __all__ = [
 #: the training script the launcher runs by default (the example GPT pipeline)
 DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 #: where a KillSpec may kill a stage; a script injects some or all of them (``--kill-at IT,MB,PHASE``)
-KILL_PHASES = ("forward", "backward", "commit", "optimizer", "checkpoint", "upload", "recovering")
+KILL_PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "checkpoint", "upload", "recovering")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +67,10 @@ class KillSpec:
     """SIGKILL ``stage`` (its ``replica`` in a mesh with replicas) at ``iteration`` (micro-batch
     ``micro_batch`` for forward/backward) in ``phase``.
 
-    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward, commit,
-    optimizer, checkpoint, upload (in the uploader thread), recovering (right after reporting as a
-    survivor of the first failure; ``iteration`` unused). The template ``minimal_resilient``
+    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward,
+    reduce (just before the replicas' gradient average, in a mesh), commit, optimizer, checkpoint,
+    upload (in the uploader thread), recovering (right after reporting as a survivor of the first
+    failure; ``iteration`` unused). The template ``minimal_resilient``
     injects forward and optimizer only (and refuses the others)."""
 
     stage: int
@@ -194,8 +195,8 @@ def run_with_failures(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if not isinstance(dp_replicate, int) or dp_replicate < 1:
         raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
-    if dp_replicate > 1 and groups:
-        raise ValueError("logging groups with dp_replicate > 1 are not supported")
+    if dp_replicate > 1 and (groups or replay_workers > 1):
+        raise ValueError("logging groups and replay helpers with dp_replicate > 1 are not supported")
     outside = sorted({ks.stage for ks in kills if ks.stage >= num_stages})
     if outside:  # such a kill would never fire: the run would pass as a failure-free one
         raise ValueError(f"kills: stage(s) {outside} outside the pipeline of {num_stages} stages")

@@ -88,6 +88,7 @@ def stage_factory(model: str | None, factory: StageFactory | None = None) -> Sta
     return factory if factory is not None else load_object(str(model))
 
 
+#: ``checkpoint`` is None when the objects are copied from a live replica (their values are replaced)
 _FACTORY_FORM = (
     "a stage factory is fn(stage, num_stages, checkpoint, **model_args) -> (module, optimizer, lr_scheduler or None)"
 )

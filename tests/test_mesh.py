@@ -155,11 +155,13 @@ def _transfer_worker(rank: int, world: int, port: int, q: Any, corrupt: bool) ->
         if corrupt:  # what the receiver hashes is not what the donor hashed: the digest check must see it
             real = replicas.tensor_digest
             replicas.tensor_digest = lambda t: real(t) ^ (1 if t.numel() == 200 * 300 else 0)  # type: ignore[assignment]
+        first = model[0].weight
         try:
-            state, rep = replicas.receive_state(0)
+            state, rep = replicas.receive_state(0, into={f"model/{k}": v for k, v in model.state_dict().items()})
         except replicas.ReplicaTransferError as e:
             _put(q, (rank, "error", str(e), None))
             return
+        assert state["model"]["0.weight"].data_ptr() == first.data_ptr()  # received in place
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         _put(q, (rank, rep.to_dict(), model.state_dict(), opt.state_dict()))

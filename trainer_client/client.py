@@ -130,6 +130,9 @@ class SwiftlogClient:
         self._grad_ops = GradOps(config.stage, self.writer, self.recorder, lambda: self.stage_module)
         self._pp_group: dist.ProcessGroup | None = None  # from set_mesh: the pipeline's sends
         self._dp_group: dist.ProcessGroup | None = None  # from set_mesh: the replicas' gradient average
+        #: called with the iteration on the training thread just before the replicas' gradient
+        #: average in ``step`` (tracing, fault injection); None: nothing
+        self.before_replica_average: Callable[[int], None] | None = None
         self._meta = MetaLog(config, self.store, self.writer, self.recorder, self.coordinator)
         self._watch = StepWatcher(
             config.stage,
@@ -196,6 +199,12 @@ class SwiftlogClient:
             )
         self._pp_group = mesh[PP].get_group()
         self._dp_group = mesh[DP_REPLICATE].get_group() if c.dp_replicate > 1 else None
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's pipeline: the mesh's ``pp`` group, or the default group
+        without a mesh (e.g. for ``clip_grad_norm_(..., group=client.pipeline_group)``)."""
+        return self._pp_group if self._pp_group is not None else dist.group.WORLD
 
     def pipeline_stage(
         self,
@@ -380,6 +389,8 @@ class SwiftlogClient:
                 raise RuntimeError(
                     f"dp_replicate={c.dp_replicate}: call client.set_mesh(mesh) before client.step (ResilientLoop does)"
                 )
+            if self.before_replica_average is not None:
+                self.before_replica_average(iteration)
             self._grad_ops.average_replicas_(self._dp_group, c.replica_bucket_bytes)
             self._watch.note_replayed_change()
         return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,15 +115,17 @@ class _Slot:
         self.i = i
 
 
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_Slot` (the tensors appended to ``tensors``)."""
+def _split(obj: Any, tensors: list[torch.Tensor], paths: list[str], path: str = "") -> Any:
+    """``obj`` with every tensor replaced by a :class:`_Slot` (the tensors appended to ``tensors``,
+    their places, e.g. ``"model/0.weight"``, to ``paths``)."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach().to("cpu").contiguous())
+        paths.append(path)
         return _Slot(len(tensors) - 1)
     if isinstance(obj, dict):
-        return type(obj)((k, _split(v, tensors)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, tensors) for v in obj)
+        return type(obj)((k, _split(v, tensors, paths, f"{path}/{k}" if path else str(k))) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_split(v, tensors, paths, f"{path}/{i}") for i, v in enumerate(obj))
     return obj
 
 
@@ -132,9 +134,21 @@ def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return tensors[obj.i]
     if isinstance(obj, dict):
         return type(obj)((k, _join(v, tensors)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_join(v, tensors) for v in obj)
     return obj
+
+
+def _target(into: Mapping[str, torch.Tensor] | None, path: str, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    t = None if into is None else into.get(path)
+    usable = (
+        t is not None
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        and t.is_contiguous()
+        and t.device.type == "cpu"
+    )
+    return t.detach() if usable else torch.empty(shape, dtype=dtype)  # type: ignore[union-attr]
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -167,12 +181,14 @@ def send_state(
     ``dst``, which calls :func:`receive_state`. A chunk that is one piece of one tensor goes
     straight from the tensor's memory; smaller pieces are packed into one buffer first."""
     tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors)
+    paths: list[str] = []
+    skeleton = _split(state, tensors, paths)
     sizes = [t.numel() * t.element_size() for t in tensors]
     header = pickle.dumps(
         {
             "skeleton": skeleton,
             "meta": [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors],
+            "paths": paths,
             "digests": [tensor_digest(t) for t in tensors],
             "chunk": chunk_bytes,
         }
@@ -195,15 +211,26 @@ def send_state(
     return TransferReport("sent", dst, sum(sizes), len(tensors), time.perf_counter() - t0)
 
 
-def receive_state(src: int, *, group: dist.ProcessGroup | None = None) -> tuple[Any, TransferReport]:
+def receive_state(
+    src: int, *, group: dist.ProcessGroup | None = None, into: Mapping[str, torch.Tensor] | None = None
+) -> tuple[Any, TransferReport]:
     """Receive what :func:`send_state` on global rank ``src`` sends; returns (state, report).
-    Raises ReplicaTransferError naming the first tensor whose digest differs from the donor's."""
+
+    ``into``: tensors to receive into in place, by their place in the state (``"model/0.weight"``:
+    e.g. ``{f"model/{k}": v for k, v in module.state_dict().items()}``, views of the parameters),
+    used where dtype and shape match and the tensor is contiguous on the CPU; the others are
+    allocated. Memory already in use saves the first touch of fresh pages, which costs as much as
+    the copy itself. Raises ReplicaTransferError naming the first tensor whose digest differs from
+    the donor's (what was received in place then holds the bytes received)."""
     n = torch.empty(1, dtype=torch.int64)
     dist.recv(n, src, group=group)
     raw = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(raw, src, group=group)
     header = pickle.loads(raw.numpy().tobytes())  # noqa: S301 - from our own donor, over the job's group
-    tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in header["meta"]]
+    tensors = [
+        _target(into, path, getattr(torch, dtype), shape)
+        for path, (dtype, shape) in zip(header["paths"], header["meta"], strict=True)
+    ]
     sizes = [t.numel() * t.element_size() for t in tensors]
     t0 = time.perf_counter()
     views = [_bytes_of(t) for t in tensors]

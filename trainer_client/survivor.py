@@ -328,7 +328,8 @@ class ResilientLoop:
                 }
                 self.transfers.append(send_state(state, p.rank))
                 continue
-            state, report = receive_state(p.donor)
+            # parameters and buffers arrive in place; the optimizer's state is new memory
+            state, report = receive_state(p.donor, into={f"model/{k}": v for k, v in module.state_dict().items()})
             if state["stage"] != self.cfg.stage:
                 raise RecoveryFailedError(f"{self._who}: rank {p.donor} sent the state of stage {state['stage']}")
             module.load_state_dict(state["model"])

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--stage", type=int, required=True)
     a("--num-stages", type=int, default=4)
+    a("--replica", type=int, default=0, help="this rank's data-parallel replica (a pp x dp_replicate mesh)")
+    a("--dp-replicate", type=int, default=1, help="replicas of every stage; each replica has its own data")
     a("--store-host", default="127.0.0.1")
     a("--store-port", type=int, required=True, help="TCPStore (hosted outside the stages) for rendezvous and commit")
     a("--run-id", default="example")
@@ -169,7 +171,8 @@ def step_and_clip(
         else:
             dist.all_reduce(weight.grad, group=group)
     if args.clip_grad_norm is not None:
-        client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=dist.group.WORLD)
+        # the global norm over the pipeline's stages (with replicas: their gradients are averaged already)
+        client.clip_grad_norm_(model.parameters(), args.clip_grad_norm, group=client.pipeline_group)
 
 
 def tie_embeddings(
@@ -201,6 +204,8 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
         run_id=args.run_id,
         stage=args.stage,
         num_stages=args.num_stages,
+        replica=args.replica,
+        dp_replicate=args.dp_replicate,
         store_root=args.store_root,
         cold_url=args.cold_url,
         seed=args.seed,

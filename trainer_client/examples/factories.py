@@ -44,11 +44,13 @@ def gpt_config(checkpoint: Checkpoint | None = None, **model_args: Any) -> GPTCo
 
 
 def gpt_stage(
-    stage: int, num_stages: int, checkpoint: Checkpoint, **model_args: Any
+    stage: int, num_stages: int, checkpoint: Checkpoint | None, **model_args: Any
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-    """Stage ``stage`` of the example GPT with AdamW and its LinearLR scheduler (fresh, in train mode)."""
+    """Stage ``stage`` of the example GPT with AdamW and its LinearLR scheduler (fresh, in train
+    mode). ``checkpoint`` None: objects whose values a live replica's replace (``model_args``
+    then hold the whole config)."""
     cfg = gpt_config(checkpoint, **model_args)
-    module = build_stage_module(cfg, stage, num_stages, seed=checkpoint.seed)
+    module = build_stage_module(cfg, stage, num_stages, seed=checkpoint.seed if checkpoint is not None else 0)
     optimizer = make_optimizer(module)
     return module, optimizer, make_lr_scheduler(optimizer)
 

@@ -147,7 +147,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     """Train (or replace and then train) one stage; returns and saves its results."""
     t_main = time.time()
     torch.set_num_threads(args.threads)
-    k, S = args.stage, args.num_stages
+    k, S, r = args.stage, args.num_stages, args.replica
     cfg = gpt_config_from_args(args)
     store = dist.TCPStore(
         args.store_host,
@@ -156,8 +156,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         timeout=datetime.timedelta(seconds=120),
     )
     keys = RecoveryKeys(args.run_id)
-    data = SyntheticTokens(cfg, seed=args.seed)
+    # each data-parallel replica reads its own data (a function of the iteration: its data position)
+    data = SyntheticTokens(cfg, seed=args.seed + 7919 * r)
     config = config_from_args(args)
+    if args.dp_replicate > 1 and (args.data_source or args.tie_embeddings or args.groups):
+        raise SystemExit("--dp-replicate > 1: --data-source, --tie-embeddings and --groups are not supported")
+    rank = config.rank  # the mesh coordinate's rank: the recovery protocol's keys
 
     def make_client() -> SwiftlogClient:
         return SwiftlogClient(config, commit_store=store, data_source=data if args.data_source else None)
@@ -202,6 +206,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 helpers=args.replay_helpers,
                 timeout=datetime.timedelta(seconds=args.rejoin_timeout),
                 group=_group_of(args.groups, k),
+                replica=r,
+                dp_replicate=args.dp_replicate,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, generation, str(e))
@@ -214,7 +220,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         client = opening.result()  # raises what opening the client raised
         model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
-        report_ready(store, args.run_id, generation, k, recovered)
+        report_ready(store, args.run_id, generation, rank, recovered)
         start, generation = rec.resume, generation + 1
     else:
         client = make_client()
@@ -241,7 +247,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
 
         def put_segment_then_die(*a: Any, **kw: Any) -> Any:
             if armed[0]:
-                _kill(store, keys, k)
+                _kill(store, keys, rank)
             return put_segment(*a, **kw)
 
         cold.put_segment = put_segment_then_die
@@ -253,9 +259,9 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             watch = dist.TCPStore(
                 args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60)
             )
-            while not watch.check([keys.survivor(generation, k)]):
+            while not watch.check([keys.survivor(generation, rank)]):
                 time.sleep(0.002)
-            _kill(watch, keys, k)
+            _kill(watch, keys, rank)
 
         threading.Thread(target=die_once_reported, name="kill-when-recovering", daemon=True).start()
 
@@ -271,13 +277,20 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         built[0] = True
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
         client.schedule(stage, args.schedule, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn)
+        if kill is not None and kill[2] == "reduce":  # just before the replicas' gradient average
+
+            def die_before_average(it: int) -> None:
+                if it == kill[0]:
+                    _kill(store, keys, rank)
+
+            client.before_replica_average = die_before_average
         if kill is not None and kill[2] in ("forward", "backward"):
             name = "forward_one_chunk" if kill[2] == "forward" else "backward_one_chunk"
             orig = getattr(stage, name)
 
             def hooked(mb: int, *a: Any, **kw: Any) -> Any:
                 if (client.recorder.iteration, mb) == kill[:2]:
-                    _kill(store, keys, k)
+                    _kill(store, keys, rank)
                 return orig(mb, *a, **kw)
 
             setattr(stage, name, hooked)
@@ -288,9 +301,11 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     losses: list[torch.Tensor] = []
 
     def before(it: int) -> None:
+        if args.alternate_logging:  # measurements: blocks of iterations with logging on, then off
+            client.set_logging(not args.no_logging and (it // args.alternate_logging) % 2 == 0)
         if it in ckpt_at:
             if kill is not None and kill[2] == "checkpoint" and kill[0] == it:
-                _kill(store, keys, k)
+                _kill(store, keys, rank)
             ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
 
     def forward_backward(it: int) -> None:
@@ -298,23 +313,25 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         armed[0] = kill is not None and it >= kill[0]
         step_and_clip(args, client, model, data, it, losses, tie[0])
         if kill is not None and kill[2] == "commit" and kill[0] == it:
-            _kill(store, keys, k)
+            _kill(store, keys, rank)
 
     def apply(it: int) -> None:
         if kill is not None and kill[2] == "optimizer" and kill[0] == it:
-            _kill(store, keys, k)
+            _kill(store, keys, rank)
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if losses:
             losses_per_it[it] = sum(float(x.detach()) for x in losses) / len(losses)
-        if k == S - 1:  # progress of the whole job (survives this process): "iteration:time:generation;"
+        if k == S - 1 and r == 0:  # progress of the whole job (survives this process): "iteration:time:generation;"
             store.append(keys.progress(), f"{it}:{time.time()!r}:{loop.generation};")
 
     rcfg = RecoveryConfig(
         run_id=args.run_id,
         stage=k,
         num_stages=S,
+        replica=r,
+        dp_replicate=args.dp_replicate,
         generation=generation,
         pg_timeout=datetime.timedelta(seconds=args.pg_timeout),
         rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
@@ -326,7 +343,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     t_join = time.time()
     loop.join()
     if args.replacement:
-        store.set(keys.rejoined(args.generation, k), repr(time.time()))
+        store.set(keys.rejoined(args.generation, rank), repr(time.time()))
     t_train = time.time()
     loop.run(
         start,
@@ -342,6 +359,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     dist.destroy_process_group()
     result = {
         "stage": k,
+        "replica": r,
+        "transfers": [t.to_dict() for t in loop.transfers],
         "iters": args.iters,
         "start": start,
         "generation_end": loop.generation,
@@ -368,7 +387,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             "lr_scheduler": lr_scheduler.state_dict(),
             "gpt": cfg.to_dict(),
         },
-        os.path.join(args.out, f"stage{k}.pt"),
+        os.path.join(args.out, f"stage{k}.pt" if args.dp_replicate == 1 else f"stage{k}-dp{r}.pt"),
     )
     return result
 
