@@ -3,7 +3,8 @@
 A replacement restarts from the newest checkpoint of its stage (of every stage of its logging
 group) at or below the survivors' iteration; a global rollback restarts every stage from the
 newest iteration at which all of them have one. Checkpoints are written atomically (a temporary
-name, then a rename), so a listed one is complete.
+name, then a rename; a DCP checkpoint's pointer once its save is complete), so a listed one is
+complete.
 
 Never: reads a checkpoint's bytes (names only).
 """
@@ -17,20 +18,31 @@ from typing import Any
 import fsspec
 
 from trainer_client.checkpoint import checkpoint_uri
+from trainer_client.dcp_checkpoint import pointer_uri
 
 __all__ = ["common_checkpoint", "latest_checkpoint", "newest_common"]
 
-_IT_RE = re.compile(r"it(\d{12})\.pt$")
+_IT_RE = re.compile(r"it(\d{12})\.(pt|dcp\.json)$")
 
 
 def _checkpoint_iterations(base: str, stage: int, storage_options: dict[str, Any] | None = None) -> dict[int, str]:
+    """Iteration -> URI of ``stage``'s checkpoints under ``base``: torch files (``it*.pt``), and
+    DCP checkpoints by their pointers (``it*.dcp.json``, written once the save is complete); a
+    torch file wins where an iteration has both."""
     fs, path = fsspec.core.url_to_fs(base.rstrip("/") + f"/stage{stage:05d}", **(storage_options or {}))
     try:
         names = fs.ls(path, detail=False)
     except FileNotFoundError:
         return {}
-    its = [int(m.group(1)) for m in (_IT_RE.search(str(n)) for n in names) if m]
-    return {i: checkpoint_uri(base, stage, i) for i in its}
+    out: dict[int, str] = {}
+    for m in (_IT_RE.search(str(n)) for n in names):
+        if m is not None:
+            it = int(m.group(1))
+            if m.group(2) == "pt":
+                out[it] = checkpoint_uri(base, stage, it)
+            else:
+                out.setdefault(it, pointer_uri(base, stage, it))
+    return out
 
 
 def newest_common(

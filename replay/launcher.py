@@ -59,7 +59,17 @@ __all__ = [
 #: the training script the launcher runs by default (the example GPT pipeline)
 DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 #: where a KillSpec may kill a stage; a script injects some or all of them (``--kill-at IT,MB,PHASE``)
-KILL_PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "checkpoint", "upload", "recovering")
+KILL_PHASES = (
+    "forward",
+    "backward",
+    "reduce",
+    "commit",
+    "optimizer",
+    "checkpoint",
+    "dcp_save",
+    "upload",
+    "recovering",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +77,12 @@ class KillSpec:
     """SIGKILL ``stage`` (its ``replica`` in a mesh with replicas) at ``iteration`` (micro-batch
     ``micro_batch`` for forward/backward) in ``phase``.
 
-    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward, backward,
-    reduce (just before the replicas' gradient average, in a mesh), commit, optimizer, checkpoint,
-    upload (in the uploader thread), recovering (right after reporting as a survivor of the first
-    failure; ``iteration`` unused). The template ``minimal_resilient``
-    injects forward and optimizer only (and refuses the others)."""
+    Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward,
+    backward, reduce (just before the replicas' gradient average, in a mesh), commit, optimizer,
+    checkpoint, dcp_save (the DCP save of the checkpoint at ``iteration``, before its
+    ``.metadata``: with ``--checkpoint-format dcp``), upload (in the uploader thread), recovering
+    (right after reporting as a survivor of the first failure; ``iteration`` unused). The template
+    ``minimal_resilient`` injects forward and optimizer only (and refuses the others)."""
 
     stage: int
     iteration: int

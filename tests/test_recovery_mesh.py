@@ -8,6 +8,7 @@ replicas of each stage must be bit-identical to each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,93 @@ def test_a_lost_replica_in_a_four_stage_mesh(references: object, tmp_path: Path)
     r = _run(tmp_path, [KillSpec(2, 4, 0, "forward", replica=1)], 4, 2)
     _check(r, ref, 4, 2)
     assert r.results[5]["recovered"]["donor"] == 4
+
+
+# ------------------------------------------------------------------ the example GPT as a mesh, every phase
+GPT = "trainer_client.examples.train_resilient"
+
+
+def _gpt_args(fmt: str) -> Callable[[Path], list[str]]:
+    def args(base: Path) -> list[str]:
+        return [
+            "--iters",
+            "7",
+            "--ckpt-at",
+            "0,3,6",
+            "--cold-url",
+            f"file://{base / 'cold'}",
+            "--checkpoint-format",
+            fmt,
+            "--clip-grad-norm",
+            "1.0",
+            "--pg-timeout",
+            "60",
+            "--rejoin-timeout",
+            "60",
+        ]
+
+    return args
+
+
+def _gpt_run(tmp_path: Path, kills: list[KillSpec], fmt: str) -> RecoveryRun:
+    base = tmp_path / "gpt"
+    base.mkdir()
+    r = run_with_failures(
+        _gpt_args(fmt)(base),
+        run_id="gptmesh",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        num_stages=2,
+        dp_replicate=2,
+        kills=kills,
+        timeout_s=150,
+        script=GPT,
+    )
+    assert r.ok, r.describe()
+    return r
+
+
+PHASES = [
+    pytest.param(1, 1, 4, "reduce", "torch", id="reduce"),
+    pytest.param(0, 0, 4, "forward", "dcp", marks=pytest.mark.slow, id="forward-dcp"),
+    pytest.param(1, 0, 4, "backward", "torch", marks=pytest.mark.slow, id="backward"),
+    pytest.param(0, 1, 4, "commit", "torch", marks=pytest.mark.slow, id="commit"),
+    pytest.param(1, 1, 5, "optimizer", "dcp-async", marks=pytest.mark.slow, id="optimizer-dcp-async"),
+    pytest.param(0, 0, 3, "checkpoint", "torch", marks=pytest.mark.slow, id="checkpoint"),
+    pytest.param(1, 0, 3, "dcp_save", "dcp-async", marks=pytest.mark.slow, id="dcp-save-in-progress"),
+]
+
+
+@pytest.mark.parametrize(("stage", "replica", "iteration", "phase", "fmt"), PHASES)
+def test_the_gpt_mesh_recovers_a_replica_lost_in_every_phase(
+    references: object, tmp_path: Path, stage: int, replica: int, iteration: int, phase: str, fmt: str
+) -> None:
+    """The example GPT (AdamW, LinearLR, dropout, the clip to the pipeline's global norm) as a
+    dp_replicate=2 x pp=2 mesh, one replica SIGKILLed in each phase (the replicas' average made
+    deterministic with the client's hook; a DCP save killed before its .metadata): copied from
+    the other replica, every rank bit-exact, the replicas equal."""
+    ref = references.failure_free(  # type: ignore[attr-defined]
+        _gpt_args(fmt), run_id="gptmesh", num_stages=2, script=GPT, dp_replicate=2, timeout_s=150
+    )
+    r = _gpt_run(tmp_path, [KillSpec(stage, iteration, 1, phase, replica=replica)], fmt)
+    _check(r, ref, 2, 2)
+    lost = MeshLayout(2, 2).rank(stage, replica)
+    assert r.results[lost]["recovered"]["path"] == "replica"
+
+
+@pytest.mark.slow
+def test_both_replicas_lost_in_a_dcp_save_replay_from_the_dcp_checkpoint_before(
+    references: object, tmp_path: Path
+) -> None:
+    """Both replicas of stage 1 die while their async DCP save of iteration 3 runs (before its
+    .metadata): that checkpoint is never listed; they replay from the DCP checkpoint at 0 with
+    dcp.load, together, and end bit-exact."""
+    ref = references.failure_free(  # type: ignore[attr-defined]
+        _gpt_args("dcp-async"), run_id="gptmesh", num_stages=2, script=GPT, dp_replicate=2, timeout_s=150
+    )
+    r = _gpt_run(tmp_path, [KillSpec(1, 3, 1, "dcp_save", replica=x) for x in range(2)], "dcp-async")
+    _check(r, ref, 2, 2)
+    for k in (2, 3):
+        rec = r.results[k]["recovered"]
+        assert (rec["path"], rec["checkpoint_iteration"]) == ("replay", 0)
+        assert rec["checkpoint_uri"].endswith("it000000000000.dcp.json")

@@ -86,6 +86,9 @@ class Checkpoint:
     saved_at: float = 0.0
     classes: dict[str, str] = field(default_factory=dict)
     sched_next: list[float] | None = None
+    #: a DCP checkpoint's directory (``trainer_client.dcp_checkpoint``): the state is read by
+    #: ``apply`` with ``dcp.load``; ``model``/``optimizer``/``lr_scheduler`` are then empty
+    dcp: str | None = None
 
     def apply(
         self,
@@ -109,6 +112,24 @@ class Checkpoint:
         a replay never does.
         """
         what = f"checkpoint {self.uri} of stage {self.stage} (iteration {self.iteration})"
+        if self.dcp is not None:
+            from trainer_client.dcp_checkpoint import apply_dcp
+
+            if optimizer is not None and strict:
+                self._check_class("optimizer", optimizer, what)
+            if lr_scheduler is not None and strict:
+                self._check_class("lr_scheduler", lr_scheduler, what)
+            apply_dcp(
+                self.dcp,
+                model,
+                optimizer,
+                lr_scheduler,
+                what,
+                lambda st: self._check_scheduler(lr_scheduler, st, what, strict),
+            )
+            if lr_scheduler is not None:
+                self._check_next_rates(lr_scheduler, what, strict)
+            return
         try:
             model.load_state_dict(self.model)
         except RuntimeError as e:  # missing / unexpected keys, shape mismatches
@@ -133,13 +154,7 @@ class Checkpoint:
                 raise CheckpointError(f"{what} has no lr scheduler state")
             if strict:
                 self._check_class("lr_scheduler", lr_scheduler, what)
-                diff = _state_fields_differ(self.lr_scheduler, lr_scheduler.state_dict())
-                if diff:
-                    raise CheckpointError(
-                        f"{what}: its lr scheduler state does not fit the lr scheduler "
-                        f"{class_name(lr_scheduler)}: {diff}",
-                        hint="build the lr scheduler the training used (the same class and arguments)",
-                    )
+            self._check_scheduler(lr_scheduler, self.lr_scheduler, what, strict)
             try:
                 lr_scheduler.load_state_dict(_copy_state(self.lr_scheduler))
             except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
@@ -148,17 +163,29 @@ class Checkpoint:
                     f"{type(e).__name__}: {e}",
                     hint="build the lr scheduler the training used (the same class and arguments)",
                 ) from None
-            # what the state cannot carry: the scheduler's function (a LambdaLR's lambda)
-            if strict and self.sched_next is not None:
-                mine = scheduler_next_rates(lr_scheduler)
-                if mine is not None and mine != [float(x) for x in self.sched_next]:
-                    raise CheckpointError(
-                        f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set "
-                        f"the learning rates {mine} at its next step, the training's set {list(self.sched_next)}",
-                        hint="build the scheduler with the training's function and arguments "
-                        "(e.g. a LambdaLR's schedule length); "
-                        "to resume with another schedule on purpose: apply(..., strict=False)",
-                    )
+            self._check_next_rates(lr_scheduler, what, strict)
+
+    def _check_scheduler(self, lr_scheduler: Any, saved: Any, what: str, strict: bool) -> None:
+        """A saved scheduler state with other fields than ``lr_scheduler``'s is refused (strict)."""
+        diff = _state_fields_differ(saved, lr_scheduler.state_dict()) if strict else None
+        if diff:
+            raise CheckpointError(
+                f"{what}: its lr scheduler state does not fit the lr scheduler {class_name(lr_scheduler)}: {diff}",
+                hint="build the lr scheduler the training used (the same class and arguments)",
+            )
+
+    def _check_next_rates(self, lr_scheduler: Any, what: str, strict: bool) -> None:
+        """What the state cannot carry: the scheduler's function (a LambdaLR's lambda)."""
+        if strict and self.sched_next is not None:
+            mine = scheduler_next_rates(lr_scheduler)
+            if mine is not None and mine != [float(x) for x in self.sched_next]:
+                raise CheckpointError(
+                    f"{what}: the lr scheduler {class_name(lr_scheduler)} loaded with its state would set "
+                    f"the learning rates {mine} at its next step, the training's set {list(self.sched_next)}",
+                    hint="build the scheduler with the training's function and arguments "
+                    "(e.g. a LambdaLR's schedule length); "
+                    "to resume with another schedule on purpose: apply(..., strict=False)",
+                )
 
     def _check_class(self, what_obj: str, obj: Any, what: str) -> None:
         saved = self.classes.get(what_obj)
@@ -339,7 +366,13 @@ def canonical_uri(uri: str) -> str:
 
 def remove_checkpoint(uri: str, *, storage_options: dict[str, Any] | None = None) -> None:
     """Delete the checkpoint file at ``uri`` (path, ``file://`` or fsspec URL); a missing one is
-    success. Raises OSError (or the filesystem's error) when it cannot be deleted."""
+    success; a DCP checkpoint's pointer goes with its directory when swiftlog wrote it. Raises
+    OSError (or the filesystem's error) when it cannot be deleted."""
+    if uri.endswith(".dcp.json"):
+        from trainer_client.dcp_checkpoint import remove_dcp
+
+        remove_dcp(uri, storage_options)
+        return
     local = _local_path(uri)
     if local is not None:
         try:
@@ -359,8 +392,14 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read a checkpoint written by :func:`save_checkpoint`. Every tensor is freshly allocated.
 
-    Raises CheckpointError if it cannot be read or is not a swiftlog checkpoint.
+    A DCP checkpoint's pointer (``it*.dcp.json``, :mod:`trainer_client.dcp_checkpoint`) gives a
+    Checkpoint whose state ``apply`` reads with ``dcp.load``. Raises CheckpointError if it cannot
+    be read or is not a swiftlog checkpoint.
     """
+    if uri.endswith(".dcp.json"):
+        from trainer_client.dcp_checkpoint import load_pointer
+
+        return load_pointer(uri, storage_options)  # type: ignore[no-any-return]
     try:
         local = _local_path(uri)
         if local is not None:
@@ -443,7 +482,18 @@ def read_identity(uri: str, *, storage_options: dict[str, Any] | None = None) ->
     """The identity of the checkpoint at ``uri`` (path, ``file://`` or fsspec URL), read from the
     pickle of its ``torch.save`` archive: a few ranged reads, no tensor data. Raises
     CheckpointError when it cannot be read or is not a swiftlog checkpoint; the message is the
-    same for a missing file and for a file of another kind."""
+    same for a missing file and for a file of another kind. A DCP pointer says it in its JSON."""
+    if uri.endswith(".dcp.json"):
+        from trainer_client.dcp_checkpoint import read_pointer
+
+        try:
+            doc = read_pointer(uri, storage_options)
+            ident = (doc["run_id"], doc["stage"], doc["num_stages"], doc["iteration"])
+        except Exception as e:  # noqa: BLE001 - one answer, as for a file
+            raise _not_a_checkpoint(uri) from e
+        if not isinstance(ident[0], str) or any(type(v) is not int for v in ident[1:]):
+            raise _not_a_checkpoint(uri)
+        return CheckpointIdentity(*ident)
     try:
         local = _local_path(uri)
         if local is not None:

@@ -38,15 +38,17 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from logstore import Channel, LogStore
 from logstore.errors import ConfigError, SwiftlogError
+from trainer_client._checkpointing import StageCheckpoints
 from trainer_client._declarations import Declarations, example_tensors
 from trainer_client._grad_ops import GradOps
 from trainer_client._meta_log import MetaLog
 from trainer_client._shipping import DataShipper, seal_then_set
 from trainer_client._step_watch import StepWatcher
-from trainer_client.checkpoint import checkpoint_uri, save_checkpoint
+from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.commit import CommitCoordinator, SharedRegistrations
 from trainer_client.config import ClientConfig
 from trainer_client.data import DataSource, data_inputs, on_device
+from trainer_client.dcp_checkpoint import pointer_uri
 from trainer_client.determinism import seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
@@ -120,6 +122,7 @@ class SwiftlogClient:
                 timeout=config.commit.timeout,
             )
         self._maint = self._open_maintenance(config, commit_store, name)
+        self._checkpoints = StageCheckpoints(config, self.writer, self._maint)
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
@@ -170,7 +173,9 @@ class SwiftlogClient:
             self.writer,
             name,
             keep=config.checkpoints.keep,
-            own_uri=lambda st, it: checkpoint_uri(ck_base, st, it),
+            own_uri=lambda st, it: (pointer_uri if config.checkpoints.format == "dcp" else checkpoint_uri)(
+                ck_base, st, it
+            ),
             storage_options=config.checkpoint_options(),
             shared=shared,
         )
@@ -650,43 +655,56 @@ class SwiftlogClient:
         """Write this stage's checkpoint at ``iteration`` (iterations applied) atomically; return its URI.
 
         Blocks while the checkpoint is written (raises CheckpointError if it cannot be made
-        durable). Registration with the log store (which makes older logs garbage) and GC run in
-        the background, GC only after every record older than ``iteration`` is written; faults
-        there are reported like logging faults.
+        durable), in ``CheckpointConfig.format``: a ``torch.save`` file, or a DCP directory
+        (``dcp.save``; with ``async_save`` only while the state is staged). Registration with the
+        log store (which makes older logs garbage) and GC run in the background, registration only
+        once the checkpoint is complete, GC only after every record older than ``iteration`` is
+        written; faults there are reported like logging faults.
         """
-        c = self.config
         # taken between iterations: the previous one's optimizer / scheduler steps are made
         self._watch.check_apply(iteration)
-        uri = checkpoint_uri(c.resolved_checkpoint_url(), c.stage, iteration)
-        opts = c.checkpoint_options()
-        uri = save_checkpoint(
-            uri,
-            run_id=c.log_run,
-            stage=c.stage,
-            num_stages=c.num_stages,
-            iteration=iteration,
-            seed=c.seed,
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            extra=extra,
-            storage_options=opts,
-        )
+        uri = self._checkpoints.save(iteration, model, optimizer, lr_scheduler, extra)
+        self._after_checkpoint(iteration, optimizer, lr_scheduler)
+        return uri
+
+    def checkpoint_uri(self, iteration: int) -> str:
+        """Where this stage's checkpoint at ``iteration`` is, or goes, in the configured format
+        (a DCP checkpoint: its pointer), e.g. to resume from it (``load_checkpoint``)."""
+        c = self.config
+        where = pointer_uri if c.checkpoints.format == "dcp" else checkpoint_uri
+        return where(c.resolved_checkpoint_url(), c.stage, iteration)
+
+    def register_checkpoint(
+        self,
+        iteration: int,
+        path: str,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Register a DCP checkpoint of this stage at ``iteration`` that your own code wrote (e.g.
+        a torchtitan-style checkpoint manager): ``path`` is its directory, with the keys
+        ``model``, ``optimizer`` (``get_optimizer_state_dict``) and ``lr_scheduler``. Call it once
+        the save is complete (for ``async_save``: its future completed). A pointer is written next
+        to this client's checkpoints (so replacements and replays find it); registration and GC
+        follow as for :meth:`checkpoint`; retention never deletes ``path``. ``optimizer`` and
+        ``lr_scheduler``: the objects saved, so a load checks their classes and the scheduler's
+        next rates. Returns the pointer's URI; CheckpointError when ``path`` has no ``.metadata``.
+        """
+        self._watch.check_apply(iteration)
+        uri = self._checkpoints.register_dcp(iteration, path, optimizer, lr_scheduler, extra)
+        self._after_checkpoint(iteration, optimizer, lr_scheduler)
+        return uri
+
+    def _after_checkpoint(self, iteration: int, optimizer: Any | None, lr_scheduler: Any | None) -> None:
         if optimizer is not None:  # from now on META records the learning rates each step uses
             self.track_optimizer(optimizer)
         if lr_scheduler is not None:  # and the scheduler's steps
             self.track_lr_scheduler(lr_scheduler)
-        drained = threading.Event()
-        self.writer.mark(drained.set)
-        meta = {"seed": c.seed, "num_stages": c.num_stages, "writer": c.writer_name}
-        # a group is replayed from the checkpoint all its members have: GC keeps what that needs
-        if c.logging_groups is not None:
-            meta["logging_groups"] = list(c.logging_groups)
-        self._maint.submit(("register", c.stage, iteration, uri, meta, drained, c.checkpoints.gc_after))
         # the META copies below it too (cheap store requests)
-        if self.coordinator is not None and c.checkpoints.gc_after:
+        if self.coordinator is not None and self.config.checkpoints.gc_after:
             self.coordinator.forget_metas(iteration)
-        return uri
 
     # ================================================================ reporting and lifecycle
     def stats(self, *, include_store: bool = False) -> dict[str, Any]:

@@ -215,13 +215,24 @@ class CheckpointConfig:
         has, and one stage may not have finished its newest.
     gc_after: run ``store.gc()`` in the background after each registered checkpoint, once the
         writer has drained the older records (default True).
+    format: ``"torch"`` (default: one ``torch.save`` file per stage and iteration) or ``"dcp"``
+        (``torch.distributed.checkpoint``: a directory per step, see
+        ``trainer_client.dcp_checkpoint``).
+    async_save: with ``"dcp"``, ``dcp.async_save``: ``checkpoint`` returns once the state is
+        staged; the checkpoint is registered (and counts as durable) only when the save completed.
     """
 
     url: str | None = None
     keep: int | None = None
     gc_after: bool = True
+    format: str = "torch"
+    async_save: bool = False
 
     def __post_init__(self) -> None:
+        if self.format not in ("torch", "dcp"):
+            raise ConfigError(f"CheckpointConfig.format must be 'torch' or 'dcp', got {self.format!r}")
+        if self.async_save and self.format != "dcp":
+            raise ConfigError("CheckpointConfig.async_save needs format='dcp'")
         if self.url is not None and (not isinstance(self.url, str) or not self.url):
             raise ConfigError(f"CheckpointConfig.url must be None or a non-empty string, got {self.url!r}")
         if self.keep is not None and (not _is_int(self.keep) or self.keep < 2):

@@ -42,8 +42,9 @@ class CheckpointMaintenance:
     close, until it is up again) and run GC once the writer has written every record older than
     the checkpoint.
 
-    Tasks (``submit``): ``("register", stage, iteration, uri, meta, drained_event, run_gc)`` and
-    ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
+    Tasks (``submit``): ``("register", stage, iteration, uri, meta, drained_event, run_gc, complete)``
+    (``complete``: None, or a callable that waits for the save to finish, raising when it failed)
+    and ``("gc",)``. Faults are reported through the writer's fault list; the thread survives any task.
     """
 
     def __init__(
@@ -107,7 +108,9 @@ class CheckpointMaintenance:
                 return
             try:
                 if task[0] == "register":
-                    _, stage, iteration, uri, meta, drained, gc = task
+                    _, stage, iteration, uri, meta, drained, gc, complete = task
+                    if complete is not None and not self._complete(iteration, uri, complete):
+                        continue
                     self._retry_unregistered()
                     if not self._register(stage, iteration, uri, meta):
                         self._keep_unregistered((stage, iteration, uri, meta, gc))
@@ -125,6 +128,19 @@ class CheckpointMaintenance:
                     self._pending -= 1
                     if self._pending == 0:
                         self._idle.set()
+
+    def _complete(self, iteration: int, uri: str, complete: Callable[[], str]) -> bool:
+        """Wait for a checkpoint's save to finish (an async DCP save: ``complete`` waits for its
+        future and writes the pointer). False, with a "checkpoint_write" fault, when it failed:
+        such a checkpoint is never registered."""
+        try:
+            complete()
+            return True
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._writer.note_fault("checkpoint_write", f"{uri}: {type(e).__name__}: {e}", iteration=iteration)
+            return False
 
     def _register(self, stage: int, iteration: int, uri: str, meta: dict[str, Any], attempts: int = 4) -> bool:
         """Register, retrying a retryable error ``attempts`` times; False when it stays refused

@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cold-key", default="swiftlog", help="S3 access key for --cold-endpoint")
     a("--cold-secret", default="swiftlog", help="S3 secret for --cold-endpoint")
     a("--checkpoint-url", default=None)
+    a(
+        "--checkpoint-format",
+        default="torch",
+        choices=["torch", "dcp", "dcp-async"],
+        help="torch.save files, or torch.distributed.checkpoint directories (dcp-async: async_save)",
+    )
     a("--out", required=True, help="directory for stage{k}.pt results")
     a("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
     a("--iters", type=int, default=6)
@@ -228,5 +234,9 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
             segment_iters=args.segment_iters,
             max_backlog_bytes=args.max_backlog_bytes,
         ),
-        checkpoints=CheckpointConfig(url=args.checkpoint_url),
+        checkpoints=CheckpointConfig(
+            url=args.checkpoint_url,
+            format="torch" if args.checkpoint_format == "torch" else "dcp",
+            async_save=args.checkpoint_format == "dcp-async",
+        ),
     )

@@ -48,7 +48,6 @@ from trainer_client import (
     RecoveryKeys,
     ResilientLoop,
     SwiftlogClient,
-    checkpoint_uri,
     load_checkpoint,
 )
 from trainer_client.examples.common import build_parser as _base_parser
@@ -228,7 +227,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = make_optimizer(model)
         lr_scheduler = make_lr_scheduler(optimizer)
         if args.resume_from is not None:
-            ck = load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from))
+            ck = load_checkpoint(client.checkpoint_uri(args.resume_from))
             ck.apply(model, optimizer, lr_scheduler)
             start = args.resume_from
     kill: tuple[int, int, str] | None = None
@@ -296,6 +295,18 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             setattr(stage, name, hooked)
 
     ckpt_at = {int(x) for x in args.ckpt_at.split(",") if x}
+    dcp_armed = [False]
+    if kill is not None and kill[2] == "dcp_save":  # the DCP save of iteration IT dies before its .metadata
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        finish = FileSystemWriter.finish
+
+        def finish_or_die(self: Any, *a: Any, **kw: Any) -> Any:  # DCP writes .metadata last, here
+            if dcp_armed[0]:
+                _kill(store, keys, rank)
+            return finish(self, *a, **kw)
+
+        FileSystemWriter.finish = finish_or_die  # type: ignore[method-assign]
     ckpts: dict[int, str] = {}
     losses_per_it: dict[int, float] = {}
     losses: list[torch.Tensor] = []
@@ -306,6 +317,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         if it in ckpt_at:
             if kill is not None and kill[2] == "checkpoint" and kill[0] == it:
                 _kill(store, keys, rank)
+            dcp_armed[0] = kill is not None and kill[2] == "dcp_save" and kill[0] == it
             ckpts[it] = client.checkpoint(it, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
 
     def forward_backward(it: int) -> None:
