@@ -51,6 +51,7 @@ from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
 from replay.replacement import recover_stage, report_fallback, report_ready
+from replay.replica_plan import ReplicaLoggingPlan, plan_replica_logging
 from replay.report import ReplayReport
 from replay.stage import ReplayHooks, StageState
 
@@ -58,6 +59,8 @@ __all__ = [
     # planning
     "plan_recovery",
     "RecoveryPlan",
+    "plan_replica_logging",
+    "ReplicaLoggingPlan",
     "ReplayUnit",
     "FetchItem",
     # running a replay

@@ -126,6 +126,8 @@ def test_replay_public_api() -> None:
             # planning
             "plan_recovery",
             "RecoveryPlan",
+            "plan_replica_logging",
+            "ReplicaLoggingPlan",
             "ReplayUnit",
             "FetchItem",
             # running a replay

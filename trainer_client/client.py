@@ -107,6 +107,14 @@ class SwiftlogClient:
                 "needs the same deterministic data source",
                 config.stage,
             )
+        if config.logging_off_reason is not None:
+            logger.warning(
+                "stage %d replica %d: logging off for this run (%s); a failure of every replica of a stage "
+                "then needs a rollback to the newest checkpoint",
+                config.stage,
+                config.replica,
+                config.logging_off_reason,
+            )
         self.store = LogStore(config.store_config())
         name = f"swiftlog-{config.writer_name}"
         self.writer = AsyncLogWriter(self.store, config.writer, name=name)

@@ -36,7 +36,7 @@ from typing import Any
 
 from logstore import StoreConfig, validate_name, validate_run
 from logstore.errors import ConfigError, InvalidNameError
-from trainer_client.mesh import MeshLayout
+from trainer_client.mesh import MeshLayout, exposed_stages, node_map
 
 __all__ = [
     "ClientConfig",
@@ -286,6 +286,14 @@ class ClientConfig:
             ``pp`` x ``dp_replicate`` mesh is ``(stage, replica)`` (``trainer_client.mesh``):
             each replica's pipeline logs under a run of its own (:attr:`log_run`), the commit
             step spans the whole mesh, and ``step`` averages the gradients over the replicas.
+        replica_bucket_bytes: the bucket of that average (default 25 MiB, torch DDP's); part of
+            the layout a replay repeats.
+        node_map: rank -> the machine it runs on (``trainer_client.mesh.node_map``: a list by
+            rank or a mapping), or None.
+        replica_logging: ``"always"`` (default) or ``"when_exposed"``: with a node map, log only
+            when some stage has every replica on one machine (``mesh.exposed_stages``). Where none
+            has, a single failure is always healed by a copy; logging is then off for the run
+            (``logging_off_reason`` says why) and a double failure costs a rollback.
 
     Where logs go
         store_root: the node's log-store root directory (hot tier: LMDB index + segments).
@@ -322,6 +330,8 @@ class ClientConfig:
     replica: int = 0
     dp_replicate: int = 1
     replica_bucket_bytes: int = 25 << 20
+    node_map: Any = None
+    replica_logging: str = "always"
     logging_groups: Sequence[int] | None = None
     log_data: bool = True
     enabled: bool = True
@@ -331,6 +341,7 @@ class ClientConfig:
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     commit_prefix: str = field(init=False, default="")
+    logging_off_reason: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         try:
@@ -386,6 +397,29 @@ class ClientConfig:
                     hint=f"e.g. ClientConfig(..., {name}={kind.__name__}())",
                 )
         self.commit_prefix = self.commit.prefix or _default_commit_prefix(self.run_id)
+        self._replica_logging()
+
+    def _replica_logging(self) -> None:
+        """Check the node map and ``replica_logging``; set ``logging_off_reason`` when no stage
+        can lose all its replicas to one machine's failure."""
+        if self.replica_logging not in ("always", "when_exposed"):
+            raise ConfigError(f"replica_logging must be 'always' or 'when_exposed', got {self.replica_logging!r}")
+        if self.node_map is not None:
+            try:
+                self.node_map = node_map(self.layout, self.node_map)
+            except ValueError as e:
+                raise ConfigError(f"node_map: {e}") from None
+        if self.replica_logging == "always":
+            return
+        if self.node_map is None or self.dp_replicate < 2:
+            raise ConfigError(
+                "replica_logging='when_exposed' needs dp_replicate > 1 and a node_map",
+                hint="node_map: the machine of every rank, e.g. ['host-a', 'host-b', ...] by rank",
+            )
+        if not exposed_stages(self.layout, self.node_map):
+            self.logging_off_reason = (
+                "every stage has replicas on two or more machines: one machine's loss is healed by a copy"
+            )
 
     # -- derived ---------------------------------------------------------------------------
     @property

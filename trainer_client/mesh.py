@@ -10,13 +10,16 @@ then ``dp_replicate``, so the global rank of a coordinate is ``stage * dp_replic
   (``mesh["pp"]`` carries the pipeline's sends, ``mesh["dp_replicate"]`` the gradient average).
 - :func:`recovery_paths`: for every lost rank, how it comes back: a copy from a live replica of
   its stage, or a replay from the logs when every replica of its stage was lost; and why.
+- :func:`node_map` / :func:`exposed_stages`: which machine holds each rank, and the stages one
+  machine's loss takes whole (every replica on it): only those need the logs; where there is
+  none, logging can be switched off for the run (``ClientConfig.replica_logging``).
 
 Never: creates the default process group (the caller, e.g. ``ResilientLoop.join``, does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,8 @@ __all__ = [
     "MeshLayout",
     "RankRecovery",
     "build_mesh",
+    "exposed_stages",
+    "node_map",
     "recovery_paths",
 ]
 
@@ -149,4 +154,49 @@ def recovery_paths(layout: MeshLayout, lost: Iterable[int]) -> dict[int, RankRec
                 "replay from the logs" if len(group) == 1 else "replay them together from their own logs"
             )
             out[r] = RankRecovery(r, c.stage, c.replica, "replay", why, replay_group=group)
+    return out
+
+
+def node_map(layout: MeshLayout, nodes: Mapping[int, str] | Mapping[str, str] | Sequence[str]) -> dict[int, str]:
+    """Rank -> the machine (failure domain) it runs on, checked against the mesh: a list indexed
+    by rank, or a mapping whose keys are ranks (ints or their strings, as JSON has them). Raises
+    ValueError naming the ranks missing or outside the mesh, or a machine name that is not a
+    non-empty string."""
+    items = list(enumerate(nodes)) if isinstance(nodes, Sequence) and not isinstance(nodes, str) else None
+    if items is None:
+        if not isinstance(nodes, Mapping):
+            raise ValueError(f"a node map is a list or a mapping rank -> machine, got {type(nodes).__name__}")
+        try:
+            items = [(int(k), v) for k, v in nodes.items()]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a node map's keys are ranks: {e}") from None
+    out = dict(items)
+    missing = sorted(set(range(layout.world_size)) - set(out))
+    outside = sorted(set(out) - set(range(layout.world_size)))
+    bad = sorted(r for r, v in out.items() if not isinstance(v, str) or not v)
+    if missing or outside or bad:
+        raise ValueError(
+            f"node map of the {layout.num_stages} x {layout.dp_replicate} mesh: "
+            + "; ".join(
+                part
+                for part in (
+                    f"ranks {missing} missing" if missing else "",
+                    f"ranks {outside} outside it" if outside else "",
+                    f"ranks {bad} without a machine name" if bad else "",
+                )
+                if part
+            )
+        )
+    return out
+
+
+def exposed_stages(layout: MeshLayout, nodes: Mapping[int, str]) -> dict[int, list[str]]:
+    """Stage -> the machines holding its replicas, for every stage that one machine's loss takes
+    whole (all its replicas on one machine). Empty: no single failure leaves a stage without a live
+    replica, so every single failure is healed by a copy and the logs serve only double failures."""
+    out: dict[int, list[str]] = {}
+    for k in range(layout.num_stages):
+        machines = sorted({nodes[r] for r in layout.replicas_of(k)})
+        if len(machines) == 1:
+            out[k] = machines
     return out

@@ -62,7 +62,8 @@ class StageRecorder:
         self.config = config
         self.writer = writer
         self.stage = config.stage
-        self.enabled = config.enabled
+        # with replicas on two or more machines for every stage, a run may log nothing (the config says why)
+        self.enabled = config.enabled and config.logging_off_reason is None
         self.log_data = config.log_data
         self.iteration = 0
         self.order: list[tuple[str, int]] = []

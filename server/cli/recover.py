@@ -64,12 +64,31 @@ def plan(
     workers: Annotated[
         int | None, typer.Option("--workers", "-w", min=1, max=1024, help="parallel replay workers for the estimate")
     ] = None,
+    dp_replicate: Annotated[
+        int, typer.Option("--dp-replicate", min=1, max=4096, help="replicas of every stage (with --node-map)")
+    ] = 1,
+    node_map_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--node-map",
+            help="JSON: the machine of every rank (a list by rank, or an object rank -> machine); "
+            "without -s: whether the run needs its logs, what switching them off saves, what a double failure costs",
+            show_default=False,
+        ),
+    ] = None,
+    num_stages: Annotated[
+        int | None, typer.Option("--num-stages", min=1, help="pipeline stages (default: from the node map)")
+    ] = None,
     cold_url: ColdUrlOpt = None,
     cold_option: ColdOptionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Plan the recovery of failed stages from the surviving stages' logs."""
+    """Plan the recovery of failed stages from the surviving stages' logs (or, with --node-map,
+    whether a run with data-parallel replicas needs its logs at all)."""
     stages = deprecated_alias(stage, failed, new_flag="--stage/-s", old_flag="--failed/-f")
+    if node_map_file is not None and not stages:
+        _replica_logging(root, run, dp_replicate, node_map_file, num_stages, cold_url, cold_option, json_out)
+        return
     if not stages:
         raise fail(
             "missing option '--stage' / '-s'",
@@ -101,6 +120,71 @@ def plan(
             console.print_json(json.dumps(doc))
     if impossible:
         raise typer.Exit(EXIT_PROBLEMS)
+
+
+def _replica_logging(
+    root: list[Path],
+    run: str,
+    dp_replicate: int,
+    node_map_file: Path,
+    num_stages: int | None,
+    cold_url: str | None,
+    cold_option: list[str] | None,
+    json_out: bool,
+) -> None:
+    """``swiftlog plan --node-map``: :func:`replay.plan_replica_logging` over the replicas' runs
+    (``{run}.dp{r}``): this root's (with its cold tier), and the others' in the cold tier."""
+    from replay.plan import cold_only_store
+    from replay.replica_plan import plan_replica_logging
+    from trainer_client.mesh import MeshLayout
+
+    try:
+        nodes = json.loads(node_map_file.read_text())
+    except (OSError, ValueError) as e:
+        raise fail(f"--node-map {node_map_file}: {e}", error_type="usage") from None
+    count = len(nodes) if isinstance(nodes, (list, dict)) else 0
+    stages = num_stages if num_stages is not None else count // dp_replicate
+    if stages < 1 or (num_stages is None and count % dp_replicate):
+        raise fail(
+            f"--node-map {node_map_file} names {count} ranks, not a multiple of --dp-replicate {dp_replicate}",
+            hint="give the machine of every rank (rank = stage * dp_replicate + replica)",
+            error_type="usage",
+        )
+    layout = MeshLayout(stages, dp_replicate)
+    with handle_errors():
+        node = make_node(root[0], cold_url, cold_option)
+        runs = [run] if dp_replicate == 1 else [f"{run}.dp{r}" for r in range(dp_replicate)]
+        local = set(node.run_names())
+        # a replica whose writers are on other nodes: its logs as the cold tier holds them
+        others = {
+            r: cold_only_store(node.cold_url, r, node.cold_options) for r in runs if r not in local and node.cold_url
+        }
+        present = [r for r in runs if r in local or r in others]
+        try:
+            p = plan_replica_logging(layout, nodes, [others[r] if r in others else node.store(r) for r in present])
+        except ValueError as e:
+            raise fail(f"--node-map {node_map_file}: {e}", error_type="usage") from None
+        finally:
+            for st in others.values():
+                st.close()
+    doc = {"run": run, "runs_measured": present, **p.to_dict()}
+    if json_out:
+        print(json.dumps(doc, indent=2, default=str))
+        return
+    console.print(f"run {run}: {stages} stages x {dp_replicate} replicas")
+    for k, machines in p.machines.items():
+        mark = "  [red]exposed[/red]" if k in p.exposed else ""
+        console.print(f"  stage {k}: replicas on {', '.join(machines)}{mark}")
+    console.print(f"logs needed: {'yes' if p.logging_needed else 'no'} ({p.why})")
+    if p.stored_bytes_per_iteration is not None:
+        console.print(
+            f"switching them off saves {p.stored_bytes_per_iteration / 1e6:.2f} MB stored per iteration "
+            f"({p.raw_bytes_per_iteration / 1e6:.2f} MB of tensors; measured over {p.iterations_measured} "
+            f"iterations of {', '.join(present)})"
+        )
+    else:
+        console.print("no logs of the run on this root to measure what switching them off saves")
+    console.print(f"then a double failure costs: {p.double_failure}")
 
 
 def register(app: typer.Typer) -> None:

@@ -367,9 +367,11 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.iters in ckpt_at:
         ckpts[args.iters] = client.checkpoint(args.iters, model, optimizer, lr_scheduler, extra={"gpt": cfg.to_dict()})
+    stats = client.stats()  # before close: what the run cost (bench/hybrid_bench.py reads it)
     report = client.close()
     dist.destroy_process_group()
     result = {
+        "client_stats": {k: stats[k] for k in ("writer", "commit")},
         "stage": k,
         "replica": r,
         "transfers": [t.to_dict() for t in loop.transfers],
