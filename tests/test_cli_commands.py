@@ -409,3 +409,25 @@ def test_demo(tmp_path: Path) -> None:
     stat, ls = swiftlog_all(*[tuple(shlex.split(cmd)[1:]) for cmd in report["try"][:2]])
     assert "checkpoints" in _ok(stat).stdout and "stage 2 @ 8" in stat.stdout
     assert "garbage collection deleted" in _ok(ls).stdout and "checkpoint at iteration 8" in ls.stdout, ls.stdout
+
+
+@pytest.mark.slow
+def test_demo_with_replicas(tmp_path: Path) -> None:
+    """``swiftlog demo --dp 2``: the pipeline as two replicas; a replica lost is copied from the
+    other (no replay), every replica of the stage lost is replayed from the logs, both bit-exact,
+    side by side in the report and the plot."""
+    args = ("--dir", tmp_path / "demo", "--iterations", "8", "--checkpoint-every", "4", "--dp", "2")
+    p = _ok(swiftlog("demo", *args, timeout=400))
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert report["ok"] is True and report["dp_replicate"] == 2 and report["final_state"]["bit_exact"]
+    rr = report["replica_recovery"]
+    assert (rr["path"], rr["donor"], rr["failed_ranks"], rr["bit_exact"]) == ("replica", 4, [5], True)
+    assert rr["state_bytes"] > 0 and rr["gb_per_s"] > 0
+    assert report["plan"]["failed_stages"] == [4, 5] and "every replica of stage 2 was lost" in report["plan"]["why"]
+    assert set(report["progress"]) == {
+        "failure-free",
+        "SWIFT: a replica lost, copied",
+        "SWIFT: every replica lost, replayed from the logs",
+        "global rollback",
+    }
+    assert "Replica lost" in p.stdout and (tmp_path / "demo" / "progress.png").stat().st_size > 0

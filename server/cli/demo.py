@@ -124,10 +124,14 @@ def run_demo(
     fail_iteration: int | None = None,
     phase: str = "backward",
     replay_workers: int = 1,
+    dp: int = 1,
     say: Any = None,
 ) -> dict[str, Any]:
-    """Run the three trainings under ``workdir``; return the report (``ok``: recovery verified and
-    bit-exact). Writes report.json, report.md and progress.png there."""
+    """Run the trainings under ``workdir``; return the report (``ok``: recovery verified and
+    bit-exact). Writes report.json, report.md and progress.png there. ``dp`` > 1: the pipeline
+    runs as ``dp`` data-parallel replicas; one replica of the stage is lost (copied from a live
+    one: ``report["replica_recovery"]``), and in the logging run every replica of it is lost at
+    once (replayed together from their logs)."""
     from replay.compare import states_equal
     from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures
 
@@ -140,6 +144,9 @@ def run_demo(
         raise typer.BadParameter(f"the failure iteration {fail_iteration} must be inside (0, {iterations})")
     ckpts = ",".join(str(i) for i in range(checkpoint_every, iterations + 1, checkpoint_every))
     kill = KillSpec(fail_stage, fail_iteration, 1, phase)
+    lost = [KillSpec(fail_stage, fail_iteration, 1, phase, replica=r) for r in range(dp)]  # every replica
+    rank = fail_stage * dp  # the killed stage's replica 0: its rank in the mesh
+    world = 4 * dp
     model = ["--hidden", "64", "--layers", "1", "--seq", "32", "--n-microbatches", "4"]
 
     def launch(name: str, kills: list[KillSpec], mode: str) -> Any:
@@ -155,7 +162,8 @@ def run_demo(
             ckpts,
             "--seed",
             "1234",
-            "--data-source",
+            # with replicas each reads its own data, logged (a data source knows no replica)
+            *(["--data-source"] if dp == 1 else []),
             "--segment-iters",
             "2",
             "--cold-url",
@@ -171,29 +179,42 @@ def run_demo(
             mode=mode,
             timeout_s=240,
             replay_workers=replay_workers,
+            dp_replicate=dp,
         )
         if not r.ok:
             raise DemoRunError(f"the {name} run did not finish:\n{r.describe()}")
         return r
 
     t0 = time.perf_counter()
-    say(f"[bold]1/3[/] failure-free reference: {iterations} iterations, 4 stages, 1F1B, checkpoints at {ckpts}")
+    n = 4 if dp == 1 else 5
+    mesh = "4 stages" if dp == 1 else f"4 stages x {dp} replicas ({world} processes)"
+    say(f"[bold]1/{n}[/] failure-free reference: {iterations} iterations, {mesh}, 1F1B, checkpoints at {ckpts}")
     ref = launch("reference", [], "swift")
     say(f"    done in {ref.wall_s:.1f} s")
+    replica = None
+    if dp > 1:
+        one = KillSpec(fail_stage, fail_iteration, 1, phase, replica=dp - 1)
+        say(
+            f"[bold]2/{n}[/] SWIFT, a replica lost: SIGKILL stage {one.stage} replica {one.replica} at iteration "
+            f"{one.iteration}, {one.phase}; a live replica's state is copied"
+        )
+        replica = launch("replica", [one], "swift")
+        say(f"    done in {replica.wall_s:.1f} s")
+    what = f"stage {kill.stage}" if dp == 1 else f"every replica of stage {kill.stage}"
     say(
-        f"[bold]2/3[/] SWIFT: SIGKILL stage {kill.stage} at iteration {kill.iteration}, "
+        f"[bold]{n - 2}/{n}[/] SWIFT from the logs: SIGKILL {what} at iteration {kill.iteration}, "
         f"micro-batch {kill.micro_batch}, {kill.phase}"
     )
-    sw = launch("swift", [kill], "swift")
+    sw = launch("swift", lost, "swift")
     say(f"    done in {sw.wall_s:.1f} s")
-    say("[bold]3/3[/] global rollback: the same failure, every stage restarts from the last checkpoint")
-    rb = launch("rollback", [kill], "rollback")
+    say(f"[bold]{n - 1}/{n}[/] global rollback: the same failure, every rank restarts from the last checkpoint")
+    rb = launch("rollback", lost, "rollback")
     say(f"    done in {rb.wall_s:.1f} s")
 
     t = sw.timings[0]
-    rec = sw.results[kill.stage].get("recovered") or {}
-    diffs = {k: states_equal(sw.results[k], ref.results[k]) for k in range(4)}
-    rb_diffs = {k: states_equal(rb.results[k], ref.results[k]) for k in range(4)}
+    rec = sw.results[rank].get("recovered") or {}
+    diffs = {k: states_equal(sw.results[k], ref.results[k]) for k in range(world)}
+    rb_diffs = {k: states_equal(rb.results[k], ref.results[k]) for k in range(world)}
     rollback_s = resumed_after_rollback(rb, t["resume"])
     rb_ck = next((e["checkpoint"] for e in rb.timeline if e["what"] == "rollback"), None)
     report: dict[str, Any] = {
@@ -208,13 +229,15 @@ def run_demo(
         "replay_workers": replay_workers,
         "plan": {
             "failed_stages": t["failed_stages"],
-            "survivors": [k for k in range(4) if k not in t["failed_stages"]],
+            "survivors": [k for k in range(world) if k not in t["failed_stages"]],
             "checkpoint_iteration": t["checkpoint_iteration"],
             "resume_iteration": t["resume"],
             "replayed_iterations": [t["checkpoint_iteration"], t["resume"]],
             "sources": "survivors' node stores (hot tier, read directly) + the cold tier",
             "checkpoint": rec.get("checkpoint_uri"),
+            "why": rec.get("why"),
         },
+        "dp_replicate": dp,
         "timings_s": {
             k: t.get(k)
             for k in (
@@ -249,19 +272,23 @@ def run_demo(
         },
     }
     report["ok"] = bool(t.get("verified")) and report["final_state"]["bit_exact"]
+    if replica is not None:
+        report["replica_recovery"] = _replica_report(replica, ref, fail_stage, dp, rollback_s)
+        report["ok"] = report["ok"] and report["replica_recovery"]["bit_exact"]
     last_checkpoint = iterations // checkpoint_every * checkpoint_every
     report["stores"] = _stores(workdir / "swift", sw.timeline, last_checkpoint=last_checkpoint)
-    report["try"] = _next_commands(report["stores"], kill.stage, workdir)
-    series = {
-        "failure-free": _progress(ref),
-        "SWIFT in-place recovery": _progress(sw),
-        "global rollback": _progress(rb),
-    }
-    kills = {
-        # same time base as the series: since the run's iteration 0 was applied
-        "SWIFT in-place recovery": min(sw.kill_times.values()) - sw.progress[0][1],
-        "global rollback": min(rb.kill_times.values()) - rb.progress[0][1],
-    }
+    report["try"] = _next_commands(report["stores"], kill.stage, workdir, dp)
+    logs = "SWIFT in-place recovery" if dp == 1 else "SWIFT: every replica lost, replayed from the logs"
+    series = {"failure-free": _progress(ref)}
+    # same time base as the series: since the run's iteration 0 was applied
+    kills = {}
+    if replica is not None:
+        series["SWIFT: a replica lost, copied"] = _progress(replica)
+        kills["SWIFT: a replica lost, copied"] = min(replica.kill_times.values()) - replica.progress[0][1]
+    series[logs] = _progress(sw)
+    series["global rollback"] = _progress(rb)
+    kills[logs] = min(sw.kill_times.values()) - sw.progress[0][1]
+    kills["global rollback"] = min(rb.kill_times.values()) - rb.progress[0][1]
     _plot(workdir / "progress.png", series, kills)
     report["files"] = {
         "json": str(workdir / "report.json"),
@@ -272,6 +299,30 @@ def run_demo(
     (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (workdir / "report.md").write_text(_markdown(report))
     return report
+
+
+def _replica_report(run: Any, ref: Any, stage: int, dp: int, rollback_s: float | None) -> dict[str, Any]:
+    """The replica run's recovery: which rank, copied from which, how fast, and the final state."""
+    from replay.compare import states_equal
+
+    lost = stage * dp + dp - 1
+    t = run.timings[0]
+    rec = run.results[lost].get("recovered") or {}
+    (got,) = run.results[lost].get("transfers") or [{}]
+    return {
+        "failed_ranks": t["failed_stages"],
+        "path": rec.get("path"),
+        "donor": rec.get("donor"),
+        "why": rec.get("why"),
+        "resume_iteration": t["resume"],
+        "resumed_s": t["resumed_s"],
+        "replacement_start_s": t.get("replacement_start_s"),
+        "state_bytes": got.get("bytes"),
+        "transfer_s": got.get("seconds"),
+        "gb_per_s": got.get("gb_per_s"),
+        "bit_exact": not any(states_equal(run.results[k], ref.results[k]) for k in ref.results),
+        "vs_global_rollback": (t["resumed_s"] / rollback_s) if rollback_s else None,
+    }
 
 
 def _stores(base: Path, timeline: list[dict[str, Any]], *, last_checkpoint: int) -> dict[str, Any]:
@@ -288,15 +339,17 @@ def _stores(base: Path, timeline: list[dict[str, Any]], *, last_checkpoint: int)
     }
 
 
-def _next_commands(stores: dict[str, Any], failed: int, workdir: Path) -> list[str]:
+def _next_commands(stores: dict[str, Any], failed: int, workdir: Path, dp: int = 1) -> list[str]:
     """Commands to try on the demo's stores, with their real paths: over the node root of a
     neighbour of the failed stage (it logged what the failed stage received)."""
-    neighbour = f"stage{failed - 1 if failed > 0 else 1}-g0"
+    k = failed - 1 if failed > 0 else 1
+    neighbour = f"stage{k}-g0" if dp == 1 else f"stage{k}-dp0-g0"
+    run = RUN if dp == 1 else f"{RUN}.dp0"  # replica 0's pipeline
     root = shlex.quote(stores["node_roots"][neighbour])
     cold = shlex.quote(stores["cold_url"])
     return [
-        f"swiftlog stat --root {root} --run {RUN} --cold-url {cold}",
-        f"swiftlog ls --root {root} --run {RUN} --cold-url {cold}",
+        f"swiftlog stat --root {root} --run {run} --cold-url {cold}",
+        f"swiftlog ls --root {root} --run {run} --cold-url {cold}",
         f"swiftlog serve --root {root} --cold-url {cold}",
         f"swiftlog demo --phase forward --workers 2 --dir {shlex.quote(str(workdir))}",
     ]
@@ -363,6 +416,14 @@ def _markdown(r: dict[str, Any]) -> str:
         "![progress](progress.png)",
         "",
     ]
+    rr = r.get("replica_recovery")
+    if rr:
+        lines[2:2] = [
+            f"- with {r['dp_replicate']} replicas: a replica lost ({rr['failed_ranks']}) is copied from rank "
+            f"{rr['donor']} ({_fmt(rr['state_bytes'])} bytes at {_fmt(rr['gb_per_s'])} GB/s): "
+            f"{_fmt(rr['resumed_s'])} s from the failure to training again, "
+            f"{'bit-exact' if rr['bit_exact'] else 'DIFFERENT'}; the run below loses every replica of the stage",
+        ]
     return "\n".join(lines)
 
 
@@ -371,12 +432,14 @@ def _print_report(r: dict[str, Any]) -> None:
 
     f, p, tm, g = r["failure"], r["plan"], r["timings_s"], r["global_rollback"]
     console.print()
+    dp = r.get("dp_replicate", 1)
+    who = f"stage {f['stage']}" if dp == 1 else f"every replica of stage {f['stage']}"
     console.print(
-        f"[bold]Failure[/]   SIGKILL of stage {f['stage']} at iteration {f['iteration']}, "
+        f"[bold]Failure[/]   SIGKILL of {who} at iteration {f['iteration']}, "
         f"micro-batch {f['micro_batch']}, during {f['phase']}"
     )
     console.print(
-        f"[bold]Plan[/]      replay stage(s) {p['failed_stages']} "
+        f"[bold]Plan[/]      replay {'stage' if dp == 1 else 'rank'}(s) {p['failed_stages']} "
         f"from its checkpoint at iteration {p['checkpoint_iteration']} "
         f"to iteration {p['resume_iteration']} (agreed by the survivors {p['survivors']}, which keep their state)"
     )
@@ -417,11 +480,20 @@ def _print_report(r: dict[str, Any]) -> None:
     )
     console.print(
         f"[bold]Global rollback[/] from checkpoint {g['checkpoint_iteration']} "
-        f"(redo {g['iterations_redone']} iterations on all 4 stages): "
+        f"(redo {g['iterations_redone']} iterations on every rank): "
         f"{_fmt(g['resumed_s'])} s to stand where it was "
         f"(final state {'bit-exact' if g['bit_exact'] else 'DIFFERENT'}); "
         f"SWIFT took {_fmt(tm['resumed_s'])} s: ratio [bold]{_fmt(r['recovery_vs_global_rollback'])}[/]"
     )
+    rr = r.get("replica_recovery")
+    if rr:
+        console.print(
+            f"[bold]Replica lost[/] rank(s) {rr['failed_ranks']}: {rr['why']}; "
+            f"{human_bytes(rr['state_bytes'] or 0)} at {_fmt(rr['gb_per_s'])} GB/s, "
+            f"{_fmt(rr['resumed_s'])} s from the failure to training again "
+            f"(final state {'bit-exact' if rr['bit_exact'] else 'DIFFERENT'}): "
+            f"ratio to the global rollback [bold]{_fmt(rr['vs_global_rollback'])}[/]"
+        )
     console.print(f"[dim]report: {r['files']['json']}, {r['files']['markdown']}, plot: {r['files']['plot']}[/]")
 
 
@@ -447,10 +519,21 @@ def demo(
     ] = None,
     # the old spelling of --workers: hidden, still works, says it is deprecated
     replay_workers: Annotated[int | None, typer.Option("--replay-workers", min=1, max=8, hidden=True)] = None,
+    dp: Annotated[
+        int,
+        typer.Option(
+            "--dp",
+            min=1,
+            max=4,
+            help="data-parallel replicas of the pipeline: a replica lost is copied, every replica lost is replayed",
+        ),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Pipeline training with a stage failure: SWIFT in-place recovery vs a global rollback, a report, a plot."""
     workers = deprecated_alias(workers, replay_workers, new_flag="--workers/-w", old_flag="--replay-workers") or 1
+    if dp > 1 and workers > 1:  # refused now, not after the reference run
+        raise fail("--dp with --workers > 1: replay helpers of a replica are not supported", error_type="usage")
     _failure_iteration(iterations, checkpoint_every)  # refused now, not after the reference run
     if importlib.util.find_spec("matplotlib") is None:  # the plot is drawn last: say so before three trainings
         raise fail(
@@ -473,6 +556,7 @@ def demo(
                 fail_stage=stage,
                 phase=phase.value,
                 replay_workers=workers,
+                dp=dp,
                 say=say,
             )
         except DemoRunError as e:
