@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/client_overhead.py
 	$(PY) bench/replay_bench.py
 	$(PY) bench/recovery_bench.py
+	$(PY) bench/hybrid_bench.py
 	$(PY) bench/api_bench.py
 	$(PY) bench/table.py
 
