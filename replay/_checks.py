@@ -268,9 +268,9 @@ def grad_ops(meta: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
 
 def average_as_live(ctx: Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:
     """Repeat the live average over the stage's replicas (META ``replica_average``) over the group
-    of the replicas replayed together (``ReplayHooks.replica_group``), after checking the replay's
-    own gradients against the digests taken before it. Raises ReplayError without such a group, or
-    when its size is not the live one's: no gradient was logged, only the replicas can repeat it."""
+    of the replicas replayed together (``ReplayHooks.replica_group``). Raises ReplayError without
+    such a group, or when its size is not the live one's: no gradient was logged, only the
+    replicas can repeat it."""
     group = ctx.hooks.replica_group
     world = int(op["world"])
     if group is None or dist.get_world_size(group) != world:
@@ -285,17 +285,8 @@ def average_as_live(ctx: Context, st: StageState, it: int, op: dict[str, Any], r
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    pre = op.get("pre")
-    mine = hex_digests(grads) if pre is not None and ctx.checks_step(it) else None
-    if mine is not None:
-        names = [n for n, p in st.module.named_parameters() if p.requires_grad]
-        changed = grad_digest_changes(names, pre, mine)
-        if changed:
-            report.grad_mismatches.append(
-                {"stage": st.stage, "iteration": it, "params": changed, "at": "before the replicas' average"}
-            )
-    average_gradients_(grads, group, int(op["bucket_bytes"]))
+    # checked after it, with every step: META's grad_digests are those the average left
+    average_gradients_([p.grad for p in params], group, int(op["bucket_bytes"]))
 
 
 def reduce_as_logged(ctx: Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:

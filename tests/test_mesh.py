@@ -186,3 +186,53 @@ def test_a_replicas_state_arrives_whole_or_is_refused(corrupt: bool) -> None:
 
 if os.name != "posix":  # pragma: no cover
     pytest.skip("gloo on loopback needs Linux", allow_module_level=True)
+
+
+def test_replicas_store_one_copy_of_a_meta_they_share(tmp_path) -> None:
+    """Two replicas of stage 1 (ranks 2 and 3) commit the same META: the store holds one copy
+    (named by its xxh3) and a pointer per rank; a rank whose META differs keeps its own copy; a
+    checkpoint deletes them all."""
+    from trainer_client.commit import CommitCoordinator, meta_key, shared_meta_key, stored_metas
+
+    store = dist.FileStore(str(tmp_path / "fs"), 1)
+    coords = [
+        CommitCoordinator(store, stage=r, num_stages=4, prefix="p", shared_stage=1, timeout=datetime.timedelta(5))
+        for r in (2, 3)
+    ]
+
+    def doc(it: int, rank: int) -> bytes:  # the same but for the rank's own timing
+        return b'{"same":%d,"step_s":0.%d}' % (it, rank)
+
+    for it in range(3):
+        for r, c in zip((2, 3), coords, strict=True):
+            store.set(f"p/gen0/it{it}/decision", "commit:9")  # decided: commit() returns at once
+            c.commit(it, meta=doc(it, r))
+    coords[1].amend_meta(2, b'{"amended":2}')
+    assert bytes(store.get(meta_key("p", 2, 0))).startswith(b"@" + shared_meta_key("p", 1, 0, b'{"same":0}').encode())
+    assert stored_metas(store, "p", 2, range(3)) == {it: doc(it, 2) for it in range(3)}
+    assert stored_metas(store, "p", 3, range(3)) == {0: doc(0, 3), 1: doc(1, 3), 2: b'{"amended":2}'}
+    assert store.check([shared_meta_key("p", 1, 1, b'{"same":1}')])
+    for c in coords:
+        c.forget_metas(3)
+    assert stored_metas(store, "p", 2, range(3)) == {} == stored_metas(store, "p", 3, range(3))
+    leftover = [shared_meta_key("p", 1, it, b'{"same":%d}' % it) for it in range(3)]
+    assert not any(store.check([k]) for k in [*leftover, shared_meta_key("p", 1, 2, b'{"amended":2}')])
+
+
+def test_a_client_refuses_groups_that_do_not_fit_its_mesh(tmp_path) -> None:
+    from trainer_client import SwiftlogClient
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    cfg = ClientConfig(run_id="r", stage=0, num_stages=2, store_root=str(tmp_path / "s"), replica=0, dp_replicate=2)
+    client = SwiftlogClient(cfg)
+    try:
+        with pytest.raises(ConfigError, match="the pp group has 1 ranks, the pipeline 2 stages"):
+            client.set_groups(dist.group.WORLD, dist.group.WORLD)
+        with pytest.raises(ConfigError, match="dp_replicate=2 but the replicas' group has no group"):
+            client.set_groups(None)
+        with pytest.raises(ConfigError, match="not 'pp'"):
+            client.set_mesh(object())
+        assert client.pipeline_group is dist.group.WORLD  # nothing was set
+    finally:
+        client.close()
+        dist.destroy_process_group()

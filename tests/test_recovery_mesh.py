@@ -224,3 +224,23 @@ def test_both_replicas_lost_in_a_dcp_save_replay_from_the_dcp_checkpoint_before(
         rec = r.results[k]["recovered"]
         assert (rec["path"], rec["checkpoint_iteration"]) == ("replay", 0)
         assert rec["checkpoint_uri"].endswith("it000000000000.dcp.json")
+
+
+def test_the_replicas_of_a_stage_commit_one_meta(tmp_path: Path) -> None:
+    """What lets the commit store keep one META copy per stage: the replicas' documents are the
+    same bytes but for each rank's own timings (the mesh's run id, no per-replica digests), here
+    read back from each replica's own log in the cold tier."""
+    from logstore import Channel, LogStore, RecordKey
+    from trainer_client.commit import split_meta
+
+    _run(tmp_path, [], 2, 2)
+    cold = f"file://{tmp_path / 'kill' / 'cold'}"
+    docs = {}
+    for r in range(2):
+        with LogStore.open(tmp_path / "reader", f"mesh.dp{r}", cold_url=cold) as st:
+            # from the last checkpoint (3) on: what GC left
+            docs[r] = [st.get(RecordKey(Channel.meta(k), it, 0, 0)) for k in range(2) for it in range(3, ITERS)]
+    assert len(docs[0]) == 2 * (ITERS - 3)
+    assert [split_meta(d.numpy().tobytes())[0] for d in docs[0]] == [
+        split_meta(d.numpy().tobytes())[0] for d in docs[1]
+    ]

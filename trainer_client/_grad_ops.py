@@ -65,8 +65,8 @@ class GradOps:
         """Average the stage module's gradients over the replicas' ``group`` (a collective; see
         ``trainer_client.replicas.average_gradients_``). Every parameter that requires grad takes
         part, in ``parameters()`` order; one without a gradient takes part with zeros (and keeps
-        them). META records the layout and, on CPU, the digests before it; nothing is logged: the
-        replicas repeat it among themselves when they are replayed."""
+        them). META records the layout; nothing is logged: the replicas repeat it among themselves
+        when they are replayed."""
         mod = self._stage_module()
         if mod is None:
             raise RuntimeError("the replicas' gradient average needs the stage built by client.pipeline_stage()")
@@ -75,9 +75,9 @@ class GradOps:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [cast("torch.Tensor", p.grad) for p in params]
-        pre = hex_digests(grads)
-        layout = average_gradients_(grads, group, bucket_bytes)
-        self.averages.append({"seq": self._seq(), **layout, "pre": pre})
+        # no digests before it: they differ per replica, and the replicas of a stage share one
+        # META; the gradients after it (META grad_digests) are the same on every replica
+        self.averages.append({"seq": self._seq(), **average_gradients_(grads, group, bucket_bytes)})
 
     def clip_grad_norm_(
         self,

@@ -69,7 +69,7 @@ class MetaLog:
         env = environment_fingerprint()  # now, not at construction: flags or the GPU may be set up after the client
         return {
             "version": META_VERSION,
-            "run_id": c.log_run,
+            "run_id": c.run_id,  # the mesh's run: a stage's replicas share one META
             "stage": c.stage,
             "num_stages": c.num_stages,
             "iteration": iteration,

@@ -52,7 +52,7 @@ from trainer_client.dcp_checkpoint import pointer_uri
 from trainer_client.determinism import seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
 from trainer_client.maintenance import CheckpointMaintenance
-from trainer_client.mesh import DP_REPLICATE, PP
+from trainer_client.mesh import check_groups, mesh_groups
 from trainer_client.meta import encode_meta, importable_name, script_name
 from trainer_client.metrics import MetricsExporter
 from trainer_client.reports import CommitReport, FlushReport
@@ -128,6 +128,7 @@ class SwiftlogClient:
                 num_stages=config.layout.world_size,
                 prefix=config.commit_prefix,
                 timeout=config.commit.timeout,
+                shared_stage=config.stage if config.dp_replicate > 1 else None,
             )
         self._maint = self._open_maintenance(config, commit_store, name)
         self._checkpoints = StageCheckpoints(config, self.writer, self._maint)
@@ -197,21 +198,23 @@ class SwiftlogClient:
         module is wrapped. Raises ConfigError when the mesh's sizes or this rank's coordinate are
         not the config's."""
         c = self.config
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if PP not in names:
-            raise ConfigError(f"the mesh has dimensions {names}, not {PP!r}", hint="build it with trainer_client.mesh")
-        sizes = {n: mesh[n].size() for n in names}
-        want = {PP: c.num_stages, DP_REPLICATE: c.dp_replicate}
-        got = {PP: sizes[PP], DP_REPLICATE: sizes.get(DP_REPLICATE, 1)}
-        coord = mesh.get_coordinate()
-        here = (coord[names.index(PP)], coord[names.index(DP_REPLICATE)] if DP_REPLICATE in names else 0)
-        if got != want or here != (c.stage, c.replica):
-            raise ConfigError(
-                f"the mesh is {got} with this rank at (stage, replica) {here}, "
-                f"but the client is configured as {want} at {(c.stage, c.replica)}"
-            )
-        self._pp_group = mesh[PP].get_group()
-        self._dp_group = mesh[DP_REPLICATE].get_group() if c.dp_replicate > 1 else None
+        try:
+            pp, dp = mesh_groups(mesh, c.layout, c.stage, c.replica)
+        except ValueError as e:
+            raise ConfigError(str(e), hint="build it with trainer_client.build_mesh") from None
+        self.set_groups(pp, dp)
+
+    def set_groups(self, pp: dist.ProcessGroup | None, dp_replicate: dist.ProcessGroup | None = None) -> None:
+        """The process groups :meth:`set_mesh` takes from a mesh, given directly: ``pp``, this
+        rank's pipeline (None: the default group), and ``dp_replicate``, this stage's replicas in
+        replica order (required with ``dp_replicate > 1``). Raises ConfigError when a group's size
+        is not the config's."""
+        try:
+            check_groups(self.config.layout, pp, dp_replicate)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self._pp_group = pp
+        self._dp_group = dp_replicate if self.config.dp_replicate > 1 else None
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -400,7 +403,8 @@ class SwiftlogClient:
         if c.dp_replicate > 1:
             if self._dp_group is None:
                 raise RuntimeError(
-                    f"dp_replicate={c.dp_replicate}: call client.set_mesh(mesh) before client.step (ResilientLoop does)"
+                    f"dp_replicate={c.dp_replicate}: call client.set_mesh(mesh) or set_groups(...) before client.step "
+                    "(ResilientLoop does)"
                 )
             if self.before_replica_average is not None:
                 self.before_replica_average(iteration)

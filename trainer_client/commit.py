@@ -27,6 +27,11 @@ after the fact, lost the last iterations. :meth:`CommitCoordinator.forget_metas`
 META keys below its checkpoint (the same rule as the log GC); the lowest key that may remain is
 kept in the store too (``.../meta/{stage}/floor``), so a replacement deletes its predecessor's.
 
+With data-parallel replicas, a stage's replicas commit the same META document but for the timings
+each measures (:data:`RANK_FIELDS`): each writes the rest under a key named by its xxh3
+(:func:`shared_meta_key`, so the store holds one copy per stage), and its own key holds ``@``, that
+key and its timings; :func:`stored_metas` puts the whole document back together.
+
 Checkpoint registrations in the store (:class:`SharedRegistrations`): each stage puts its newest
 registration under ``{prefix}/ckpt/{stage}``; a node without a cold tier learns the others' there
 (its GC frees what they received from its stage only once it knows their checkpoints).
@@ -49,6 +54,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+import xxhash
 
 from trainer_client.errors import CommitStoreError, IterationAbortedError
 
@@ -59,6 +65,7 @@ __all__ = [
     "COMMIT",
     "ABORT",
     "meta_key",
+    "shared_meta_key",
     "stored_metas",
     "loopback_store",
     "gloo_on_loopback",
@@ -119,17 +126,57 @@ def meta_key(prefix: str, stage: int, iteration: int) -> str:
     return f"{prefix.rstrip('/')}/meta/{stage}/it{iteration}"
 
 
+#: META fields each rank measures for itself (timings): kept beside the shared copy, per rank
+RANK_FIELDS = ("step_s", "time")
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    """As ``trainer_client.meta.encode_meta`` writes a document: the same bytes for the same fields."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def split_meta(meta: bytes) -> tuple[bytes, bytes]:
+    """(what a stage's replicas share, this rank's own fields) of a META document."""
+    doc = json.loads(meta)
+    own = {k: doc.pop(k) for k in RANK_FIELDS if k in doc}
+    return _dump(doc), _dump(own)
+
+
+def join_meta(pointer: bytes, shared: bytes) -> bytes:
+    """The rank's whole META document from its pointer (``@key`` newline own fields) and the copy."""
+    _, _, own = pointer.partition(b"\n")
+    doc = json.loads(shared)
+    doc.update(json.loads(own) if own else {})
+    return _dump(doc)
+
+
+def shared_meta_key(prefix: str, stage: int, iteration: int, meta: bytes) -> str:
+    """Where the replicas of ``stage`` keep one copy of a META document they share: named by the
+    document's xxh3, so replicas with the same document write the same key."""
+    return f"{prefix.rstrip('/')}/meta/s{stage}/it{iteration}/{xxhash.xxh3_64_hexdigest(meta)}"
+
+
 def stored_metas(store: dist.Store, prefix: str, stage: int, iterations: range) -> dict[int, bytes]:
-    """The META documents (encoded JSON) of ``stage`` that the store holds for ``iterations``:
-    iteration -> bytes, missing ones left out. One request when all are there (``multi_get``),
-    else one ``check`` and ``get`` per key; never waits for a key to appear. Raises what the
-    store client raises when the store cannot be reached."""
+    """The META documents (encoded JSON) of ``stage`` (a rank, in a mesh) that the store holds for
+    ``iterations``: iteration -> bytes, missing ones left out. A rank's key holding ``@key`` names
+    the copy its stage's replicas share. One request when all are there (``multi_get``), else one
+    ``check`` and ``get`` per key; never waits for a key to appear. Raises what the store client
+    raises when the store cannot be reached."""
     keys = [meta_key(prefix, stage, it) for it in iterations]
     if not keys:
         return {}
     if store.check(keys):
-        return {it: bytes(v) for it, v in zip(iterations, store.multi_get(keys), strict=True)}
-    return {it: bytes(store.get(k)) for it, k in zip(iterations, keys, strict=True) if store.check([k])}
+        found = {it: bytes(v) for it, v in zip(iterations, store.multi_get(keys), strict=True)}
+    else:
+        found = {it: bytes(store.get(k)) for it, k in zip(iterations, keys, strict=True) if store.check([k])}
+    shared = {it: v for it, v in found.items() if v.startswith(b"@")}
+    for it, v in shared.items():
+        k = v[1:].partition(b"\n")[0].decode()
+        if store.check([k]):
+            found[it] = join_meta(v, bytes(store.get(k)))
+        else:  # its copy is gone (a checkpoint deleted it): as if never stored
+            del found[it]
+    return found
 
 
 class SharedRegistrations:
@@ -197,10 +244,15 @@ class CommitCoordinator:
         prefix: str,
         timeout: timedelta = timedelta(seconds=120),
         generation: int = 0,
+        shared_stage: int | None = None,
     ) -> None:
         self.store = store
         self.stage = stage
         self.num_stages = num_stages
+        # with data-parallel replicas: the pipeline stage whose replicas store one copy of a META
+        # they share (the key of this rank then holds "@" and that copy's key)
+        self.shared_stage = shared_stage
+        self._shared: dict[int, set[str]] = {}  # iteration -> the shared copies this rank wrote
         self.prefix = prefix.rstrip("/")
         self.timeout = timeout
         self.generation = generation
@@ -221,7 +273,19 @@ class CommitCoordinator:
     def amend_meta(self, iteration: int, meta: bytes) -> None:
         """Replace the stored META of ``iteration`` (already committed) with ``meta``: the document
         amended with what the optimizer step used. Raises what the store client raises."""
-        self.store.set(meta_key(self.prefix, self.stage, iteration), meta)
+        keys, values = self._meta_items(iteration, meta)
+        self.store.multi_set(keys, values)
+
+    def _meta_items(self, iteration: int, meta: bytes) -> tuple[list[str], list[bytes]]:
+        """The keys and values that store ``meta``: this rank's key, or (replicas) the shared
+        copy and this rank's pointer to it."""
+        own = meta_key(self.prefix, self.stage, iteration)
+        if self.shared_stage is None:
+            return [own], [meta]
+        common, mine = split_meta(meta)  # the ranks' timings apart: the rest is the same on every replica
+        shared = shared_meta_key(self.prefix, self.shared_stage, iteration, common)
+        self._shared.setdefault(iteration, set()).add(shared)
+        return [shared, own], [common, b"@" + shared.encode() + b"\n" + mine]
 
     def set_generation(self, generation: int) -> None:
         """Use keys of ``generation`` from now on (after the pipeline re-formed)."""
@@ -246,9 +310,8 @@ class CommitCoordinator:
                 if not self._floor_known:  # the lowest META key of this stage (kept if a predecessor set it)
                     self.store.compare_set(self._floor_key(), "", str(iteration))
                     self._floor_known = True
-                self.store.multi_set(
-                    [meta_key(self.prefix, self.stage, iteration), f"{key}/done/{self.stage}"], [meta, b"1"]
-                )
+                keys, values = self._meta_items(iteration, meta)
+                self.store.multi_set([*keys, f"{key}/done/{self.stage}"], [*values, b"1"])
             last_to_report = self.store.add(key + "/done", 1) >= self.num_stages
             if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (
                 COMMIT,
@@ -319,7 +382,15 @@ class CommitCoordinator:
         try:
             low = int(self._get_str(floor_key)) if self.store.check([floor_key]) else below
             for it in range(low, below):
-                self.store.delete_key(meta_key(self.prefix, self.stage, it))
+                own = meta_key(self.prefix, self.stage, it)
+                doomed = self._shared.pop(it, set())
+                if self.shared_stage is not None and self.store.check([own]):  # a predecessor's copy too
+                    v = bytes(self.store.get(own))
+                    if v.startswith(b"@"):
+                        doomed.add(v[1:].partition(b"\n")[0].decode())
+                for k in doomed:  # another replica may have deleted it already
+                    self.store.delete_key(k)
+                self.store.delete_key(own)
             if below > low:
                 self.store.set(floor_key, str(below))
             return max(0, below - low)

@@ -30,7 +30,9 @@ __all__ = [
     "MeshLayout",
     "RankRecovery",
     "build_mesh",
+    "check_groups",
     "exposed_stages",
+    "mesh_groups",
     "node_map",
     "recovery_paths",
 ]
@@ -108,6 +110,37 @@ def build_mesh(layout: MeshLayout, device_type: str = "cpu") -> Any:
         )
     ranks = torch.arange(layout.world_size).reshape(layout.num_stages, layout.dp_replicate)
     return DeviceMesh(device_type, ranks, mesh_dim_names=(PP, DP_REPLICATE))
+
+
+def mesh_groups(mesh: Any, layout: MeshLayout, stage: int, replica: int) -> tuple[Any, Any]:
+    """The ``pp`` group and (with replicas) the ``dp_replicate`` group of ``mesh`` for the rank at
+    ``(stage, replica)``. Raises ValueError when the mesh has no ``pp`` dimension, or its sizes or
+    this rank's coordinate are not the layout's."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if PP not in names:
+        raise ValueError(f"the mesh has dimensions {names}, not {PP!r}")
+    want = {PP: layout.num_stages, DP_REPLICATE: layout.dp_replicate}
+    got = {PP: mesh[PP].size(), DP_REPLICATE: mesh[DP_REPLICATE].size() if DP_REPLICATE in names else 1}
+    coord = mesh.get_coordinate()
+    here = (coord[names.index(PP)], coord[names.index(DP_REPLICATE)] if DP_REPLICATE in names else 0)
+    if got != want or here != (stage, replica):
+        raise ValueError(
+            f"the mesh is {got} with this rank at (stage, replica) {here}, "
+            f"but the client is configured as {want} at {(stage, replica)}"
+        )
+    return mesh[PP].get_group(), mesh[DP_REPLICATE].get_group() if layout.dp_replicate > 1 else None
+
+
+def check_groups(layout: MeshLayout, pp: Any, dp_replicate: Any) -> None:
+    """ValueError when ``pp`` (None: the default group) or ``dp_replicate`` (needed with
+    replicas) is not of the layout's size."""
+    import torch.distributed as dist
+
+    if pp is not None and dist.get_world_size(pp) != layout.num_stages:
+        raise ValueError(f"the pp group has {dist.get_world_size(pp)} ranks, the pipeline {layout.num_stages} stages")
+    if layout.dp_replicate > 1 and (dp_replicate is None or dist.get_world_size(dp_replicate) != layout.dp_replicate):
+        size = "no group" if dp_replicate is None else f"{dist.get_world_size(dp_replicate)} ranks"
+        raise ValueError(f"dp_replicate={layout.dp_replicate} but the replicas' group has {size}")
 
 
 @dataclass(frozen=True, slots=True)

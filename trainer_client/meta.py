@@ -36,8 +36,9 @@ Fields (version 1):
   reduction, on CPU, else null).
 - ``replica_average``: the average over the stage's data-parallel replicas that ``step`` ran
   (``dp_replicate > 1``): ``seq``, ``world``, ``bucket_bytes``, ``buckets``, ``ranks`` (the
-  participants' global ranks), ``pre`` (digests before it, on CPU). Nothing is logged: lost
-  replicas repeat it among themselves. Absent without replicas.
+  participants' global ranks). Nothing is logged: lost replicas repeat it among themselves. No
+  digests before it (they differ per replica, and a stage's replicas share one META: ``run_id``
+  is the mesh's run). Absent without replicas.
 - ``lrs``: each param group's learning rate at commit, the one the coming optimizer step uses, of
   the optimizer the client tracks (given to ``checkpoint`` or ``ResilientLoop``); null before any.
 - ``hparams``: each param group's other hyperparameters at commit (:func:`optimizer_hparams`;
