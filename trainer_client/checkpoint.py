@@ -397,9 +397,7 @@ def load_checkpoint(
     be read or is not a swiftlog checkpoint.
     """
     if uri.endswith(".dcp.json"):
-        from trainer_client.dcp_checkpoint import load_pointer
-
-        return load_pointer(uri, storage_options)  # type: ignore[no-any-return]
+        return _load_pointer(uri, storage_options)
     try:
         local = _local_path(uri)
         if local is not None:
@@ -429,6 +427,30 @@ def load_checkpoint(
         saved_at=state["saved_at"],
         classes={str(k): str(v) for k, v in (state.get("classes") or {}).items()},
         sched_next=state.get("sched_next"),
+    )
+
+
+def _load_pointer(uri: str, storage_options: dict[str, Any] | None) -> Checkpoint:
+    """A lazy Checkpoint for the DCP checkpoint the pointer ``uri`` names (its state is read by
+    ``apply``). CheckpointError when the pointer or its directory's ``.metadata`` is missing."""
+    from trainer_client.dcp_checkpoint import has_metadata, read_pointer
+
+    doc = read_pointer(uri, storage_options)
+    if not has_metadata(doc["dcp"], storage_options):
+        raise CheckpointError(f"checkpoint {uri}: its DCP directory {doc['dcp']} has no .metadata")
+    return Checkpoint(
+        run_id=doc["run_id"],
+        stage=doc["stage"],
+        num_stages=doc["num_stages"],
+        iteration=doc["iteration"],
+        seed=doc["seed"],
+        model={},
+        extra=doc.get("extra") or {},
+        uri=uri,
+        saved_at=doc.get("saved_at", 0.0),
+        classes={str(k): str(v) for k, v in (doc.get("classes") or {}).items()},
+        sched_next=doc.get("sched_next"),
+        dcp=doc["dcp"],
     )
 
 

@@ -13,9 +13,8 @@ Layout under a stage's checkpoint location (``{base}/stage{k:05d}/``, beside the
 
 A pointer is written only after the save finished (for ``async_save``, its future completed) and
 the directory's ``.metadata`` exists, so a listed checkpoint is complete and a save killed midway
-is never listed nor registered. :func:`load_pointer` returns a lazy
-:class:`~trainer_client.checkpoint.Checkpoint` whose ``apply`` runs ``dcp.load`` into the live
-objects.
+is never listed nor registered. ``trainer_client.checkpoint.load_checkpoint`` of a pointer returns
+a lazy ``Checkpoint`` whose ``apply`` runs ``dcp.load`` (:func:`apply_dcp`) into the live objects.
 
 Never: writes a pointer for a directory without ``.metadata``; deletes a directory it did not
 write.
@@ -41,7 +40,8 @@ __all__ = [
     "POINTER_SUFFIX",
     "apply_dcp",
     "dcp_dir_uri",
-    "load_pointer",
+    "has_metadata",
+    "read_pointer",
     "pointer_uri",
     "remove_dcp",
     "save_dcp",
@@ -175,30 +175,6 @@ def read_pointer(uri: str, storage_options: dict[str, Any] | None = None) -> dic
     if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
         raise CheckpointError(f"{uri} is not a swiftlog DCP pointer ({POINTER_FORMAT})")
     return doc
-
-
-def load_pointer(uri: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """A :class:`~trainer_client.checkpoint.Checkpoint` for the DCP checkpoint ``uri`` points to;
-    its state is read when applied (``apply_dcp``)."""
-    from trainer_client.checkpoint import Checkpoint
-
-    doc = read_pointer(uri, storage_options)
-    if not has_metadata(doc["dcp"], storage_options):
-        raise CheckpointError(f"checkpoint {uri}: its DCP directory {doc['dcp']} has no .metadata")
-    return Checkpoint(
-        run_id=doc["run_id"],
-        stage=doc["stage"],
-        num_stages=doc["num_stages"],
-        iteration=doc["iteration"],
-        seed=doc["seed"],
-        model={},
-        extra=doc.get("extra") or {},
-        uri=uri,
-        saved_at=doc.get("saved_at", 0.0),
-        classes={str(k): str(v) for k, v in (doc.get("classes") or {}).items()},
-        sched_next=doc.get("sched_next"),
-        dcp=doc["dcp"],
-    )
 
 
 def apply_dcp(
