@@ -154,7 +154,11 @@ def _transfer_worker(rank: int, world: int, port: int, q: Any, corrupt: bool) ->
     else:
         if corrupt:  # what the receiver hashes is not what the donor hashed: the digest check must see it
             real = replicas.tensor_digest
-            replicas.tensor_digest = lambda t: real(t) ^ (1 if t.numel() == 200 * 300 else 0)  # type: ignore[assignment]
+
+            def flipped(t: torch.Tensor) -> int:
+                return real(t) ^ (1 if t.numel() == 200 * 300 else 0)
+
+            replicas.tensor_digest = flipped  # type: ignore[assignment]
         first = model[0].weight
         try:
             state, rep = replicas.receive_state(0, into={f"model/{k}": v for k, v in model.state_dict().items()})

@@ -45,7 +45,8 @@ def _run(tmp_path: Path, kills: list[KillSpec], stages: int, replicas: int) -> R
 
 def _check(r: RecoveryRun, ref: object, stages: int, replicas: int) -> None:
     layout = MeshLayout(stages, replicas)
-    diffs = {k: states_equal(r.results[k], ref.results[k]) for k in range(layout.world_size)}  # type: ignore[attr-defined]
+    want = ref.results  # type: ignore[attr-defined]
+    diffs = {k: states_equal(r.results[k], want[k]) for k in range(layout.world_size)}
     assert not any(diffs.values()), {k: v[:5] for k, v in diffs.items() if v}
     for k in range(stages):
         first, *others = layout.replicas_of(k)
