@@ -16,6 +16,7 @@ from tests._replay_helpers import CKPT, ITERS, Run, file_run
 __all__ = [
     "gpipe_s3_run",
     "f1b_run",
+    "dcp_run",
     "groups_run",
     "gap_run",
     "batchnorm_run",
@@ -52,6 +53,12 @@ def gpipe_s3_run(tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServ
 @pytest.fixture(scope="session")
 def f1b_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return file_run(tmp_path_factory.mktemp("f1b"), "f1b", "1f1b")
+
+
+@pytest.fixture(scope="session")
+def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """1F1B whose checkpoints are torch.distributed.checkpoint directories (async saves)."""
+    return file_run(tmp_path_factory.mktemp("dcp"), "dcp", "1f1b", extra=["--checkpoint-format", "dcp-async"])
 
 
 @pytest.fixture(scope="session")

@@ -360,3 +360,17 @@ def test_json_errors_of_an_unreachable_commit_store_and_a_corrupt_record(f1b_run
     assert json_error(store, 4, "cannot reach the commit store")["type"] == "unavailable"
     err = json_error(corrupt, 1, str(key))
     assert err["type"] == "corrupt_record" and err["key"] == str(key)
+
+
+def test_swiftlog_replay_starts_from_a_dcp_checkpoint(dcp_run, tmp_path):
+    """A run checkpointed with dcp.async_save: the plan's checkpoint is the DCP pointer the
+    registration names, the replay loads it with dcp.load and ends verified and bit-exact."""
+    r = runner.invoke(app, _args(dcp_run, "-s", "1", "--plan-only", "--json"))
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["units"][0]["checkpoints"]["1"].endswith(f"/stage00001/it{CKPT:012d}.dcp.json"), plan["units"][0]
+    r = runner.invoke(app, _args(dcp_run, "-s", "1", "-o", str(tmp_path / "out"), "--model-arg", "dropout=0.1"))
+    assert r.exit_code == 0, r.output
+    assert "verified (32/32 sends checked)" in r.stdout
+    uri = r.stdout.split("stage 1: ")[1].split()[0]
+    assert checkpoint_vs_live(load_checkpoint(uri), dcp_run.results[1]) == []
