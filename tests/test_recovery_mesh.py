@@ -181,14 +181,28 @@ def _gpt_run(tmp_path: Path, kills: list[KillSpec], fmt: str) -> RecoveryRun:
     return r
 
 
+#: (phase, kill iteration, checkpoint format): every phase on both stages (a replica of each)
+_PHASES = [
+    ("forward", 4, "dcp"),
+    ("backward", 4, "torch"),
+    ("reduce", 4, "torch"),
+    ("commit", 4, "torch"),
+    ("optimizer", 5, "dcp-async"),
+    ("checkpoint", 3, "torch"),
+    ("dcp_save", 3, "dcp-async"),
+]
 PHASES = [
-    pytest.param(1, 1, 4, "reduce", "torch", id="reduce"),
-    pytest.param(0, 0, 4, "forward", "dcp", marks=pytest.mark.slow, id="forward-dcp"),
-    pytest.param(1, 0, 4, "backward", "torch", marks=pytest.mark.slow, id="backward"),
-    pytest.param(0, 1, 4, "commit", "torch", marks=pytest.mark.slow, id="commit"),
-    pytest.param(1, 1, 5, "optimizer", "dcp-async", marks=pytest.mark.slow, id="optimizer-dcp-async"),
-    pytest.param(0, 0, 3, "checkpoint", "torch", marks=pytest.mark.slow, id="checkpoint"),
-    pytest.param(1, 0, 3, "dcp_save", "dcp-async", marks=pytest.mark.slow, id="dcp-save-in-progress"),
+    pytest.param(
+        stage,
+        (stage + i) % 2,
+        it,
+        phase,
+        fmt,
+        id=f"{phase}-stage{stage}",
+        marks=() if (phase, stage) == ("reduce", 1) else pytest.mark.slow,
+    )
+    for i, (phase, it, fmt) in enumerate(_PHASES)
+    for stage in (0, 1)
 ]
 
 
