@@ -15,10 +15,11 @@ written.
 The client is a facade over helpers it holds, each in a module of its own: the gradient
 operations a replay repeats (``_grad_ops``), the watch over the optimizer and scheduler steps
 (``_step_watch``), META building and amendments (``_meta_log``), the shipping of the stage's own
-data before its commit (``_shipping``) and the check of the stages' declared tensors
-(``_declarations``). Its reports are in ``reports``. It is over 600 lines because it is the one
-public surface of a stage: its methods are the calls a training script makes, each with the
-documentation that script needs.
+data before its commit (``_shipping``), the checkpoints' writing in either format
+(``_checkpointing``), the check of the stages' declared tensors (``_declarations``) and, with
+data-parallel replicas, the mesh's groups (``mesh``, ``replicas``). Its reports are in
+``reports``. It is over 600 lines because it is the one public surface of a stage: its methods
+are the calls a training script makes, each with the documentation that script needs.
 """
 
 from __future__ import annotations
