@@ -56,7 +56,7 @@ from replay.job import ReplayJob, ReplayResult, SourceSpec
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError, RecoveryFailedError
-from trainer_client.mesh import MeshLayout, recovery_paths
+from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths, replica_run
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
@@ -225,7 +225,7 @@ def recover_stage(
     keys = RecoveryKeys(run_id, commit_prefix)
     layout = MeshLayout(num_stages, dp_replicate)
     rank = layout.rank(stage, replica)
-    log_run = run_id if dp_replicate == 1 else f"{run_id}.dp{replica}"
+    log_run = replica_run(run_id, replica, dp_replicate)
     members = sorted(set(group or [stage]) | {stage})
 
     def prepare() -> PreparedStates:
@@ -250,23 +250,8 @@ def recover_stage(
         t_survivors = time.monotonic()
         path = recovery_paths(layout, failed)[rank]
         if path.path == "replica":
-            st_mod, st_opt, st_sched = stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
-            return RecoveredStage(
-                st_mod,
-                st_opt,
-                st_sched,
-                resume,
-                resume,
-                "",
-                True,
-                0,
-                0,
-                0,
-                {"wait_survivors_s": t_survivors - t0, "fetch_s": 0.0, "replay_s": 0.0},
-                path="replica",
-                donor=path.donor,
-                why=path.why,
-            )
+            built = stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
+            return _for_copy(built, path, resume, t_survivors - t0)
         if prepared is None:
             prepared = prepare()
         docs = {layout.coord(r).stage: d for r, d in docs.items() if layout.coord(r).replica == replica}
@@ -383,6 +368,29 @@ def recover_stage(
     finally:
         if helpers > 0:
             release_helpers(store, keys.replay_job(generation, stage))
+
+
+def _for_copy(built: Any, path: RankRecovery, resume: int, waited_s: float) -> RecoveredStage:
+    """The fresh objects of a stage copied from a live replica (``path.donor``): its state reaches
+    them when the caller's ``ResilientLoop`` joins the next generation."""
+    module, optimizer, lr_scheduler = built
+    timings = {"wait_survivors_s": waited_s, "fetch_s": 0.0, "replay_s": 0.0}
+    return RecoveredStage(
+        module,
+        optimizer,
+        lr_scheduler,
+        resume,
+        resume,
+        "",
+        True,
+        0,
+        0,
+        0,
+        timings,
+        path="replica",
+        donor=path.donor,
+        why=path.why,
+    )
 
 
 def _wait_for_survivors(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import io
 import multiprocessing as mp
-import os
 from typing import Any
 
 import pytest
@@ -186,10 +185,6 @@ def test_a_replicas_state_arrives_whole_or_is_refused(corrupt: bool) -> None:
     for i, st in o0["state"].items():
         assert all(torch.equal(v, o1["state"][i][k]) for k, v in st.items())
     assert o0["param_groups"] == o1["param_groups"]
-
-
-if os.name != "posix":  # pragma: no cover
-    pytest.skip("gloo on loopback needs Linux", allow_module_level=True)
 
 
 def test_replicas_store_one_copy_of_a_meta_they_share(tmp_path) -> None:

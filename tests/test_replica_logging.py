@@ -66,22 +66,9 @@ def test_swiftlog_plan_prices_switching_the_logs_off_from_a_mesh_runs_logs(tmp_p
     nodes = tmp_path / "nodes.json"
     nodes.write_text(json.dumps(["host-a", "host-b", "host-a", "host-b"]))
     root = base / "nodes" / "stage0-dp0-g0"
-    p = ok(
-        swiftlog(
-            "plan",
-            "--root",
-            root,
-            "--run",
-            "mesh",
-            "--dp-replicate",
-            "2",
-            "--node-map",
-            nodes,
-            "--cold-url",
-            f"file://{base / 'cold'}",
-            "--json",
-        )
-    )
+    plan = ("plan", "--root", root, "--run", "mesh", "--dp-replicate", "2", "--node-map", nodes)
+    cold = ("--cold-url", f"file://{base / 'cold'}")
+    p = ok(swiftlog(*plan, *cold, "--json"))
     doc = json.loads(p.stdout)
     assert doc["runs_measured"] == ["mesh.dp0", "mesh.dp1"]  # replica 1's logs from the cold tier
     assert doc["logging_needed"] is False and doc["checkpoints"] == [0, 3, 6] and doc["checkpoint_interval"] == 3
@@ -89,19 +76,5 @@ def test_swiftlog_plan_prices_switching_the_logs_off_from_a_mesh_runs_logs(tmp_p
         doc["stored_bytes_per_iteration"] > 0
         and doc["raw_bytes_per_iteration"] >= doc["stored_bytes_per_iteration"] / 4
     )
-    text = ok(
-        swiftlog(
-            "plan",
-            "--root",
-            root,
-            "--run",
-            "mesh",
-            "--dp-replicate",
-            "2",
-            "--node-map",
-            nodes,
-            "--cold-url",
-            f"file://{base / 'cold'}",
-        )
-    ).stdout
+    text = ok(swiftlog(*plan, *cold)).stdout
     assert "logs needed: no" in text and "switching them off saves" in text and "up to 3 iterations" in text

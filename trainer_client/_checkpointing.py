@@ -11,12 +11,16 @@ Never: registers a checkpoint whose save failed or did not finish.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from trainer_client.checkpoint import checkpoint_uri, class_name, save_checkpoint, scheduler_next_rates
+from logstore import LogStore
+from trainer_client.checkpoint import checkpoint_uri, save_checkpoint, saved_kinds
+from trainer_client.commit import SharedRegistrations
 from trainer_client.config import ClientConfig
 from trainer_client.dcp_checkpoint import dcp_dir_uri, pointer_uri, save_dcp, write_pointer
 from trainer_client.maintenance import CheckpointMaintenance
@@ -24,12 +28,43 @@ from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["StageCheckpoints"]
 
+logger = logging.getLogger(__name__)
+
 
 class StageCheckpoints:
-    """The checkpoints of one client's stage: write, then submit the registration."""
+    """The checkpoints of one client's stage: write, then submit the registration to the
+    maintenance thread it opens (``maint``: registration, retention, GC)."""
 
-    def __init__(self, config: ClientConfig, writer: AsyncLogWriter, maint: CheckpointMaintenance) -> None:
-        self.config, self.writer, self.maint = config, writer, maint
+    def __init__(
+        self, config: ClientConfig, store: LogStore, writer: AsyncLogWriter, commit_store: dist.Store | None, name: str
+    ) -> None:
+        self.config, self.writer = config, writer
+        shared = None
+        if commit_store is not None:
+            # registrations govern one pipeline's logs: each replica's pipeline shares its own
+            prefix = config.commit_prefix + ("" if config.dp_replicate == 1 else f"/dp{config.replica}")
+            shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
+        elif config.cold_url is None and config.num_stages > 1:
+            logger.warning(
+                "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
+                "node's store root only, so nodes holding what it received never free it",
+                config.stage,
+            )
+        self.maint = CheckpointMaintenance(
+            store,
+            writer,
+            name,
+            keep=config.checkpoints.keep,
+            own_uri=self.uri,
+            storage_options=config.checkpoint_options(),
+            shared=shared,
+        )
+
+    def uri(self, stage: int, iteration: int) -> str:
+        """Where the checkpoint of (stage, iteration) is, or goes, in the configured format (a DCP
+        checkpoint: its pointer)."""
+        where = pointer_uri if self.config.checkpoints.format == "dcp" else checkpoint_uri
+        return where(self.config.resolved_checkpoint_url(), stage, iteration)
 
     def save(
         self,
@@ -110,12 +145,7 @@ class StageCheckpoints:
             "num_stages": c.num_stages,
             "iteration": iteration,
             "seed": c.seed,
-            "classes": {
-                name: class_name(obj)
-                for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler))
-                if obj is not None
-            },
-            "sched_next": None if lr_scheduler is None else scheduler_next_rates(lr_scheduler),
+            **saved_kinds(optimizer, lr_scheduler),
             "extra": dict(extra or {}),
         }
 

@@ -95,6 +95,22 @@ class MetaLog:
             "time": time.time(),
         }
 
+    def queue(
+        self, iteration: int, doc: dict[str, Any], own: list[Channel], *, shipping: bool
+    ) -> tuple[torch.Tensor, threading.Event | None]:
+        """Queue ``iteration``'s META record and write the iteration's records now (overlapping the
+        optimizer step); with ``shipping``, have the writer seal it and the stage's own data
+        (``own``) once written. Returns the record and the event set once sealed (None without)."""
+        meta = encode_meta(doc)
+        stage = self._config.stage
+        self._writer.submit(Channel.meta(stage), iteration, 0, [meta])
+        sealed = None
+        if shipping:
+            sealed = threading.Event()
+            self._writer.mark(functools.partial(seal_then_set, self._store, [*own, Channel.meta(stage)], sealed))
+        self._writer.kick()
+        return meta, sealed
+
     def note_committed(self, iteration: int, doc: dict[str, Any]) -> None:
         """``iteration`` committed with META ``doc``: nothing amended in it yet."""
         self.committed, self._amendment = (iteration, doc), None

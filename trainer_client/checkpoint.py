@@ -52,6 +52,7 @@ __all__ = [
     "read_identity",
     "checkpoint_uri",
     "scheduler_next_rates",
+    "saved_kinds",
     "class_name",
     "FORMAT_VERSION",
 ]
@@ -291,6 +292,20 @@ def _copy_state(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def saved_kinds(optimizer: Any | None, lr_scheduler: Any | None) -> dict[str, Any]:
+    """What a checkpoint records of the objects saved besides their state, so that a load can
+    refuse others: ``classes`` (their class names) and ``sched_next`` (the rates the scheduler's
+    next step sets, :func:`scheduler_next_rates`)."""
+    return {
+        "classes": {
+            name: class_name(obj)
+            for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler))
+            if obj is not None
+        },
+        "sched_next": None if lr_scheduler is None else scheduler_next_rates(lr_scheduler),
+    }
+
+
 def checkpoint_uri(base: str, stage: int, iteration: int) -> str:
     """The file name a checkpoint of (stage, iteration) gets under directory/URL ``base``."""
     return f"{base.rstrip('/')}/stage{stage:05d}/it{iteration:012d}.pt"
@@ -326,12 +341,7 @@ def save_checkpoint(
         "model": model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-        "classes": {
-            name: class_name(obj)
-            for name, obj in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler))
-            if obj is not None
-        },
-        "sched_next": None if lr_scheduler is None else scheduler_next_rates(lr_scheduler),
+        **saved_kinds(optimizer, lr_scheduler),
         "extra": dict(extra or {}),
         "saved_at": time.time(),
     }
@@ -413,20 +423,25 @@ def load_checkpoint(
         raise CheckpointError(f"could not read checkpoint {uri}: {type(e).__name__}: {e}") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{uri} is not a swiftlog checkpoint (format {FORMAT_VERSION})")
+    return _checkpoint(
+        state, uri, model=state["model"], optimizer=state["optimizer"], lr_scheduler=state["lr_scheduler"]
+    )
+
+
+def _checkpoint(doc: dict[str, Any], uri: str, **state: Any) -> Checkpoint:
+    """A Checkpoint of what a torch file's state or a DCP pointer says of itself, with ``state``."""
     return Checkpoint(
-        run_id=state["run_id"],
-        stage=state["stage"],
-        num_stages=state["num_stages"],
-        iteration=state["iteration"],
-        seed=state["seed"],
-        model=state["model"],
-        optimizer=state["optimizer"],
-        lr_scheduler=state["lr_scheduler"],
-        extra=state["extra"],
+        run_id=doc["run_id"],
+        stage=doc["stage"],
+        num_stages=doc["num_stages"],
+        iteration=doc["iteration"],
+        seed=doc["seed"],
+        extra=doc.get("extra") or {},
         uri=uri,
-        saved_at=state["saved_at"],
-        classes={str(k): str(v) for k, v in (state.get("classes") or {}).items()},
-        sched_next=state.get("sched_next"),
+        saved_at=doc.get("saved_at", 0.0),
+        classes={str(k): str(v) for k, v in (doc.get("classes") or {}).items()},
+        sched_next=doc.get("sched_next"),
+        **state,
     )
 
 
@@ -438,20 +453,7 @@ def _load_pointer(uri: str, storage_options: dict[str, Any] | None) -> Checkpoin
     doc = read_pointer(uri, storage_options)
     if not has_metadata(doc["dcp"], storage_options):
         raise CheckpointError(f"checkpoint {uri}: its DCP directory {doc['dcp']} has no .metadata")
-    return Checkpoint(
-        run_id=doc["run_id"],
-        stage=doc["stage"],
-        num_stages=doc["num_stages"],
-        iteration=doc["iteration"],
-        seed=doc["seed"],
-        model={},
-        extra=doc.get("extra") or {},
-        uri=uri,
-        saved_at=doc.get("saved_at", 0.0),
-        classes={str(k): str(v) for k, v in (doc.get("classes") or {}).items()},
-        sched_next=doc.get("sched_next"),
-        dcp=doc["dcp"],
-    )
+    return _checkpoint(doc, uri, model={}, dcp=doc["dcp"])
 
 
 @dataclass(frozen=True, slots=True)

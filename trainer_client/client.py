@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -37,24 +36,21 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from logstore import Channel, LogStore
+from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
 from trainer_client._checkpointing import StageCheckpoints
 from trainer_client._declarations import Declarations, example_tensors
 from trainer_client._grad_ops import GradOps
 from trainer_client._meta_log import MetaLog
-from trainer_client._shipping import DataShipper, seal_then_set
+from trainer_client._shipping import DataShipper
 from trainer_client._step_watch import StepWatcher
-from trainer_client.checkpoint import checkpoint_uri
-from trainer_client.commit import CommitCoordinator, SharedRegistrations
+from trainer_client.commit import CommitCoordinator
 from trainer_client.config import ClientConfig
 from trainer_client.data import DataSource, data_inputs, on_device
-from trainer_client.dcp_checkpoint import pointer_uri
 from trainer_client.determinism import seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
-from trainer_client.maintenance import CheckpointMaintenance
 from trainer_client.mesh import check_groups, mesh_groups
-from trainer_client.meta import encode_meta, importable_name, script_name
+from trainer_client.meta import importable_name, script_name
 from trainer_client.metrics import MetricsExporter
 from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
@@ -131,8 +127,8 @@ class SwiftlogClient:
                 timeout=config.commit.timeout,
                 shared_stage=config.stage if config.dp_replicate > 1 else None,
             )
-        self._maint = self._open_maintenance(config, commit_store, name)
-        self._checkpoints = StageCheckpoints(config, self.writer, self._maint)
+        self._checkpoints = StageCheckpoints(config, self.store, self.writer, commit_store, name)
+        self._maint = self._checkpoints.maint
         self._stage: LoggingPipelineStage | None = None
         self._schedule: PipelineScheduleSingle | None = None
         self._schedule_info: dict[str, Any] = {}
@@ -161,34 +157,6 @@ class SwiftlogClient:
         self._aborts = 0
         self._closed = False
         self._ready = True  # built: a metrics scrape may read the stats
-
-    def _open_maintenance(
-        self, config: ClientConfig, commit_store: dist.Store | None, name: str
-    ) -> CheckpointMaintenance:
-        """The thread that registers this stage's checkpoints, retires old ones and runs GC."""
-        ck_base = config.resolved_checkpoint_url()
-        shared = None
-        if commit_store is not None:
-            # registrations govern one pipeline's logs: each replica's pipeline shares its own
-            prefix = config.commit_prefix + ("" if config.dp_replicate == 1 else f"/dp{config.replica}")
-            shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
-        elif config.cold_url is None and config.num_stages > 1:
-            logger.warning(
-                "stage %d: no cold tier and no commit store: this stage's checkpoint registrations reach this "
-                "node's store root only, so nodes holding what it received never free it",
-                config.stage,
-            )
-        return CheckpointMaintenance(
-            self.store,
-            self.writer,
-            name,
-            keep=config.checkpoints.keep,
-            own_uri=lambda st, it: (pointer_uri if config.checkpoints.format == "dcp" else checkpoint_uri)(
-                ck_base, st, it
-            ),
-            storage_options=config.checkpoint_options(),
-            shared=shared,
-        )
 
     # ================================================================ building the pipeline
     def set_mesh(self, mesh: Any) -> None:
@@ -496,10 +464,19 @@ class SwiftlogClient:
             )
         self._stepped = None
         rec = self.recorder
-        self._check_complete(iteration)
+        rec.check_complete(iteration, self._schedule_info.get("n_microbatches"))
         own = self._ship.own_channels()
         self._watch.step_expect = None
-        doc, meta, sealed = self._queue_meta(iteration, own) if rec.enabled else (None, None, None)
+        doc, meta, sealed = (None, None, None)
+        if rec.enabled:
+            doc = self._meta.build(
+                iteration,
+                schedule_info=self._schedule_info,
+                step_t0=self._step_t0,
+                stage_module=self.stage_module,
+                steps={**self._grad_ops.meta_fields(), **self._watch.meta_fields()},
+            )
+            meta, sealed = self._meta.queue(iteration, doc, own, shipping=self._ship.shipping)
         ship_wait = self.config.commit.ship_wait
         if sealed is not None and own and ship_wait is not None:
             # the early seal covers the iteration's data, unless more was logged after it
@@ -535,44 +512,6 @@ class SwiftlogClient:
             if doc["lrs"] is not None:  # the coming optimizer step is checked against it
                 self._watch.step_expect = (iteration, doc)
         return CommitReport(iteration, decision, faults)
-
-    def _check_complete(self, iteration: int) -> None:
-        """An "incomplete_iteration" fault when the schedule step did not run every micro-batch's
-        forward and backward."""
-        rec = self.recorder
-        n_fwd = sum(1 for k, _ in rec.order if k == "F")
-        n_bwd = sum(1 for k, _ in rec.order if k == "B")
-        n_mb = self._schedule_info.get("n_microbatches")
-        if n_mb is not None and (n_fwd != n_mb or n_bwd != n_mb):
-            self.writer.note_fault(
-                "incomplete_iteration",
-                f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_mb} micro-batches",
-                iteration=iteration,
-            )
-
-    def _queue_meta(
-        self, iteration: int, own: list[Channel]
-    ) -> tuple[dict[str, Any], torch.Tensor, threading.Event | None]:
-        """Build ``iteration``'s META and queue it; with shipping, have the writer seal it and the
-        stage's own data (``own``) once written. Returns the document, its record and the event set
-        once sealed (None without shipping)."""
-        doc = self._meta.build(
-            iteration,
-            schedule_info=self._schedule_info,
-            step_t0=self._step_t0,
-            stage_module=self.stage_module,
-            steps={**self._grad_ops.meta_fields(), **self._watch.meta_fields()},
-        )
-        meta = encode_meta(doc)
-        self.writer.submit(Channel.meta(self.config.stage), iteration, 0, [meta])
-        sealed = None
-        if self._ship.shipping:
-            sealed = threading.Event()
-            self.writer.mark(
-                functools.partial(seal_then_set, self.store, [*own, Channel.meta(self.config.stage)], sealed)
-            )
-        self.writer.kick()  # write the iteration's records now, overlapping the optimizer step
-        return doc, meta, sealed
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer``'s learning rates and other hyperparameters in every META (what the
@@ -683,9 +622,7 @@ class SwiftlogClient:
     def checkpoint_uri(self, iteration: int) -> str:
         """Where this stage's checkpoint at ``iteration`` is, or goes, in the configured format
         (a DCP checkpoint: its pointer), e.g. to resume from it (``load_checkpoint``)."""
-        c = self.config
-        where = pointer_uri if c.checkpoints.format == "dcp" else checkpoint_uri
-        return where(c.resolved_checkpoint_url(), c.stage, iteration)
+        return self._checkpoints.uri(self.config.stage, iteration)
 
     def register_checkpoint(
         self,
@@ -750,14 +687,7 @@ class SwiftlogClient:
                 "ship_lagging": self._ship.lagging,
                 "ship_lag_since": self._ship.lag_since if self._ship.lagging else None,
             },
-            "checkpoints": {
-                "registered": [list(x) for x in self._maint.registered],
-                "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self._maint.unregistered],  # refused: retried
-                "retired": [list(x) for x in self._maint.retired],  # CheckpointConfig.keep: withdrawn and deleted
-                "gc_runs": self._maint.gc_runs,
-                "gc_deleted_records": self._maint.gc_deleted_records,
-                "last_gc": self._maint.last_gc,
-            },
+            "checkpoints": self._maint.stats(),
         }
         if include_store:
             try:

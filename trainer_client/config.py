@@ -36,7 +36,7 @@ from typing import Any
 
 from logstore import StoreConfig, validate_name, validate_run
 from logstore.errors import ConfigError, InvalidNameError
-from trainer_client.mesh import MeshLayout, exposed_stages, node_map
+from trainer_client.mesh import MeshLayout, exposed_stages, node_map, replica_run
 
 __all__ = [
     "ClientConfig",
@@ -269,8 +269,34 @@ class MetricsConfig:
             )
 
 
+class _MeshPosition:
+    """Where a config's rank stands in the mesh, derived from ``num_stages``, ``dp_replicate``,
+    ``stage`` and ``replica`` (shared by :class:`ClientConfig` and :class:`RecoveryConfig`)."""
+
+    __slots__ = ()
+    num_stages: int
+    dp_replicate: int
+    stage: int
+    replica: int
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The mesh: ``num_stages`` x ``dp_replicate``."""
+        return MeshLayout(self.num_stages, self.dp_replicate)
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank in the mesh: ``stage * dp_replicate + replica`` (the stage,
+        with one replica)."""
+        return self.layout.rank(self.stage, self.replica)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.dp_replicate
+
+
 @dataclass(kw_only=True, slots=True)
-class ClientConfig:
+class ClientConfig(_MeshPosition):
     """Configuration of one stage's :class:`~trainer_client.SwiftlogClient`.
 
     Identity
@@ -423,20 +449,10 @@ class ClientConfig:
 
     # -- derived ---------------------------------------------------------------------------
     @property
-    def layout(self) -> MeshLayout:
-        """The mesh: ``num_stages`` x ``dp_replicate``."""
-        return MeshLayout(self.num_stages, self.dp_replicate)
-
-    @property
-    def rank(self) -> int:
-        """This rank's global rank in the mesh (the stage, with one replica)."""
-        return self.layout.rank(self.stage, self.replica)
-
-    @property
     def log_run(self) -> str:
         """The run this rank's logs and checkpoints go under: ``run_id``, or with several
         replicas ``f"{run_id}.dp{replica}"`` (each replica's pipeline is logged on its own)."""
-        return self.run_id if self.dp_replicate == 1 else f"{self.run_id}.dp{self.replica}"
+        return replica_run(self.run_id, self.replica, self.dp_replicate)
 
     @property
     def is_first(self) -> bool:
@@ -497,7 +513,7 @@ class ClientConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RecoveryConfig:
+class RecoveryConfig(_MeshPosition):
     """How one stage takes part in in-place recovery (:class:`~trainer_client.ResilientLoop`).
 
     run_id / stage / num_stages / replica / dp_replicate: as in :class:`ClientConfig`. The
@@ -545,19 +561,6 @@ class RecoveryConfig:
             raise ConfigError("rejoin_timeout must be positive")
         if self.heartbeat_timeout is not None and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
-
-    @property
-    def layout(self) -> MeshLayout:
-        return MeshLayout(self.num_stages, self.dp_replicate)
-
-    @property
-    def rank(self) -> int:
-        """This rank's global rank in the mesh: ``stage * dp_replicate + replica``."""
-        return self.layout.rank(self.stage, self.replica)
-
-    @property
-    def world_size(self) -> int:
-        return self.num_stages * self.dp_replicate
 
 
 def _check_replica(replica: object, dp_replicate: object) -> None:

@@ -83,6 +83,18 @@ class CheckpointMaintenance:
         self._thread = threading.Thread(target=self._run, name=f"{name}-maint", daemon=True)
         self._thread.start()
 
+    def stats(self) -> dict[str, Any]:
+        """What ``SwiftlogClient.stats()["checkpoints"]`` says: registered, refused (retried),
+        retired (``CheckpointConfig.keep``: withdrawn and deleted), GC runs."""
+        return {
+            "registered": [list(x) for x in self.registered],
+            "unregistered": [[st, it, uri] for st, it, uri, _m, _g in self.unregistered],
+            "retired": [list(x) for x in self.retired],
+            "gc_runs": self.gc_runs,
+            "gc_deleted_records": self.gc_deleted_records,
+            "last_gc": self.last_gc,
+        }
+
     def submit(self, task: tuple) -> None:
         with self._lock:
             self._pending += 1

@@ -35,6 +35,7 @@ __all__ = [
     "mesh_groups",
     "node_map",
     "recovery_paths",
+    "replica_run",
 ]
 
 #: torchtitan's names of the mesh dimensions swiftlog uses
@@ -93,6 +94,12 @@ class MeshLayout:
         """``"rank 3 (stage 1 replica 1)"``, or ``"stage 1"`` in a mesh of one replica."""
         c = self.coord(rank)
         return f"stage {c.stage}" if self.dp_replicate == 1 else f"rank {rank} ({c})"
+
+
+def replica_run(run_id: str, replica: int, dp_replicate: int) -> str:
+    """The run replica ``replica``'s pipeline logs under: ``run_id`` with one replica, else
+    ``f"{run_id}.dp{replica}"`` (replicas compute on different data: their sends differ)."""
+    return run_id if dp_replicate == 1 else f"{run_id}.dp{replica}"
 
 
 def build_mesh(layout: MeshLayout, device_type: str = "cpu") -> Any:
@@ -182,7 +189,7 @@ def recovery_paths(layout: MeshLayout, lost: Iterable[int]) -> dict[int, RankRec
                 donor=live[0],
             )
         else:
-            group = tuple(x for x in layout.replicas_of(c.stage))
+            group = tuple(layout.replicas_of(c.stage))
             why = f"every replica of stage {c.stage} was lost (ranks {', '.join(map(str, group))}): " + (
                 "replay from the logs" if len(group) == 1 else "replay them together from their own logs"
             )

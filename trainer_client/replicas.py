@@ -174,6 +174,31 @@ def _chunks(sizes: Sequence[int], chunk: int) -> Iterator[list[tuple[int, int, i
         yield cur
 
 
+def _stream(tensors: Sequence[torch.Tensor], chunk: int, move: Any, *, inbound: bool) -> None:
+    """Move the tensors' bytes, laid end to end, in chunks (``move``: one send or receive). A chunk
+    that is one piece of one tensor moves in place; smaller pieces share a staging buffer, packed
+    before a send (``inbound`` False) or unpacked after a receive."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    views = [_bytes_of(t) for t in tensors]
+    staging = torch.empty(min(chunk, max(sum(sizes), 1)), dtype=torch.uint8)
+    for pieces in _chunks(sizes, chunk):
+        if len(pieces) == 1:
+            i, off, n = pieces[0]
+            move(views[i][off : off + n])
+            continue
+        at, pos = [], 0  # (the piece, its place in the staging buffer)
+        for i, off, n in pieces:
+            at.append((views[i][off : off + n], staging[pos : pos + n]))
+            pos += n
+        if not inbound:
+            for view, stage in at:
+                stage.copy_(view)
+        move(staging[:pos])
+        if inbound:
+            for view, stage in at:
+                view.copy_(stage)
+
+
 def send_state(
     state: Any, dst: int, *, group: dist.ProcessGroup | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> TransferReport:
@@ -196,18 +221,7 @@ def send_state(
     dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     t0 = time.perf_counter()
-    views = [_bytes_of(t) for t in tensors]
-    staging = torch.empty(min(chunk_bytes, max(sum(sizes), 1)), dtype=torch.uint8)
-    for pieces in _chunks(sizes, chunk_bytes):
-        if len(pieces) == 1:
-            i, off, n = pieces[0]
-            dist.send(views[i][off : off + n], dst, group=group)
-            continue
-        pos = 0
-        for i, off, n in pieces:
-            staging[pos : pos + n].copy_(views[i][off : off + n])
-            pos += n
-        dist.send(staging[:pos], dst, group=group)
+    _stream(tensors, chunk_bytes, lambda t: dist.send(t, dst, group=group), inbound=False)
     return TransferReport("sent", dst, sum(sizes), len(tensors), time.perf_counter() - t0)
 
 
@@ -233,20 +247,7 @@ def receive_state(
     ]
     sizes = [t.numel() * t.element_size() for t in tensors]
     t0 = time.perf_counter()
-    views = [_bytes_of(t) for t in tensors]
-    chunk = int(header["chunk"])
-    staging = torch.empty(min(chunk, max(sum(sizes), 1)), dtype=torch.uint8)
-    for pieces in _chunks(sizes, chunk):
-        if len(pieces) == 1:
-            i, off, m = pieces[0]
-            dist.recv(views[i][off : off + m], src, group=group)
-            continue
-        total = sum(m for _, _, m in pieces)
-        dist.recv(staging[:total], src, group=group)
-        pos = 0
-        for i, off, m in pieces:
-            views[i][off : off + m].copy_(staging[pos : pos + m])
-            pos += m
+    _stream(tensors, int(header["chunk"]), lambda t: dist.recv(t, src, group=group), inbound=True)
     seconds = time.perf_counter() - t0
     for i, (t, want) in enumerate(zip(tensors, header["digests"], strict=True)):
         if tensor_digest(t) != want:

@@ -113,6 +113,18 @@ class StageRecorder:
         self._fwd_count = 0
         self._loss_count = 0
 
+    def check_complete(self, iteration: int, n_microbatches: int | None) -> None:
+        """An "incomplete_iteration" fault when the schedule step did not run every micro-batch's
+        forward and backward (``n_microbatches``: the schedule's; None: not checked)."""
+        n_fwd = sum(1 for k, _ in self.order if k == "F")
+        n_bwd = sum(1 for k, _ in self.order if k == "B")
+        if n_microbatches is not None and (n_fwd != n_microbatches or n_bwd != n_microbatches):
+            self.writer.note_fault(
+                "incomplete_iteration",
+                f"iteration {iteration} ran {n_fwd} forwards and {n_bwd} backwards of {n_microbatches} micro-batches",
+                iteration=iteration,
+            )
+
     def _check_data_complete(self) -> None:
         """After the iteration's last forward (and, on the last stage, its last loss): the data it
         logged is all queued; call ``on_data_complete`` once."""

@@ -156,6 +156,7 @@ class _Heartbeat:
 
     def __init__(self, cfg: RecoveryConfig, keys: RecoveryKeys) -> None:
         self.cfg, self.keys = cfg, keys
+        self.rank, self.world = cfg.rank, cfg.world_size  # derived once: the loop asks every 100 ms
         self.generation = cfg.generation
         self._stop = threading.Event()
         self._store = dist.TCPStore(
@@ -164,7 +165,7 @@ class _Heartbeat:
             is_master=False,
             timeout=datetime.timedelta(seconds=30),
         )
-        self._thread = threading.Thread(target=self._run, name=f"swiftlog-heartbeat-{cfg.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"swiftlog-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -174,11 +175,11 @@ class _Heartbeat:
             g = self.generation
             try:
                 now = time.monotonic()
-                self._store.set(keys.heartbeat(g, cfg.rank), repr(time.time()))
+                self._store.set(keys.heartbeat(g, self.rank), repr(time.time()))
                 if cfg.heartbeat_timeout is None or self._store.check([keys.failed(g)]):
                     continue
-                for k in range(cfg.world_size):
-                    if k == cfg.rank or not self._store.check([keys.heartbeat(g, k)]):
+                for k in range(self.world):
+                    if k == self.rank or not self._store.check([keys.heartbeat(g, k)]):
                         continue  # not started yet in this generation: not judged
                     v = as_str(self._store.get(keys.heartbeat(g, k)))
                     prev = seen.get((g, k))
@@ -187,14 +188,14 @@ class _Heartbeat:
                     elif now - prev[1] > cfg.heartbeat_timeout.total_seconds():
                         logger.warning(
                             "rank %d: rank %d's heartbeat is %.1f s old: marking generation %d failed",
-                            cfg.rank,
+                            self.rank,
                             k,
                             now - prev[1],
                             g,
                         )
                         self._store.set(
                             keys.failed(g),
-                            f"heartbeat of rank {k} stale (seen by rank {cfg.rank})",
+                            f"heartbeat of rank {k} stale (seen by rank {self.rank})",
                         )
             except Exception as e:  # noqa: BLE001 - the monitor must never take the stage down
                 logger.debug("heartbeat: %s", e)

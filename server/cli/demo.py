@@ -342,9 +342,11 @@ def _stores(base: Path, timeline: list[dict[str, Any]], *, last_checkpoint: int)
 def _next_commands(stores: dict[str, Any], failed: int, workdir: Path, dp: int = 1) -> list[str]:
     """Commands to try on the demo's stores, with their real paths: over the node root of a
     neighbour of the failed stage (it logged what the failed stage received)."""
+    from trainer_client.mesh import replica_run
+
     k = failed - 1 if failed > 0 else 1
     neighbour = f"stage{k}-g0" if dp == 1 else f"stage{k}-dp0-g0"
-    run = RUN if dp == 1 else f"{RUN}.dp0"  # replica 0's pipeline
+    run = replica_run(RUN, 0, dp)  # replica 0's pipeline
     root = shlex.quote(stores["node_roots"][neighbour])
     cold = shlex.quote(stores["cold_url"])
     return [

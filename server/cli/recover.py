@@ -136,7 +136,7 @@ def _replica_logging(
     (``{run}.dp{r}``): this root's (with its cold tier), and the others' in the cold tier."""
     from replay.plan import cold_only_store
     from replay.replica_plan import plan_replica_logging
-    from trainer_client.mesh import MeshLayout
+    from trainer_client.mesh import MeshLayout, replica_run
 
     try:
         nodes = json.loads(node_map_file.read_text())
@@ -153,7 +153,7 @@ def _replica_logging(
     layout = MeshLayout(stages, dp_replicate)
     with handle_errors():
         node = make_node(root[0], cold_url, cold_option)
-        runs = [run] if dp_replicate == 1 else [f"{run}.dp{r}" for r in range(dp_replicate)]
+        runs = list(dict.fromkeys(replica_run(run, r, dp_replicate) for r in range(dp_replicate)))
         local = set(node.run_names())
         # a replica whose writers are on other nodes: its logs as the cold tier holds them
         others = {
