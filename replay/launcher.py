@@ -242,6 +242,46 @@ def run_with_failures(
     ).run()
 
 
+def stage_argv(
+    layout: MeshLayout,
+    rank: int,
+    *,
+    store_host: str,
+    store_port: int,
+    out: str,
+    run_id: str,
+    store_root: str,
+    checkpoint_url: str,
+    args: Sequence[str],
+) -> list[str]:
+    """The arguments a scheduler gives rank ``rank``'s training script (the script contract of
+    ``docs/recovery.md``): its mesh coordinate, the job's store, its node's log store root, where
+    checkpoints and results go, then ``args`` (the user's, then the role's)."""
+    c = layout.coord(rank)
+    mesh = [] if layout.dp_replicate == 1 else ["--replica", str(c.replica), "--dp-replicate", str(layout.dp_replicate)]
+    return [
+        "--resilient",
+        "--stage",
+        str(c.stage),
+        *mesh,
+        "--num-stages",
+        str(layout.num_stages),
+        "--store-host",
+        store_host,
+        "--store-port",
+        str(store_port),
+        "--out",
+        out,
+        "--run-id",
+        run_id,
+        "--store-root",
+        store_root,
+        "--checkpoint-url",
+        checkpoint_url,
+        *args,
+    ]
+
+
 class _Scheduler:
     """One :func:`run_with_failures`: the processes it started, the generations, the timeline."""
 
@@ -262,6 +302,8 @@ class _Scheduler:
         groups: Sequence[int] | None,
         script: str,
         dp_replicate: int = 1,
+        host: Any = None,
+        out_dir: str | None = None,
     ) -> None:
         self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
         self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
@@ -274,10 +316,11 @@ class _Scheduler:
             groups,
             script,
         )
-        self.host = StoreHost()
+        self.host = host or StoreHost()  # the job's store: .store, .port
         self.store = self.host.store
         self.keys = RecoveryKeys(run_id)
-        self.out_dir = os.path.join(base_dir, "out")
+        self.out_dir = out_dir or os.path.join(base_dir, "out")
+        self.load_results = True  # read every rank's results file at the end (a shared out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
         self.ctx = _ctx(script)
         self.procs: dict[str, Any] = {}
@@ -307,43 +350,32 @@ class _Scheduler:
         return f"stage{k}" if self.layout.dp_replicate == 1 else f"stage{c.stage}-dp{c.replica}"
 
     def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
-        root = os.path.join(self.base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
-        if not helper:
-            self.roots[k] = root
-        c = self.layout.coord(k)
-        mesh = (
-            []
-            if self.layout.dp_replicate == 1
-            else ["--replica", str(c.replica), "--dp-replicate", str(self.layout.dp_replicate)]
-        )
-        argv = [
-            "--resilient",
-            "--stage",
-            str(c.stage),
-            *mesh,
-            "--num-stages",
-            str(self.num_stages),
-            "--store-port",
-            str(self.host.port),
-            "--out",
-            self.out_dir,
-            "--run-id",
-            self.run_id,
-            "--store-root",
-            root,
-            "--checkpoint-url",
-            self.checkpoint_url,
-            *self.args,
-            *extra,
-        ]
-        self.logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
-        self.procs[name] = start_process(self.ctx, run_module_main, (argv, self.logs[name], self.script), name)
+        self.procs[name] = self.spawn(k, extra, name=name, helper=helper)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
             self.timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
             return
         self.current[k] = name
         self.stage_of[name] = k
         self.timeline.append({"t": time.time(), "what": "start", "name": name, "stage": k, "generation": g})
+
+    def spawn(self, k: int, extra: Sequence[str], *, name: str, helper: bool) -> Any:
+        """Start rank ``k``'s process ``name`` (role arguments ``extra``) on this host; its handle."""
+        root = os.path.join(self.base_dir, "nodes", f"{'helper-' if helper else ''}{name}")
+        if not helper:
+            self.roots[k] = root
+        argv = stage_argv(
+            self.layout,
+            k,
+            store_host="127.0.0.1",
+            store_port=self.host.port,
+            out=self.out_dir,
+            run_id=self.run_id,
+            store_root=root,
+            checkpoint_url=self.checkpoint_url,
+            args=[*self.args, *extra],
+        )
+        self.logs[name] = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1]
+        return start_process(self.ctx, run_module_main, (argv, self.logs[name], self.script), name)
 
     def start_replacement(self, j: int, g: int) -> None:
         # no --sources: the replacement reads the store roots the survivors report. Parallel replay:
@@ -405,7 +437,8 @@ class _Scheduler:
                     break
                 dead = [k for k, rc in states.items() if rc not in (None, 0)]
                 self._note_exits()
-                bug = _script_bug(states, {k: (n, self.logs[n]) for k, n in self.current.items()}, self.raised)
+                errors = {k: (n, self.error_of(n)) for k, n in self.current.items() if states[k] not in (None, 0)}
+                bug = _script_bug(states, errors, self.raised)
                 if bug is not None:
                     self.error = bug
                     self.timeline.append({"t": time.time(), "what": "give_up", "reason": self.error})
@@ -419,22 +452,40 @@ class _Scheduler:
                     if not self._on_death(dead, states):
                         break
                     continue
-                # the scheduler's poll period, woken at once when a stage process ends (not a protocol wait)
-                alive = [self.procs[n].sentinel for n in self.current.values() if self.procs[n].poll() is None]
-                if alive:
-                    multiprocessing.connection.wait(alive, timeout=0.02)
-                else:
-                    time.sleep(0.02)
+                self.idle()
         finally:
-            stop_all(self.procs.values())
+            self.stop_everything()
         return self._result()
+
+    def idle(self) -> None:
+        """The scheduler's poll period, woken at once when a stage process ends (not a protocol wait)."""
+        alive = [self.procs[n].sentinel for n in self.current.values() if self.procs[n].poll() is None]
+        if alive:
+            multiprocessing.connection.wait(alive, timeout=0.02)
+        else:
+            time.sleep(0.02)
+
+    def stop_everything(self) -> None:
+        """Kill and reap every process still running (the end of the run, whatever happened)."""
+        stop_all(self.procs.values())
+
+    def error_of(self, name: str) -> str | None:
+        """The error process ``name`` (exited) raised, from its log; None if it raised none."""
+        return last_error(self.logs[name])
+
+    def output_of(self, name: str) -> str:
+        """Process ``name``'s output, its log file removed (the end of the run)."""
+        with open(self.logs[name]) as f:
+            out = f.read()
+        os.unlink(self.logs[name])
+        return out
 
     def _note_exits(self) -> None:
         """Every exit, also those a settle or a rollback took over: the errors a later process may repeat."""
         for n, j in self.stage_of.items():
             if n not in self.exited and (rc_n := self.procs[n].poll()) is not None:
                 self.exited.add(n)
-                line = _last_error(self.logs[n]) if rc_n > 0 else None
+                line = self.error_of(n) if rc_n > 0 else None
                 if line is not None:
                     self.raised.setdefault(j, {})[n] = line
 
@@ -486,11 +537,7 @@ class _Scheduler:
         self.gen += 1
 
     def _result(self) -> RecoveryRun:
-        outputs = {}
-        for n, path in self.logs.items():
-            with open(path) as f:
-                outputs[n] = f.read()
-            os.unlink(path)
+        outputs = {n: self.output_of(n) for n in list(self.logs)}
         rcs = {n: p.returncode for n, p in self.procs.items()}
         ok = not self.timed_out and all(self.procs[n].returncode == 0 for n in self.current.values())
         store, keys = self.store, self.keys
@@ -514,26 +561,28 @@ class _Scheduler:
             k: _f(store.get(keys.kill_time(k))) for k in range(self.world) if store.check([keys.kill_time(k)])
         }
         if ok:
-            run.results = {
-                k: torch.load(os.path.join(self.out_dir, f"{self.name(k)}.pt"), weights_only=False)
-                for k in range(self.world)
-            }
+            if self.load_results:
+                run.results = {
+                    k: torch.load(os.path.join(self.out_dir, f"{self.name(k)}.pt"), weights_only=False)
+                    for k in range(self.world)
+                }
             run.timings = recovery_timings(store, keys, run.timeline, self.world)
         return run
 
 
 def _script_bug(
-    states: dict[int, int | None], logs: dict[int, tuple[str, str]], raised: dict[int, dict[str, str]]
+    states: dict[int, int | None], errors: dict[int, tuple[str, str | None]], raised: dict[int, dict[str, str]]
 ) -> str | None:
     """Whether the stages' exits show a bug in the training script rather than a machine failure:
     a stage's process raised the error an earlier process of the same stage raised (its
     replacement, or its restart after a rollback, met it again), or every stage's process exited
     raising an error (none was killed), two of them the same one (machines do not fail alike, all
-    at once). ``logs``: stage -> (its current process's name, log path); ``raised``: stage ->
-    {process name: the error it raised} of earlier exits. Returns the reason, or None."""
-    lines = {k: _last_error(logs[k][1]) for k, rc in states.items() if rc is not None and rc > 0}
+    at once). ``errors``: stage -> (its current process's name, the error it exited with) for the
+    exited ones; ``raised``: stage -> {process name: the error it raised} of earlier exits.
+    Returns the reason, or None."""
+    lines = {k: errors[k][1] for k, rc in states.items() if rc is not None and rc > 0 and k in errors}
     for k, line in lines.items():
-        if line is not None and any(n != logs[k][0] and old == line for n, old in raised.get(k, {}).items()):
+        if line is not None and any(n != errors[k][0] and old == line for n, old in raised.get(k, {}).items()):
             return (
                 f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not "
                 "a machine failure"
@@ -550,7 +599,7 @@ def _script_bug(
 
 
 @functools.lru_cache(maxsize=1024)
-def _last_error(log_path: str) -> str | None:
+def last_error(log_path: str) -> str | None:
     """The last line of a traceback's exception in a stage's log (``Type: message``), or None.
     Asked only of exited processes, whose logs no longer change (cached)."""
     try:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ from replay.helpers import release_helpers, replay_with_helpers
 from replay.job import ReplayJob, ReplayResult, SourceSpec
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from trainer_client.checkpoint import load_checkpoint
+from trainer_client.config import ENV_NODE
 from trainer_client.errors import CheckpointError, RecoveryFailedError
 from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths, replica_run
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
@@ -91,6 +93,8 @@ class RecoveredStage:
     path: str = "replay"
     donor: int | None = None
     why: str = ""
+    #: what the replay read from each source, in the order asked: kind, location, records, bytes
+    sources: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -108,6 +112,7 @@ class RecoveredStage:
                 "bytes_fetched",
                 "timings",
                 "warnings",
+                "sources",
             )
         }
 
@@ -364,6 +369,10 @@ def recover_stage(
             timings,
             list(rep.warnings),
             why=path.why,
+            sources=[
+                {"kind": spec.kind, "location": spec.location, "records": s.records, "bytes": s.bytes}
+                for spec, s in zip(job.sources, opened, strict=True)
+            ],
         )
     finally:
         if helpers > 0:
@@ -581,12 +590,21 @@ def _s(v: Any) -> str:
 
 
 def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
-    """The survivors' reported store roots (their hot tiers), then each cold tier once.
+    """The survivors' hot tiers, then each cold tier once.
 
-    The same records either way (a hot entry whose segment went to the cold tier is found in the
-    cold source), but a cold tier is listed once per key window instead of once per survivor.
+    A survivor on another node (its report names a node, not this process's ``SWIFTLOG_NODE``, and
+    a node server) is read over HTTP from that server; one on this node (or one no agent placed)
+    from its store root. The same records either way (a hot entry whose segment went to the cold
+    tier is found in the cold source), but a cold tier is listed once per key window instead of
+    once per survivor.
     """
-    out = [SourceSpec(kind="store", location=d["store_root"]) for _, d in sorted(docs.items()) if d.get("store_root")]
+    here = os.environ.get(ENV_NODE)
+    out = []
+    for _, d in sorted(docs.items()):
+        if d.get("node_url") and d.get("node") != here:
+            out.append(SourceSpec(kind="http", location=d["node_url"]))
+        elif d.get("store_root"):
+            out.append(SourceSpec(kind="store", location=d["store_root"]))
     for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):
         out.append(SourceSpec(kind="cold", location=cold))
     return out

@@ -86,21 +86,28 @@ def gloo_on_loopback() -> None:
 
 
 def loopback_store(timeout: timedelta = timedelta(seconds=300)) -> dist.TCPStore:
-    """A TCPStore server on 127.0.0.1 only, on a free port (``.port``), for processes of this host.
+    """A TCPStore server on 127.0.0.1 only, on a free port (``.port``), for processes of this host."""
+    return bound_store("127.0.0.1", 0, timeout)
 
-    ``dist.TCPStore(host, 0, is_master=True)`` listens on every interface whatever ``host`` says;
-    here the listening socket is bound to loopback first and handed over (torch owns and closes it).
+
+def bound_store(host: str, port: int, timeout: timedelta = timedelta(seconds=300)) -> dist.TCPStore:
+    """A TCPStore server listening on ``host``:``port`` only (port 0: a free one, then ``.port``).
+
+    ``dist.TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host`` says;
+    here the listening socket is bound to ``host`` first and handed over (torch owns and closes it).
+    Raises OSError when the address cannot be bound (in use, not this host's).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
         sock.listen(4096)
         port = sock.getsockname()[1]
     except BaseException:
         sock.close()
         raise
     return dist.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach()
+        host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach()
     )
 
 

@@ -60,6 +60,10 @@ _CODECS = ("auto", "planes", "zstd", "raw")
 #: Set by torchrun to the number of times its agent restarted the workers. A restarted job
 #: commits under its own prefix (``CommitConfig.prefix``).
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: set by ``swiftlog agent`` for its workers: the node they run on (a survivor's report names it) and
+#: the node server that serves their log store root over HTTP (a replacement on another node reads it there)
+ENV_NODE = "SWIFTLOG_NODE"
+ENV_NODE_URL = "SWIFTLOG_NODE_URL"
 
 
 def group_starts(logging_groups: Sequence[int] | None, num_stages: int) -> frozenset[int]:

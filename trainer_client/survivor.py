@@ -44,6 +44,7 @@ import datetime
 import gc
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ import torch.distributed as dist
 
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
-from trainer_client.config import RecoveryConfig
+from trainer_client.config import ENV_NODE, ENV_NODE_URL, RecoveryConfig
 from trainer_client.errors import (
     CommitStoreError,
     IterationAbortedError,
@@ -473,6 +474,9 @@ class ResilientLoop:
                     # where this node's logs are (a replacement without explicit sources reads them there)
                     "store_root": str(self.client.config.store_root),
                     "cold_url": self.client.config.cold_url,
+                    # set by a node agent: which node that root is on, and its node server
+                    "node": os.environ.get(ENV_NODE),
+                    "node_url": os.environ.get(ENV_NODE_URL),
                     "t_detect": t_detect,
                     "t_reported": ev.t_reported,
                     "error": msg,
