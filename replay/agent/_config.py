@@ -1,0 +1,105 @@
+"""What one ``swiftlog agent`` is told: the job's shape, its rendezvous, this node's place in it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from replay.launcher import KillSpec
+from trainer_client.mesh import MeshLayout
+
+__all__ = ["AgentConfig"]
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """One node agent's configuration (torchrun's flags where torchrun has one).
+
+    nnodes / nproc_per_node: the job's regular nodes and processes (ranks) per node; the world is
+        their product, a ``pp`` x ``dp_replicate`` mesh (rank = stage * dp_replicate + replica).
+    node_rank: this node's rank (0..nnodes-1; node 0 hosts the job's store at ``rdzv_endpoint``
+        and leads), or None for a spare node, which takes the ranks of a lost node.
+    rdzv_endpoint: ``HOST:PORT`` of the job's store (a TCPStore, outside the training ranks).
+    host: the address this node's servers bind (its node servers, and for node 0 the store).
+    module: the training script, a module with ``main(argv)`` that takes the arguments of the
+        script contract (``docs/recovery.md``); ``args``: the user's arguments to it.
+    store_root: this node's log store root (each process gets ``{store_root}/{name}``).
+    checkpoint_url / out: durable checkpoints, and where the processes write their results.
+    warm: start processes from a fork server that imported torch and ``module`` once (a warm
+        spare: milliseconds instead of an interpreter and its imports).
+    serve_logs: run a node server (``swiftlog serve``) over each process's store root, so that a
+        replacement on another node reads its hot tier over HTTP (needs the server extra).
+    node_timeout_s: a node whose heartbeat has not moved for this long is lost, with its ranks.
+    mode: "swift" (replace what was lost, survivors keep their state) or "rollback" (restart every
+        rank from the newest common checkpoint on any failure: what a job without swiftlog does).
+    kills: fault injection (tests, bench): each :class:`~replay.launcher.KillSpec` goes to its rank's
+        first process (``--kill-at``).
+    """
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int | None
+    rdzv_endpoint: str
+    module: str
+    run_id: str
+    store_root: str
+    checkpoint_url: str
+    out: str
+    args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    dp_replicate: int = 1
+    replay_workers: int = 1
+    max_restarts: int = 4
+    grace_s: float = 3.0
+    heartbeat_s: float = 0.2
+    node_timeout_s: float = 3.0
+    rdzv_timeout_s: float = 120.0
+    job_timeout_s: float = 24 * 3600.0
+    warm: bool = True
+    mode: str = "swift"
+    serve_logs: bool = True
+    kills: tuple[KillSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("nnodes", "nproc_per_node", "dp_replicate", "replay_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (or None for a spare), got {self.node_rank!r}")
+        if self.world_size % self.dp_replicate or self.world_size // self.dp_replicate < 2:
+            raise ValueError(
+                f"{self.nnodes} node(s) x {self.nproc_per_node} process(es) = {self.world_size} ranks do not make "
+                f"a pipeline of >= 2 stages x {self.dp_replicate} replica(s)"
+            )
+        if self.mode not in ("swift", "rollback"):
+            raise ValueError(f"mode must be 'swift' or 'rollback', got {self.mode!r}")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"rdzv_endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}")
+        for name in ("heartbeat_s", "node_timeout_s", "grace_s", "rdzv_timeout_s", "job_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.node_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError("node_timeout_s must exceed two heartbeats")
+        layout = self.layout
+        for ks in self.kills:
+            if ks.stage >= layout.num_stages or ks.replica >= layout.dp_replicate:
+                raise ValueError(f"kills: {ks} outside the mesh of {layout.num_stages} x {layout.dp_replicate}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout(self.world_size // self.dp_replicate, self.dp_replicate)
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def process_root(self, name: str) -> str:
+        """Process ``name``'s log store root on this node."""
+        return os.path.join(self.store_root, name)

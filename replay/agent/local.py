@@ -1,0 +1,172 @@
+"""Several ``swiftlog agent`` hosts on this machine: each its own 127.0.0.x address and store root.
+
+:class:`LocalCluster` starts one agent process per node (each in a session of its own, so that
+:meth:`LocalCluster.lose_node` kills the agent with everything it started, as a machine's loss
+does) and waits for node 0's verdict. Tests, the bench and the demo use it; on a real cluster each
+node runs the ``swiftlog agent`` command line itself (docs/deployment.md).
+
+Never: shares a store root between nodes, or binds anything but loopback addresses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trainer_client.recovery_keys import RecoveryKeys
+
+__all__ = ["LocalCluster", "NodeProcess"]
+
+
+@dataclass
+class NodeProcess:
+    """One agent process: its node (``None`` for a spare), address, store root and log file."""
+
+    node: int | None
+    host: str
+    root: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """``nnodes`` regular nodes of ``nproc_per_node`` ranks plus ``spares`` spare nodes under ``base``.
+
+    Node n binds ``127.0.0.{n + 2}``, the spares the next ones; node 0 hosts the job's store on
+    ``port`` (0: a free one). ``agent_args``
+    go to every agent (e.g. ``--dp-replicate 2``, ``--cold-start``), ``node0_args`` to node 0
+    (``--inject-kill``), ``script_args`` to the training script.
+    """
+
+    base: Path
+    module: str
+    script_args: Sequence[str]
+    nnodes: int = 2
+    nproc_per_node: int = 2
+    spares: int = 1
+    port: int = 0  # 0: a free one
+    run_id: str = "rec"
+    agent_args: Sequence[str] = ()
+    node0_args: Sequence[str] = ()
+    nodes: list[NodeProcess] = field(default_factory=list)
+
+    @property
+    def checkpoint_url(self) -> str:
+        return f"file://{self.base / 'ckpt'}"
+
+    @property
+    def out(self) -> Path:
+        return self.base / "out"
+
+    def start(self) -> LocalCluster:
+        self.base.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.2", 0))
+                self.port = int(s.getsockname()[1])
+        order = [*range(1, self.nnodes), *[None] * self.spares, 0]  # node 0 last: it waits for nobody
+        for i, n in enumerate(order):
+            host = f"127.0.0.{(n if n is not None else self.nnodes + i) + 2}"
+            root = self.base / (f"node{n}" if n is not None else f"spare{i}")
+            log = self.base / f"agent-{root.name}.log"
+            cmd = [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "agent",
+                "--nnodes",
+                str(self.nnodes),
+                "--nproc-per-node",
+                str(self.nproc_per_node),
+                "--rdzv-endpoint",
+                f"127.0.0.2:{self.port}",
+                "--run-id",
+                self.run_id,
+                "--checkpoint-url",
+                self.checkpoint_url,
+                "--out",
+                str(self.out),
+                "--host",
+                host,
+                "--store-root",
+                str(root),
+                "-m",
+                self.module,
+                "-v",
+                *(["--node-rank", str(n)] if n is not None else ["--spare"]),
+                *self.agent_args,
+                *(self.node0_args if n == 0 else ()),
+                "--",
+                *self.script_args,
+            ]
+            with open(log, "wb") as f:
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            self.nodes.append(NodeProcess(n, host, root, log, proc))
+        return self
+
+    def node(self, n: int) -> NodeProcess:
+        return next(p for p in self.nodes if p.node == n)
+
+    def store(self) -> dist.TCPStore:
+        """A client of the job's store (node 0's)."""
+        return dist.TCPStore("127.0.0.2", self.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+    def wait_for_iteration(self, iteration: int, timeout_s: float = 120.0) -> int:
+        """Until the last stage applied ``iteration`` (the job's progress key); the newest applied."""
+        keys, deadline = RecoveryKeys(self.run_id), time.monotonic() + timeout_s
+        store = self.store()
+        while time.monotonic() < deadline:
+            if store.check([keys.progress()]):
+                done = [int(e.split(":")[0]) for e in store.get(keys.progress()).decode().split(";") if e]
+                if done and max(done) >= iteration:
+                    return max(done)
+            time.sleep(0.05)
+        raise TimeoutError(f"iteration {iteration} not applied within {timeout_s} s")
+
+    def lose_node(self, n: int, *, delete_root: bool = True) -> float:
+        """SIGKILL node ``n``'s agent and everything it started; delete its store root (its hot tier)
+        when ``delete_root``. Returns the wall time of the kill."""
+        p = self.node(n)
+        store, keys = self.store(), RecoveryKeys(self.run_id)
+        t = time.time()
+        os.killpg(p.proc.pid, signal.SIGKILL)
+        for rank in range(n * self.nproc_per_node, (n + 1) * self.nproc_per_node):  # its first ranks
+            store.set(keys.kill_time(rank), repr(t))  # as a --kill-at does: the recovery timings start here
+        p.proc.wait()
+        if delete_root:
+            shutil.rmtree(p.root, ignore_errors=True)
+        return t
+
+    def wait(self, timeout_s: float = 300.0) -> int:
+        """Node 0's exit code once the job is over; every agent is stopped on return."""
+        try:
+            return self.node(0).proc.wait(timeout=timeout_s)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for p in self.nodes:
+            if p.proc.poll() is None:
+                try:
+                    p.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.proc.pid, signal.SIGKILL)
+                    p.proc.wait()
