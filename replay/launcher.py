@@ -69,6 +69,7 @@ KILL_PHASES = (
     "dcp_save",
     "upload",
     "recovering",
+    "hang",
 )
 
 
@@ -81,7 +82,9 @@ class KillSpec:
     backward, reduce (just before the replicas' gradient average, in a mesh), commit, optimizer,
     checkpoint, dcp_save (the DCP save of the checkpoint at ``iteration``, before its
     ``.metadata``: with ``--checkpoint-format dcp``), upload (in the uploader thread), recovering
-    (right after reporting as a survivor of the first failure; ``iteration`` unused). The template
+    (right after reporting as a survivor of the first failure; ``iteration`` unused), hang (the
+    training thread stops in the forward of micro-batch ``micro_batch``, for good, while the process
+    and its heartbeat live: a hang detector must find it). The template
     ``minimal_resilient`` injects forward and optimizer only (and refuses the others)."""
 
     stage: int

@@ -70,3 +70,21 @@ def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, re
     assert src.get("http", 0) > 0, src  # node 0's hot tiers, over the network
     assert src.get("cold", 0) > 0, src  # what only the lost node had
     assert "node 1 lost" in c.node(0).output()
+
+
+def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: Any) -> None:
+    """Rank 1 stops in the forward of iteration 3 (its process and heartbeat live on); its
+    neighbours stall waiting on it. The leader kills the busy one only, and it is replaced."""
+    extra = ("--data-source",)
+    c = LocalCluster(
+        tmp_path,
+        SCRIPT,
+        pipeline_args(tmp_path, "1f1b", extra),
+        agent_args=["--hang-timeout", "step=3"],
+        node0_args=["--inject-kill", "1:3,1,hang"],
+    ).start()
+    res = _finish(c)
+    assert_same_as(res, references.get("1f1b", extra=extra))
+    out = c.node(0).output()
+    assert "hang: rank 1 (stage1-g0) made no progress" in out, out[-3000:]
+    assert "rcs={'stage0-g0': 0, 'stage1-g0': -9, 'stage2-g0': 0, 'stage3-g0': 0, 'stage1-g1': 0}" in out

@@ -52,6 +52,7 @@ from trainer_client.errors import IterationAbortedError, UnsupportedScheduleErro
 from trainer_client.mesh import check_groups, mesh_groups
 from trainer_client.meta import importable_name, script_name
 from trainer_client.metrics import MetricsExporter
+from trainer_client.progress import Progress
 from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.stage import LoggingPipelineStage, StageRecorder
 from trainer_client.writer import AsyncLogWriter
@@ -615,9 +616,15 @@ class SwiftlogClient:
         """
         # taken between iterations: the previous one's optimizer / scheduler steps are made
         self._watch.check_apply(iteration)
-        uri = self._checkpoints.save(iteration, model, optimizer, lr_scheduler, extra)
-        self._after_checkpoint(iteration, optimizer, lr_scheduler)
+        with self.progress.section_of("checkpoint"):
+            uri = self._checkpoints.save(iteration, model, optimizer, lr_scheduler, extra)
+            self._after_checkpoint(iteration, optimizer, lr_scheduler)
         return uri
+
+    @property
+    def progress(self) -> Progress:
+        """The training thread's position (section, busy or waiting), which a heartbeat publishes."""
+        return self.recorder.progress
 
     def checkpoint_uri(self, iteration: int) -> str:
         """Where this stage's checkpoint at ``iteration`` is, or goes, in the configured format

@@ -44,6 +44,7 @@ from logstore import Channel
 from logstore.errors import ConfigError
 from trainer_client.config import ClientConfig
 from trainer_client.determinism import autocast_state, seed_micro_batch
+from trainer_client.progress import Progress
 from trainer_client.writer import AsyncLogWriter
 
 __all__ = ["LoggingPipelineStage", "StageRecorder"]
@@ -62,6 +63,7 @@ class StageRecorder:
         self.config = config
         self.writer = writer
         self.stage = config.stage
+        self.progress = Progress()  # the training thread's position (the client's, for its heartbeat)
         # with replicas on two or more machines for every stage, a run may log nothing (the config says why)
         self.enabled = config.enabled and config.logging_off_reason is None
         self.log_data = config.log_data
@@ -434,17 +436,22 @@ class LoggingPipelineStage(PipelineStage):
         kwargs: dict[str, Any] | None = None,
         save_forward_output: bool = True,
     ):  # type: ignore[override]
+        self.recorder.progress.busy()
         self.recorder.on_forward(self, fwd_chunk_id, args, kwargs)
         self.recorder.seed(fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.recorder.progress.waiting()  # next: its sends, then a receive
+        return out
 
     # type: ignore[override]
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
+        self.recorder.progress.busy()
         if self.has_backward:
             self.recorder.on_backward(self, bwd_chunk_id, full_backward)
-        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.recorder.progress.waiting()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[torch.distributed.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)

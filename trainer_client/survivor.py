@@ -64,6 +64,7 @@ from trainer_client.errors import (
     RecoveryTimeoutError,
 )
 from trainer_client.mesh import build_mesh, recovery_paths
+from trainer_client.progress import Progress
 from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
 from trainer_client.replicas import TransferReport, receive_state, send_state
 
@@ -152,11 +153,13 @@ def is_pipeline_failure(e: BaseException) -> bool:
 
 
 class _Heartbeat:
-    """Background thread: writes this stage's heartbeat and marks the generation failed when
-    another stage's heartbeat goes stale. Own store connection; never raises into training."""
+    """Background thread: writes this stage's heartbeat (with the training thread's
+    :class:`~trainer_client.progress.Progress`: a watcher tells a hung rank by it) and marks the
+    generation failed when another stage's heartbeat goes stale. Own store connection; never
+    raises into training."""
 
-    def __init__(self, cfg: RecoveryConfig, keys: RecoveryKeys) -> None:
-        self.cfg, self.keys = cfg, keys
+    def __init__(self, cfg: RecoveryConfig, keys: RecoveryKeys, progress: Progress) -> None:
+        self.cfg, self.keys, self.progress = cfg, keys, progress
         self.rank, self.world = cfg.rank, cfg.world_size  # derived once: the loop asks every 100 ms
         self.generation = cfg.generation
         self._stop = threading.Event()
@@ -176,7 +179,8 @@ class _Heartbeat:
             g = self.generation
             try:
                 now = time.monotonic()
-                self._store.set(keys.heartbeat(g, self.rank), repr(time.time()))
+                beat = {"t": time.time(), **self.progress.snapshot()}
+                self._store.set(keys.heartbeat(g, self.rank), json.dumps(beat))
                 if cfg.heartbeat_timeout is None or self._store.check([keys.failed(g)]):
                     continue
                 for k in range(self.world):
@@ -374,8 +378,9 @@ class ResilientLoop:
         # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
         # collection that _recover runs to close the failed group's sockets (0.4 s -> milliseconds)
         gc.freeze()
+        progress = self.client.progress
         if self.cfg.store_host is not None and self.cfg.store_port is not None and self._hb is None:
-            self._hb = _Heartbeat(self.cfg, self.keys)
+            self._hb = _Heartbeat(self.cfg, self.keys, progress)
             self._hb.generation = self.generation
         try:
             if not joined:
@@ -386,11 +391,14 @@ class ResilientLoop:
                 while it < stop:
                     failure = None
                     try:
+                        progress.busy()
                         if before is not None:
                             before(it)
                         self._save_buffers()
                         forward_backward(it)
+                        progress.waiting()  # on the other ranks' done reports
                         self.client.commit(it)
+                        progress.busy()
                     except Exception as e:
                         if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
                             raise
@@ -399,7 +407,8 @@ class ResilientLoop:
                         failure = f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
                     if failure is not None:
                         failures += 1
-                        it = self._recover(it, failure)
+                        with progress.section_of("recovery"):
+                            it = self._recover(it, failure)
                         continue
                     apply(it)
                     self.iteration_end.append((it, time.time(), self.generation))

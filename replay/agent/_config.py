@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from replay.launcher import KillSpec
 from trainer_client.mesh import MeshLayout
+from trainer_client.progress import SECTIONS
 
 __all__ = ["AgentConfig"]
 
@@ -32,6 +33,10 @@ class AgentConfig:
     node_timeout_s: a node whose heartbeat has not moved for this long is lost, with its ranks.
     mode: "swift" (replace what was lost, survivors keep their state) or "rollback" (restart every
         rank from the newest common checkpoint on any failure: what a job without swiftlog does).
+    hang_timeouts: ``(section, seconds)`` pairs (sections: step, checkpoint, recovery): a rank whose
+        progress (published with its heartbeat) stays still that long in that section is hung; the
+        leader kills the culprit (the stalled rank that is busy, not those waiting on it) and it is
+        replaced like a dead one. Empty (default): no hang detection.
     kills: fault injection (tests, bench): each :class:`~replay.launcher.KillSpec` goes to its rank's
         first process (``--kill-at``).
     """
@@ -58,6 +63,7 @@ class AgentConfig:
     warm: bool = True
     mode: str = "swift"
     serve_logs: bool = True
+    hang_timeouts: tuple[tuple[str, float], ...] = ()
     kills: tuple[KillSpec, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -82,6 +88,9 @@ class AgentConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.node_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("node_timeout_s must exceed two heartbeats")
+        for section, seconds in self.hang_timeouts:
+            if section not in SECTIONS or not seconds > 0:
+                raise ValueError(f"hang timeout {section}={seconds}: a section of {SECTIONS} and seconds > 0")
         layout = self.layout
         for ks in self.kills:
             if ks.stage >= layout.num_stages or ks.replica >= layout.dp_replicate:

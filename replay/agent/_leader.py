@@ -91,6 +91,9 @@ class AgentScheduler(_Scheduler):
         self._beats: dict[int, tuple[int, float]] = {}  # node -> (last counter, when it last moved)
         self._sent: dict[int, int] = {}
         self.placement: list[dict[str, Any]] = []
+        self._hang_limits = dict(cfg.hang_timeouts)
+        self._progress: dict[int, tuple[tuple[Any, ...], float]] = {}  # rank -> (its progress, since when)
+        self._hang_checked = 0.0
 
     # -- nodes -------------------------------------------------------------------------------
     def rendezvous(self) -> None:
@@ -174,7 +177,36 @@ class AgentScheduler(_Scheduler):
 
     def idle(self) -> None:
         self._refresh_nodes()
+        if self._hang_limits and time.monotonic() - self._hang_checked > 0.25:
+            self._hang_checked = time.monotonic()
+            self._check_hangs()
         time.sleep(0.05)
+
+    def _check_hangs(self) -> None:
+        """Kill the culprit of a hang: among the ranks whose progress stood still longer than their
+        section allows, the busy one (the others wait on it), the earliest stalled if several."""
+        now, stalled = time.monotonic(), []
+        for k, name in self.current.items():
+            key = self.keys.heartbeat(self.gen, k)
+            if self.procs[name].returncode is not None or not self.store.check([key]):
+                continue
+            beat = json.loads(self.store.get(key))
+            sig = (name, beat["count"], beat["section"], beat["state"])
+            prev = self._progress.get(k)
+            if prev is None or prev[0] != sig:
+                self._progress[k] = (sig, now)
+            elif beat["section"] in self._hang_limits and now - prev[1] > self._hang_limits[beat["section"]]:
+                stalled.append((k, sig, prev[1]))
+        if not stalled:
+            return
+        busy = [s for s in stalled if s[1][3] == "busy"]
+        k, (name, _, section, state), since = min(busy or stalled, key=lambda s: s[2])
+        why = f"rank {k} ({name}) made no progress for {now - since:.1f} s in {section} ({state})"
+        logger.warning("hang: %s; the stalled: %s: killing it", why, [s[0] for s in stalled])
+        self.timeline.append({"t": time.time(), "what": "hang", "rank": k, "stalled": [s[0] for s in stalled]})
+        self.store.set(self.keys.kill_time(k), repr(time.time()))
+        self.procs[name].kill()
+        self._progress.clear()
 
     def stop_everything(self) -> None:
         for p in self.procs.values():

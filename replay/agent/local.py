@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from replay.agent.hosts import NODE_DIR, NamespaceHosts
 from trainer_client.recovery_keys import RecoveryKeys
 
 __all__ = ["LocalCluster", "NodeProcess"]
@@ -38,6 +39,7 @@ class NodeProcess:
     root: Path
     log: Path
     proc: subprocess.Popen[bytes]
+    index: int = 0  # its host's index
 
     def output(self) -> str:
         try:
@@ -51,7 +53,8 @@ class LocalCluster:
     """``nnodes`` regular nodes of ``nproc_per_node`` ranks plus ``spares`` spare nodes under ``base``.
 
     Node n binds ``127.0.0.{n + 2}``, the spares the next ones; node 0 hosts the job's store on
-    ``port`` (0: a free one). ``agent_args``
+    ``port`` (0: a free one). With ``hosts`` (entered, ``nnodes + spares`` of them), node i runs
+    on namespaced host i instead, its directory ``base/<name>`` bound at its :data:`NODE_DIR`. ``agent_args``
     go to every agent (e.g. ``--dp-replicate 2``, ``--cold-start``), ``node0_args`` to node 0
     (``--inject-kill``), ``script_args`` to the training script.
     """
@@ -66,6 +69,7 @@ class LocalCluster:
     run_id: str = "rec"
     agent_args: Sequence[str] = ()
     node0_args: Sequence[str] = ()
+    hosts: NamespaceHosts | None = None
     nodes: list[NodeProcess] = field(default_factory=list)
 
     @property
@@ -78,13 +82,16 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         self.base.mkdir(parents=True, exist_ok=True)
-        if not self.port:
+        if not self.port and self.hosts is not None:  # nothing else listens in a fresh namespace
+            self.port = 20000 + os.getpid() % 20000
+        elif not self.port:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.2", 0))
                 self.port = int(s.getsockname()[1])
         order = [*range(1, self.nnodes), *[None] * self.spares, 0]  # node 0 last: it waits for nobody
         for i, n in enumerate(order):
-            host = f"127.0.0.{(n if n is not None else self.nnodes + i) + 2}"
+            index = n if n is not None else self.nnodes + i - (self.nnodes - 1)
+            host = self.address(index)
             root = self.base / (f"node{n}" if n is not None else f"spare{i}")
             log = self.base / f"agent-{root.name}.log"
             cmd = [
@@ -97,7 +104,7 @@ class LocalCluster:
                 "--nproc-per-node",
                 str(self.nproc_per_node),
                 "--rdzv-endpoint",
-                f"127.0.0.2:{self.port}",
+                f"{self.address(0)}:{self.port}",
                 "--run-id",
                 self.run_id,
                 "--checkpoint-url",
@@ -107,7 +114,7 @@ class LocalCluster:
                 "--host",
                 host,
                 "--store-root",
-                str(root),
+                str(root) if self.hosts is None else NODE_DIR,
                 "-m",
                 self.module,
                 "-v",
@@ -117,17 +124,23 @@ class LocalCluster:
                 "--",
                 *self.script_args,
             ]
+            if self.hosts is not None:
+                cmd = self.hosts.wrap(index, cmd, root)
             with open(log, "wb") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            self.nodes.append(NodeProcess(n, host, root, log, proc))
+            self.nodes.append(NodeProcess(n, host, root, log, proc, index))
         return self
+
+    def address(self, index: int) -> str:
+        """Host ``index``'s address (node n is host n; the spares follow the regular nodes)."""
+        return f"127.0.0.{index + 2}" if self.hosts is None else self.hosts.address(index)
 
     def node(self, n: int) -> NodeProcess:
         return next(p for p in self.nodes if p.node == n)
 
     def store(self) -> dist.TCPStore:
         """A client of the job's store (node 0's)."""
-        return dist.TCPStore("127.0.0.2", self.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        return dist.TCPStore(self.address(0), self.port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
     def wait_for_iteration(self, iteration: int, timeout_s: float = 120.0) -> int:
         """Until the last stage applied ``iteration`` (the job's progress key); the newest applied."""
@@ -148,6 +161,8 @@ class LocalCluster:
         store, keys = self.store(), RecoveryKeys(self.run_id)
         t = time.time()
         os.killpg(p.proc.pid, signal.SIGKILL)
+        if self.hosts is not None:
+            self.hosts.kill_host(p.index)
         for rank in range(n * self.nproc_per_node, (n + 1) * self.nproc_per_node):  # its first ranks
             store.set(keys.kill_time(rank), repr(t))  # as a --kill-at does: the recovery timings start here
         p.proc.wait()

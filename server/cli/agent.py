@@ -44,6 +44,13 @@ def agent(
     cold_start: Annotated[
         bool, typer.Option("--cold-start", help="start each process as a fresh interpreter (no warm fork server)")
     ] = False,
+    hang_timeout: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--hang-timeout",
+            help="SECTION=SECONDS (step, checkpoint, recovery): a rank stalled that long is hung and replaced",
+        ),
+    ] = None,
     inject_kill: Annotated[
         list[str] | None,
         typer.Option("--inject-kill", help="fault injection: RANK:IT,MB,PHASE (the rank's first process)"),
@@ -88,6 +95,7 @@ def agent(
             warm=not cold_start,
             mode=mode,
             kills=tuple(kills),
+            hang_timeouts=tuple(_section_seconds(x) for x in hang_timeout or []),
         )
     except ValueError as e:
         raise fail(str(e), code=2) from None
@@ -96,6 +104,14 @@ def agent(
         typer.echo(run.describe())
         if not run.ok:
             raise typer.Exit(1)
+
+
+def _section_seconds(text: str) -> tuple[str, float]:
+    section, _, seconds = text.partition("=")
+    try:
+        return section, float(seconds)
+    except ValueError:
+        raise ValueError(f"--hang-timeout {text!r}: SECTION=SECONDS, e.g. step=60") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -283,12 +283,16 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                     _kill(store, keys, rank)
 
             client.before_replica_average = die_before_average
-        if kill is not None and kill[2] in ("forward", "backward"):
-            name = "forward_one_chunk" if kill[2] == "forward" else "backward_one_chunk"
+        if kill is not None and kill[2] in ("forward", "backward", "hang"):
+            name = "backward_one_chunk" if kill[2] == "backward" else "forward_one_chunk"
             orig = getattr(stage, name)
 
             def hooked(mb: int, *a: Any, **kw: Any) -> Any:
                 if (client.recorder.iteration, mb) == kill[:2]:
+                    if kill[2] == "hang":  # stuck in compute: the process and its heartbeat live on
+                        client.progress.busy()
+                        while True:
+                            time.sleep(1)
                     _kill(store, keys, rank)
                 return orig(mb, *a, **kw)
 
