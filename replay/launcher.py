@@ -428,9 +428,10 @@ class _Scheduler:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> RecoveryRun:
         try:
+            first = self.first_args()
             for k in range(self.world):
                 kill = ["--kill-at", self.kill_of[k].arg()] if k in self.kill_of else []
-                self.start(k, 0, kill, name=f"{self.name(k)}-g0")
+                self.start(k, 0, [*kill, *first], name=f"{self.name(k)}-g0")
             while True:
                 if time.time() - self.t0 > self.timeout_s:
                     self.timed_out = True
@@ -459,6 +460,10 @@ class _Scheduler:
         finally:
             self.stop_everything()
         return self._result()
+
+    def first_args(self) -> list[str]:
+        """Role arguments of every rank's first process (none: a fresh start)."""
+        return []
 
     def idle(self) -> None:
         """The scheduler's poll period, woken at once when a stage process ends (not a protocol wait)."""

@@ -7,18 +7,33 @@ of the same arguments (the shared references).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from replay.agent.hosts import NamespaceHosts, namespaces_available
 from replay.agent.local import LocalCluster
 from tests._recovery_helpers import Reference, assert_same_as, pipeline_args
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = "trainer_client.examples.train_resilient"
+
+
+@pytest.fixture(params=["loopback", "namespaces"])
+def hosts(request: pytest.FixtureRequest) -> Any:
+    """None: every host a 127.0.0.x of this machine; else 3 namespaced hosts on 1 Gbit/s links."""
+    if request.param == "loopback":
+        yield None
+        return
+    why = namespaces_available()
+    if why:
+        pytest.skip(f"namespaced hosts: {why}")
+    with NamespaceHosts(3, rate="1gbit") as h:
+        yield h
 
 
 def _results(c: LocalCluster) -> Reference:
@@ -39,10 +54,14 @@ def _sources(res: Reference, rank: int) -> dict[str, int]:
     return out
 
 
-def test_a_dead_process_is_replaced_on_its_node(tmp_path: Path, references: Any) -> None:
+def test_a_dead_process_is_replaced_on_its_node(tmp_path: Path, references: Any, hosts: Any) -> None:
     extra = ("--data-source",)
     c = LocalCluster(
-        tmp_path, SCRIPT, pipeline_args(tmp_path, "1f1b", extra), node0_args=["--inject-kill", "1:3,1,backward"]
+        tmp_path,
+        SCRIPT,
+        pipeline_args(tmp_path, "1f1b", extra),
+        node0_args=["--inject-kill", "1:3,1,backward"],
+        hosts=hosts,
     ).start()
     res = _finish(c)
     assert_same_as(res, references.get("1f1b", extra=extra))
@@ -55,12 +74,16 @@ def test_a_dead_process_is_replaced_on_its_node(tmp_path: Path, references: Any)
     assert src.get("store", 0) > 0 and src.get("http", 0) > 0, src
 
 
-def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, references: Any) -> None:
+def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, references: Any, hosts: Any) -> None:
     """Node 1 (ranks 2 and 3) is SIGKILLed with its agent and its store root deleted: the spare
     starts both replacements; they read node 0's hot tiers over its node servers and the lost
-    node's own records (the last stage's targets) from the cold tier."""
-    c = LocalCluster(tmp_path, SCRIPT, pipeline_args(tmp_path, "1f1b"), agent_args=["--node-timeout", "1.0"]).start()
+    node's own records (the last stage's targets) from the cold tier. Namespaced, every byte the
+    spare read from node 0 crossed its link."""
+    c = LocalCluster(
+        tmp_path, SCRIPT, pipeline_args(tmp_path, "1f1b"), agent_args=["--node-timeout", "1.0"], hosts=hosts
+    ).start()
     c.wait_for_iteration(2)
+    link = hosts.link_bytes(2) if hosts else None
     c.lose_node(1)
     res = _finish(c)
     assert_same_as(res, references.get("1f1b", extra=()))
@@ -70,6 +93,10 @@ def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, re
     assert src.get("http", 0) > 0, src  # node 0's hot tiers, over the network
     assert src.get("cold", 0) > 0, src  # what only the lost node had
     assert "node 1 lost" in c.node(0).output()
+    if hosts is not None:
+        http = sum(s["bytes"] for k in (2, 3) for s in res.results[k]["recovered"]["sources"] if s["kind"] == "http")
+        received = hosts.link_bytes(2)["in"] - link["in"]
+        assert received > http / 2, (received, http)  # the records came over the spare's link (compressed)
 
 
 def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: Any) -> None:
@@ -88,3 +115,21 @@ def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: A
     out = c.node(0).output()
     assert "hang: rank 1 (stage1-g0) made no progress" in out, out[-3000:]
     assert "rcs={'stage0-g0': 0, 'stage1-g0': -9, 'stage2-g0': 0, 'stage3-g0': 0, 'stage1-g1': 0}" in out
+
+
+def test_losing_the_store_host_ends_in_a_clean_global_restart(tmp_path: Path, references: Any, hosts: Any) -> None:
+    """Node 0 (the job's store and the leader) is lost: every other agent stops its processes and
+    exits 4 (unavailable); the job restarted with --resume --attempt 1 starts every rank from the
+    newest common checkpoint and ends bit-exact."""
+    extra = ("--data-source",)
+    args = pipeline_args(tmp_path, "1f1b", extra)
+    c = LocalCluster(tmp_path, SCRIPT, args, hosts=hosts).start()
+    c.wait_for_iteration(3)
+    c.lose_node(0)
+    for p in c.nodes[:-1]:  # node 1 and the spare
+        assert p.proc.wait(timeout=60) == 4, p.output()[-3000:]
+        assert "the job's store" in p.output() and "--resume" in p.output()
+    again = LocalCluster(tmp_path, SCRIPT, args, hosts=hosts, agent_args=["--resume", "--attempt", "1"]).start()
+    res = _finish(again)
+    assert_same_as(res, references.get("1f1b", extra=extra))
+    assert re.search(r"every rank resumes from checkpoint [24]\b", again.node(0).output())

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from replay.agent._config import AgentConfig
 from replay.agent._keys import AgentKeys
 from replay.agent._leader import AgentScheduler, RemoteProcess
-from replay.agent._node import NodeAgent
+from replay.agent._node import JobStoreLostError, NodeAgent
 from replay.launcher import RecoveryRun
 from trainer_client.commit import bound_store
 
-__all__ = ["AgentConfig", "AgentKeys", "AgentScheduler", "NodeAgent", "RemoteProcess", "run_agent"]
+__all__ = ["AgentConfig", "AgentKeys", "AgentScheduler", "JobStoreLostError", "NodeAgent", "RemoteProcess", "run_agent"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ def run_agent(cfg: AgentConfig) -> RecoveryRun | None:
     logger.info("node %d registered at %s (%s)", node.node, cfg.host, "spare" if cfg.node_rank is None else "regular")
     if hosted is None:
         node.serve_until_done()
+        if node.store_lost is not None:
+            raise JobStoreLostError(
+                f"node {node.node}: the job's store at {cfg.rdzv_endpoint} is gone ({node.store_lost}); this node "
+                "stopped its processes. Restart every agent with --resume and the next --attempt: every rank "
+                "then starts from the newest checkpoint they all have"
+            )
         return None
     sched = AgentScheduler(cfg, hosted)
     worker = threading.Thread(target=node.serve_until_done, name="swiftlog-agent-node", daemon=True)

@@ -37,6 +37,9 @@ class AgentConfig:
         progress (published with its heartbeat) stays still that long in that section is hung; the
         leader kills the culprit (the stalled rank that is busy, not those waiting on it) and it is
         replaced like a dead one. Empty (default): no hang detection.
+    resume: start every rank from the newest checkpoint they all have (``--resume-from C``): a
+        job restarted after a global failure, e.g. the loss of node 0 with the job's store.
+    attempt: the job's restart count (names this attempt's processes and store roots apart).
     kills: fault injection (tests, bench): each :class:`~replay.launcher.KillSpec` goes to its rank's
         first process (``--kill-at``).
     """
@@ -64,6 +67,8 @@ class AgentConfig:
     mode: str = "swift"
     serve_logs: bool = True
     hang_timeouts: tuple[tuple[str, float], ...] = ()
+    resume: bool = False
+    attempt: int = 0
     kills: tuple[KillSpec, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:

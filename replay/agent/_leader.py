@@ -141,6 +141,18 @@ class AgentScheduler(_Scheduler):
         self.store.set(self.akeys.command_count(node), str(seq))
 
     # -- the launcher's hooks ----------------------------------------------------------------
+    def name(self, k: int) -> str:
+        base = super().name(k)
+        return f"{base}-a{self.cfg.attempt}" if self.cfg.attempt else base
+
+    def first_args(self) -> list[str]:
+        if not self.cfg.resume:
+            return []
+        c = self._common_checkpoint()
+        self.timeline.append({"t": time.time(), "what": "resume", "checkpoint": c})
+        logger.warning("attempt %d: every rank resumes from checkpoint %s", self.cfg.attempt, c)
+        return [] if c is None else ["--resume-from", str(c)]
+
     def spawn(self, k: int, extra: Sequence[str], *, name: str, helper: bool) -> RemoteProcess:
         node = self._place_helper(k) if helper else self._place(k)
         self.placement.append({"name": name, "rank": k, "node": node, "helper": helper})

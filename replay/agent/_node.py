@@ -31,12 +31,17 @@ from replay.launcher import last_error, stage_argv
 from replay.processes import forkserver_context, run_module_main, start_process
 from trainer_client.config import ENV_NODE, ENV_NODE_URL
 
-__all__ = ["NodeAgent", "free_memory_bytes"]
+__all__ = ["JobStoreLostError", "NodeAgent", "free_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 
 #: how often the node looks at its commands and processes (seconds)
 POLL_S = 0.02
+
+
+class JobStoreLostError(RuntimeError):
+    """The job's store (node 0's) is gone: this node stopped its processes. Only a global restart
+    from checkpoints (``--resume``, a new attempt) continues the job."""
 
 
 def free_memory_bytes() -> int:
@@ -62,6 +67,7 @@ class NodeAgent:
         self.logs: dict[str, str] = {}
         self.reported: set[str] = set()
         self.seen = 0
+        self.store_lost: str | None = None
         self.log_dir = os.path.join(cfg.store_root, "agent-logs")
         os.makedirs(self.log_dir, exist_ok=True)
         self._ctx = forkserver_context(["torch", "torch.distributed.pipelining", cfg.module, "replay.replacement"])
@@ -108,6 +114,7 @@ class NodeAgent:
                 time.sleep(POLL_S)
         except Exception as e:  # noqa: BLE001 - the store (the leader's node) is lost
             logger.error("node %d: lost the job's store (%s); stopping its processes", self.node, e)
+            self.store_lost = f"{type(e).__name__}: {e}"
         finally:
             self.stop()
 

@@ -163,8 +163,9 @@ class LocalCluster:
         os.killpg(p.proc.pid, signal.SIGKILL)
         if self.hosts is not None:
             self.hosts.kill_host(p.index)
-        for rank in range(n * self.nproc_per_node, (n + 1) * self.nproc_per_node):  # its first ranks
-            store.set(keys.kill_time(rank), repr(t))  # as a --kill-at does: the recovery timings start here
+        if n != 0:  # node 0's loss takes the store with it
+            for rank in range(n * self.nproc_per_node, (n + 1) * self.nproc_per_node):  # its first ranks
+                store.set(keys.kill_time(rank), repr(t))  # as a --kill-at does: the recovery timings start here
         p.proc.wait()
         if delete_root:
             shutil.rmtree(p.root, ignore_errors=True)

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from server.cli._common import fail
+from server.errors import EXIT_UNAVAILABLE
 
 __all__ = ["register"]
 
@@ -51,6 +52,10 @@ def agent(
             help="SECTION=SECONDS (step, checkpoint, recovery): a rank stalled that long is hung and replaced",
         ),
     ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="every rank starts from the newest common checkpoint (a job restart)")
+    ] = False,
+    attempt: Annotated[int, typer.Option("--attempt", min=0, help="this job attempt's number (restarts)")] = 0,
     inject_kill: Annotated[
         list[str] | None,
         typer.Option("--inject-kill", help="fault injection: RANK:IT,MB,PHASE (the rank's first process)"),
@@ -58,7 +63,7 @@ def agent(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what the agent does")] = False,
 ) -> None:
     """Run this node's agent: supervise its ranks one by one, replace what dies, keep survivors running."""
-    from replay.agent import AgentConfig, run_agent
+    from replay.agent import AgentConfig, JobStoreLostError, run_agent
     from replay.launcher import KillSpec
     from trainer_client.mesh import MeshLayout
 
@@ -95,11 +100,18 @@ def agent(
             warm=not cold_start,
             mode=mode,
             kills=tuple(kills),
+            resume=resume,
+            attempt=attempt,
             hang_timeouts=tuple(_section_seconds(x) for x in hang_timeout or []),
         )
     except ValueError as e:
         raise fail(str(e), code=2) from None
-    run = run_agent(cfg)
+    try:
+        run = run_agent(cfg)
+    except JobStoreLostError as e:
+        raise fail(
+            str(e), code=EXIT_UNAVAILABLE, hint="restart the job: every agent with --resume --attempt N+1"
+        ) from None
     if run is not None:
         typer.echo(run.describe())
         if not run.ok:
