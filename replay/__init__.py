@@ -53,6 +53,7 @@ from replay.remote import HttpRecordSource, RemoteLogReader
 from replay.replacement import recover_stage, report_fallback, report_ready
 from replay.replica_plan import ReplicaLoggingPlan, plan_replica_logging
 from replay.report import ReplayReport
+from replay.restart import RestartDecision, recover_on_restart
 from replay.stage import ReplayHooks, StageState
 
 __all__ = [
@@ -85,6 +86,9 @@ __all__ = [
     "report_fallback",
     "serve_replay_helper",
     "EXIT_FALLBACK",
+    # a torchrun restart: survivors' snapshots, only the lost ranks replay
+    "recover_on_restart",
+    "RestartDecision",
     # trying a failure on one machine
     "run_with_failures",
     "KillSpec",

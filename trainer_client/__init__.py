@@ -73,6 +73,7 @@ from trainer_client.errors import (
     RecoveryFailedError,
     RecoveryTimeoutError,
     ReplicaTransferError,
+    RestartRequired,
     UnsupportedScheduleError,
 )
 from trainer_client.mesh import MeshLayout, build_mesh, recovery_paths
@@ -122,5 +123,6 @@ __all__ = [
     "UnsupportedScheduleError",
     "RecoveryFailedError",
     "RecoveryTimeoutError",
+    "RestartRequired",
     "ReplicaTransferError",
 ]

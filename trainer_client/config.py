@@ -537,6 +537,11 @@ class RecoveryConfig(_MeshPosition):
         None: no heartbeat).
     commit_prefix: the commit store's key prefix (default None: the client's).
     max_failures: recoveries after which a further failure is raised instead (default 4).
+    snapshot_dir: under torchrun (which stops every rank when one fails): a node-local directory
+        (e.g. ``trainer_client.snapshots.default_snapshot_dir()``). On a failure, or on the
+        agent's SIGTERM, this rank saves its state there at the resume iteration and raises
+        ``RestartRequired`` instead of waiting for a replacement; ``replay.recover_on_restart``
+        resumes from it in the next attempt. None (default): wait for a replacement.
     """
 
     run_id: str
@@ -554,6 +559,7 @@ class RecoveryConfig(_MeshPosition):
     store_port: int | None = None
     commit_prefix: str | None = None
     max_failures: int = 4
+    snapshot_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.num_stages:

@@ -89,6 +89,11 @@ class RecoveryFailedError(ClientError):
     """The pipeline could not be re-formed (the replacement gave up, or survivors disagree)."""
 
 
+class RestartRequired(RecoveryFailedError):
+    """No replacement comes (torchrun restarts every rank): this rank saved its state node-locally
+    (``RecoveryConfig.snapshot_dir``) and must exit; ``replay.recover_on_restart`` resumes it."""
+
+
 class RecoveryTimeoutError(RecoveryFailedError):
     """A recovery wait passed its deadline; the message names the keys it waited for."""
 

@@ -11,19 +11,23 @@ Never: writes a key (the protocol's writers do); waits without a deadline.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
 import torch.distributed as dist
 
+from trainer_client.config import ENV_RESTART_COUNT
 from trainer_client.errors import RecoveryFailedError, RecoveryTimeoutError
 
 __all__ = ["RecoveryKeys", "as_str", "pg_prefix", "wait_for_keys", "wait_until_woken"]
 
 
 def pg_prefix(run_id: str, generation: int) -> str:
-    """Store prefix of the process group of ``generation`` (generation 0 is the initial one)."""
-    return f"{run_id}/pg/gen{generation}"
+    """Store prefix of the process group of ``generation`` (generation 0 is the initial one); under
+    a torchrun restart, of that attempt (the agent's store keeps the earlier attempts' keys)."""
+    restart = os.environ.get(ENV_RESTART_COUNT, "0").strip()
+    return f"{run_id}/pg/gen{generation}" + (f"/restart{restart}" if restart not in ("", "0") else "")
 
 
 class RecoveryKeys:
@@ -31,8 +35,11 @@ class RecoveryKeys:
 
     def __init__(self, run_id: str, commit_prefix: str | None = None) -> None:
         self.run_id = run_id
-        self.base = f"swiftlog/{run_id}/recovery"
         self.commit_prefix = (commit_prefix or f"swiftlog/{run_id}").rstrip("/")
+        # the protocol's keys live with the commit prefix (a torchrun restart has its own); the
+        # job-wide marks (progress, kill times) span every attempt
+        self.base = f"{self.commit_prefix}/recovery"
+        self.run_base = f"swiftlog/{run_id}/recovery"
 
     def failed(self, g: int) -> str:
         """The commit coordinator's "generation failed" key (its presence aborts every commit wait)."""
@@ -86,11 +93,11 @@ class RecoveryKeys:
 
     def progress(self) -> str:
         """Appended by the example script's last stage after every applied iteration (plots)."""
-        return f"{self.base}/progress"
+        return f"{self.run_base}/progress"
 
     def kill_time(self, stage: int) -> str:
         """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
-        return f"{self.base}/kill_time/{stage}"
+        return f"{self.run_base}/kill_time/{stage}"
 
 
 def as_str(v: Any) -> str:

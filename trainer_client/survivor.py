@@ -45,6 +45,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -62,11 +63,13 @@ from trainer_client.errors import (
     IterationAbortedError,
     RecoveryFailedError,
     RecoveryTimeoutError,
+    RestartRequired,
 )
 from trainer_client.mesh import build_mesh, recovery_paths
 from trainer_client.progress import Progress
 from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
 from trainer_client.replicas import TransferReport, receive_state, send_state
+from trainer_client.snapshots import save_snapshot
 
 __all__ = [
     "RecoveryEvent",
@@ -106,6 +109,10 @@ class RecoveryEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _StopRequested(Exception):
+    """The job's agent asked this rank to stop (SIGTERM, snapshot mode): handled as a failure."""
 
 
 class _GroupTeardown:
@@ -259,6 +266,7 @@ class ResilientLoop:
         # module buffers at the start of the current iteration (restored when it is discarded)
         self._buffers = BufferSnapshot()
         self._buffers_of: torch.nn.Module | None = None
+        self._terminate: str | None = None  # why the job's agent asked this rank to stop (snapshot mode)
 
     # ------------------------------------------------------------------ module buffers
     def _save_buffers(self) -> None:
@@ -378,6 +386,7 @@ class ResilientLoop:
         # objects alive now (torch, model, optimizer) live for the whole run: keep them out of the
         # collection that _recover runs to close the failed group's sockets (0.4 s -> milliseconds)
         gc.freeze()
+        restore_sigterm = self._catch_sigterm()
         progress = self.client.progress
         if self.cfg.store_host is not None and self.cfg.store_port is not None and self._hb is None:
             self._hb = _Heartbeat(self.cfg, self.keys, progress)
@@ -389,8 +398,10 @@ class ResilientLoop:
             failures = 0
             while True:
                 while it < stop:
-                    failure = None
+                    failure = self._terminate
                     try:
+                        if failure is not None:
+                            raise _StopRequested(failure)
                         progress.busy()
                         if before is not None:
                             before(it)
@@ -399,6 +410,8 @@ class ResilientLoop:
                         progress.waiting()  # on the other ranks' done reports
                         self.client.commit(it)
                         progress.busy()
+                    except _StopRequested:
+                        pass
                     except Exception as e:
                         if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
                             raise
@@ -421,9 +434,23 @@ class ResilientLoop:
                 failures += 1
                 it = self._recover(it, failure, discard=False)
         finally:
+            restore_sigterm()
             if self._hb is not None:
                 self._hb.close()
                 self._hb = None
+
+    def _catch_sigterm(self) -> Callable[[], None]:
+        """With ``snapshot_dir``: torchrun's SIGTERM (sent to every rank when one failed) asks for a
+        snapshot at the next iteration boundary instead of ending the process at once. Returns
+        what puts the previous handler back."""
+        if self.cfg.snapshot_dir is None or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def stop(signum: int, frame: Any) -> None:
+            self._terminate = "SIGTERM: the job's agent stops every rank"
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        return lambda: signal.signal(signal.SIGTERM, previous)
 
     def _finish(self, stop: int) -> str | None:
         """The end-of-run barrier: report this stage finished and wait until every stage did, so
@@ -494,6 +521,8 @@ class ResilientLoop:
                 }
             ),
         )
+        if cfg.snapshot_dir is not None:  # torchrun: nobody replaces the lost rank in place
+            self._snapshot_and_stop(it, g, teardown)
         self._await_replacements(ev)
         ev.t_ready = time.time()
         teardown.wait(cfg.rejoin_timeout.total_seconds())
@@ -510,6 +539,33 @@ class ResilientLoop:
         if self.on_event is not None:
             self.on_event(ev)
         return it
+
+    def _snapshot_and_stop(self, it: int, g: int, teardown: _GroupTeardown) -> None:
+        """Save this rank's state at ``it`` node-locally, then raise RestartRequired (once the
+        failed group is torn down: a process must not exit under gloo's threads)."""
+        cfg = self.cfg
+        module = self.client.stage_module if self.client.stage_module is not None else self._buffers_of
+        if module is None:
+            raise RecoveryFailedError(f"{self._who}: no stage module to snapshot (was rebuild called?)")
+        path = save_snapshot(
+            cfg.snapshot_dir,  # type: ignore[arg-type]
+            run_id=cfg.run_id,
+            rank=cfg.rank,
+            stage=cfg.stage,
+            replica=cfg.replica,
+            iteration=it,
+            generation=g,
+            commit_prefix=self.keys.commit_prefix,
+            module=module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+        )
+        logger.warning("%s: state at iteration %d saved to %s; the job must restart", self._who, it, path)
+        teardown.wait(cfg.rejoin_timeout.total_seconds())
+        raise RestartRequired(
+            f"{self._who}: state at iteration {it} saved to {path}: restart the job "
+            "(replay.recover_on_restart resumes this rank from it)"
+        )
 
     def _abort_generation(self, it: int, msg: str) -> None:
         """Step 2: every stage waiting in commit aborts; nobody can commit ``it`` any more."""

@@ -47,9 +47,11 @@ from trainer_client import (
     RecoveryConfig,
     RecoveryKeys,
     ResilientLoop,
+    RestartRequired,
     SwiftlogClient,
     load_checkpoint,
 )
+from trainer_client.config import ENV_RESTART_COUNT
 from trainer_client.examples.common import build_parser as _base_parser
 from trainer_client.examples.common import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.examples.gpt import (
@@ -115,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="fault injection: ITER,MB,PHASE (phase: " + ", ".join(KILL_PHASES) + ")",
     )
+    a(
+        "--snapshot-dir",
+        default=None,
+        help="under torchrun: on a failure save this rank's state here (node-local) and exit; the next "
+        "attempt resumes from it and only the lost rank replays",
+    )
     a("--rejoin-timeout", type=float, default=120.0)
     a(
         "--heartbeat-timeout",
@@ -126,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kill(store: dist.Store, keys: RecoveryKeys, stage: int) -> None:
-    store.set(keys.kill_time(stage), repr(time.time()))
+    t = time.time()
+    print(f"KILL {t!r}", flush=True)  # for a reader without the store (torchrun's ends with its agent)
+    store.set(keys.kill_time(stage), repr(t))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -230,6 +240,26 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             ck = load_checkpoint(client.checkpoint_uri(args.resume_from))
             ck.apply(model, optimizer, lr_scheduler)
             start = args.resume_from
+        elif args.snapshot_dir and os.environ.get(ENV_RESTART_COUNT, "0").strip() not in ("", "0"):
+            from replay import recover_on_restart
+
+            decision = recover_on_restart(  # a torchrun restart: survivors' snapshots, the lost rank replays
+                store,
+                run_id=args.run_id,
+                stage=k,
+                num_stages=S,
+                checkpoint_url=config.resolved_checkpoint_url(),
+                snapshot_dir=args.snapshot_dir,
+                replica=r,
+                dp_replicate=args.dp_replicate,
+                model="trainer_client.examples.factories:gpt_stage",
+                model_args=cfg.to_dict(),
+                data_source="trainer_client.examples.factories:gpt_data" if args.data_source else None,
+                n_microbatches=cfg.n_microbatches,
+                threads=args.threads,
+            )
+            start = decision.apply(model, optimizer, lr_scheduler)
+            recovered = {"path": decision.how, "why": decision.why, "resume": start}
     kill: tuple[int, int, str] | None = None
     if args.kill_at:
         it_s, mb_s, phase = args.kill_at.split(",")
@@ -354,6 +384,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
         store_host=args.store_host,
         store_port=args.store_port,
+        snapshot_dir=args.snapshot_dir,
     )
     loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)
     t_join = time.time()
@@ -453,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.replay_helper_rank:
         return run_replay_helper(args)
-    result = run_stage(args)
+    try:
+        result = run_stage(args)
+    except RestartRequired as e:  # under torchrun with --snapshot-dir: the next attempt resumes from it
+        print(f"RESTART {e}", flush=True)
+        return 1
     print(
         "RESULT "
         + json.dumps(
