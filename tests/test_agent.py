@@ -7,6 +7,7 @@ of the same arguments (the shared references).
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,25 @@ def test_losing_the_store_host_ends_in_a_clean_global_restart(tmp_path: Path, re
     res = _finish(again)
     assert_same_as(res, references.get("1f1b", extra=extra))
     assert re.search(r"every rank resumes from checkpoint [24]\b", again.node(0).output())
+
+
+def test_losing_a_helpers_node_during_a_replay_still_ends_bit_exact(tmp_path: Path, references: Any) -> None:
+    """Rank 1 dies; its replacement (node 0) replays with a helper the leader placed on a survivor
+    node; that node is lost as soon as the replay job is out. The replacement replays alone (the
+    spare held the helper) or the job rolls back (node 1 held it, with ranks 2 and 3): either way
+    the final states are the failure-free run's."""
+    extra = ("--data-source",)
+    c = LocalCluster(
+        tmp_path,
+        SCRIPT,
+        pipeline_args(tmp_path, "1f1b", extra),
+        agent_args=["--replay-workers", "2", "--node-timeout", "1.0"],
+        node0_args=["--inject-kill", "1:3,1,backward"],
+    ).start()
+    store, job = c.store(), "swiftlog/rec/recovery/gen0/replay_job/1"
+    store.wait([job], datetime.timedelta(seconds=120))
+    helper_on = [p for p in c.nodes if (p.root / "agent-logs" / "stage1-g1-helper1.log").is_file()]
+    assert len(helper_on) == 1 and helper_on[0].node != 0  # on a survivor node, not the replacement's
+    c.lose_node(helper_on[0].node) if helper_on[0].node is not None else c.lose_spare(helper_on[0])
+    res = _finish(c)
+    assert_same_as(res, references.get("1f1b", extra=extra))

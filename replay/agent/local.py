@@ -157,13 +157,20 @@ class LocalCluster:
     def lose_node(self, n: int, *, delete_root: bool = True) -> float:
         """SIGKILL node ``n``'s agent and everything it started; delete its store root (its hot tier)
         when ``delete_root``. Returns the wall time of the kill."""
-        p = self.node(n)
+        return self._lose(self.node(n), delete_root)
+
+    def lose_spare(self, p: NodeProcess, *, delete_root: bool = True) -> float:
+        """:meth:`lose_node` for a spare node (which has no node rank of its own)."""
+        return self._lose(p, delete_root)
+
+    def _lose(self, p: NodeProcess, delete_root: bool) -> float:
+        n = p.node if p.node is not None else -1
         store, keys = self.store(), RecoveryKeys(self.run_id)
         t = time.time()
         os.killpg(p.proc.pid, signal.SIGKILL)
         if self.hosts is not None:
             self.hosts.kill_host(p.index)
-        if n != 0:  # node 0's loss takes the store with it
+        if n > 0:  # node 0's loss takes the store with it; a spare held no first ranks
             for rank in range(n * self.nproc_per_node, (n + 1) * self.nproc_per_node):  # its first ranks
                 store.set(keys.kill_time(rank), repr(t))  # as a --kill-at does: the recovery timings start here
         p.proc.wait()
