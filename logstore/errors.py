@@ -32,7 +32,9 @@ the whole tree of what swiftlog raises)::
     │   └── RecoveryFailedError
     │       ├── RecoveryTimeoutError
     │       ├── ReplicaTransferError          a replica's state arrived other than sent
-    │       └── replay: ReplacementFallback      a replay is impossible: roll back instead
+    │       ├── RestartRequired               torchrun: the state is saved, restart the job
+    │       ├── replay: ReplacementFallback      a replay is impossible: roll back instead
+    │       └── replay: JobStoreLostError        an agent lost the job's store: restart every rank
     ├── replay: ReplayError
     │   ├── ReplayInputMissingError
     │   ├── ReplayMismatchError

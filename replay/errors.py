@@ -11,7 +11,8 @@ Hierarchy::
     │   └── NodeUnavailableError        a node server did not answer after the retries (retryable)
     └── ClientError (trainer_client.errors)
         └── RecoveryFailedError (trainer_client)
-            └── ReplacementFallback     the failed stage cannot be replayed: roll every stage back
+            ├── ReplacementFallback     the failed stage cannot be replayed: roll every stage back
+            └── JobStoreLostError       a node agent lost the job's store: only a global restart goes on
 
 Store errors pass through unchanged: ``CorruptRecordError`` (a record failed its checksum, ``key``
 names it) and retryable ``StoreError`` subclasses such as :class:`NodeUnavailableError`.
@@ -28,6 +29,7 @@ from trainer_client import RecoveryFailedError
 
 __all__ = [
     "EXIT_FALLBACK",
+    "JobStoreLostError",
     "NodeUnavailableError",
     "ReplacementFallback",
     "ReplayError",
@@ -70,3 +72,8 @@ class NodeUnavailableError(StoreError):
 
 class ReplacementFallback(RecoveryFailedError):
     """The failed stage cannot be replayed; every stage must restart from a checkpoint."""
+
+
+class JobStoreLostError(RecoveryFailedError):
+    """The job's store (node 0's agent hosts it) is gone: this node's agent stopped its processes.
+    Only a global restart from checkpoints goes on (``swiftlog agent --resume --attempt N+1``)."""

@@ -27,7 +27,6 @@ running: on timeout everything still alive is killed and the result says ``timed
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing.connection
 import os
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from replay._exits import last_error, script_bug
 from replay._timings import recovery_timings
 from replay.checkpoints import common_checkpoint
 from replay.errors import EXIT_FALLBACK
@@ -54,6 +54,7 @@ __all__ = [
     "RecoveryRun",
     "resumed_after_rollback",
     "run_with_failures",
+    "stage_argv",
 ]
 
 #: the training script the launcher runs by default (the example GPT pipeline)
@@ -340,7 +341,7 @@ class _Scheduler:
         self.raised: dict[int, dict[str, str]] = {}
         self.stage_of: dict[str, int] = {}  # every stage process started (not helpers) -> its stage
         self.exited: set[str] = set()  # those whose exit was looked at
-        # why the scheduler gave up on a bug in the script (_script_bug), not a machine failure
+        # why the scheduler gave up on a bug in the script (_exits.script_bug), not a machine failure
         self.error: str | None = None
         # the generation whose in-place recovery is under way (its wake key not yet set)
         self.recovering: int | None = None
@@ -442,7 +443,7 @@ class _Scheduler:
                 dead = [k for k, rc in states.items() if rc not in (None, 0)]
                 self._note_exits()
                 errors = {k: (n, self.error_of(n)) for k, n in self.current.items() if states[k] not in (None, 0)}
-                bug = _script_bug(states, errors, self.raised)
+                bug = script_bug(states, errors, self.raised)
                 if bug is not None:
                     self.error = bug
                     self.timeline.append({"t": time.time(), "what": "give_up", "reason": self.error})
@@ -576,49 +577,6 @@ class _Scheduler:
                 }
             run.timings = recovery_timings(store, keys, run.timeline, self.world)
         return run
-
-
-def _script_bug(
-    states: dict[int, int | None], errors: dict[int, tuple[str, str | None]], raised: dict[int, dict[str, str]]
-) -> str | None:
-    """Whether the stages' exits show a bug in the training script rather than a machine failure:
-    a stage's process raised the error an earlier process of the same stage raised (its
-    replacement, or its restart after a rollback, met it again), or every stage's process exited
-    raising an error (none was killed), two of them the same one (machines do not fail alike, all
-    at once). ``errors``: stage -> (its current process's name, the error it exited with) for the
-    exited ones; ``raised``: stage -> {process name: the error it raised} of earlier exits.
-    Returns the reason, or None."""
-    lines = {k: errors[k][1] for k, rc in states.items() if rc is not None and rc > 0 and k in errors}
-    for k, line in lines.items():
-        if line is not None and any(n != errors[k][0] and old == line for n, old in raised.get(k, {}).items()):
-            return (
-                f"stage {k} raised the same error again after it was restarted ({line}): a bug in the script, not "
-                "a machine failure"
-            )
-    if len(states) > 1 and all(rc is not None and rc > 0 for rc in states.values()):
-        seen = [line for line in lines.values() if line is not None]
-        for line in seen:
-            if seen.count(line) > 1:
-                return (
-                    f"every stage exited with an error, {seen.count(line)} of them with {line}: a bug in the script, "
-                    "not a machine failure (no stage was killed)"
-                )
-    return None
-
-
-@functools.lru_cache(maxsize=1024)
-def last_error(log_path: str) -> str | None:
-    """The last line of a traceback's exception in a stage's log (``Type: message``), or None.
-    Asked only of exited processes, whose logs no longer change (cached)."""
-    try:
-        with open(log_path, errors="replace") as f:
-            lines = [ln.rstrip() for ln in f.readlines()[-200:]]
-    except OSError:
-        return None
-    if not any(ln.startswith("Traceback (most recent call last)") for ln in lines):
-        return None
-    tail = [ln for ln in lines if ln and not ln.startswith((" ", "\t"))]
-    return tail[-1][:300] if tail else None
 
 
 def _group_members(groups: Sequence[int] | None, stages: Sequence[int], num_stages: int) -> list[int]:

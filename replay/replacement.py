@@ -602,7 +602,9 @@ def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
     out = []
     for _, d in sorted(docs.items()):
         if d.get("node_url") and d.get("node") != here:
-            out.append(SourceSpec(kind="http", location=d["node_url"]))
+            url = d["node_url"]  # the token (this process's SWIFTLOG_TOKEN) only ever over TLS
+            token = os.environ.get("SWIFTLOG_TOKEN") if url.startswith("https://") else None
+            out.append(SourceSpec(kind="http", location=url, token=token))
         elif d.get("store_root"):
             out.append(SourceSpec(kind="store", location=d["store_root"]))
     for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):

@@ -100,7 +100,7 @@ def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, re
         assert received > http / 2, (received, http)  # the records came over the spare's link (compressed)
 
 
-def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: Any) -> None:
+def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: Any, hosts: Any) -> None:
     """Rank 1 stops in the forward of iteration 3 (its process and heartbeat live on); its
     neighbours stall waiting on it. The leader kills the busy one only, and it is replaced."""
     extra = ("--data-source",)
@@ -110,6 +110,7 @@ def test_a_hung_rank_is_found_and_only_it_replaced(tmp_path: Path, references: A
         pipeline_args(tmp_path, "1f1b", extra),
         agent_args=["--hang-timeout", "step=3"],
         node0_args=["--inject-kill", "1:3,1,hang"],
+        hosts=hosts,
     ).start()
     res = _finish(c)
     assert_same_as(res, references.get("1f1b", extra=extra))
@@ -136,7 +137,9 @@ def test_losing_the_store_host_ends_in_a_clean_global_restart(tmp_path: Path, re
     assert re.search(r"every rank resumes from checkpoint [24]\b", again.node(0).output())
 
 
-def test_losing_a_helpers_node_during_a_replay_still_ends_bit_exact(tmp_path: Path, references: Any) -> None:
+def test_losing_a_helpers_node_during_a_replay_still_ends_bit_exact(
+    tmp_path: Path, references: Any, hosts: Any
+) -> None:
     """Rank 1 dies; its replacement (node 0) replays with a helper the leader placed on a survivor
     node; that node is lost as soon as the replay job is out. The replacement replays alone (the
     spare held the helper) or the job rolls back (node 1 held it, with ranks 2 and 3): either way
@@ -148,6 +151,7 @@ def test_losing_a_helpers_node_during_a_replay_still_ends_bit_exact(tmp_path: Pa
         pipeline_args(tmp_path, "1f1b", extra),
         agent_args=["--replay-workers", "2", "--node-timeout", "1.0"],
         node0_args=["--inject-kill", "1:3,1,backward"],
+        hosts=hosts,
     ).start()
     store, job = c.store(), "swiftlog/rec/recovery/gen0/replay_job/1"
     store.wait([job], datetime.timedelta(seconds=120))

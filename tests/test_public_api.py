@@ -109,6 +109,7 @@ def test_trainer_client_public_api() -> None:
             "UnsupportedScheduleError",
             "RecoveryFailedError",
             "RecoveryTimeoutError",
+            "RestartRequired",
             "ReplicaTransferError",
         ]
     )
@@ -152,6 +153,9 @@ def test_replay_public_api() -> None:
             "report_fallback",
             "serve_replay_helper",
             "EXIT_FALLBACK",
+            # a torchrun restart
+            "recover_on_restart",
+            "RestartDecision",
             # trying a failure on one machine
             "run_with_failures",
             "KillSpec",
@@ -195,6 +199,10 @@ def test_replay_public_api() -> None:
         "replay.replacement",
         "replay.helpers",
         "replay.report",
+        "replay.restart",
+        "replay.agent",
+        "replay.agent.hosts",
+        "replay.agent.local",
         "replay.stage",
         "replay.states",
         "replay.user_code",

@@ -12,7 +12,8 @@ Hierarchy (the log store's errors are reused, not redefined)::
         ├── CheckpointError                   a checkpoint could not be written or read
         └── RecoveryFailedError               the pipeline could not be re-formed after a failure
             ├── RecoveryTimeoutError          a recovery wait passed its deadline
-            └── ReplicaTransferError          a replica's state arrived other than the donor sent it
+            ├── ReplicaTransferError          a replica's state arrived other than the donor sent it
+            └── RestartRequired               torchrun: this rank's state is saved, the job must restart
 
 What is deliberately *not* here: logging faults (store full, cold tier down, encode errors).
 Those never raise into the training step; the client records and counts them and reports
@@ -33,6 +34,7 @@ __all__ = [
     "RecoveryFailedError",
     "RecoveryTimeoutError",
     "ReplicaTransferError",
+    "RestartRequired",
     "ConfigError",
 ]
 

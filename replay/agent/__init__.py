@@ -30,7 +30,8 @@ import torch.distributed as dist
 from replay.agent._config import AgentConfig
 from replay.agent._keys import AgentKeys
 from replay.agent._leader import AgentScheduler, RemoteProcess
-from replay.agent._node import JobStoreLostError, NodeAgent
+from replay.agent._node import NodeAgent
+from replay.errors import JobStoreLostError
 from replay.launcher import RecoveryRun
 from trainer_client.commit import bound_store
 

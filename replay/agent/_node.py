@@ -25,23 +25,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from replay._exits import last_error
 from replay.agent._config import AgentConfig
 from replay.agent._keys import AgentKeys
-from replay.launcher import last_error, stage_argv
+from replay.launcher import stage_argv
 from replay.processes import forkserver_context, run_module_main, start_process
 from trainer_client.config import ENV_NODE, ENV_NODE_URL
 
-__all__ = ["JobStoreLostError", "NodeAgent", "free_memory_bytes"]
+__all__ = ["NodeAgent", "free_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 
 #: how often the node looks at its commands and processes (seconds)
 POLL_S = 0.02
-
-
-class JobStoreLostError(RuntimeError):
-    """The job's store (node 0's) is gone: this node stopped its processes. Only a global restart
-    from checkpoints (``--resume``, a new attempt) continues the job."""
 
 
 def free_memory_bytes() -> int:
@@ -199,7 +195,8 @@ class NodeAgent:
         log = open(os.path.join(self.log_dir, f"{name}.server.log"), "wb")  # noqa: SIM115 - the child owns it
         self.servers[name] = subprocess.Popen([*cmd, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        return f"http://{self.cfg.host}:{port}"
+        scheme = "https" if os.environ.get("SWIFTLOG_TLS_CERT") else "http"  # swiftlog serve reads it too
+        return f"{scheme}://{self.cfg.host}:{port}"
 
 
 def _cold_start(argv: list[str], log: str, module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:

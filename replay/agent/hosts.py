@@ -64,6 +64,8 @@ class NamespaceHosts:
         why = namespaces_available()
         if why:
             raise RuntimeError(why)
+        self._made = ["bridge", *(self.ns(i) for i in range(self.n))]
+        self.close()  # what a killed run with the same tag left behind
         try:
             subnet = f"127.77.{self.net}.0/24"
             _ip("ip", "link", "add", self.bridge, "type", "bridge")
