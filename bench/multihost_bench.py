@@ -59,7 +59,7 @@ from replay.launcher import RecoveryRun, resumed_after_rollback
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multihost.json"
 ITERS, CKPTS, KILL_AFTER, CKPT_BEFORE = 30, "10,30", 19, 10
-TORCHRUN_ITERS, TORCHRUN_CKPTS, TORCHRUN_FAIL_IT = 30, "10,30", 20
+TORCHRUN_ITERS, TORCHRUN_CKPTS, TORCHRUN_FAIL_IT, TORCHRUN_CKPT_BEFORE = 30, "10,30", 20, 10
 LINK_RATE = "1gbit"  # every namespaced host's link, both ways (tc tbf)
 LOST_RANKS = (1,)  # node 1's
 SCRIPT = "trainer_client.examples.train_resilient"
@@ -155,7 +155,14 @@ def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) 
     t_kill = float(re.search(r"KILL ([0-9.]+)", r.stdout).group(1))  # type: ignore[union-attr]
     done = max(t for res in results.values() for it, t, _ in res["iteration_end"] if it == TORCHRUN_FAIL_IT)
     starts = {k: res["start"] for k, res in results.items()}
-    return {"resumed_s": done - t_kill, "starts": starts, "results": results}
+    replay_s = (results[1]["recovered"] or {}).get("timings", {}).get("total_s")  # the lost rank's recovery
+    return {"resumed_s": done - t_kill, "starts": starts, "results": results, "replay_total_s": replay_s}
+
+
+def _iteration_s(results: dict[int, Any]) -> float:
+    """The failure-free run's time per iteration (the last stage's, iterations 11..29)."""
+    ends = {it: t for it, t, _ in results[3]["iteration_end"]}
+    return (ends[29] - ends[10]) / 19
 
 
 def _exact(r: dict[str, Any], ref: dict[str, Any]) -> bool:
@@ -218,9 +225,10 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
         for case in torchrun:
             t = _torchrun(work / f"torchrun-{case}{rep}", model, case == "snapshots")
             torchrun_exact[case] &= _exact(t, tref)
-            torchrun[case].append({"resumed_s": t["resumed_s"], "starts": t["starts"]})
+            torchrun[case].append({k: t[k] for k in ("resumed_s", "starts", "replay_total_s")})
             print("torchrun", case, rep, f"{t['resumed_s']:.2f} s", t["starts"], flush=True)
     med = statistics.median
+    it_s = _iteration_s(tref["results"])
     s = {case: med([x["resumed_s"] for x in runs[case]]) for case in cases}
     ts = {case: med([x["resumed_s"] for x in torchrun[case]]) for case in torchrun}
     rb = s["rollback"]
@@ -236,6 +244,11 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
         "torchrun_restart_with_snapshots_s": ts["snapshots"],
         "torchrun_restart_global_rollback_s": ts["rollback"],
         "torchrun_bit_exact": torchrun_exact,
+        # what both torchrun modes pay (workers stopped, started again, torch imported, rendezvous):
+        # the rollback's time less the iterations it redid (those since the checkpoint, and the failed one)
+        "torchrun_restart_overhead_s": ts["rollback"] - (TORCHRUN_FAIL_IT - TORCHRUN_CKPT_BEFORE + 1) * it_s,
+        "torchrun_lost_rank_recovery_s": med([x["replay_total_s"] or 0.0 for x in torchrun["snapshots"]]),
+        "iteration_s": it_s,
         "replay_s": {c: med([x["replay_s"] for x in runs[c]]) for c in cases if c != "rollback"},
         "replacement_start_s": {c: med([x["replacement_start_s"] for x in runs[c]]) for c in cases if c != "rollback"},
         "per_rep": {

@@ -26,7 +26,7 @@ from replay.agent._keys import AgentKeys
 from replay.launcher import _Scheduler
 from trainer_client.mesh import MeshLayout
 
-__all__ = ["AgentScheduler", "RemoteProcess"]
+__all__ = ["AgentScheduler", "RemoteProcess", "hang_culprit"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,8 +211,7 @@ class AgentScheduler(_Scheduler):
                 stalled.append((k, sig, prev[1]))
         if not stalled:
             return
-        busy = [s for s in stalled if s[1][3] == "busy"]
-        k, (name, _, section, state), since = min(busy or stalled, key=lambda s: s[2])
+        k, (name, _, section, state), since = hang_culprit(stalled)
         why = f"rank {k} ({name}) made no progress for {now - since:.1f} s in {section} ({state})"
         logger.warning("hang: %s; the stalled: %s: killing it", why, [s[0] for s in stalled])
         self.timeline.append({"t": time.time(), "what": "hang", "rank": k, "stalled": [s[0] for s in stalled]})
@@ -237,6 +236,16 @@ class AgentScheduler(_Scheduler):
                 return f.read()
         except OSError:
             return ""
+
+
+def hang_culprit(stalled: list[tuple[int, tuple[Any, ...], float]]) -> tuple[int, tuple[Any, ...], float]:
+    """The rank to kill among the stalled ones, each ``(rank, (name, count, section, state), since)``:
+    a busy one (computing or in user code; the waiting ones wait on it), the earliest stalled
+    first; when none is busy, the earliest stalled of all. Raises ValueError for an empty list."""
+    if not stalled:
+        raise ValueError("no stalled rank")
+    busy = [s for s in stalled if s[1][3] == "busy"]
+    return min(busy or stalled, key=lambda s: (s[2], s[0]))
 
 
 def _checkpoint_bytes(url: str, layout: MeshLayout, rank: int) -> int:

@@ -259,7 +259,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 threads=args.threads,
             )
             start = decision.apply(model, optimizer, lr_scheduler)
-            recovered = {"path": decision.how, "why": decision.why, "resume": start}
+            recovered = {
+                **(decision.recovered.summary() if decision.recovered is not None else {}),
+                "path": decision.how,
+                "why": decision.why,
+                "resume": start,
+            }
     kill: tuple[int, int, str] | None = None
     if args.kill_at:
         it_s, mb_s, phase = args.kill_at.split(",")
