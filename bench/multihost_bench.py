@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from replay.agent.hosts import NamespaceHosts, namespaces_available
-from replay.agent.local import LocalCluster
+from replay.agent.local import LocalCluster, torchrun_command
 from replay.compare import states_equal
 from replay.launcher import RecoveryRun, resumed_after_rollback
 
@@ -111,25 +111,7 @@ def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) 
     kill -> the restarted job finished that iteration (with or without survivor snapshots)."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    cmd = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.1",
-        "-m",
-        "trainer_client.examples.torchrun_resilient",
-        "--run-id",
-        "tr",
-        "--store-root",
-        str(base / "node"),
-        "--out",
-        str(base / "out"),
-        "--checkpoint-url",
-        f"file://{base / 'ckpt'}",
+    args = [
         "--iters",
         str(TORCHRUN_ITERS),
         "--ckpt-at",
@@ -145,6 +127,7 @@ def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) 
         *(["--kill-rank", "1", "--kill-at", f"{TORCHRUN_FAIL_IT},1,forward"] if kill else []),
         *(["--snapshot-dir", str(base / "shm")] if snapshots else []),
     ]
+    cmd = torchrun_command(base, "tr", args)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     if r.returncode != 0:

@@ -11,39 +11,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from replay.agent.local import torchrun_command
 from server.testing import subprocess_env
 from tests._recovery_helpers import Reference, assert_same_as, pipeline_args
 
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
 
 def torchrun(base: Path, extra: list[str]) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        str(TORCHRUN),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.1",
-        "-m",
-        "trainer_client.examples.torchrun_resilient",
-        "--run-id",
-        "rec",
-        "--store-root",
-        str(base / "node"),
-        "--out",
-        str(base / "out"),
-        "--checkpoint-url",
-        f"file://{base / 'ckpt'}",
+    args = [
         *pipeline_args(base, "1f1b", ("--data-source",)),
         "--kill-rank",
         "1",
@@ -51,6 +31,7 @@ def torchrun(base: Path, extra: list[str]) -> subprocess.CompletedProcess[str]:
         "3,1,backward",
         *extra,
     ]
+    cmd = torchrun_command(base, "rec", args)
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
 
 

@@ -27,7 +27,36 @@ import torch.distributed as dist
 from replay.agent.hosts import NODE_DIR, NamespaceHosts
 from trainer_client.recovery_keys import RecoveryKeys
 
-__all__ = ["LocalCluster", "NodeProcess"]
+__all__ = ["LocalCluster", "NodeProcess", "torchrun_command"]
+
+
+def torchrun_command(
+    base: Path, run_id: str, args: Sequence[str], *, nproc: int = 4, max_restarts: int = 1
+) -> list[str]:
+    """Plain torchrun on this host (``--standalone``) running the example pipeline
+    (``trainer_client.examples.torchrun_resilient``) under ``base`` (store root ``node``, results
+    ``out``, checkpoints ``ckpt``); ``args`` go to the script."""
+    return [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.1",
+        "-m",
+        "trainer_client.examples.torchrun_resilient",
+        "--run-id",
+        run_id,
+        "--store-root",
+        str(base / "node"),
+        "--out",
+        str(base / "out"),
+        "--checkpoint-url",
+        f"file://{base / 'ckpt'}",
+        *args,
+    ]
 
 
 @dataclass
