@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,55 @@ def test_snapshots_that_cannot_be_used_roll_every_rank_back(
         assert d.how == "rollback" and d.start is None and why in d.why, d  # no common checkpoint: from scratch
     assert len(out) == 2
     assert os.path.exists(tmp_path / "snap" / "rec" / "rank00000.pt")  # unused: kept
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_saves_snapshots_and_the_restart_loses_nothing(tmp_path: Path, references: Any) -> None:
+    """What torchrun does to a whole job it stops (a preemption, another node's failure): SIGTERM to
+    every rank. Each takes it at its next iteration boundary, stands down, saves its snapshot at
+    the same iteration and exits. The next attempt (TORCHELASTIC_RESTART_COUNT=1, the same store)
+    resumes every rank from its snapshot: nothing replays, nothing rolls back, bit-exact."""
+    import signal
+    import time
+
+    from replay.launcher import stage_argv
+    from trainer_client import RecoveryKeys, loopback_store
+    from trainer_client.mesh import MeshLayout
+
+    host, layout, snap = loopback_store(), MeshLayout(4, 1), tmp_path / "shm"
+    args = [*pipeline_args(tmp_path, "1f1b", ("--data-source",)), "--snapshot-dir", str(snap)]
+
+    def start(attempt: int) -> list[subprocess.Popen[str]]:
+        env = {**subprocess_env(), "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        procs = []
+        for k in range(4):
+            argv = stage_argv(
+                layout, k, store_host="127.0.0.1", store_port=host.port, out=str(tmp_path / "out"), run_id="rec",
+                store_root=str(tmp_path / "node"), checkpoint_url=f"file://{tmp_path / 'ckpt'}", args=args,
+            )  # fmt: skip
+            cmd = [sys.executable, "-m", "trainer_client.examples.train_resilient", *argv]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return procs
+
+    first = start(0)
+    keys, deadline = RecoveryKeys("rec"), time.monotonic() + 120
+    applied: list[int] = []
+    while max(applied, default=-1) < 2:  # the job's progress: "iteration:time:generation;" per applied iteration
+        assert time.monotonic() < deadline and all(p.poll() is None for p in first)
+        time.sleep(0.05)
+        if host.check([keys.progress()]):
+            applied = [int(e.split(":")[0]) for e in host.get(keys.progress()).decode().split(";") if e]
+    for p in first:
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120)[0] for p in first]
+    assert all(p.returncode == 1 for p in first), outs
+    assert all("RESTART" in o for o in outs), outs
+    saved = {int(f.stem[4:]) for f in (snap / "rec").glob("rank*.pt")}
+    assert saved == {0, 1, 2, 3}
+    again = start(1)
+    outs = [p.communicate(timeout=180)[0] for p in again]
+    assert all(p.returncode == 0 for p in again), [o[-3000:] for o in outs]
+    res = Reference({k: torch.load(tmp_path / "out" / f"stage{k}.pt", weights_only=False) for k in range(4)})
+    assert_same_as(res, references.get("1f1b", extra=("--data-source",)))
+    assert {res.results[k]["recovered"]["path"] for k in range(4)} == {"snapshot"}
+    assert len({res.results[k]["start"] for k in range(4)}) == 1 and res.results[0]["start"] >= 3
