@@ -50,7 +50,7 @@ from replay.launcher import KillSpec, run_with_failures
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
-from replay.replacement import recover_stage, report_fallback, report_ready
+from replay.replacement import measured_rates, recover_stage, report_fallback, report_ready
 from replay.replica_plan import ReplicaLoggingPlan, plan_replica_logging
 from replay.report import ReplayReport
 from replay.restart import RestartDecision, recover_on_restart
@@ -62,6 +62,7 @@ __all__ = [
     "RecoveryPlan",
     "plan_replica_logging",
     "ReplicaLoggingPlan",
+    "measured_rates",
     "ReplayUnit",
     "FetchItem",
     # running a replay

@@ -19,12 +19,21 @@ from logstore.errors import SwiftlogError
 from replay._plan_index import LogIndex
 from replay.plan_types import FetchItem, ReplayUnit
 
-__all__ = ["DEFAULT_COLD_MBPS", "DEFAULT_HOT_MBPS", "check_records", "estimate", "fetch_items"]
+__all__ = ["DEFAULT_COLD_MBPS", "DEFAULT_HOT_MBPS", "check_records", "estimate", "fetch_items", "tier_rates"]
 
 #: assumed read rate of a surviving node's hot tier (MB/s), when ``bandwidth_mbps`` is not given
 DEFAULT_HOT_MBPS = 400.0
 #: assumed read rate of the cold tier (MB/s), when ``bandwidth_mbps`` is not given
 DEFAULT_COLD_MBPS = 100.0
+
+
+def tier_rates(bandwidth: float | None, rates: dict[str, float] | None) -> tuple[float, float]:
+    """The (hot, cold) fetch rates in MB/s: ``bandwidth`` for both if given, else the measured
+    ``rates`` of a tier (``{"hot": .., "cold": ..}``), else the documented assumption."""
+    if bandwidth:
+        return bandwidth, bandwidth
+    rates = rates or {}
+    return rates.get("hot") or DEFAULT_HOT_MBPS, rates.get("cold") or DEFAULT_COLD_MBPS
 
 
 def fetch_items(
@@ -110,9 +119,9 @@ def estimate(
     replay_s: float | None,
     workers: int,
     metas: dict[tuple[int, int], dict[str, Any] | None],
+    rates: dict[str, float] | None = None,
 ) -> None:
-    hot = bandwidth or DEFAULT_HOT_MBPS
-    cold = bandwidth or DEFAULT_COLD_MBPS
+    hot, cold = tier_rates(bandwidth, rates)
     fetch_s = sum(f.bytes / ((hot if f.tier == "hot" else cold) * 1e6) for f in u.fetch)
     per_it: float | None = None
     basis = ""

@@ -22,8 +22,10 @@ When a unit cannot be replayed (no common checkpoint, a record missing, a gap, a
 with ``check_records``) the plan says which and why, and names the fallback: a global rollback of
 every stage to the newest iteration at which all of them have a checkpoint.
 
-Rates (documented assumptions, not measurements): records are fetched at ``bandwidth_mbps``
-MB/s (1 MB = 1e6 bytes) if given, else at :data:`DEFAULT_HOT_MBPS` from a hot tier and
+Rates: records are fetched at ``bandwidth_mbps`` MB/s (1 MB = 1e6 bytes) if given, else at the
+measured rate of their tier (``rates``: what earlier recoveries of the job read at, from
+:func:`replay.measured_rates`; the plan's ``assumptions["rates_measured"]`` names them), else at
+the documented assumptions :data:`DEFAULT_HOT_MBPS` from a hot tier and
 :data:`DEFAULT_COLD_MBPS` from the cold tier. Replay compute per iteration is
 ``replay_seconds_per_iteration`` per stage if given, else estimated from the live step time
 recorded in META: a balanced GPipe/1F1B pipeline of S stages and n micro-batches takes about
@@ -50,7 +52,7 @@ from typing import Any
 
 from logstore import Channel, LogStore
 from logstore.keys import Kind
-from replay._plan_fetch import DEFAULT_COLD_MBPS, DEFAULT_HOT_MBPS, check_records, estimate, fetch_items
+from replay._plan_fetch import DEFAULT_COLD_MBPS, DEFAULT_HOT_MBPS, check_records, estimate, fetch_items, tier_rates
 from replay._plan_index import LogIndex, cold_only_store
 from replay.core import needed_channels
 from replay.plan_types import FetchItem, RecoveryPlan, ReplayUnit
@@ -102,6 +104,7 @@ def plan_recovery(
     workers: int = 1,
     replay_seconds_per_iteration: float | None = None,
     check_records: bool = False,
+    rates: dict[str, float] | None = None,
 ) -> RecoveryPlan:
     """Plan the recovery of ``failed_stages`` from what ``stores`` hold.
 
@@ -115,7 +118,9 @@ def plan_recovery(
         num_stages: pipeline size; default: from the checkpoint registrations or the channels.
         target_iteration: the iteration the survivors stand at (replay ``[checkpoint, target)``);
             default: the first iteration not completely logged, over every unit.
-        bandwidth_mbps: fetch rate in MB/s for every tier (default: per-tier assumptions).
+        bandwidth_mbps: fetch rate in MB/s for every tier (default: ``rates``, else per-tier assumptions).
+        rates: measured fetch rates per tier in MB/s (``{"hot": .., "cold": ..}``, e.g.
+            :func:`replay.measured_rates` of earlier recoveries); a tier without one is assumed.
         workers: parallel replay workers per unit, for the estimate.
         replay_seconds_per_iteration: compute time of one stage-iteration (default: from META).
         check_records: also read every record the replay needs and check its checksums (costs
@@ -143,6 +148,7 @@ def plan_recovery(
     planner = _Planner(
         srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records
     )
+    planner.rates = dict(rates or {})
     try:
         return planner.plan()
     finally:
@@ -191,6 +197,7 @@ class _Planner:
         self.workers = workers
         self.replay_s = replay_s
         self.check_records = check_records
+        self.rates: dict[str, float] = {}  # measured per-tier fetch rates (MB/s)
         self.warnings: list[str] = []
         self.logs = LogIndex(stores, self.warnings)  # what the stores hold, listed once
 
@@ -318,8 +325,9 @@ class _Planner:
             sources=[self.logs.describe(s) for s in self.logs.stores],
             assumptions={
                 "bandwidth_mbps": self.bandwidth,
-                "hot_mbps": self.bandwidth or DEFAULT_HOT_MBPS,
-                "cold_mbps": self.bandwidth or DEFAULT_COLD_MBPS,
+                "hot_mbps": tier_rates(self.bandwidth, self.rates)[0],
+                "cold_mbps": tier_rates(self.bandwidth, self.rates)[1],
+                "rates_measured": sorted(t for t in ("hot", "cold") if self.rates.get(t) and not self.bandwidth),
                 "workers": self.workers,
                 "replay_seconds_per_iteration": self.replay_s,
                 "units_run_concurrently": True,
@@ -593,7 +601,15 @@ class _Planner:
                 self.logs, u, [*chans["inputs"], *reduced, *sorted(meta_chans), *chans["verify"]], c, stop
             )  # what the replay reads, all of it
         u.possible = not u.reasons
-        estimate(u, S, bandwidth=self.bandwidth, replay_s=self.replay_s, workers=self.workers, metas=self.logs.metas)
+        estimate(
+            u,
+            S,
+            bandwidth=self.bandwidth,
+            replay_s=self.replay_s,
+            workers=self.workers,
+            metas=self.logs.metas,
+            rates=self.rates,
+        )
 
     def _reduced_channels(
         self, u: ReplayUnit, c: int, stop: int, gap_index: dict[tuple[str, int, int], dict[str, Any]]

@@ -63,6 +63,7 @@ from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
     "RecoveredStage",
+    "measured_rates",
     "prepare_states",
     "recover_stage",
     "report_fallback",
@@ -153,15 +154,19 @@ def prepare_states(
 
 
 class _CountingSource:
-    """A record source that counts what is read through it (decoded tensor bytes)."""
+    """A record source that counts what is read through it (decoded tensor bytes) and the time
+    its successful reads took (concurrent prefetches each count: a lower bound of the rate)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.bytes = 0
         self.records = 0
+        self.seconds = 0.0
 
     def get(self, key: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
         t = self.inner.get(key)
+        self.seconds += time.perf_counter() - t0
         self.records += 1
         self.bytes += t.numel() * t.element_size()
         return t
@@ -370,10 +375,17 @@ def recover_stage(
             list(rep.warnings),
             why=path.why,
             sources=[
-                {"kind": spec.kind, "location": spec.location, "records": s.records, "bytes": s.bytes}
+                {
+                    "kind": spec.kind,
+                    "location": spec.location,
+                    "records": s.records,
+                    "bytes": s.bytes,
+                    "seconds": s.seconds,
+                }
                 for spec, s in zip(job.sources, opened, strict=True)
             ],
         )
+        _record_rates(store, keys, job.sources, opened)
     finally:
         if helpers > 0:
             release_helpers(store, keys.replay_job(generation, stage))
@@ -587,6 +599,38 @@ def _committed_metas(
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+#: the tier a source kind reads, for the plan's estimate
+_TIER = {"store": "hot", "http": "hot", "cold": "cold"}
+
+
+def _record_rates(store: dist.Store, keys: RecoveryKeys, specs: Sequence[SourceSpec], opened: list[Any]) -> None:
+    """Add what this replay read, per tier (bytes, seconds), to the job's measured rates. Never raises."""
+    try:
+        read: dict[str, list[float]] = {}
+        for spec, s in zip(specs, opened, strict=True):
+            if (tier := _TIER.get(spec.kind)) is not None:
+                got = read.setdefault(tier, [0.0, 0.0])
+                got[0] += s.bytes
+                got[1] += s.seconds
+        doc = json.loads(store.get(keys.rates())) if store.check([keys.rates()]) else {}
+        for tier, (nbytes, seconds) in read.items():
+            if nbytes >= 1 << 20 and seconds > 0:  # under 1 MB says little about a rate
+                doc[tier] = {"bytes": nbytes, "seconds": seconds, "mb_per_s": nbytes / seconds / 1e6}
+        store.set(keys.rates(), json.dumps(doc))
+    except Exception as e:  # noqa: BLE001 - a measurement must not fail a recovery
+        logger.warning("recording the fetch rates failed: %s", e)
+
+
+def measured_rates(store: dist.Store, run_id: str) -> dict[str, float]:
+    """The fetch rates (MB/s) per tier (``"hot"``, ``"cold"``) the job's last replays measured:
+    what :func:`replay.plan_recovery` takes as ``rates``. Empty when none was measured."""
+    keys = RecoveryKeys(run_id)
+    if not store.check([keys.rates()]):
+        return {}
+    doc = json.loads(store.get(keys.rates()))
+    return {tier: float(v["mb_per_s"]) for tier, v in doc.items() if isinstance(v, dict) and "mb_per_s" in v}
 
 
 def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:

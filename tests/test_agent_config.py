@@ -70,3 +70,26 @@ def test_the_command_line_refuses_a_node_without_a_rank_or_spare() -> None:
         capture_output=True, text=True, env=subprocess_env(), timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "--node-rank" in r.stderr and "--spare" in r.stderr, r.stderr
+
+
+def test_measured_fetch_rates_reach_the_plan_estimate(tmp_path) -> None:
+    """A replay's per-tier read rates go into the job's store; measured_rates gives them to
+    plan_recovery, whose estimate then uses them and says so (the other tier stays assumed)."""
+    from replay import SourceSpec, measured_rates
+    from replay.replacement import _CountingSource, _record_rates
+    from trainer_client import RecoveryKeys, loopback_store
+
+    host = loopback_store()
+    http, cold = _CountingSource(None), _CountingSource(None)
+    http.bytes, http.seconds = 50_000_000, 0.5  # 100 MB/s
+    cold.bytes, cold.seconds = 1000, 1.0  # too little to tell a rate
+    specs = [SourceSpec(kind="http", location="http://127.0.0.2:1"), SourceSpec(kind="cold", location="file:///x")]
+    _record_rates(host, RecoveryKeys("r"), specs, [http, cold])
+    assert measured_rates(host, "r") == {"hot": 100.0}
+    assert measured_rates(host, "other") == {}
+
+    from replay._plan_fetch import tier_rates
+    from replay.plan import DEFAULT_COLD_MBPS
+
+    assert tier_rates(None, {"hot": 100.0}) == (100.0, DEFAULT_COLD_MBPS)
+    assert tier_rates(7.0, {"hot": 100.0}) == (7.0, 7.0)  # an explicit bandwidth wins

@@ -129,6 +129,7 @@ def test_replay_public_api() -> None:
             "RecoveryPlan",
             "plan_replica_logging",
             "ReplicaLoggingPlan",
+            "measured_rates",
             "ReplayUnit",
             "FetchItem",
             # running a replay

@@ -88,6 +88,17 @@ def test_plan_estimates_scale_with_bandwidth_and_workers(f1b_run):
     )
 
 
+def test_a_measured_tier_rate_replaces_its_assumption_and_the_plan_says_so(f1b_run):
+    with f1b_run.store() as st:
+        assumed = plan_recovery(st, [1], replay_seconds_per_iteration=0.5)
+        measured = plan_recovery(st, [1], replay_seconds_per_iteration=0.5, rates={"hot": 0.001})
+    hot = sum(f.bytes for f in measured.units[0].fetch if f.tier == "hot")
+    assert hot and measured.units[0].estimate["fetch_seconds"] >= hot / 1e3  # 0.001 MB/s for the hot tier
+    assert measured.units[0].estimate["fetch_seconds"] > assumed.units[0].estimate["fetch_seconds"]
+    assert measured.assumptions["rates_measured"] == ["hot"] and assumed.assumptions["rates_measured"] == []
+    assert measured.assumptions["hot_mbps"] == 0.001
+
+
 def test_two_failed_stages_with_a_logged_boundary_replay_separately(f1b_run):
     with f1b_run.store() as st:
         plan = plan_recovery(st, [1, 2, 3])

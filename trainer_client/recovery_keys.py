@@ -95,6 +95,10 @@ class RecoveryKeys:
         """Appended by the example script's last stage after every applied iteration (plots)."""
         return f"{self.run_base}/progress"
 
+    def rates(self) -> str:
+        """JSON: the fetch rates (MB/s) per tier the job's replays measured (``replay.measured_rates``)."""
+        return f"{self.run_base}/rates"
+
     def kill_time(self, stage: int) -> str:
         """Fault injection only: when the injected SIGKILL of ``stage`` was sent."""
         return f"{self.run_base}/kill_time/{stage}"

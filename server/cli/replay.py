@@ -174,7 +174,7 @@ def replay_command(
         typer.Option(
             "--commit-store",
             help="the job's commit store HOST:PORT (a TCPStore): the failed stages' META of the last iterations, "
-            "which their logs may not have shipped",
+            "which their logs may not have shipped, and the fetch rates earlier recoveries measured (the estimate)",
         ),
     ] = None,
     commit_prefix: Annotated[
@@ -200,6 +200,7 @@ def replay_command(
         root, server, cold_url, cold_option, output, plan_only, model, loss, data_source
     )
     try:
+        job_store = _commit_store(commit_store) if commit_store else None
         plan, specs = _plan(
             run,
             stage,
@@ -212,6 +213,7 @@ def replay_command(
             bandwidth_mbps,
             workers,
             check_records,
+            _rates(job_store, run),
         )
         if plan_only or not plan.possible:
             print_plan(plan, json_out)
@@ -237,8 +239,8 @@ def replay_command(
             checkpoint_options=opts,
             device=device,
         )
-        if commit_store:
-            jobs = _with_committed_metas(jobs, plan, commit_store, commit_prefix or f"swiftlog/{run}")
+        if job_store is not None:
+            jobs = _with_committed_metas(jobs, plan, job_store, commit_store, commit_prefix or f"swiftlog/{run}")
         # the unit with the last stage first: what it alone needs (the loss function) fails before another unit
         # wrote its checkpoints
         jobs.sort(key=lambda j: j.stages[-1] != j.num_stages - 1)
@@ -384,14 +386,39 @@ def _check_writable_output(output: str) -> None:
         ) from None
 
 
-def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str) -> list[Any]:
-    """Each job with the META documents its stages have in the commit store at ``address`` as its
-    first source. Raises a CLI failure naming the address when it cannot be reached."""
+def _rates(store: Any, run: str) -> dict[str, float]:
+    """The fetch rates the job's recoveries measured (``replay.measured_rates``); {} without a store."""
+    if store is None:
+        return {}
+    from replay.replacement import measured_rates
+
+    return measured_rates(store, run)
+
+
+def _with_committed_metas(jobs: list[Any], plan: Any, store: Any, address: str, prefix: str) -> list[Any]:
+    """Each job with the META documents its stages have in the commit store (``store``, at
+    ``address``) as its first source."""
+    from replay.job import SourceSpec
+
+    out = []
+    for job, unit in zip(jobs, plan.units, strict=True):
+        metas = SourceSpec.from_commit_store(
+            store,
+            prefix,
+            job.stages,
+            range(unit.checkpoint_iteration, job.stop_iteration),
+            where=f"the commit store {address}",
+        )
+        out.append(job if metas is None else job.replace(sources=[metas, *job.sources]))
+    return out
+
+
+def _commit_store(address: str) -> Any:
+    """A client of the job's store at ``address``. Raises a CLI failure naming the address when it
+    cannot be reached."""
     import datetime
 
     import torch.distributed as dist
-
-    from replay.job import SourceSpec
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -407,20 +434,9 @@ def _with_committed_metas(jobs: list[Any], plan: Any, address: str, prefix: str)
             f"cannot reach the commit store at {address}: {e.strerror or e}", code=EXIT_UNAVAILABLE, hint=hint
         ) from None
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=5))
     except Exception as e:  # DistNetworkError / RuntimeError / TimeoutError from the store client
         raise fail(f"cannot reach the commit store at {address}: {e}", code=EXIT_UNAVAILABLE, hint=hint) from None
-    out = []
-    for job, unit in zip(jobs, plan.units, strict=True):
-        metas = SourceSpec.from_commit_store(
-            store,
-            prefix,
-            job.stages,
-            range(unit.checkpoint_iteration, job.stop_iteration),
-            where=f"the commit store {address}",
-        )
-        out.append(job if metas is None else job.replace(sources=[metas, *job.sources]))
-    return out
 
 
 def _plan(
@@ -435,6 +451,7 @@ def _plan(
     bandwidth: float | None,
     workers: int,
     check_records: bool,
+    rates: dict[str, float] | None = None,
 ) -> tuple[Any, list[Any]]:
     from logstore import LogStore
     from replay.job import SourceSpec
@@ -458,6 +475,7 @@ def _plan(
             bandwidth_mbps=bandwidth,
             workers=workers,
             check_records=check_records,
+            rates=rates,
         ), specs
     finally:
         for s in stores:
@@ -493,6 +511,13 @@ def print_plan(plan: Any, json_out: bool) -> None:
             )
         for w in u.warnings:
             typer.echo(f"    warning: {w}")
+    a = plan.assumptions or {}
+    if a.get("hot_mbps") is not None:
+        measured = a.get("rates_measured") or []
+        rates = ", ".join(
+            f"{t} {a[f'{t}_mbps']:.0f} MB/s ({'measured' if t in measured else 'assumed'})" for t in ("hot", "cold")
+        )
+        typer.echo(f"  fetch rates: {rates}")
     for w in plan.warnings:
         typer.echo(f"  warning: {w}")
     if not plan.possible:
