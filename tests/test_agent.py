@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import torch
 
 from replay.agent.hosts import NamespaceHosts, namespaces_available
 from replay.agent.local import LocalCluster
+from replay.compare import states_equal
 from tests._recovery_helpers import Reference, assert_same_as, pipeline_args
+from trainer_client.mesh import MeshLayout
 
 pytestmark = pytest.mark.slow
 
@@ -160,3 +163,67 @@ def test_losing_a_helpers_node_during_a_replay_still_ends_bit_exact(
     c.lose_node(helper_on[0].node) if helper_on[0].node is not None else c.lose_spare(helper_on[0])
     res = _finish(c)
     assert_same_as(res, references.get("1f1b", extra=extra))
+
+
+MESH_SCRIPT = "trainer_client.examples.minimal_resilient"
+
+
+def _mesh_args(base: Path) -> list[str]:
+    return ["--iters", "7", "--ckpt-at", "0,3", "--cold-url", f"file://{base / 'cold'}"]
+
+
+def _mesh_results(c: LocalCluster) -> dict[int, Any]:
+    rc = c.wait(timeout_s=300)
+    assert rc == 0, "\n".join(f"--- {p.log.name}\n{p.output()[-4000:]}" for p in c.nodes)
+    layout = MeshLayout(2, 2)
+    return {
+        k: torch.load(c.out / f"stage{layout.coord(k).stage}-dp{layout.coord(k).replica}.pt", weights_only=False)
+        for k in range(4)
+    }
+
+
+def _same_as_mesh_reference(got: dict[int, Any], references: Any) -> None:
+    ref = references.failure_free(_mesh_args, run_id="mesh", num_stages=2, script=MESH_SCRIPT, dp_replicate=2)
+    diffs = {k: states_equal(got[k], ref.results[k]) for k in range(4)}
+    assert not any(diffs.values()), {k: v[:5] for k, v in diffs.items() if v}
+
+
+def test_a_mesh_under_the_agents_copies_a_lost_replica(tmp_path: Path, references: Any) -> None:
+    """dp_replicate=2 x pp=2 on 2 nodes: rank 3 (stage 1, replica 1) dies; its replacement on its
+    node receives the state of rank 2, the live replica (no replay)."""
+    c = LocalCluster(
+        tmp_path,
+        MESH_SCRIPT,
+        _mesh_args(tmp_path),
+        run_id="mesh",
+        agent_args=["--dp-replicate", "2"],
+        node0_args=["--inject-kill", "3:4,0,forward"],
+    ).start()
+    got = _mesh_results(c)
+    _same_as_mesh_reference(got, references)
+    assert (got[3]["recovered"]["path"], got[3]["recovered"]["donor"]) == ("replica", 2)
+
+
+def test_a_node_holding_every_replica_of_a_stage_is_replayed_on_the_spare(
+    tmp_path: Path, references: Any, hosts: Any
+) -> None:
+    """Node 1 holds both replicas of stage 1 (one failure domain): lost with its store root, both
+    replacements start on the spare and replay their pipelines' logs together (repeating the
+    replicas' average between them)."""
+    c = LocalCluster(
+        tmp_path,
+        MESH_SCRIPT,
+        _mesh_args(tmp_path),
+        run_id="mesh",
+        agent_args=["--dp-replicate", "2", "--node-timeout", "1.0"],
+        hosts=hosts,
+    ).start()
+    ckpts = [tmp_path / "ckpt" / f"dp{r}" / "stage00001" / "it000000000003.pt" for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(p.is_file() for p in ckpts):  # the template script keeps no progress key: its checkpoints
+        assert time.monotonic() < deadline and c.node(0).proc.poll() is None
+        time.sleep(0.05)
+    c.lose_node(1)
+    got = _mesh_results(c)
+    _same_as_mesh_reference(got, references)
+    assert {got[k]["recovered"]["path"] for k in (2, 3)} == {"replay"}
