@@ -246,8 +246,8 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
                 else f"127.0.0.2-6 of this machine, one store root each, links not shaped ({why_not})"
             ),
             "torchrun": (
-                f"4 workers on one node, --max-restarts 1, rank 1 killed mid-forward of iteration "
-                f"{TORCHRUN_FAIL_IT}, checkpoints {TORCHRUN_CKPTS}; kill -> the restarted job finished it"
+                f"4 workers, --max-restarts 1, rank 1 killed in it {TORCHRUN_FAIL_IT}, ckpts {TORCHRUN_CKPTS}; "
+                f"kill -> it {TORCHRUN_FAIL_IT} done again"
             ),
             "model_args": model,
             "iterations": ITERS,

@@ -79,7 +79,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     (
         "multihost",
         "torchrun_restart_with_snapshots_vs_global_rollback",
-        "<= 0.5 (torchrun restart, survivor snapshots)",
+        "<= 0.5 (torchrun, snapshots)",
         "le",
         0.5,
     ),

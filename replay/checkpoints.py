@@ -20,7 +20,7 @@ import fsspec
 from trainer_client.checkpoint import checkpoint_uri
 from trainer_client.dcp_checkpoint import pointer_uri
 
-__all__ = ["common_checkpoint", "latest_checkpoint", "newest_common"]
+__all__ = ["common_checkpoint", "latest_checkpoint", "mesh_common_checkpoint", "newest_common"]
 
 _IT_RE = re.compile(r"it(\d{12})\.(pt|dcp\.json)$")
 
@@ -71,6 +71,15 @@ def latest_checkpoint(
     """
     found = newest_common(base, [stage], at_most, storage_options)
     return (found[0], found[1][stage]) if found else None
+
+
+def mesh_common_checkpoint(base: str, num_stages: int, dp_replicate: int) -> int | None:
+    """The newest checkpoint every rank of a ``pp`` x ``dp_replicate`` mesh has (each replica's are
+    under ``{base}/dp{r}`` when there are several): where a global rollback restarts."""
+    if dp_replicate == 1:
+        return common_checkpoint(base, num_stages, 1 << 40)
+    found = [common_checkpoint(f"{base.rstrip('/')}/dp{r}", num_stages, 1 << 40) for r in range(dp_replicate)]
+    return None if any(c is None for c in found) else min(c for c in found if c is not None)
 
 
 def common_checkpoint(

@@ -40,7 +40,7 @@ import torch
 
 from replay._exits import last_error, script_bug
 from replay._timings import recovery_timings
-from replay.checkpoints import common_checkpoint
+from replay.checkpoints import mesh_common_checkpoint
 from replay.errors import EXIT_FALLBACK
 from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
 from trainer_client.mesh import MeshLayout
@@ -418,13 +418,7 @@ class _Scheduler:
 
     def _common_checkpoint(self) -> int | None:
         """The newest checkpoint every rank has (each replica's are under ``{url}/dp{r}``)."""
-        if self.layout.dp_replicate == 1:
-            return common_checkpoint(self.checkpoint_url, self.num_stages, 1 << 40)
-        found = [
-            common_checkpoint(f"{self.checkpoint_url.rstrip('/')}/dp{r}", self.num_stages, 1 << 40)
-            for r in range(self.layout.dp_replicate)
-        ]
-        return None if any(c is None for c in found) else min(c for c in found if c is not None)
+        return mesh_common_checkpoint(self.checkpoint_url, self.num_stages, self.layout.dp_replicate)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> RecoveryRun:

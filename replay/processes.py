@@ -3,7 +3,7 @@
 A scheduler (:mod:`replay.launcher`, the example ``trainer_client.examples.launch``) hosts the
 TCPStore outside the training ranks and starts every rank as a real, separate process:
 
-- :class:`StoreHost`: a TCPStore server on 127.0.0.1 owned by this process;
+- :class:`StoreHost`: a TCPStore server owned by this process (127.0.0.1 unless told otherwise);
 - :func:`forkserver_context`: a multiprocessing fork server that imported torch (and whatever
   else the children need) once, so a child starts in milliseconds;
 - :func:`start_process`: a child of that fork server, started without re-running the parent's
@@ -31,7 +31,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from trainer_client.commit import gloo_on_loopback, loopback_store
+from trainer_client.commit import bound_store, gloo_on_loopback
 
 __all__ = [
     "ProcessHandle",
@@ -45,11 +45,17 @@ __all__ = [
 
 
 class StoreHost:
-    """A TCPStore server on 127.0.0.1 (free port) owned by this process."""
+    """A TCPStore server owned by this process, listening on ``host``:``port`` only (default
+    127.0.0.1 and a free port; torch's own server listens on every interface)."""
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> None:
-        # listening on 127.0.0.1 only (torch's own server listens on every interface)
-        self.store = loopback_store(timeout)
+    def __init__(
+        self,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.store = bound_store(host, port, timeout)
         self.port: int = self.store.port
 
 

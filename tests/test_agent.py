@@ -8,6 +8,7 @@ of the same arguments (the shared references).
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import time
 from pathlib import Path
@@ -34,7 +35,9 @@ def hosts(request: pytest.FixtureRequest) -> Any:
         yield None
         return
     why = namespaces_available()
-    if why:
+    if why and os.environ.get("SWIFTLOG_REQUIRE_NAMESPACES") == "1":  # CI: never passed over
+        pytest.fail(f"namespaced hosts are required here (SWIFTLOG_REQUIRE_NAMESPACES=1): {why}")
+    if why:  # a developer's machine without root: the loopback-host variant of each case still runs
         pytest.skip(f"namespaced hosts: {why}")
     with NamespaceHosts(3, rate="1gbit") as h:
         yield h

@@ -111,10 +111,6 @@ class RecoveryEvent:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-class _StopRequested(Exception):
-    """The job's agent asked this rank to stop (SIGTERM, snapshot mode): handled as a failure."""
-
-
 class _GroupTeardown:
     """``dist.destroy_process_group()`` of a failed group, on a thread of its own (never raises:
     the group is already broken, it only has to go)."""
@@ -398,26 +394,7 @@ class ResilientLoop:
             failures = 0
             while True:
                 while it < stop:
-                    failure = self._terminate
-                    try:
-                        if failure is not None:
-                            raise _StopRequested(failure)
-                        progress.busy()
-                        if before is not None:
-                            before(it)
-                        self._save_buffers()
-                        forward_backward(it)
-                        progress.waiting()  # on the other ranks' done reports
-                        self.client.commit(it)
-                        progress.busy()
-                    except _StopRequested:
-                        pass
-                    except Exception as e:
-                        if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
-                            raise
-                        # keep only the text: the traceback's frames hold the schedule's pending work and
-                        # with it the process group, whose connections must close now (see _recover)
-                        failure = f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
+                    failure = self._attempt(it, before, forward_backward, failures)
                     if failure is not None:
                         failures += 1
                         with progress.section_of("recovery"):
@@ -438,6 +415,36 @@ class ResilientLoop:
             if self._hb is not None:
                 self._hb.close()
                 self._hb = None
+
+    def _attempt(
+        self,
+        it: int,
+        before: Callable[[int], Any] | None,
+        forward_backward: Callable[[int], Any],
+        failures: int,
+    ) -> str | None:
+        """Iteration ``it`` up to its commit. None when it committed; else what failed: a pipeline
+        failure's text, or the stop torchrun's SIGTERM asked for (snapshot mode). Raises what is
+        not a pipeline failure, and any failure past ``max_failures``."""
+        if self._terminate is not None:
+            return self._terminate
+        progress = self.client.progress
+        try:
+            progress.busy()
+            if before is not None:
+                before(it)
+            self._save_buffers()
+            forward_backward(it)
+            progress.waiting()  # on the other ranks' done reports
+            self.client.commit(it)
+            progress.busy()
+        except Exception as e:
+            if not is_pipeline_failure(e) or failures >= self.cfg.max_failures:
+                raise
+            # keep only the text: the traceback's frames hold the schedule's pending work and
+            # with it the process group, whose connections must close now (see _recover)
+            return f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}"
+        return None
 
     def _catch_sigterm(self) -> Callable[[], None]:
         """With ``snapshot_dir``: torchrun's SIGTERM (sent to every rank when one failed) asks for a

@@ -33,19 +33,11 @@ from replay.agent._leader import AgentScheduler, RemoteProcess
 from replay.agent._node import NodeAgent
 from replay.errors import JobStoreLostError
 from replay.launcher import RecoveryRun
-from trainer_client.commit import bound_store
+from replay.processes import StoreHost
 
 __all__ = ["AgentConfig", "AgentKeys", "AgentScheduler", "JobStoreLostError", "NodeAgent", "RemoteProcess", "run_agent"]
 
 logger = logging.getLogger(__name__)
-
-
-class _HostedStore:
-    """The job's store, hosted by node 0's agent at the rendezvous endpoint."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.store = bound_store(host, port, datetime.timedelta(seconds=300))
-        self.port = port
 
 
 def _connect(cfg: AgentConfig) -> dist.TCPStore:
@@ -64,7 +56,8 @@ def _connect(cfg: AgentConfig) -> dist.TCPStore:
 def run_agent(cfg: AgentConfig) -> RecoveryRun | None:
     """Run this node's agent until the job is over. Node 0 returns the job's :class:`RecoveryRun`
     (``ok``: every rank finished); the others return None once node 0 says the job is over."""
-    hosted = _HostedStore(*cfg.store_address) if cfg.node_rank == 0 else None
+    host, port = cfg.store_address
+    hosted = StoreHost(host=host, port=port) if cfg.node_rank == 0 else None  # the job's store, outside the ranks
     store = _connect(cfg)
     node = NodeAgent(cfg, store)
     node.register()

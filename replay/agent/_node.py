@@ -11,6 +11,7 @@ Never: decides anything about the job (the leader does) or touches another node'
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import multiprocessing.forkserver
@@ -89,7 +90,7 @@ class NodeAgent:
     def _heartbeat(self) -> None:
         host, port = self.cfg.store_address
         try:  # its own connection: a store call of the command loop never delays a beat
-            store = dist.TCPStore(host, port, is_master=False, timeout=_td(10))
+            store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
             while not self._stop.wait(self.cfg.heartbeat_s):
                 store.add(self.keys.heartbeat(self.node), 1)
         except Exception as e:  # noqa: BLE001 - the store is gone: the job is over for this node
@@ -209,9 +210,3 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _td(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)

@@ -60,12 +60,11 @@ def torchrun_argv(argv: list[str], env: dict[str, str]) -> list[str]:
     if known.snapshot_dir:
         out += ["--snapshot-dir", known.snapshot_dir]
     elif restart > 0 and known.checkpoint_url:  # the manual restart, in code: everyone from the common checkpoint
-        from replay.checkpoints import common_checkpoint
+        from replay.checkpoints import mesh_common_checkpoint
 
-        base = known.checkpoint_url.rstrip("/")
-        found = [common_checkpoint(base if R == 1 else f"{base}/dp{r}", world // R, 1 << 40) for r in range(R)]
-        if all(c is not None for c in found):
-            out += ["--resume-from", str(min(c for c in found if c is not None))]
+        c = mesh_common_checkpoint(known.checkpoint_url, world // R, R)
+        if c is not None:
+            out += ["--resume-from", str(c)]
     return out
 
 
