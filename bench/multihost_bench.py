@@ -22,9 +22,16 @@ Side by side in one run, ``--reps`` times each (paired):
 - ``rollback``: the same loss with ``--mode rollback``: every rank restarted from the checkpoint at
   10 (what a job without SWIFT does): kill -> the restarted pipeline finished the failed
   iteration - 1 again.
-- ``torchrun_*``: plain torchrun (4 workers on one host, ``--max-restarts 1``), rank 1 SIGKILLed
-  mid-forward of iteration 20: with survivor snapshots (only rank 1 replays) or without (every
-  rank restarts from the checkpoint at 10): kill -> the restarted job finished iteration 20.
+- ``torchrun_*``: plain torchrun (4 workers on one host, ``--max-restarts 1``, checkpoint at 10),
+  rank 1 SIGKILLed mid-forward of iteration 10 + N: with survivor snapshots (only rank 1 replays,
+  alone or with TORCHRUN_HELPERS survivor sharing it) or without (every rank restarts from the
+  checkpoint at 10): kill -> the restarted job finished iteration 10 + N. Every mode pays
+  torchrun's restart (every worker stopped and started again, torch imported); only the
+  rollback pays the N iterations again, so the ratio depends on N: it is measured at N = 10 (the
+  node-loss cases' loss, ``_short``) and N = 60 (the headline: a failure that far into a
+  checkpoint interval, the lost work several times the restart's cost, as in production where a
+  restart costs minutes and a checkpoint interval tens of minutes). ``torchrun_breakeven_lost_s``:
+  the lost work at which the measured costs give 0.5.
 
 Every run's final states are compared bit for bit with a failure-free run of the same launcher
 (``bit_exact``, ``torchrun_bit_exact``).
@@ -59,7 +66,8 @@ from replay.launcher import RecoveryRun, resumed_after_rollback
 
 RESULTS = Path(__file__).resolve().parent / "results" / "multihost.json"
 ITERS, CKPTS, KILL_AFTER, CKPT_BEFORE = 30, "10,30", 19, 10
-TORCHRUN_ITERS, TORCHRUN_CKPTS, TORCHRUN_FAIL_IT, TORCHRUN_CKPT_BEFORE = 30, "10,30", 20, 10
+# torchrun: checkpoint at 10, rank 1 killed in iteration 10 + N (N iterations lost to a rollback)
+TORCHRUN_CKPT, TORCHRUN_LOST, TORCHRUN_HELPERS = 10, {"short": 10, "long": 60}, 1
 LINK_RATE = "1gbit"  # every namespaced host's link, both ways (tc tbf)
 LOST_RANKS = (1,)  # node 1's
 SCRIPT = "trainer_client.examples.train_resilient"
@@ -106,16 +114,20 @@ def _run(base: Path, model: list[str], agent_args: list[str], lose: bool, hosts:
     return {"doc": doc, "results": results, "fail_it": fail_it}
 
 
-def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) -> dict[str, Any]:
-    """Plain torchrun, 4 workers, --max-restarts 1, rank 1 SIGKILLed mid-forward of TORCHRUN_FAIL_IT:
-    kill -> the restarted job finished that iteration (with or without survivor snapshots)."""
+def _torchrun(
+    base: Path, model: list[str], snapshots: bool, fail_it: int, kill: bool = True, helpers: int = 0
+) -> dict[str, Any]:
+    """Plain torchrun, 4 workers, --max-restarts 1, rank 1 SIGKILLed mid-forward of ``fail_it``:
+    kill -> the restarted job finished that iteration (with or without survivor snapshots, with
+    ``helpers`` survivors sharing rank 1's replay); 2 iterations after it, checkpoints at
+    TORCHRUN_CKPT and the end."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     args = [
         "--iters",
-        str(TORCHRUN_ITERS),
+        str(fail_it + 2),
         "--ckpt-at",
-        TORCHRUN_CKPTS,
+        f"{TORCHRUN_CKPT},{fail_it + 2}",
         "--seed",
         "1234",
         "--segment-iters",
@@ -124,8 +136,8 @@ def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) 
         f"file://{base / 'cold'}",
         "--data-source",
         *model,
-        *(["--kill-rank", "1", "--kill-at", f"{TORCHRUN_FAIL_IT},1,forward"] if kill else []),
-        *(["--snapshot-dir", str(base / "shm")] if snapshots else []),
+        *(["--kill-rank", "1", "--kill-at", f"{fail_it},1,forward"] if kill else []),
+        *(["--snapshot-dir", str(base / "shm"), "--replay-helpers", str(helpers)] if snapshots else []),
     ]
     cmd = torchrun_command(base, "tr", args)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -136,16 +148,67 @@ def _torchrun(base: Path, model: list[str], snapshots: bool, kill: bool = True) 
     if not kill:
         return {"results": results}
     t_kill = float(re.search(r"KILL ([0-9.]+)", r.stdout).group(1))  # type: ignore[union-attr]
-    done = max(t for res in results.values() for it, t, _ in res["iteration_end"] if it == TORCHRUN_FAIL_IT)
+    done = max(t for res in results.values() for it, t, _ in res["iteration_end"] if it == fail_it)
     starts = {k: res["start"] for k, res in results.items()}
     replay_s = (results[1]["recovered"] or {}).get("timings", {}).get("total_s")  # the lost rank's recovery
     return {"resumed_s": done - t_kill, "starts": starts, "results": results, "replay_total_s": replay_s}
 
 
 def _iteration_s(results: dict[int, Any]) -> float:
-    """The failure-free run's time per iteration (the last stage's, iterations 11..29)."""
-    ends = {it: t for it, t, _ in results[3]["iteration_end"]}
-    return (ends[29] - ends[10]) / 19
+    """A failure-free run's time per iteration (the last stage's, after the first checkpoint)."""
+    ends = sorted((it, t) for it, t, _ in results[3]["iteration_end"] if it > TORCHRUN_CKPT)
+    return (ends[-1][1] - ends[0][1]) / (ends[-1][0] - ends[0][0])
+
+
+def breakeven_lost_s(point: dict[str, Any]) -> float | None:
+    """The lost work (s) at which snapshots cost half a rollback, from one point's measurements.
+
+    A rollback costs R + L (R: the restart, L: the work lost); snapshots cost R + a + b L, the lost
+    rank's replay growing with L (b: its share of the lost time; a: the rest, loading snapshots and
+    the store rounds). (R + a + b L) / (R + L) = 0.5 at L = (R + 2a) / (1 - 2b); None when b >= 0.5
+    (the replay alone costs half of what it replaces)."""
+    R = point["restart_overhead_s"]
+    lost = point["rollback_s"] - R
+    b = point["lost_rank_recovery_s"] / lost
+    a = point["snapshots_s"] - R - point["lost_rank_recovery_s"]
+    return None if b >= 0.5 else (R + 2 * a) / (1 - 2 * b)
+
+
+def _measure_torchrun(a: argparse.Namespace, model: list[str], work: Path) -> dict[str, Any]:
+    """Each TORCHRUN_LOST point: a global rollback, survivor snapshots, and snapshots with
+    TORCHRUN_HELPERS survivors sharing the lost rank's replay, side by side, ``a.reps`` times."""
+    med = statistics.median
+    cases = {"rollback": (False, 0), "snapshots_alone": (True, 0), "snapshots": (True, TORCHRUN_HELPERS)}
+    out: dict[str, Any] = {"runs": {}, "bit_exact": {}}
+    for point, lost in TORCHRUN_LOST.items():
+        fail_it = TORCHRUN_CKPT + lost
+        ref = _torchrun(work / f"torchrun-ref-{point}", model, False, fail_it, kill=False)
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+        for rep in range(a.reps):
+            for case, (snapshots, helpers) in cases.items():
+                t = _torchrun(work / f"torchrun-{point}-{case}{rep}", model, snapshots, fail_it, helpers=helpers)
+                out["bit_exact"][f"{point}_{case}"] = out["bit_exact"].get(f"{point}_{case}", True) and _exact(t, ref)
+                runs[case].append({k: t[k] for k in ("resumed_s", "starts", "replay_total_s")})
+                print("torchrun", point, case, rep, f"{t['resumed_s']:.2f} s", flush=True)
+        s = {c: med([x["resumed_s"] for x in runs[c]]) for c in cases}
+        it_s = _iteration_s(ref["results"])
+        # what every mode pays (workers stopped, started again, torch imported, rendezvous): the
+        # rollback's time less the iterations it redid (those since the checkpoint, and the failed one)
+        restart_s = s["rollback"] - (lost + 1) * it_s
+        recovery_s = med([x["replay_total_s"] or 0.0 for x in runs["snapshots"]])
+        out[point] = {
+            "iterations_lost": lost,
+            "vs_global_rollback": s["snapshots"] / s["rollback"],
+            "alone_vs_global_rollback": s["snapshots_alone"] / s["rollback"],
+            **{f"{c}_s": v for c, v in s.items()},
+            "restart_overhead_s": restart_s,
+            "lost_rank_recovery_s": recovery_s,
+            "lost_rank_recovery_alone_s": med([x["replay_total_s"] or 0.0 for x in runs["snapshots_alone"]]),
+            "iteration_s": it_s,
+        }
+        out[point]["breakeven_lost_s"] = breakeven_lost_s(out[point])
+        out["runs"].update({f"{point}_{c}": v for c, v in runs.items()})
+    return out
 
 
 def _exact(r: dict[str, Any], ref: dict[str, Any]) -> bool:
@@ -201,37 +264,26 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
             exact[case] &= _exact(r, ref)
             runs[case].append(_rollback(r) if case == "rollback" else _swift(r))
             print(case, rep, json.dumps({k: v for k, v in runs[case][-1].items() if k.endswith("_s")}), flush=True)
-    torchrun: dict[str, list[dict[str, Any]]] = {"snapshots": [], "rollback": []}
-    torchrun_exact = {"snapshots": True, "rollback": True}
-    tref = _torchrun(work / "torchrun-ref", model, False, kill=False)
-    for rep in range(a.reps):
-        for case in torchrun:
-            t = _torchrun(work / f"torchrun-{case}{rep}", model, case == "snapshots")
-            torchrun_exact[case] &= _exact(t, tref)
-            torchrun[case].append({k: t[k] for k in ("resumed_s", "starts", "replay_total_s")})
-            print("torchrun", case, rep, f"{t['resumed_s']:.2f} s", t["starts"], flush=True)
+    tr = _measure_torchrun(a, model, work)
     med = statistics.median
-    it_s = _iteration_s(tref["results"])
     s = {case: med([x["resumed_s"] for x in runs[case]]) for case in cases}
-    ts = {case: med([x["resumed_s"] for x in torchrun[case]]) for case in torchrun}
     rb = s["rollback"]
     out = {
         "node_loss_recovery_vs_global_rollback": s["node_loss"] / rb,
-        "torchrun_restart_with_snapshots_vs_global_rollback": ts["snapshots"] / ts["rollback"],
+        "torchrun_restart_with_snapshots_vs_global_rollback": tr["long"]["vs_global_rollback"],
+        "torchrun_restart_with_snapshots_vs_global_rollback_short": tr["short"]["vs_global_rollback"],
+        "torchrun_restart_overhead_s": tr["long"]["restart_overhead_s"],
+        "torchrun_lost_rank_recovery_s": tr["long"]["lost_rank_recovery_s"],
+        "torchrun_lost_rank_recovery_alone_s": tr["long"]["lost_rank_recovery_alone_s"],
+        "torchrun_breakeven_lost_s": tr["long"]["breakeven_lost_s"],
+        "iteration_s": tr["long"]["iteration_s"],
         "node_loss_k2_vs_k1": s["node_loss_k2"] / s["node_loss"],
         "warm_spare_saving_s": s["node_loss_cold_start"] - s["node_loss"],
         "node_loss_recovery_s": s["node_loss"],
         "node_loss_cold_start_recovery_s": s["node_loss_cold_start"],
         "node_loss_k2_recovery_s": s["node_loss_k2"],
         "global_rollback_s": rb,
-        "torchrun_restart_with_snapshots_s": ts["snapshots"],
-        "torchrun_restart_global_rollback_s": ts["rollback"],
-        "torchrun_bit_exact": torchrun_exact,
-        # what both torchrun modes pay (workers stopped, started again, torch imported, rendezvous):
-        # the rollback's time less the iterations it redid (those since the checkpoint, and the failed one)
-        "torchrun_restart_overhead_s": ts["rollback"] - (TORCHRUN_FAIL_IT - TORCHRUN_CKPT_BEFORE + 1) * it_s,
-        "torchrun_lost_rank_recovery_s": med([x["replay_total_s"] or 0.0 for x in torchrun["snapshots"]]),
-        "iteration_s": it_s,
+        **{f"torchrun_{k}": v for k, v in tr.items() if k != "runs"},
         "replay_s": {c: med([x["replay_s"] for x in runs[c]]) for c in cases if c != "rollback"},
         "replacement_start_s": {c: med([x["replacement_start_s"] for x in runs[c]]) for c in cases if c != "rollback"},
         "per_rep": {
@@ -246,8 +298,9 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
                 else f"127.0.0.2-6 of this machine, one store root each, links not shaped ({why_not})"
             ),
             "torchrun": (
-                f"4 workers, --max-restarts 1, rank 1 killed in it {TORCHRUN_FAIL_IT}, ckpts {TORCHRUN_CKPTS}; "
-                f"kill -> it {TORCHRUN_FAIL_IT} done again"
+                "4 workers on one host, --max-restarts 1, checkpoint at 10, rank 1 killed mid-forward of "
+                f"iteration 10 + N, N in {sorted(TORCHRUN_LOST.values())}; kill -> that iteration done again; "
+                f"the headline at N = {TORCHRUN_LOST['long']} with {TORCHRUN_HELPERS} survivor helper"
             ),
             "model_args": model,
             "iterations": ITERS,
@@ -259,7 +312,7 @@ def _measure(a: argparse.Namespace, model: list[str], work: Path, hosts: Any, wh
             "machine": platform.platform(),
             "cpus": os.cpu_count(),
         },
-        "runs": {**runs, **{f"torchrun_{c}": v for c, v in torchrun.items()}},
+        "runs": {**runs, **{f"torchrun_{c}": v for c, v in tr["runs"].items()}},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2, default=str))

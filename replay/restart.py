@@ -10,7 +10,9 @@ before it went (``trainer_client.snapshots``). In the next attempt every rank ca
 2. if the snapshots agree on one (iteration, generation), the ranks without one (the lost rank,
    a survivor killed before its snapshot was written, a rank torchrun placed on another node)
    replay from their checkpoints to that iteration with :func:`replay.recover_stage`, reading the
-   survivors' reports and logs of the previous attempt's failed generation;
+   survivors' reports and logs of the previous attempt's failed generation; with
+   ``replay_helpers=H``, H survivors per lost rank (they have nothing else to do until the replay
+   ends) share its replay as SWIFT's parallel recovery does (``replay.helpers``);
 3. every rank says whether that worked; all apply what they have, or (no snapshot, disagreeing
    snapshots, a replay that failed) every rank rolls back to the newest common checkpoint.
 
@@ -37,6 +39,7 @@ import torch.distributed as dist
 
 from replay.checkpoints import common_checkpoint
 from replay.errors import ReplacementFallback
+from replay.helpers import serve_replay_helper
 from replay.replacement import RecoveredStage, recover_stage
 from trainer_client.checkpoint import checkpoint_uri, load_checkpoint
 from trainer_client.config import ENV_RESTART_COUNT
@@ -111,6 +114,7 @@ def recover_on_restart(
     replica: int = 0,
     dp_replicate: int = 1,
     timeout: datetime.timedelta = datetime.timedelta(seconds=600),
+    replay_helpers: int = 0,
     **replay_kwargs: Any,
 ) -> RestartDecision:
     """Decide, with every other rank, where this rank starts in this torchrun attempt (module docstring).
@@ -144,11 +148,16 @@ def recover_on_restart(
     lost = sorted(r for r in range(world) if r not in holders)
     outcome: dict[str, Any] = {"ok": True}
     decision: RestartDecision
+    helping = helper_assignment(lost, sorted(holders), replay_helpers if dp_replicate == 1 else 0)
     if rank in holders:
         decision = RestartDecision(
             "snapshot", target, f"own snapshot at iteration {target}", checkpoint_url, stage, state=snap
         )
+        if rank in helping:
+            lost_rank, helper_rank = helping[rank]
+            _help(store, run_id, previous, generation, lost_rank, helper_rank, timeout, replay_kwargs)
     else:
+        replay_kwargs["helpers"] = sum(1 for lost_rank, _ in helping.values() if lost_rank == rank)
         decision, outcome = _replay(
             store,
             run_id,
@@ -173,6 +182,54 @@ def recover_on_restart(
         snapshot_path(snapshot_dir, run_id, rank).unlink(missing_ok=True)  # used: not for a later attempt
     logger.warning("rank %d: restart %d: %s (lost: %s)", rank, attempt, decision.why, lost)
     return decision
+
+
+def helper_assignment(lost: list[int], survivors: list[int], per_lost: int) -> dict[int, tuple[int, int]]:
+    """survivor rank -> (the lost rank it helps, its helper rank 1..): ``per_lost`` survivors per
+    lost rank, in order, while survivors last (a pure function: every rank computes the same)."""
+    out: dict[int, tuple[int, int]] = {}
+    it = iter(survivors)
+    for lost_rank in lost:
+        for helper_rank in range(1, per_lost + 1):
+            survivor = next(it, None)
+            if survivor is None:
+                return out
+            out[survivor] = (lost_rank, helper_rank)
+    return out
+
+
+def _help(
+    store: dist.Store,
+    run_id: str,
+    previous: str,
+    generation: int,
+    lost_rank: int,
+    helper_rank: int,
+    timeout: datetime.timedelta,
+    replay_kwargs: dict[str, Any],
+) -> None:
+    """Serve as replay helper ``helper_rank`` of ``lost_rank`` (a stage: no replicas here); a failure
+    is logged, never raised (the lost rank then replays alone). The caller's torch thread count
+    and random generators are as they were before."""
+    threads = torch.get_num_threads()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            serve_replay_helper(
+                store,
+                run_id,
+                generation,
+                lost_rank,
+                helper_rank,
+                factory=replay_kwargs.get("factory"),
+                loss_fn=replay_kwargs.get("loss_fn"),
+                timeout=timeout,
+                commit_prefix=previous,
+            )
+    except Exception as e:  # the replacement replays alone when its helpers fail
+        logger.warning("replay helper %d of rank %d failed: %s: %s", helper_rank, lost_rank, type(e).__name__, e)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _replay(

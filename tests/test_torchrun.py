@@ -37,10 +37,13 @@ def torchrun(base: Path, extra: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "rollback"])
-def test_torchrun_restart(tmp_path: Path, references: Any, snapshots: bool) -> None:
+@pytest.mark.parametrize(
+    ("snapshots", "helpers"), [(True, 0), (True, 2), (False, 0)], ids=["snapshots", "snapshots-helpers", "rollback"]
+)
+def test_torchrun_restart(tmp_path: Path, references: Any, snapshots: bool, helpers: int) -> None:
     snap = tmp_path / "shm"  # node-local in production (/dev/shm); any directory that outlives the workers
-    r = torchrun(tmp_path, ["--snapshot-dir", str(snap)] if snapshots else [])
+    extra = ["--snapshot-dir", str(snap), "--replay-helpers", str(helpers)] if snapshots else []
+    r = torchrun(tmp_path, extra)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     res = Reference({k: torch.load(tmp_path / "out" / f"stage{k}.pt", weights_only=False) for k in range(4)})
     assert_same_as(res, references.get("1f1b", extra=("--data-source",)))
@@ -49,8 +52,18 @@ def test_torchrun_restart(tmp_path: Path, references: Any, snapshots: bool) -> N
         # the survivors resumed where they stood; rank 1 replayed from its checkpoint at 2
         assert starts == {0: (3, "snapshot"), 1: (3, "replay"), 2: (3, "snapshot"), 3: (3, "snapshot")}, starts
         assert not list((snap / "rec").glob("*.pt"))  # used snapshots are removed
+        # with helpers, survivors 0 and 2 shared rank 1's replay (SWIFT's parallel recovery)
+        assert res.results[1]["recovered"]["timings"]["workers"] == helpers + 1, res.results[1]["recovered"]
     else:
         assert {s for s, _ in starts.values()} == {2}, starts  # everyone from the checkpoint at 2
+
+
+def test_helpers_are_the_lowest_survivors_per_lost_rank_while_they_last() -> None:
+    from replay.restart import helper_assignment
+
+    assert helper_assignment([1], [0, 2, 3], 2) == {0: (1, 1), 2: (1, 2)}
+    assert helper_assignment([1, 4], [0, 2, 3], 2) == {0: (1, 1), 2: (1, 2), 3: (4, 1)}
+    assert helper_assignment([1], [0, 2], 0) == {}
 
 
 def _snap(directory: Path, rank: int, iteration: int, prefix: str = "swiftlog/rec") -> None:

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--replay-helpers",
         type=int,
         default=0,
-        help="replacement: the scheduler started this many replay helpers with it (ranks 1..N)",
+        help="replacement: the scheduler started this many replay helpers with it (ranks 1..N); "
+        "a torchrun restart with --snapshot-dir: this many survivors share each lost rank's replay",
     )
     a(
         "--replay-helper-rank",
@@ -257,6 +258,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 data_source="trainer_client.examples.factories:gpt_data" if args.data_source else None,
                 n_microbatches=cfg.n_microbatches,
                 threads=args.threads,
+                replay_helpers=args.replay_helpers,
             )
             start = decision.apply(model, optimizer, lr_scheduler)
             recovered = {
@@ -424,6 +426,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         "events": [e.to_dict() for e in loop.events],
         "recovered": recovered,
         "checkpoints": ckpts,
+        "t_main": t_main,
         "t_join": t_join,
         "t_train": t_train,
         "close": {
