@@ -23,7 +23,8 @@ the whole tree of what swiftlog raises)::
 
     SwiftlogError
     ├── ConfigError
-    │   └── trainer_client: UnsupportedScheduleError
+    │   ├── trainer_client: UnsupportedScheduleError
+    │   └── replay: BudgetTooSmallError
     ├── trainer_client: ClientError
     │   ├── CommitError
     │   │   ├── IterationAbortedError
@@ -42,7 +43,8 @@ the whole tree of what swiftlog raises)::
     ├── StoreError
     │   ├── replay: NodeUnavailableError       a node server cannot be reached (retryable)
     │   ├── server: RunNotFoundError
-    │   └── server: CheckpointNotFoundError
+    │   ├── server: CheckpointNotFoundError
+    │   └── server: ProfileNotFoundError
     ├── server: BadRequestError (ValueError)
     ├── server: NoColdTierError
     ├── server: NotAvailableError

@@ -48,12 +48,12 @@ from logstore._retention import Retention
 from logstore._shipper import Shipper
 from logstore._stats import store_stats
 from logstore._verify import verify
-from logstore.checkpoints import CheckpointInfo
+from logstore.checkpoints import CheckpointInfo, check_portable_json
 from logstore.cold import ColdTier
 from logstore.config import StoreConfig
 from logstore.errors import ConfigError, CorruptRecordError, RecordNotFoundError, StoreError, SwiftlogError
 from logstore.hot import HotTier, Location
-from logstore.keys import Channel, Kind, RecordKey
+from logstore.keys import Channel, Kind, RecordKey, validate_name
 from logstore.reports import GcReport, RecordInfo, UnregisterPreview, VerifyReport
 from logstore.segment import FRAME_HEADER_SIZE, BlobStream, blob_checksum, check_frame_header
 
@@ -475,6 +475,40 @@ class LogStore:
         return self._shipper.upload_sealed()
 
     # ================================================================== checkpoints and GC
+    def put_document(self, name: str, doc: dict[str, Any]) -> None:
+        """Keep a small JSON document of the run (e.g. its cost profile) under ``name``: in the cold
+        tier (shared by every node) when there is one, and in a hot tier of this node. Raises
+        ConfigError for a document that is not portable JSON, InvalidNameError for a bad name."""
+        validate_name(name, "document name")
+        try:
+            if not isinstance(doc, dict):
+                raise ValueError(f"a document is a JSON object, not {type(doc).__name__}")
+            check_portable_json(doc)
+        except ValueError as e:
+            raise ConfigError(f"document {name!r} of run {self.run!r} is not portable JSON: {e}") from e
+        if self.cold is not None:
+            self.cold.put_doc(f"{self.run}/documents/{name}.json", doc)
+        hot = self._tiers.own or next(iter(self._tiers.all()), None)
+        if hot is None and self.cold is None:
+            raise StoreError(
+                f"run {self.run!r} has no tier here to keep document {name!r}", hint="open it with writer="
+            )
+        if hot is not None:
+            hot.put_doc(f"document/{name}", doc)
+
+    def get_document(self, name: str) -> dict[str, Any] | None:
+        """The run's document ``name`` (``put_document``), from the cold tier first; None if none."""
+        validate_name(name, "document name")
+        if self.cold is not None:
+            doc = self.cold.get_doc(f"{self.run}/documents/{name}.json")
+            if doc is not None:
+                return doc
+        for hot in self._tiers.all():
+            doc = hot.docs(f"document/{name}").get(f"document/{name}")
+            if doc is not None:
+                return doc
+        return None
+
     def register_checkpoint(
         self, stage: int, iteration: int, *, uri: str | None = None, meta: dict[str, Any] | None = None
     ) -> CheckpointInfo:

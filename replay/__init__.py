@@ -19,6 +19,9 @@ The replacement side (a training script's ``--replacement`` and replay-helper ro
 on one machine: :func:`run_with_failures` with :class:`KillSpec`, compared with
 :func:`states_equal`.
 
+Selective logging: :func:`profile_run` measures a run's costs (``profile``), :func:`plan_groups`
+chooses logging groups from them within a storage budget (``group_planner``).
+
 Modules: ``plan`` (recovery planning; ``plan_types``, ``_plan_index``, ``_plan_fetch``), ``core``
 (the replay loop; ``stage``, ``report``, ``_iteration_plan``, ``_iteration``, ``_checks``,
 ``user_code``, ``_prefetch``), ``reader`` (``LogReader`` over record sources), ``remote``
@@ -37,6 +40,7 @@ from replay.core import replay_stage, replay_stages
 from replay.engine import replay
 from replay.errors import (
     EXIT_FALLBACK,
+    BudgetTooSmallError,
     NodeUnavailableError,
     ReplacementFallback,
     ReplayError,
@@ -44,10 +48,12 @@ from replay.errors import (
     ReplayMismatchError,
     ReplayOrderError,
 )
+from replay.group_planner import GroupPlan, plan_groups
 from replay.helpers import serve_replay_helper
 from replay.job import ReplayJob, ReplayProgress, ReplayResult, SourceSpec, jobs_from_plan
 from replay.launcher import KillSpec, run_with_failures
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
+from replay.profile import JobProfile, load_profile, profile_run, save_profile
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
 from replay.replacement import measured_rates, recover_stage, report_fallback, report_ready
@@ -65,6 +71,13 @@ __all__ = [
     "measured_rates",
     "ReplayUnit",
     "FetchItem",
+    # selective logging: measured costs, logging groups chosen within a storage budget
+    "profile_run",
+    "save_profile",
+    "load_profile",
+    "JobProfile",
+    "plan_groups",
+    "GroupPlan",
     # running a replay
     "replay",
     "ReplayJob",
@@ -101,4 +114,5 @@ __all__ = [
     "ReplayOrderError",
     "ReplacementFallback",
     "NodeUnavailableError",
+    "BudgetTooSmallError",
 ]

@@ -7,6 +7,8 @@ Hierarchy::
     │   ├── ReplayInputMissingError     a needed record is in no source (``key`` names it)
     │   ├── ReplayMismatchError         regenerated sends differ from the logged digests
     │   └── ReplayOrderError            the replay cannot run the live order of forwards and backwards
+    ├── ConfigError (logstore.errors)
+    │   └── BudgetTooSmallError         no logging grouping fits the storage budget (it names what one needs)
     ├── StoreError (logstore.errors)
     │   └── NodeUnavailableError        a node server did not answer after the retries (retryable)
     └── ClientError (trainer_client.errors)
@@ -24,11 +26,12 @@ recovery is impossible: the scheduler then restarts every stage from a common ch
 from __future__ import annotations
 
 from logstore import RecordKey
-from logstore.errors import StoreError, SwiftlogError
+from logstore.errors import ConfigError, StoreError, SwiftlogError
 from trainer_client import RecoveryFailedError
 
 __all__ = [
     "EXIT_FALLBACK",
+    "BudgetTooSmallError",
     "JobStoreLostError",
     "NodeUnavailableError",
     "ReplacementFallback",
@@ -62,6 +65,19 @@ class ReplayOrderError(ReplayError):
     """The replay cannot run the stage's forwards and backwards in the order the live stage did, and
     the result depends on it (a backward changed module buffers). The same stage replayed alone,
     with one worker, follows the live order."""
+
+
+class BudgetTooSmallError(ConfigError):
+    """No logging grouping that logs anything fits the storage budget. ``needed_bytes``: what the
+    cheapest one needs (None when no grouping meets the other constraints at any budget)."""
+
+    def __init__(self, message: str, *, budget_bytes: float, needed_bytes: float | None) -> None:
+        self.budget_bytes = budget_bytes
+        self.needed_bytes = needed_bytes
+        super().__init__(
+            message,
+            hint="raise the budget, or checkpoint more often (the logs kept are those since the last checkpoint)",
+        )
 
 
 class NodeUnavailableError(StoreError):

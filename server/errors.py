@@ -5,7 +5,8 @@ Hierarchy (server-specific errors extend the log store's, see ``logstore.errors`
     SwiftlogError
     ├── StoreError
     │   ├── RunNotFoundError        no hot tier of that run under the node's root        404 / exit 3
-    │   └── CheckpointNotFoundError no such registration of the run                      404 / exit 3
+    │   ├── CheckpointNotFoundError no such registration of the run                      404 / exit 3
+    │   └── ProfileNotFoundError    the run has no saved cost profile                    404 / exit 3
     ├── BadRequestError (ValueError) a request that cannot be answered as asked          400 / exit 2
     ├── NoColdTierError             an operation that needs a cold tier, none configured 409 / exit 2
     ├── NotAvailableError           a feature whose package is not installed (replay/)   501 / exit 4
@@ -48,6 +49,7 @@ from logstore.errors import (
 __all__ = [
     "RunNotFoundError",
     "CheckpointNotFoundError",
+    "ProfileNotFoundError",
     "BadRequestError",
     "NoColdTierError",
     "NotAvailableError",
@@ -74,6 +76,10 @@ class RunNotFoundError(StoreError):
 
 class CheckpointNotFoundError(StoreError):
     """The run has no registration of that stage's checkpoint at that iteration."""
+
+
+class ProfileNotFoundError(StoreError):
+    """The run has no saved cost profile (``swiftlog profile`` measures one)."""
 
 
 class BadRequestError(SwiftlogError, ValueError):
@@ -128,6 +134,7 @@ class Problem:
 _TABLE: tuple[tuple[type[BaseException], int, str, int], ...] = (
     (RunNotFoundError, 404, "run_not_found", EXIT_NOT_FOUND),
     (CheckpointNotFoundError, 404, "checkpoint_not_found", EXIT_NOT_FOUND),
+    (ProfileNotFoundError, 404, "profile_not_found", EXIT_NOT_FOUND),
     (RecordNotFoundError, 404, "record_not_found", EXIT_NOT_FOUND),
     (CorruptRecordError, 409, "corrupt_record", EXIT_PROBLEMS),
     (CorruptIndexError, 409, "corrupt_index", EXIT_PROBLEMS),

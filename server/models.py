@@ -470,3 +470,43 @@ class RecoveryPlan(_Model):
         union_mode="left_to_right",
         description="the default planner's plan; another planner's JSON object as it returned it",
     )
+
+
+class CostProfile(_Model):
+    """A run's measured costs (``replay.profile.JobProfile``): per boundary, per stage, rates."""
+
+    run_id: str
+    num_stages: int
+    activation_bytes: list[float] = Field(description="stored bytes per iteration, stage b -> b + 1")
+    gradient_bytes: list[float] = Field(description="stored bytes per iteration, stage b + 1 -> b")
+    replay_s: list[float] = Field(description="seconds to replay one iteration, per stage")
+    step_s: list[float] = Field(description="the live step, per stage")
+    iteration_s: float
+    checkpoint_interval: int
+    fetch_mbps: float
+    n_microbatches: int
+    domains: list[int] = Field(description="failure domain (node) of each stage")
+    replicated: list[bool] = Field(description="a live replica survives the stage's domain's loss")
+    restart_s: float
+    fixed_bytes: float = Field(description="stored per iteration whatever the grouping (META, digests, inputs)")
+    iterations_profiled: int
+    sources: dict[str, str] = Field(description="how each figure was obtained: measured, given, assumed")
+
+
+class LoggingGroupPlan(_Model):
+    """The logging groups the planner chose (``replay.group_planner.GroupPlan``); ``sizes`` is
+    what ``ClientConfig.logging_groups`` takes (it takes this whole document too)."""
+
+    sizes: list[int]
+    groups: list[list[int]]
+    stored_bytes: float = Field(description="logged over a checkpoint interval")
+    budget_bytes: float
+    expected_recovery_s_per_hour: float = Field(description="the objective: expected recovery seconds per hour")
+    recovery_s: list[float] = Field(description="each group's recovery time from a failure inside it")
+    mean_recovery_s: float
+    greedy: dict[str, Any] = Field(description="the SWIFT prototype's greedy merge on the same inputs, and its gap")
+    all_logged: dict[str, Any]
+    domain_bytes: dict[str, float]
+    recovery: Literal["kill", "in_place"]
+    assumptions: dict[str, Any]
+    warnings: list[str] = Field(default_factory=list)

@@ -39,7 +39,13 @@ from logstore.store import writers_under
 from server._registration import check_registration
 from server._summary import SummaryCache, summarize
 from server._views import checkpoint_view, decode_cursor, encode_cursor, hex64, kind_name, record_entry, tensor_stats
-from server.errors import BadRequestError, CheckpointNotFoundError, NoColdTierError, RunNotFoundError
+from server.errors import (
+    BadRequestError,
+    CheckpointNotFoundError,
+    NoColdTierError,
+    ProfileNotFoundError,
+    RunNotFoundError,
+)
 from server.models import (
     Checkpoint,
     CheckpointList,
@@ -536,3 +542,31 @@ class Node:
         return RecoveryPlan(
             run=run, failed_stages=sorted(set(failed_stages)), planner=self.planner, plan=to_jsonable(plan)
         )
+
+    # ------------------------------------------------------------------ logging groups
+    def profile(self, run: str) -> dict[str, Any]:
+        """The run's saved cost profile (``replay.profile``); CheckpointNotFoundError-like 404 when none."""
+        from replay.profile import load_profile
+
+        p = load_profile(self.store(run))
+        if p is None:
+            raise ProfileNotFoundError(
+                f"run {run!r} has no cost profile",
+                hint=f"measure one: swiftlog profile --run {run} (after a few iterations with every boundary logged)",
+            )
+        return p.to_dict()
+
+    def plan_groups(self, run: str, **options: Any) -> dict[str, Any]:
+        """Logging groups for the run from its saved profile (``replay.plan_groups``; ``options``
+        are its keyword arguments). BadRequestError for options it refuses, BudgetTooSmallError
+        (a ConfigError: 400 / exit 2) when no grouping fits."""
+        from replay.group_planner import plan_groups
+        from replay.profile import JobProfile
+
+        profile = JobProfile.from_dict(self.profile(run))
+        try:
+            return plan_groups(profile, **options).to_dict()
+        except SwiftlogError:
+            raise
+        except ValueError as e:
+            raise BadRequestError(f"the group planner refused the request: {e}") from e

@@ -122,3 +122,31 @@ def test_both_example_scripts_build_the_client_config_from_the_same_arguments():
         assert cfg.storage.cold_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9" and list(
             cfg.logging_groups
         ) == [2, 2]
+
+
+def test_logging_groups_take_the_group_planners_output_as_it_comes(tmp_path):
+    from replay.group_planner import plan_groups
+    from replay.profile import JobProfile
+
+    p = JobProfile(
+        run_id="r",
+        num_stages=4,
+        activation_bytes=[1e6, 1e5, 1e6],
+        gradient_bytes=[1e6, 1e5, 1e6],
+        replay_s=[0.1] * 4,
+        step_s=[0.2] * 4,
+        iteration_s=0.2,
+        checkpoint_interval=10,
+        fetch_mbps=100.0,
+        n_microbatches=4,
+        domains=[0, 1, 2, 3],
+        replicated=[False] * 4,
+    )
+    plan = plan_groups(p, budget_fraction=0.1)
+    for given in (plan, plan.to_dict()):  # the object, or the --json / REST document
+        cfg = ClientConfig(run_id="r", stage=0, num_stages=4, store_root=str(tmp_path), logging_groups=given)
+        assert cfg.logging_groups == plan.sizes == (2, 2)
+    with pytest.raises(ConfigError, match="needs 'sizes'"):
+        ClientConfig(run_id="r", stage=0, num_stages=4, store_root=str(tmp_path), logging_groups={"groups": [[0]]})
+    with pytest.raises(ConfigError, match="group sizes or a group plan"):
+        ClientConfig(run_id="r", stage=0, num_stages=4, store_root=str(tmp_path), logging_groups="2,2")

@@ -132,6 +132,13 @@ def test_replay_public_api() -> None:
             "measured_rates",
             "ReplayUnit",
             "FetchItem",
+            # selective logging
+            "profile_run",
+            "save_profile",
+            "load_profile",
+            "JobProfile",
+            "plan_groups",
+            "GroupPlan",
             # running a replay
             "replay",
             "ReplayJob",
@@ -168,6 +175,7 @@ def test_replay_public_api() -> None:
             "ReplayOrderError",
             "ReplacementFallback",
             "NodeUnavailableError",
+            "BudgetTooSmallError",
         ]
     )
     assert len(set(replay.__all__)) == len(replay.__all__)
@@ -201,6 +209,8 @@ def test_replay_public_api() -> None:
         "replay.helpers",
         "replay.report",
         "replay.restart",
+        "replay.profile",
+        "replay.group_planner",
         "replay.agent",
         "replay.agent.hosts",
         "replay.agent.local",
@@ -219,6 +229,7 @@ def test_server_public_api() -> None:
     assert _exported("server.errors") == {
         "RunNotFoundError",
         "CheckpointNotFoundError",
+        "ProfileNotFoundError",
         "BadRequestError",
         "NoColdTierError",
         "NotAvailableError",

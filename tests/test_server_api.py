@@ -217,6 +217,8 @@ def test_openapi_schema_is_complete(client: httpx.Client) -> None:
         ("post", "/v1/runs/{run}/gc"),
         ("post", "/v1/runs/{run}/flush"),
         ("get", "/v1/runs/{run}/recovery-plan"),
+        ("get", "/v1/runs/{run}/profile"),
+        ("get", "/v1/runs/{run}/logging-groups"),
         ("get", "/metrics"),
     }
     assert {(m, p) for p, ops in paths.items() for m in ops} == expected

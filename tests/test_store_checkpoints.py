@@ -219,3 +219,24 @@ def test_a_client_says_when_its_registrations_cannot_reach_other_nodes(tmp_path:
     assert "no commit store" not in caplog.text
     (doc,) = SharedRegistrations(store, prefix="swiftlog/r", stage=0, num_stages=2).others()
     assert (doc["stage"], doc["iteration"]) == (1, 3) and doc["uri"].endswith("it000000000003.pt")
+
+
+def test_run_documents_round_trip_in_both_tiers_and_refuse_what_is_not_json(tmp_path: Path) -> None:
+    from logstore.errors import InvalidNameError
+
+    cold = f"file://{tmp_path / 'cold'}"
+    with LogStore.open(tmp_path / "a", "r", cold_url=cold) as st:
+        assert st.get_document("profile") is None
+        st.put_document("profile", {"num_stages": 4, "bytes": [1.5, 2]})
+        assert st.get_document("profile") == {"num_stages": 4, "bytes": [1.5, 2]}
+        with pytest.raises(ConfigError, match="not portable JSON"):
+            st.put_document("profile", {"x": float("nan")})
+        with pytest.raises(ConfigError, match="JSON object"):
+            st.put_document("profile", [1, 2])  # type: ignore[arg-type]
+        with pytest.raises(InvalidNameError):
+            st.put_document("../escape", {})
+    with LogStore.open(tmp_path / "b", "r", cold_url=cold) as other:  # another node: through the cold tier
+        assert other.get_document("profile") == {"num_stages": 4, "bytes": [1.5, 2]}
+    with LogStore.open(tmp_path / "c", "r", writer="w") as hot_only:  # no cold tier: this node's hot tier
+        hot_only.put_document("profile", {"k": 1})
+        assert hot_only.get_document("profile") == {"k": 1}

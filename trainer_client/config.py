@@ -66,6 +66,22 @@ ENV_NODE = "SWIFTLOG_NODE"
 ENV_NODE_URL = "SWIFTLOG_NODE_URL"
 
 
+def _group_sizes(groups: Any) -> Sequence[Any]:
+    """The sizes in ``logging_groups``: the sizes themselves, a group plan (``.sizes``) or its
+    JSON document (``{"sizes": [...]}``)."""
+    if isinstance(groups, dict):
+        if "sizes" not in groups:
+            raise ConfigError(
+                f"logging_groups as a document needs 'sizes', got the keys {sorted(groups)[:8]}",
+                hint="pass the group planner's output (swiftlog plan-groups --json) or a list of sizes",
+            )
+        return groups["sizes"]
+    sizes = getattr(groups, "sizes", groups)
+    if isinstance(sizes, str | bytes) or not hasattr(sizes, "__iter__"):
+        raise ConfigError(f"logging_groups must be group sizes or a group plan, got {groups!r}")
+    return sizes
+
+
 def group_starts(logging_groups: Sequence[int] | None, num_stages: int) -> frozenset[int]:
     """First stage of every logging group (always contains 0).
 
@@ -333,7 +349,9 @@ class ClientConfig(_MeshPosition):
     What is logged
         logging_groups: sizes of consecutive logging groups summing to num_stages. Only sends
             that cross a group boundary are logged (with their digests). None (default): every
-            stage is its own group, so every send is logged.
+            stage is its own group, so every send is logged. Also takes what the group planner
+            returns (``replay.plan_groups``, ``swiftlog plan-groups --json``, the REST API): a
+            plan with ``sizes``, or its JSON document.
         log_data: log stage-0 inputs and last-stage targets (default True). Set False only when
             a deterministic, iteration-addressable data source is given to the client and to
             the replay.
@@ -406,7 +424,7 @@ class ClientConfig(_MeshPosition):
                 hint="e.g. file:///data/cold or s3://bucket/prefix",
             )
         if self.logging_groups is not None:
-            groups = list(self.logging_groups)
+            groups = list(_group_sizes(self.logging_groups))
             if not groups or not all(_is_int(g) and g >= 1 for g in groups) or sum(groups) != self.num_stages:
                 raise ConfigError(
                     f"logging_groups must be positive group sizes summing to num_stages={self.num_stages}, "

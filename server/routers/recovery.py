@@ -1,14 +1,16 @@
-"""GET /v1/runs/{run}/recovery-plan: the pluggable recovery planner (501 when it cannot be loaded)."""
+"""Recovery planning: GET /v1/runs/{run}/recovery-plan (the pluggable recovery planner, 501 when it
+cannot be loaded), GET /v1/runs/{run}/profile (the run's measured costs) and
+GET /v1/runs/{run}/logging-groups (logging groups chosen from them within a storage budget)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from server.models import RecoveryPlan
+from server.models import CostProfile, LoggingGroupPlan, RecoveryPlan
 from server.node import Node
 from server.routers._common import API_PREFIX, RunId, errors, get_node
 from server.settings import Settings
@@ -49,5 +51,45 @@ def build(settings: Settings) -> APIRouter:
                 run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers
             )
         )
+
+    @router.get(
+        "/runs/{run}/profile",
+        response_model=CostProfile,
+        responses=errors(400, 404, 502, 503),
+        summary="The run's measured cost profile",
+        description="What `swiftlog profile` measured and saved: the logging-group planner's input.",
+    )
+    async def profile(run: RunId, node: Node = Depends(get_node)) -> CostProfile:
+        return CostProfile(**await run_in_threadpool(node.profile, run))
+
+    @router.get(
+        "/runs/{run}/logging-groups",
+        response_model=LoggingGroupPlan,
+        responses=errors(400, 404, 502, 503),
+        summary="Logging groups chosen from the run's profile within a storage budget",
+        description="Exactly one budget: `budget_bytes`, `budget_fraction` (of logging every boundary) or "
+        "`disk_fraction` with `disk_bytes`. 400 names the storage the cheapest grouping needs when none fits.",
+    )
+    async def logging_groups(
+        run: RunId,
+        budget_bytes: float | None = Query(None, ge=0, le=1e18, allow_inf_nan=False, description="bytes per interval"),
+        budget_fraction: float | None = Query(None, ge=0, le=1e3, allow_inf_nan=False),
+        disk_fraction: float | None = Query(None, gt=0, le=1, allow_inf_nan=False),
+        disk_bytes: float | None = Query(None, gt=0, le=1e18, allow_inf_nan=False),
+        failures_per_domain_hour: float | None = Query(None, gt=0, le=1e6, allow_inf_nan=False),
+        recovery: Literal["kill", "in_place"] = Query("kill"),
+        max_recovery_s: float | None = Query(None, gt=0, le=1e9, allow_inf_nan=False),
+        node: Node = Depends(get_node),
+    ) -> LoggingGroupPlan:
+        options = {
+            "budget_bytes": budget_bytes,
+            "budget_fraction": budget_fraction,
+            "disk_fraction": disk_fraction,
+            "disk_bytes": disk_bytes,
+            "failures_per_domain_hour": failures_per_domain_hour,
+            "max_recovery_s": max_recovery_s,
+        }
+        chosen = {k: v for k, v in options.items() if v is not None}
+        return LoggingGroupPlan(**await run_in_threadpool(lambda: node.plan_groups(run, recovery=recovery, **chosen)))
 
     return router
