@@ -127,7 +127,7 @@ class IterationReplay:
                 per_stage.append((x, outs))
                 if i + 1 < len(states):
                     x = _leaves([o.detach() for o in outs], plan.logged(states[i + 1].stage, "recv_requires_grad"))
-                else:
+                elif not self._sent_to_peer(Channel.activation(st.stage), mb, outs):
                     check_sends(
                         ctx,
                         Channel.activation(st.stage),
@@ -139,6 +139,11 @@ class IterationReplay:
                         self.report,
                     )
         return per_stage
+
+    def _sent_to_peer(self, channel: Channel, mb: int, tensors: Sequence[Any]) -> bool:
+        """Hand a regenerated boundary send to the ``send`` hook; whether a peer took it."""
+        send = self.ctx.hooks.send
+        return send is not None and send(channel, self.it, mb, [t for t in tensors if t is not None])
 
     def _inputs(self, mb: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The first replayed stage's inputs of micro-batch ``mb``: stage 0's from the data source
@@ -202,7 +207,7 @@ class IterationReplay:
             self._backward_stage(st, mb, out, grads_in)
             sent = [t.grad for t in x if isinstance(t, torch.Tensor) and t.requires_grad]
             grads_in = sent
-            if st.stage > 0 and i == 0:
+            if st.stage > 0 and i == 0 and not self._sent_to_peer(Channel.gradient(st.stage), mb, sent):
                 check_sends(
                     ctx,
                     Channel.gradient(st.stage),

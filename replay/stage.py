@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from logstore import Channel
 from trainer_client import Checkpoint
 
 __all__ = ["ReplayHooks", "StageState"]
@@ -79,6 +80,10 @@ class ReplayHooks:
     replica_group: the process group of the data-parallel replicas of the stage replayed together
         (every replica of it was lost), ranked in replica order. A live average over the replicas
         (META ``replica_average``) is repeated over it; without it such a replay stops.
+    send(channel, iteration, micro_batch, tensors) -> whether the regenerated send went to a peer
+        replaying the receiving stage (``replay.group_replay``): then it is not checked against the
+        receiver's digests (a boundary inside a logging group has none). Called with the sends of
+        the first replayed stage's gradients and the last one's activations.
     """
 
     select: Callable[[int, Sequence[int]], Collection[int]] | None = None
@@ -91,3 +96,4 @@ class ReplayHooks:
     claim: Callable[[int], int | None] | None = None
     likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
     replica_group: Any = None
+    send: Callable[[Channel, int, int, Sequence[torch.Tensor]], bool] | None = None

@@ -18,6 +18,7 @@ __all__ = [
     "f1b_run",
     "dcp_run",
     "groups_run",
+    "groups_gpipe_run",
     "gap_run",
     "batchnorm_run",
     "clip_run",
@@ -64,6 +65,12 @@ def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="session")
 def groups_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return file_run(tmp_path_factory.mktemp("groups"), "groups", "1f1b", extra=["--groups", "2,2"])
+
+
+@pytest.fixture(scope="session")
+def groups_gpipe_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """GPipe with logging groups [1, 3]: only the 0|1 boundary is logged."""
+    return file_run(tmp_path_factory.mktemp("groups-gpipe"), "groups-gpipe", "gpipe", extra=["--groups", "1,3"])
 
 
 @pytest.fixture(scope="session")
