@@ -40,7 +40,7 @@ from replay.report import ReplayReport
 from replay.stage import ReplayHooks, StageState
 from trainer_client.errors import RecoveryTimeoutError
 
-__all__ = ["PeerLinks", "replay_member"]
+__all__ = ["PeerLinks", "member_group", "replay_member"]
 
 _DTYPES = [
     torch.float32,
@@ -58,8 +58,8 @@ _END = -1  # a header's first field: no more messages from this neighbour
 
 
 class PeerLinks:
-    """Messages between this member and its group neighbours over ``group`` (the members' process
-    group, ranked as ``members``). Each message is the regenerated send of one (channel, iteration,
+    """Messages between this member and its group neighbours over ``group`` (the members' gloo
+    process group object, ranked as ``members``: :func:`member_group`). Each message is the regenerated send of one (channel, iteration,
     micro-batch): ``send`` queues it for the receiving stage, ``parts`` waits for one (at most
     ``timeout``). ``close`` ends the exchange (every neighbour is told, threads joined)."""
 
@@ -127,16 +127,16 @@ class PeerLinks:
             while True:
                 item = self._queues[dst].get()
                 if item is None:
-                    dist.send(torch.tensor([_END], dtype=torch.int64), peer, group=self.group)
+                    self._send(torch.tensor([_END], dtype=torch.int64), peer)
                     return
                 channel, it, mb, parts = item
                 head = [int(channel.kind), channel.src, it, mb, len(parts)]
                 for p in parts:
                     head += [_DTYPES.index(p.dtype), p.dim(), *p.shape]
-                dist.send(torch.tensor([len(head)], dtype=torch.int64), peer, group=self.group)
-                dist.send(torch.tensor(head, dtype=torch.int64), peer, group=self.group)
+                self._send(torch.tensor([len(head)], dtype=torch.int64), peer)
+                self._send(torch.tensor(head, dtype=torch.int64), peer)
                 for p in parts:
-                    dist.send(p, peer, group=self.group)
+                    self._send(p, peer)
         except BaseException as e:  # a dead neighbour: the receiving side times out or fails too
             self._fail(e)
 
@@ -145,11 +145,11 @@ class PeerLinks:
         try:
             while True:
                 n = torch.empty(1, dtype=torch.int64)
-                dist.recv(n, peer, group=self.group)
+                self._recv(n, peer)
                 if int(n[0]) == _END:
                     return
                 head = torch.empty(int(n[0]), dtype=torch.int64)
-                dist.recv(head, peer, group=self.group)
+                self._recv(head, peer)
                 h = head.tolist()
                 kind, s, it, mb, count = h[:5]
                 pos, parts = 5, []
@@ -158,7 +158,7 @@ class PeerLinks:
                     shape = h[pos + 2 : pos + 2 + ndim]
                     pos += 2 + ndim
                     t = torch.empty(shape, dtype=dtype)
-                    dist.recv(t, peer, group=self.group)
+                    self._recv(t, peer)
                     parts.append(t)
                 with self._cond:
                     self._received[(kind, s, it, mb)] = parts
@@ -166,10 +166,24 @@ class PeerLinks:
         except BaseException as e:
             self._fail(e)
 
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        self.group.send([t], peer, 0).wait()
+
+    def _recv(self, t: torch.Tensor, peer: int) -> None:
+        self.group.recv([t], peer, 0).wait()
+
     def _fail(self, e: BaseException) -> None:
         with self._cond:
             self._error = self._error or e
             self._cond.notify_all()
+
+
+def member_group(
+    store: dist.Store, prefix: str, index: int, size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    """The gloo process group of a group's members (``index`` of ``size``), met under ``prefix`` of
+    ``store``; apart from any default group (the members' pipeline group is down while they replay)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), index, size, timeout)
 
 
 class _PeerReader(LogReader):

@@ -24,19 +24,19 @@ pytest_plugins = ["tests._replay_fixtures"]
 
 
 def _member(index: int, port: int, job_doc: dict[str, Any], out: str) -> None:
-    from replay.group_replay import replay_member
+    from replay.group_replay import member_group, replay_member
     from replay.states import build_states
 
     job = ReplayJob.from_dict(job_doc)
     stage = job.stages[index]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=index, world_size=len(job.stages))
+    group = member_group(store, "group", index, len(job.stages), datetime.timedelta(seconds=60))
     (state,) = build_states(job.replace(stages=[stage], checkpoints={stage: job.checkpoints[stage]}))
     report = replay_member(
         state,
         job.stages,
         open_sources(job.sources, job.run),
-        group=None,
+        group=group,
         num_stages=job.num_stages,
         stop_iteration=job.stop_iteration,
     )
@@ -49,7 +49,6 @@ def _member(index: int, port: int, job_doc: dict[str, Any], out: str) -> None:
         },
         Path(out) / f"stage{stage}.pt",
     )
-    dist.destroy_process_group()
 
 
 def _replay_group(run: Any, failed: int, tmp_path: Path) -> tuple[ReplayJob, dict[int, dict[str, Any]]]:
