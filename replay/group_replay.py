@@ -59,9 +59,10 @@ _END = -1  # a header's first field: no more messages from this neighbour
 
 class PeerLinks:
     """Messages between this member and its group neighbours over ``group`` (the members' gloo
-    process group object, ranked as ``members``: :func:`member_group`). Each message is the regenerated send of one (channel, iteration,
-    micro-batch): ``send`` queues it for the receiving stage, ``parts`` waits for one (at most
-    ``timeout``). ``close`` ends the exchange (every neighbour is told, threads joined)."""
+    process group object, ranked as ``members``: :func:`member_group`). Each message is the
+    regenerated send of one (channel, iteration, micro-batch): ``send`` queues it for the receiving
+    stage, ``parts`` waits for one (at most ``timeout``). ``close`` ends the exchange (every
+    neighbour is told, threads joined)."""
 
     def __init__(
         self,
