@@ -178,6 +178,7 @@ def run_with_failures(
     groups: Sequence[int] | None = None,
     script: str = DEFAULT_SCRIPT,
     dp_replicate: int = 1,
+    group_recovery: str = "kill",
 ) -> RecoveryRun:
     """Run the pipeline (``args``: the training script's arguments without --stage/--num-stages/
     --store-port/--out/--store-root/--run-id/--checkpoint-url/--kill-at, which the launcher sets)
@@ -188,7 +189,9 @@ def run_with_failures(
     be handled, after ``max_restarts`` replacements/rollbacks (a crash loop), or after ``timeout_s``.
     ``groups``: the run's logging-group sizes (the same as its ``--groups``): a failure takes its
     whole group down (the other members are killed, since only the group's boundaries were
-    logged they must be replayed with it), and every member is replaced. ``grace_s``: after a
+    logged they must be replayed with it), and every member is replaced; ``group_recovery=
+    "in_place"``: only the failed stage is replaced, the live members replay with it in their own
+    processes (the script gets ``--group-in-place``; ``replay.group_recovery``). ``grace_s``: after a
     death, how long the scheduler waits for every other stage to either report as a survivor or
     die too (stages that die together are replaced together). ``replay_workers``:
     K > 1 starts K - 1 replay helpers (``--replay-helper-rank``) together with each replacement;
@@ -202,6 +205,8 @@ def run_with_failures(
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
+    if group_recovery not in ("kill", "in_place"):
+        raise ValueError(f"group_recovery must be 'kill' or 'in_place', got {group_recovery!r}")
     if not isinstance(num_stages, int) or num_stages < 2:
         raise ValueError(f"num_stages must be an int >= 2, got {num_stages!r}")
     if not isinstance(replay_workers, int) or replay_workers < 1:
@@ -243,6 +248,7 @@ def run_with_failures(
         groups=groups,
         script=script,
         dp_replicate=dp_replicate,
+        group_recovery=group_recovery,
     ).run()
 
 
@@ -308,8 +314,10 @@ class _Scheduler:
         dp_replicate: int = 1,
         host: Any = None,
         out_dir: str | None = None,
+        group_recovery: str = "kill",
     ) -> None:
         self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
+        self.group_recovery = group_recovery
         self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
         self.layout = MeshLayout(num_stages, dp_replicate)
         self.world = self.layout.world_size  # the ranks; each "stage process" below is one rank
@@ -354,6 +362,8 @@ class _Scheduler:
         return f"stage{k}" if self.layout.dp_replicate == 1 else f"stage{c.stage}-dp{c.replica}"
 
     def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
+        if self.group_recovery == "in_place" and self.groups and not helper:
+            extra = [*extra, "--group-in-place"]  # survivors replay with their group, replacements only theirs
         self.procs[name] = self.spawn(k, extra, name=name, helper=helper)
         if helper:  # a replay helper exits on its own once the replay is done; it is not a stage
             self.timeline.append({"t": time.time(), "what": "start_helper", "name": name, "stage": k, "generation": g})
@@ -520,12 +530,14 @@ class _Scheduler:
         replaced; the survivors keep their state."""
         store, keys, gen = self.store, self.keys, self.gen
         store.set(keys.failed(gen), f"scheduler: stage {k} exited (rc={rc})")  # commit waiters abort now
-        members = _group_members(self.groups, dead, self.num_stages)
+        # a live member's state depends on the lost stage's unlogged sends: killed and replaced, or
+        # (in place) it replays with the replacement in its own process
+        members = [] if self.group_recovery == "in_place" else _group_members(self.groups, dead, self.num_stages)
         for j in members:
             if self.procs[self.current[j]].poll() is None:
-                self.procs[self.current[j]].kill()  # its state depends on the lost stage's unlogged sends
+                self.procs[self.current[j]].kill()
                 self.timeline.append({"t": time.time(), "what": "kill_group_member", "stage": j})
-        lost = sorted(set(dead) | set(_group_members(self.groups, dead, self.num_stages)))
+        lost = sorted(set(dead) | set(members))
         # the replacements of the stages known lost start now: their process start and
         # set-up overlap the survivors' reports (they wait for the failed-stage list)
         for j in lost:

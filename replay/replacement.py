@@ -201,6 +201,7 @@ def recover_stage(
     helpers: int = 0,
     replica: int = 0,
     dp_replicate: int = 1,
+    group_in_place: bool = False,
 ) -> RecoveredStage:
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
 
@@ -226,7 +227,9 @@ def recover_stage(
     the survivors' node servers (``SourceSpec("http", url)``) and the cold tier. ``helpers``: how
     many helper processes the scheduler started for this replacement (``serve_replay_helper``,
     ranks 1..helpers); they are always told the outcome (the job, or a cancellation when the
-    replay is not needed or impossible), so none waits in vain. When the helpers fail (one dies,
+    replay is not needed or impossible), so none waits in vain. ``group_in_place``: the group's
+    live members were not killed; they replay with this replacement, each its own stage
+    (``replay.group_recovery``). When the helpers fail (one dies,
     the rendezvous times out) the replacement replays alone instead. ``loss`` (``"module:attr"``)
     or ``loss_fn`` (picklable when ``workers`` > 1 without helpers): the loss function for a
     replay of the last stage; default: the one the live schedule used, as its META names it.
@@ -268,7 +271,7 @@ def recover_stage(
         failed = [layout.coord(r).stage for r in failed if layout.coord(r).replica == replica]
         if sources is None:
             sources = _sources_from_reports(docs)
-        members = _unit_of(stage, members, failed)
+        members = _unit_of(stage, members, failed, group_in_place)
         # a logging group restarts from one iteration: the newest checkpoint every member has
         found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
@@ -320,6 +323,10 @@ def recover_stage(
                 0,
                 {"wait_survivors_s": t_survivors - t0, "fetch_s": time.monotonic() - t_survivors, "replay_s": 0.0},
                 why=path.why,
+            )
+        if group_in_place and len(members) > 1:
+            return _member_recovery(
+                store, keys, generation, stage, failed, job, factory, loss_fn, timeout, t0, path.why
             )
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
@@ -391,6 +398,50 @@ def recover_stage(
             release_helpers(store, keys.replay_job(generation, stage))
 
 
+def _member_recovery(
+    store: dist.Store,
+    keys: RecoveryKeys,
+    generation: int,
+    stage: int,
+    failed: Sequence[int],
+    job: ReplayJob,
+    factory: Callable[..., Any] | None,
+    loss_fn: Callable[..., Any] | None,
+    timeout: datetime.timedelta,
+    t0: float,
+    why: str,
+) -> RecoveredStage:
+    """This replacement replays only its own stage, as a member of its group with the live members
+    (``replay.group_recovery``); the lowest failed member publishes the group's job."""
+    from replay.group_recovery import replay_as_member
+
+    lead = stage == min(k for k in failed if k in job.stages)
+    mine = job.replace(stages=[stage], checkpoints={stage: job.checkpoints[stage]})
+    try:
+        (state,) = build_states(mine, factory)
+        t_built = time.monotonic()
+        rep = replay_as_member(store, keys, generation, state, job, lead=lead, loss_fn=loss_fn, timeout=timeout)
+    except (ReplayError, CheckpointError) as e:
+        raise ReplacementFallback(f"the in-place replay of group {job.stages} failed: {e}") from e
+    ck_it = state.checkpoint.iteration if state.checkpoint is not None else job.stop_iteration
+    timings = {"setup_s": t_built - t0, "replay_s": rep.seconds, "fetch_s": rep.fetch_seconds}
+    return RecoveredStage(
+        state.module,
+        state.optimizer,
+        state.lr_scheduler,
+        job.stop_iteration,
+        ck_it,
+        job.checkpoints[stage],
+        True,
+        rep.digests_checked,
+        rep.records_fetched,
+        0,
+        {**timings, "workers": 1, "total_s": time.monotonic() - t0},
+        list(rep.warnings),
+        why=f"{why}; replayed in place with group {job.stages}",
+    )
+
+
 def _for_copy(built: Any, path: RankRecovery, resume: int, waited_s: float) -> RecoveredStage:
     """The fresh objects of a stage copied from a live replica (``path.donor``): its state reaches
     them when the caller's ``ResilientLoop`` joins the next generation."""
@@ -452,10 +503,19 @@ def _agreed_resume(docs: dict[int, dict[str, Any]], g: int) -> int:
     return resume
 
 
-def _unit_of(stage: int, members: list[int], failed: list[int]) -> list[int]:
+def _unit_of(stage: int, members: list[int], failed: list[int], in_place: bool = False) -> list[int]:
     """The stages replayed together with ``stage``: its logging group, grown by the adjacent failed
     stages (a failed neighbour took the records of what it sent this stage with it, and vice versa:
-    the whole run of adjacent failed stages replays together, its inner sends regenerated)."""
+    the whole run of adjacent failed stages replays together, its inner sends regenerated).
+    ``in_place``: the group's live members replay with it (they need not be replaced); a group
+    grown by failed neighbours is then not supported (ReplacementFallback)."""
+    if in_place:
+        if members[0] - 1 in failed or members[-1] + 1 in failed:
+            raise ReplacementFallback(
+                f"replacement of stage {stage}: a stage next to group {members} failed too; in-place group "
+                "recovery covers one group at a time"
+            )
+        return members
     while members[0] - 1 in failed or members[-1] + 1 in failed:
         members = [members[0] - 1, *members] if members[0] - 1 in failed else [*members, members[-1] + 1]
     if members != list(range(members[0], members[-1] + 1)) or any(k not in failed for k in members):

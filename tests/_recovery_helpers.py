@@ -83,6 +83,7 @@ def run(
     replay_workers: int = 1,
     timeout_s: float = 150.0,
     groups: Sequence[int] | None = None,
+    group_recovery: str = "kill",
 ) -> RecoveryRun:
     """One pipeline run under ``base`` (recreated); asserts that it finished."""
     shutil.rmtree(base, ignore_errors=True)
@@ -98,6 +99,7 @@ def run(
         replay_workers=replay_workers,
         timeout_s=timeout_s,
         groups=groups,
+        group_recovery=group_recovery,
     )
     assert r.ok, r.describe()
     return r

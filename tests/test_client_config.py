@@ -150,3 +150,10 @@ def test_logging_groups_take_the_group_planners_output_as_it_comes(tmp_path):
         ClientConfig(run_id="r", stage=0, num_stages=4, store_root=str(tmp_path), logging_groups={"groups": [[0]]})
     with pytest.raises(ConfigError, match="group sizes or a group plan"):
         ClientConfig(run_id="r", stage=0, num_stages=4, store_root=str(tmp_path), logging_groups="2,2")
+
+
+def test_group_of_names_a_stages_logging_group():
+    from trainer_client.config import group_of
+
+    assert group_of([2, 2], 1, 4) == [0, 1] and group_of([2, 2], 2, 4) == [2, 3]
+    assert group_of([1, 3], 2, 4) == [1, 2, 3] and group_of(None, 2, 4) == [2]

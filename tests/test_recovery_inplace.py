@@ -258,6 +258,32 @@ def test_logging_groups_replay_the_whole_group(references: References, tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("schedule", "groups", "kill"),
+    [("1f1b", "2,2", KillSpec(1, 3, 1, "backward")), ("gpipe", "1,3", KillSpec(2, 3, 0, "forward"))],
+    ids=["1f1b-2,2", "gpipe-1,3"],
+)
+def test_a_group_recovers_in_place_without_killing_its_live_members(
+    references: References, tmp_path: Path, schedule: str, groups: str, kill: KillSpec
+) -> None:
+    """In-place group recovery: only the failed stage is replaced; its live group members reload
+    their checkpoint in their own processes and the group replays as a pipeline, each member its
+    own stage, the group's edges from the logs (GPipe: a member in the middle of the group)."""
+    sizes = [int(x) for x in groups.split(",")]
+    extra = ("--data-source", "--groups", groups)
+    r = run(tmp_path, schedule, [kill], extra=extra, groups=sizes, group_recovery="in_place")
+    assert r.timings[0]["failed_stages"] == [kill.stage], r.timings
+    assert not [e for e in r.timeline if e["what"] == "kill_group_member"]
+    first = 0 if groups == "2,2" else 1
+    members = list(range(first, first + sizes[0 if first == 0 else 1]))
+    for k in members:
+        if k != kill.stage:  # a live member: same process, replayed with the group
+            ev = r.results[k]["events"][0]
+            assert ev["replayed_in_place"] == members and ev["replaced"] == [kill.stage], ev
+    assert_same_as(r, references.get(schedule, extra=extra, groups=sizes))
+
+
+@pytest.mark.slow
 def test_kill_during_log_upload(references: References, tmp_path: Path) -> None:
     """SIGKILL in the uploader thread while a segment goes to the cold tier (iteration 3 or 4,
     depending on when the background upload runs): recovery is still exact."""

@@ -82,6 +82,13 @@ def _group_sizes(groups: Any) -> Sequence[Any]:
     return sizes
 
 
+def group_of(logging_groups: Sequence[int] | None, stage: int, num_stages: int) -> list[int]:
+    """The stages of ``stage``'s logging group (``[stage]`` without groups)."""
+    starts = sorted(group_starts(logging_groups, num_stages) | {num_stages})
+    first = max(s for s in starts if s <= stage)
+    return list(range(first, min(s for s in starts if s > stage)))
+
+
 def group_starts(logging_groups: Sequence[int] | None, num_stages: int) -> frozenset[int]:
     """First stage of every logging group (always contains 0).
 

@@ -91,6 +91,19 @@ class RecoveryKeys:
         """Prefix of the replay workers' process-group rendezvous keys (replacement = rank 0)."""
         return f"{self.base}/gen{g}/replay_pg/{stage}/"
 
+    def group_job(self, g: int, first: int) -> str:
+        """The replay job of the logging group starting at stage ``first`` after generation ``g``
+        failed, replayed in place by its members (JSON, written by its lowest replacement)."""
+        return f"{self.base}/gen{g}/group/{first}/job"
+
+    def group_report(self, g: int, stage: int) -> str:
+        """A group member's replay report: ``{"ok", "digests_checked", "why"}``."""
+        return f"{self.base}/gen{g}/group/report/{stage}"
+
+    def group_rendezvous(self, g: int, first: int) -> str:
+        """Store prefix of the members' process group of that group's in-place replay."""
+        return f"{self.base}/gen{g}/group/{first}/pg/"
+
     def progress(self) -> str:
         """Appended by the example script's last stage after every applied iteration (plots)."""
         return f"{self.run_base}/progress"

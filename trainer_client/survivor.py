@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
-from trainer_client.config import ENV_NODE, ENV_NODE_URL, RecoveryConfig
+from trainer_client.config import ENV_NODE, ENV_NODE_URL, RecoveryConfig, group_of
 from trainer_client.errors import (
     CommitStoreError,
     IterationAbortedError,
@@ -106,6 +106,7 @@ class RecoveryEvent:
     t_ready: float = 0.0
     t_rejoined: float = 0.0
     replaced: list[int] = field(default_factory=list)
+    replayed_in_place: list[int] = field(default_factory=list)  # this rank's group, replayed with it
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -228,6 +229,11 @@ class ResilientLoop:
         lr_scheduler: optional; the client counts its steps (``SwiftlogClient.track_lr_scheduler``; ``checkpoint``
             does that too), so that one not stepped once per iteration is replayed as it ran.
         on_event: called with each :class:`RecoveryEvent` once the pipeline re-formed.
+        replay_group: in-place group recovery: called as ``replay_group(generation, members)``
+            when another stage of this rank's logging group failed, instead of this rank being
+            replaced with it. It must load this stage's checkpoint into the live objects, replay
+            with the group (``replay.group_recovery.replay_in_place``) and return the iteration
+            reached (the resume iteration). None (default): the scheduler replaces the whole group.
     """
 
     def __init__(
@@ -240,6 +246,7 @@ class ResilientLoop:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any | None = None,
         on_event: Callable[[RecoveryEvent], None] | None = None,
+        replay_group: Callable[[int, list[int]], int] | None = None,
     ) -> None:
         if client.coordinator is None:
             raise ValueError(
@@ -247,6 +254,7 @@ class ResilientLoop:
             )
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
+        self.replay_group = replay_group
         self.lr_scheduler = lr_scheduler
         client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
         client.track_lr_scheduler(lr_scheduler)
@@ -611,6 +619,20 @@ class ResilientLoop:
             logger.warning("%s: log writer not drained before recovery; the replay may miss records", self._who)
         return teardown, {"drained": drained, "teardown_s": t_b - t_a, "drain_s": t_c - t_b}
 
+    def _replay_with_group(self, ev: RecoveryEvent) -> None:
+        """In-place group recovery: another member of this rank's logging group failed and this
+        rank replays with it (``replay_group``). Raises RecoveryFailedError when it could not."""
+        cfg = self.cfg
+        members = group_of(self.client.config.logging_groups, cfg.stage, cfg.num_stages)
+        if self.replay_group is None or cfg.stage in ev.replaced or not set(members) & set(ev.replaced):
+            return
+        reached = self.replay_group(self.generation, members)
+        if reached != ev.resume:
+            raise RecoveryFailedError(
+                f"{self._who}: the in-place replay of group {members} reached iteration {reached}, not {ev.resume}"
+            )
+        ev.replayed_in_place = members
+
     def _await_replacements(self, ev: RecoveryEvent) -> None:
         """Step 4: wait for the scheduler to name the replaced stages (``ev.replaced``) and for them
         to be ready. Raises RecoveryFailedError on a fallback, RecoveryTimeoutError after
@@ -624,6 +646,7 @@ class ResilientLoop:
             abort_keys=[keys.fallback(g)],
         )
         ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
+        self._replay_with_group(ev)
         wait_until_woken(
             self.store,
             keys,

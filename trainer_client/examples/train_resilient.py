@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a torchrun restart with --snapshot-dir: this many survivors share each lost rank's replay",
     )
     a(
+        "--group-in-place",
+        action="store_true",
+        help="logging groups: a failed member's live group members replay with its replacement in place",
+    )
+    a(
         "--replay-helper-rank",
         type=int,
         default=0,
@@ -218,6 +223,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 group=_group_of(args.groups, k),
                 replica=r,
                 dp_replicate=args.dp_replicate,
+                group_in_place=args.group_in_place,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, generation, str(e))
@@ -393,7 +399,17 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         store_port=args.store_port,
         snapshot_dir=args.snapshot_dir,
     )
-    loop = ResilientLoop(client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    replay_group = None
+    if args.group_in_place:  # another member of this stage's logging group failed: replay with it here
+        from replay.group_recovery import replay_in_place
+
+        def replay_group(g: int, members: list[int]) -> int:
+            timeout = datetime.timedelta(seconds=args.rejoin_timeout)
+            return replay_in_place(store, args.run_id, g, k, members, model, optimizer, lr_scheduler, timeout=timeout)
+
+    loop = ResilientLoop(
+        client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler, replay_group=replay_group
+    )
     t_join = time.time()
     loop.join()
     if args.replacement:
