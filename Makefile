@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/hybrid_bench.py
 	$(PY) bench/multihost_bench.py
+	$(PY) bench/groups_bench.py
 	$(PY) bench/api_bench.py
 	$(PY) bench/table.py
 

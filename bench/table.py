@@ -2,7 +2,8 @@
 
 ``python bench/table.py`` prints every row; ``--readme`` also rewrites the tables between the
 ``<!-- bench:start -->`` / ``<!-- bench:end -->`` markers: README.md gets the headline rows (those
-with a target), bench/README.md every row. Reads only results; a missing result file shows as
+with a target; the true/false checks summed up in one row naming any that is not true),
+bench/README.md every row. Reads only results; a missing result file shows as
 "not run".
 """
 
@@ -92,6 +93,11 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("multihost", "warm_spare_saving_s", "(s; fork server vs fresh interpreters)", None, None),
     ("multihost", "node_loss_recovery_s", "", None, None),
     ("multihost", "global_rollback_s", "", None, None),
+    ("groups", "group_in_place_vs_kill_replay", "<= 0.6 (groups [2,2], stage 1 lost)", "le", 0.6),
+    ("groups", "group_in_place_vs_kill_replay_4", "(one group of 4)", None, None),
+    ("groups", "planner_within_budget", "true (half of all logged)", "eq", True),
+    ("groups", "planner_prediction_error", "<= 0.25 (predicted vs measured recovery)", "le", 0.25),
+    ("groups", "bit_exact", "true", "eq", True),
     ("api", "summary_p99_ms", "<= 50 ms", "le", 50),
     ("api", "list_p99_ms", "<= 50 ms", "le", 50),
     ("api", "download_vs_bare_asgi", ">= 0.8 (verified download / bare app, same uvicorn)", "ge", 0.8),
@@ -116,6 +122,7 @@ def table(*, headline: bool = False) -> str:
     """The table's markdown; ``headline``: only the rows with a target."""
     cache: dict[str, dict | None] = {}
     lines = ["| bench | metric | measured | target | met |", "|---|---|---|---|---|"]
+    checks: list[tuple[str, object]] = []  # headline: the true/false checks, summed up in one row
     for f, key, target, op, bound in ROWS:
         if headline and op is None:
             continue
@@ -126,11 +133,20 @@ def table(*, headline: bool = False) -> str:
         v = None if data is None else data.get(key)
         if key == "enqueue_over_copy" and data and data.get("copy_us_per_mb"):
             v = data["enqueue_us_per_mb"] / data["copy_us_per_mb"]
+        if headline and op == "eq" and bound is True:
+            checks.append((f"{f}.{key}", v if data is not None else "not run"))
+            continue
         met = ""
         if op is not None and v is not None:
             met = {"ge": operator.ge, "le": operator.le, "eq": operator.eq}[op](v, bound)
             met = "yes" if met else "**no**"
         lines.append(f"| {f} | `{key}` | {_fmt(v) if data is not None else 'not run'} | {target} | {met} |")
+    if checks:
+        bad = [name for name, v in checks if v is not True]
+        lines.append(
+            f"| all | bit-exact, verified, within budget | {len(checks) - len(bad)} of {len(checks)} true"
+            f"{' (not: ' + ', '.join(bad) + ')' if bad else ''} | true | {'**no**' if bad else 'yes'} |"
+        )
     return "\n".join(lines)
 
 
