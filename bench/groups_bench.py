@@ -6,9 +6,10 @@ vocabulary 4096, 4 micro-batches, AdamW) as a 4-stage 1F1B pipeline, 4 processes
 of iteration 20 (10 iterations to replay), cold tier ``file://``. One run of each case:
 
 - groupings ``[1,1,1,1]`` (every boundary logged), ``[2,2]``, ``[4]`` (nothing between stages
-  logged), each recovered as today (``kill``: the failed stage's whole group killed, each
-  replacement replays the whole group) and, for groups, in place (``in_place``: only the failed
-  stage replaced, the live members replay their own stages with it as a pipeline);
+  logged: a failure can only roll every stage back, ``fell_back_to_rollback`` says so), each
+  recovered as today (``kill``: the failed stage's whole group killed, each replacement replays
+  the whole group) and, for groups, in place (``in_place``: only the failed stage replaced, the
+  live members replay their own stages with it as a pipeline);
 - the planner's choice (``replay.plan_groups``, in place) for a budget of half what logging
   every boundary stores, from a profile of the ``[1,1,1,1]`` run (``replay.profile_run``: record
   sizes, replay times measured by replaying each stage, checkpoint interval 20 so that the
@@ -153,6 +154,9 @@ def _measure(model: list[str], work: Path) -> int:
             "resumed_s": resumed_after_rollback(r, FAIL_IT + 1),
             "replay_s": t.get("replay_s"),
             "failed_stages": t["failed_stages"],
+            # a recovery that could not be done in place rolled every stage back (a group of the
+            # whole pipeline has no logged boundary to replay from or to check against)
+            "fell_back_to_rollback": r.fallback,
             "bit_exact": not any(states_equal(r.results[k], ref.results[k]) for k in range(4)),
         }
         print(name, json.dumps({k: v for k, v in cases[name].items() if k != "groups"}), flush=True)

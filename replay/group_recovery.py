@@ -149,15 +149,20 @@ def replay_in_place(
     try:
         ck = load_checkpoint(job.checkpoints[stage], storage_options=dict(job.checkpoint_options))
         state = StageState.from_checkpoint(ck, module, optimizer, lr_scheduler)
-        replay_as_member(store, keys, generation, state, job, lead=False, loss_fn=loss_fn, timeout=timeout)
+        rep = replay_as_member(store, keys, generation, state, job, lead=False, loss_fn=loss_fn, timeout=timeout)
+        report_note = (
+            f"replay {rep.seconds:.2f} s, compute {rep.compute_seconds:.2f} s, fetch {rep.fetch_seconds:.2f} s, "
+            + "; ".join(rep.warnings[-1:])
+        )
     except (ReplayError, CheckpointError, ReplacementFallback, OSError) as e:
         raise RecoveryFailedError(f"stage {stage}: the in-place replay of group {list(members)} failed: {e}") from e
     logger.warning(
-        "stage %d: replayed in place with group %s from checkpoint %d to %d in %.2f s",
+        "stage %d: replayed in place with group %s from checkpoint %d to %d in %.2f s (%s)",
         stage,
         list(members),
         ck.iteration,
         job.stop_iteration,
         time.monotonic() - t0,
+        report_note,
     )
     return job.stop_iteration

@@ -14,7 +14,7 @@ the result is the one a single process replaying the group gets, bit for bit on 
 
 :class:`PeerLinks` is the transport: per neighbour, a sender thread draining a queue and a
 receiver thread filling a table; a message is one send (channel, iteration, micro-batch, its
-tensors), framed as a small int64 header and the tensors themselves over gloo ``send``/``recv``.
+tensors), framed as a fixed int64 header and one buffer of the tensors' bytes over gloo ``send``/``recv``.
 
 Never: reads a record of a boundary inside the group from the logs, or waits without a deadline.
 """
@@ -55,6 +55,11 @@ _DTYPES = [
     torch.bool,
 ]
 _END = -1  # a header's first field: no more messages from this neighbour
+_HEAD = 64  # int64 fields of a message header: kind, src, iteration, micro-batch, parts, bytes, then per part
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class PeerLinks:
@@ -77,6 +82,7 @@ class PeerLinks:
         self._received: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self.wait_s = 0.0  # time ``parts`` waited for a neighbour
         self._queues: dict[int, queue.Queue[Any]] = {s: queue.Queue() for s in self.neighbours}
         self._threads = [
             threading.Thread(target=self._send_loop, args=(s,), name=f"swiftlog-peer-send-{s}", daemon=True)
@@ -92,14 +98,15 @@ class PeerLinks:
         """Queue a send for ``channel.dst`` if it is a neighbour in the group; whether it was."""
         if channel.dst not in self._queues:
             return False
-        parts = [t.detach().to("cpu").contiguous() for t in tensors]
+        parts = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]  # the replay goes on
         self._queues[channel.dst].put((channel, iteration, micro_batch, parts))
         return True
 
     def parts(self, channel: Channel, iteration: int, micro_batch: int) -> list[torch.Tensor]:
         """The tensors the neighbour ``channel.src`` sent on ``channel`` for (iteration, micro-batch)."""
         key = (int(channel.kind), channel.src, iteration, micro_batch)
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout.total_seconds()
         with self._cond:
             while key not in self._received:
                 if self._error is not None:
@@ -111,6 +118,7 @@ class PeerLinks:
                         f"micro-batch {micro_batch} within {self.timeout.total_seconds():.0f} s"
                     )
                 self._cond.wait(min(left, 1.0))
+            self.wait_s += time.monotonic() - t0
             return self._received.pop(key)
 
     def close(self) -> None:
@@ -127,17 +135,22 @@ class PeerLinks:
         try:
             while True:
                 item = self._queues[dst].get()
+                head = torch.zeros(_HEAD, dtype=torch.int64)
                 if item is None:
-                    self._send(torch.tensor([_END], dtype=torch.int64), peer)
+                    head[0] = _END
+                    self._send(head, peer)
                     return
                 channel, it, mb, parts = item
-                head = [int(channel.kind), channel.src, it, mb, len(parts)]
+                fields = [int(channel.kind), channel.src, it, mb, len(parts), sum(_nbytes(p) for p in parts)]
                 for p in parts:
-                    head += [_DTYPES.index(p.dtype), p.dim(), *p.shape]
-                self._send(torch.tensor([len(head)], dtype=torch.int64), peer)
-                self._send(torch.tensor(head, dtype=torch.int64), peer)
-                for p in parts:
-                    self._send(p, peer)
+                    fields += [_DTYPES.index(p.dtype), p.dim(), *p.shape]
+                if len(fields) > _HEAD:
+                    raise ReplayError(f"{channel.name}: a send of {len(parts)} parts does not fit a message header")
+                head[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+                # two writes a message: the header, then every part's bytes in one buffer (small writes
+                # in a row would wait on TCP's delayed acknowledgements)
+                self._send(head, peer)
+                self._send(torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]), peer)
         except BaseException as e:  # a dead neighbour: the receiving side times out or fails too
             self._fail(e)
 
@@ -145,22 +158,22 @@ class PeerLinks:
         peer = self.rank_of[src]
         try:
             while True:
-                n = torch.empty(1, dtype=torch.int64)
-                self._recv(n, peer)
-                if int(n[0]) == _END:
-                    return
-                head = torch.empty(int(n[0]), dtype=torch.int64)
+                head = torch.empty(_HEAD, dtype=torch.int64)
                 self._recv(head, peer)
                 h = head.tolist()
-                kind, s, it, mb, count = h[:5]
-                pos, parts = 5, []
+                if h[0] == _END:
+                    return
+                kind, s, it, mb, count, total = h[:6]
+                payload = torch.empty(total, dtype=torch.uint8)
+                self._recv(payload, peer)
+                pos, off, parts = 6, 0, []
                 for _ in range(count):
                     dtype, ndim = _DTYPES[h[pos]], h[pos + 1]
                     shape = h[pos + 2 : pos + 2 + ndim]
                     pos += 2 + ndim
-                    t = torch.empty(shape, dtype=dtype)
-                    self._recv(t, peer)
-                    parts.append(t)
+                    n = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+                    parts.append(payload[off : off + n].clone().view(dtype).reshape(shape))
+                    off += n
                 with self._cond:
                     self._received[(kind, s, it, mb)] = parts
                     self._cond.notify_all()
@@ -231,7 +244,7 @@ def replay_member(
     links = PeerLinks(group, members, state.stage, timeout)
     try:
         reader = _PeerReader(sources, links, peer_in)
-        return replay_stages(
+        report = replay_stages(
             [state],
             reader,
             num_stages=num_stages,
@@ -241,5 +254,7 @@ def replay_member(
             prefetch=0,
             hooks=ReplayHooks(send=links.send),
         )
+        report.warnings.append(f"waited {links.wait_s:.3f} s for the group's members")
+        return report
     finally:
         links.close()

@@ -245,7 +245,7 @@ def recover_stage(
         return prepare_states(
             checkpoint_url,
             run_id=log_run,
-            stages=members,
+            stages=[stage] if group_in_place else members,  # in place: each member builds its own
             num_stages=num_stages,
             model=model,
             model_args=model_args,
@@ -272,6 +272,11 @@ def recover_stage(
         if sources is None:
             sources = _sources_from_reports(docs)
         members = _unit_of(stage, members, failed, group_in_place)
+        if group_in_place and len(members) == num_stages:
+            raise ReplacementFallback(
+                f"replacement of stage {stage}: the group is the whole pipeline: nothing logged to replay "
+                "between, every stage rolls back"
+            )
         # a logging group restarts from one iteration: the newest checkpoint every member has
         found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
@@ -326,7 +331,7 @@ def recover_stage(
             )
         if group_in_place and len(members) > 1:
             return _member_recovery(
-                store, keys, generation, stage, failed, job, factory, loss_fn, timeout, t0, path.why
+                store, keys, generation, stage, failed, job, factory, loss_fn, timeout, t0, path.why, prepared
             )
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
@@ -410,15 +415,18 @@ def _member_recovery(
     timeout: datetime.timedelta,
     t0: float,
     why: str,
+    prepared: PreparedStates | None,
 ) -> RecoveredStage:
     """This replacement replays only its own stage, as a member of its group with the live members
-    (``replay.group_recovery``); the lowest failed member publishes the group's job."""
+    (``replay.group_recovery``); the lowest failed member publishes the group's job. The objects
+    built ahead are taken (or their build waited for): a build draws from torch's global RNG
+    (a factory seeds it), which must not run beside the replay's seeded forwards."""
     from replay.group_recovery import replay_as_member
 
     lead = stage == min(k for k in failed if k in job.stages)
     mine = job.replace(stages=[stage], checkpoints={stage: job.checkpoints[stage]})
     try:
-        (state,) = build_states(mine, factory)
+        (state,) = build_states(mine, factory, prepared)
         t_built = time.monotonic()
         rep = replay_as_member(store, keys, generation, state, job, lead=lead, loss_fn=loss_fn, timeout=timeout)
     except (ReplayError, CheckpointError) as e:

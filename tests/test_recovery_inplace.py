@@ -284,6 +284,16 @@ def test_a_group_recovers_in_place_without_killing_its_live_members(
 
 
 @pytest.mark.slow
+def test_a_group_of_the_whole_pipeline_rolls_back_at_once_in_place(references: References, tmp_path: Path) -> None:
+    """Groups [4]: nothing between stages is logged, so in place there is nothing to replay
+    between: the replacement says so at once and every stage rolls back."""
+    extra = ("--data-source", "--groups", "4")
+    r = run(tmp_path, "1f1b", [KillSpec(1, 3, 1, "forward")], extra=extra, groups=[4], group_recovery="in_place")
+    assert r.fallback is not None and "whole pipeline" in r.fallback, r.fallback
+    assert_same_as(r, references.get("1f1b", extra=extra, groups=[4]))
+
+
+@pytest.mark.slow
 def test_kill_during_log_upload(references: References, tmp_path: Path) -> None:
     """SIGKILL in the uploader thread while a segment goes to the cold tier (iteration 3 or 4,
     depending on when the background upload runs): recovery is still exact."""
