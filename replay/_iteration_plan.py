@@ -159,7 +159,7 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
     shadow = _shadow(ctx, it)
     live_order = None
     if (
-        ctx.buffers
+        (ctx.buffers or ctx.hooks.live_order)
         and all(st.stage in present for st in states)
         and ctx.hooks.select is None
         and ctx.hooks.claim is None

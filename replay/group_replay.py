@@ -252,7 +252,7 @@ def replay_member(
             loss_fn=loss_fn,
             data_source=data_source,
             prefetch=0,
-            hooks=ReplayHooks(send=links.send),
+            hooks=ReplayHooks(send=links.send, live_order=True),
         )
         report.warnings.append(f"waited {links.wait_s:.3f} s for the group's members")
         return report

@@ -84,6 +84,10 @@ class ReplayHooks:
         replaying the receiving stage (``replay.group_replay``): then it is not checked against the
         receiver's digests (a boundary inside a logging group has none). Called with the sends of
         the first replayed stage's gradients and the last one's activations.
+    live_order: run every iteration's passes in the live stage's order (META ``order``), even
+        without module buffers that need it: a member of a group replayed as a pipeline
+        (``replay.group_replay``) must exchange with its neighbours in the live interleaving, or
+        the members wait for each other at every micro-batch.
     """
 
     select: Callable[[int, Sequence[int]], Collection[int]] | None = None
@@ -97,3 +101,4 @@ class ReplayHooks:
     likely: Callable[[int, Sequence[int]], Collection[int]] | None = None
     replica_group: Any = None
     send: Callable[[Channel, int, int, Sequence[torch.Tensor]], bool] | None = None
+    live_order: bool = False
