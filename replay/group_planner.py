@@ -163,11 +163,7 @@ class GroupPlan:
     @property
     def groups(self) -> list[list[int]]:
         """The stages of each group."""
-        out, first = [], 0
-        for size in self.sizes:
-            out.append(list(range(first, first + size)))
-            first += size
-        return out
+        return _groups(self.sizes)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -22,6 +22,7 @@ Never: reads a record of a boundary inside the group from the logs, or waits wit
 from __future__ import annotations
 
 import datetime
+import math
 import queue
 import threading
 import time
@@ -56,10 +57,6 @@ _DTYPES = [
 ]
 _END = -1  # a header's first field: no more messages from this neighbour
 _HEAD = 64  # int64 fields of a message header: kind, src, iteration, micro-batch, parts, bytes, then per part
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class PeerLinks:
@@ -141,7 +138,7 @@ class PeerLinks:
                     self._send(head, peer)
                     return
                 channel, it, mb, parts = item
-                fields = [int(channel.kind), channel.src, it, mb, len(parts), sum(_nbytes(p) for p in parts)]
+                fields = [int(channel.kind), channel.src, it, mb, len(parts), sum(p.nbytes for p in parts)]
                 for p in parts:
                     fields += [_DTYPES.index(p.dtype), p.dim(), *p.shape]
                 if len(fields) > _HEAD:
@@ -171,7 +168,7 @@ class PeerLinks:
                     dtype, ndim = _DTYPES[h[pos]], h[pos + 1]
                     shape = h[pos + 2 : pos + 2 + ndim]
                     pos += 2 + ndim
-                    n = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+                    n = math.prod(shape) * dtype.itemsize
                     parts.append(payload[off : off + n].clone().view(dtype).reshape(shape))
                     off += n
                 with self._cond:

@@ -43,6 +43,7 @@ from replay._timings import recovery_timings
 from replay.checkpoints import mesh_common_checkpoint
 from replay.errors import EXIT_FALLBACK
 from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
+from trainer_client.config import group_of
 from trainer_client.mesh import MeshLayout
 from trainer_client.recovery_keys import RecoveryKeys
 
@@ -586,16 +587,11 @@ class _Scheduler:
 
 
 def _group_members(groups: Sequence[int] | None, stages: Sequence[int], num_stages: int) -> list[int]:
-    """Every stage in the logging groups of ``stages`` (``stages`` themselves without groups)."""
+    """Every stage in the logging groups of ``stages`` (``stages`` themselves without groups: in a
+    mesh they are ranks, which may exceed the stage count)."""
     if not groups:
         return list(stages)
-    out, first = [], 0
-    for size in groups:
-        members = list(range(first, first + size))
-        if any(k in members for k in stages):
-            out += members
-        first += size
-    return [k for k in out if k < num_stages]
+    return sorted({m for k in stages for m in group_of(groups, k, num_stages)})
 
 
 def _settle(

@@ -545,7 +545,7 @@ class Node:
 
     # ------------------------------------------------------------------ logging groups
     def profile(self, run: str) -> dict[str, Any]:
-        """The run's saved cost profile (``replay.profile``); CheckpointNotFoundError-like 404 when none."""
+        """The run's saved cost profile (``replay.profile``); ProfileNotFoundError (404) when none."""
         from replay.profile import load_profile
 
         p = load_profile(self.store(run))

@@ -11,7 +11,6 @@ when no grouping fits the budget (the message names what one needs), 3 when the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,6 +21,7 @@ from server.cli._common import (
     ColdUrlOpt,
     Command,
     JsonOpt,
+    RootOpt,
     RunOpt,
     console,
     fail,
@@ -31,11 +31,8 @@ from server.cli._common import (
     parse_kv,
     print_json,
 )
-from server.settings import ENV_ROOT
 
 __all__ = ["register"]
-
-RootOpt1 = Annotated[Path, typer.Option("--root", envvar=ENV_ROOT, help="the node's store root")]
 
 
 def _ints(text: str | None, what: str) -> list[int] | None:
@@ -48,7 +45,7 @@ def _ints(text: str | None, what: str) -> list[int] | None:
 
 
 def profile(
-    root: RootOpt1,
+    root: RootOpt,
     run: RunOpt,
     model: Annotated[
         str | None,
@@ -122,7 +119,7 @@ def profile(
 
 
 def plan_groups(
-    root: RootOpt1,
+    root: RootOpt,
     run: RunOpt,
     budget: Annotated[
         str | None,

@@ -51,7 +51,7 @@ from trainer_client import (
     SwiftlogClient,
     load_checkpoint,
 )
-from trainer_client.config import ENV_RESTART_COUNT
+from trainer_client.config import ENV_RESTART_COUNT, group_of
 from trainer_client.examples.common import build_parser as _base_parser
 from trainer_client.examples.common import config_from_args, gpt_config_from_args, step_and_clip, tie_embeddings
 from trainer_client.examples.gpt import (
@@ -146,16 +146,9 @@ def _kill(store: dist.Store, keys: RecoveryKeys, stage: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _group_of(groups: str, stage: int) -> list[int]:
+def _group_of(groups: str, stage: int, num_stages: int) -> list[int]:
     """The stages of ``stage``'s logging group (``--groups 2,2`` -> [0, 1] or [2, 3]); [stage] without groups."""
-    if not groups:
-        return [stage]
-    first = 0
-    for size in (int(x) for x in groups.split(",")):
-        if first <= stage < first + size:
-            return list(range(first, first + size))
-        first += size
-    raise ValueError(f"--groups {groups} does not cover stage {stage}")
+    return group_of([int(x) for x in groups.split(",")] if groups else None, stage, num_stages)
 
 
 def run_stage(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,7 +213,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 workers=args.replay_workers,
                 helpers=args.replay_helpers,
                 timeout=datetime.timedelta(seconds=args.rejoin_timeout),
-                group=_group_of(args.groups, k),
+                group=_group_of(args.groups, k, S),
                 replica=r,
                 dp_replicate=args.dp_replicate,
                 group_in_place=args.group_in_place,
@@ -475,7 +468,7 @@ def run_replay_helper(args: argparse.Namespace) -> int:
     prepared = prepare_states(
         config_from_args(args).resolved_checkpoint_url(),
         run_id=args.run_id,
-        stages=_group_of(args.groups, args.stage),
+        stages=_group_of(args.groups, args.stage, args.num_stages),
         num_stages=args.num_stages,
         model="trainer_client.examples.factories:gpt_stage",
         model_args=gpt_config_from_args(args).to_dict(),
