@@ -20,7 +20,9 @@ The model (every figure from the profile; :attr:`GroupPlan.assumptions` repeats 
   member's replacement replays the whole group in one process) replays the sum of the members'
   replay times. ``recovery="in_place"`` (the members replay their own stages as a pipeline)
   replays the slowest member's time stretched by the pipeline's bubble,
-  ``(m + G - 1) / m`` for G members and m micro-batches.
+  ``(m + G - 1) / m`` for G members and m micro-batches. When the stages share one machine
+  (the profile's ``compute_slots``), a group is also no faster than its total replay work over
+  the slots (kill: G replacements' work; in place: the members' work).
 - expected recovery seconds per hour = the sum over groups of the group's recovery time times
   the failure rates of the domains holding one of its stages without a replica. A domain whose
   stages lie in two groups is charged for both (they recover in parallel): an upper bound there,
@@ -90,11 +92,11 @@ class GroupCosts:
         )
         fetch = lost * edge / (p.fetch_mbps * 1e6)
         times = p.replay_s[first : last + 1]
-        if self.recovery == "kill":
-            per_it = sum(times)
-        else:
-            n = len(times)
-            per_it = max(times) * (p.n_microbatches + n - 1) / p.n_microbatches
+        n, slots = len(times), p.compute_slots or len(times)
+        if self.recovery == "kill":  # n replacements, each replaying the n stages
+            per_it = max(sum(times), n * sum(times) / slots)
+        else:  # the members as a pipeline, no faster than their work over the machine's slots
+            per_it = max(max(times) * (p.n_microbatches + n - 1) / p.n_microbatches, sum(times) / slots)
         return p.restart_s + max(fetch, lost * per_it)
 
     def rate(self, first: int, last: int) -> float:
@@ -385,6 +387,9 @@ def _assumptions(profile: JobProfile, rate: float, recovery: str, cap: float | N
             "kill": "every member's replacement replays the whole group: the sum of the members' replay times",
             "in_place": "members replay their own stages as a pipeline: the slowest x (m + G - 1) / m",
         }[recovery],
+        "compute_slots": "every stage on its own device"
+        if profile.compute_slots is None
+        else f"the stages share {profile.compute_slots} compute slots: no group is faster than its work over them",
         "group_time": "restart_s + max(fetch of the edges' records, replay)",
         "failures_per_domain_hour": rate,
         "replicas": "a lost stage with a replica in another domain is copied, whatever the grouping",

@@ -47,7 +47,9 @@ class JobProfile:
     step), ``domains`` (failure domain), ``replicated`` (a replica survives its domain's loss).
     ``fixed_bytes``: stored per iteration whatever the grouping. ``fetch_mbps``: MB/s (1e6 bytes)
     a replay reads records at. ``restart_s``: what every recovery pays before it replays
-    (detection, replacement start, checkpoint load). ``sources``: field -> how it was obtained.
+    (detection, replacement start, checkpoint load). ``compute_slots``: the stages share one
+    machine that computes this many stages at once (None: every stage has its own device).
+    ``sources``: field -> how it was obtained.
     """
 
     run_id: str
@@ -65,6 +67,7 @@ class JobProfile:
     restart_s: float = 2.0
     fixed_bytes: float = 0.0
     iterations_profiled: int = 0
+    compute_slots: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +92,8 @@ class JobProfile:
                 raise ConfigError(f"profile {name} must be numbers >= 0, got {bad[0]!r}")
         if not self.checkpoint_interval >= 1:
             raise ConfigError(f"profile checkpoint_interval must be >= 1, got {self.checkpoint_interval!r}")
+        if self.compute_slots is not None and not (isinstance(self.compute_slots, int) and self.compute_slots >= 1):
+            raise ConfigError(f"profile compute_slots must be None or an int >= 1, got {self.compute_slots!r}")
         if not self.fetch_mbps > 0 or not self.n_microbatches >= 1 or not self.restart_s >= 0:
             raise ConfigError(
                 "profile fetch_mbps must be > 0, n_microbatches >= 1 and restart_s >= 0, got "

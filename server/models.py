@@ -490,6 +490,7 @@ class CostProfile(_Model):
     restart_s: float
     fixed_bytes: float = Field(description="stored per iteration whatever the grouping (META, digests, inputs)")
     iterations_profiled: int
+    compute_slots: int | None = Field(None, description="stages computed at once on their shared machine (None: own)")
     sources: dict[str, str] = Field(description="how each figure was obtained: measured, given, assumed")
 
 

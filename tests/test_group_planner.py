@@ -162,6 +162,20 @@ def test_in_place_group_recovery_favours_bigger_groups_than_kill_and_replay() ->
     assert in_place < kill  # (4 + 3) / 4 x 0.5 per iteration vs 4 x 0.5
 
 
+def test_stages_sharing_a_machine_recover_no_faster_than_its_slots() -> None:
+    p = profile(4, replay_s=[0.5] * 4)
+    shared = JobProfile.from_dict({**p.to_dict(), "compute_slots": 2})
+    lost = p.checkpoint_interval / 2
+    own = GroupCosts(p, recovery="in_place").recovery_s(0, 3) - p.restart_s
+    assert own == pytest.approx(lost * 0.5 * (4 + 3) / 4)  # the pipeline's bound
+    in_place = GroupCosts(shared, recovery="in_place").recovery_s(0, 3) - p.restart_s
+    assert in_place == pytest.approx(lost * 4 * 0.5 / 2)  # 4 members' work on 2 slots
+    kill = GroupCosts(shared, recovery="kill").recovery_s(0, 3) - p.restart_s
+    assert kill == pytest.approx(lost * 4 * 4 * 0.5 / 2)  # 4 replacements, each the whole group
+    with pytest.raises(ValueError, match="compute_slots"):
+        JobProfile.from_dict({**p.to_dict(), "compute_slots": 0})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
