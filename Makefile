@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/multihost_bench.py
 	$(PY) bench/groups_bench.py
 	$(PY) bench/api_bench.py
+	$(PY) bench/sim_bench.py
 	$(PY) bench/table.py
 
 clean:

@@ -1,4 +1,4 @@
-"""Replay benchmark: how fast a lost stage is rebuilt, sequentially and over two workers.
+"""Replay benchmark: how fast a lost stage is rebuilt, sequentially and over K = 2, 4 and 8 workers.
 
 One real 4-stage pipeline run (GPipe, one process per stage, gloo, ``--threads 1`` per stage, the
 example GPT with dropout, sized so that compute dominates: hidden 256, 2 blocks per stage, 8
@@ -12,6 +12,7 @@ in the same process and side by side, ``--rounds`` rounds of
 - the same (dynamic shares) with the chain's running sums sent over gloo instead of formed in
   shared memory (``shared_memory=False``),
 - a parallel replay with K = 2 workers, approximate (all-reduce) reduction,
+- parallel replays with K = 4 and K = 8 workers, exact reduction, dynamic shares (``PARALLEL_KS``),
 
 interleaved so that machine noise hits all of them alike. The machine is shared with other work:
 each measurement waits for a quiet moment (see below). Before the rounds, one short sequential and
@@ -20,6 +21,11 @@ server stay out of the rounds). The live pipeline runs
 ``--live-runs`` times and the fastest run is the one replayed and compared. Replay times are the
 replay proper (first replayed iteration to last optimizer step, slowest worker; loading the
 checkpoint and starting workers excluded); ``*_end_to_end`` include them.
+
+Every parallel worker is one process with one torch thread, as in the live run.
+A K of ``PARALLEL_KS`` above 2 runs only where this process may use at least K cores.
+Elsewhere it would oversubscribe the cores and measure the scheduler, not the replay.
+Its keys then hold the string "not measured: ..." with the reason.
 
 Results (merged into ``bench/results/replay.json``):
 
@@ -52,8 +58,16 @@ Results (merged into ``bench/results/replay.json``):
   2 / that is the most any K = 2 replay could gain here before exchanging a single gradient;
   ``parallel_speedup_k2_of_ceiling`` is the headline speedup over that ceiling (the rounds and
   the calibration run minutes apart, so it is an estimate of how much the exchange costs).
+- ``parallel_speedup_k4`` / ``parallel_speedup_k8``: the headline's statistic for K = 4 and K = 8.
+  Each is the median over the rounds of the round's sequential time over its K-worker time.
+  Where the cores are missing, the value is a "not measured: ..." string.
+- ``parallel_efficiency``: each K's speedup over K, keyed by K as a string ("1" to "8").
+  K = 1 is 1.0 by definition; K = 2 uses ``parallel_speedup_k2``; an unmeasured K is "not measured".
+- ``parallel_ks_measured``: the worker counts measured on this machine.
+- ``machine``: ``cpus`` (``os.cpu_count()``), ``usable_cpus`` (this process's affinity mask),
+  ``platform`` and ``processor``, so that scaling results from different machines can be told apart.
 - ``parallel_max_abs_diff``: largest parameter difference between the approximate K = 2 replay
-  and the sequential one (the exact one is compared bytewise: ``parallel_exact_bit_identical``).
+  and the sequential one (the exact ones, every K, are compared bytewise: ``parallel_exact_bit_identical``).
 - ``bit_exact``: the sequential replay's parameters, AdamW state and scheduler equal the live
   run's final state byte for byte (and ``verified``: every regenerated send matched its digest).
 
@@ -99,6 +113,7 @@ NOTES = [
 ]
 NUM_STAGES = 4
 EXACT_KINDS = ("k2_exact", "k2_fixed", "k2_gloo")  # the parallel replays that must equal the sequential one bit for bit
+PARALLEL_KS = (1, 2, 4, 8)  # worker counts of the scaling keys (exact reduction, dynamic shares; K = 1: sequential)
 SEED = 1234
 MODEL = {
     "vocab": 256,
@@ -157,6 +172,43 @@ def _loadavg() -> list[float] | None:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
     except OSError:
         return None
+
+
+def _kind(k: int) -> str:
+    """The name of the exact, dynamic-share replay with ``k`` workers (``k`` = 1: the sequential one)."""
+    return "seq" if k == 1 else f"k{k}_exact"
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _unmeasured(k: int, cores: int) -> str | None:
+    """Why ``k`` workers are not measured on ``cores`` usable cores; None when they are.
+
+    K = 1 and K = 2 always are (the K = 2 variants are the headline). A larger K needs a core per worker.
+    """
+    if k <= 2 or k <= cores:
+        return None
+    return f"not measured: {cores} cores, K={k} would oversubscribe"
+
+
+def _scaling(times: dict[str, list[float]], cores: int) -> dict[str, Any]:
+    """The scaling keys, from each kind's replay seconds per round (see the module docstring)."""
+    speedup: dict[int, float | str] = {}
+    for k in PARALLEL_KS:
+        why = _unmeasured(k, cores)
+        if why is not None:
+            speedup[k] = why
+        else:
+            speedup[k] = statistics.median(s / t for s, t in zip(times["seq"], times[_kind(k)], strict=True))
+    out: dict[str, Any] = {f"parallel_speedup_k{k}": v for k, v in speedup.items() if k > 2}
+    out["parallel_efficiency"] = {str(k): "not measured" if isinstance(v, str) else v / k for k, v in speedup.items()}
+    out["parallel_ks_measured"] = [k for k, v in speedup.items() if not isinstance(v, str)]
+    return out
 
 
 def _replay_seconds(job_doc: dict[str, Any]) -> float:
@@ -235,6 +287,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from replay.states import checkpoint_of
 
     stage, ckpt, iters = args.stage, args.ckpt, args.iters
+    cores = _usable_cpus()
+    # K > 2 of PARALLEL_KS: the same as k2_exact, measured only where each worker has a core
+    scaling = {_kind(k): k for k in PARALLEL_KS if k > 2 and _unmeasured(k, cores) is None}
+    for k in PARALLEL_KS:
+        if (why := _unmeasured(k, cores)) is not None:
+            print(f"K={k}: {why}", flush=True)
+    exact_kinds = EXACT_KINDS + tuple(scaling)
     load_before = _loadavg()
     live_other: float | None = None
     with tempfile.TemporaryDirectory(prefix="swiftlog-replay-bench-") as d:
@@ -278,6 +337,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "k2_gloo": job.replace(workers=2, exact=True, shared_memory=False),
             "k2_approx": job.replace(workers=2, exact=False),
         }
+        # each worker takes the live thread count from META (--threads 1), as in k2_exact; one process per worker
+        kinds |= {name: job.replace(workers=k, exact=True) for name, k in scaling.items()}
         chains: dict[str, str | None] = {}  # how each exact kind's running sums travelled
         times: dict[str, list[float]] = {k: [] for k in kinds}
         e2e: dict[str, list[float]] = {k: [] for k in kinds}
@@ -352,6 +413,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "live_runs": args.live_runs,
         "schedule": "gpipe",
         "threads_per_process": 1,
+        "parallel_ks": list(PARALLEL_KS),
         "statistic": "speedups: median over rounds of the per-round ratio; replay_vs_live: best of rounds",
     }
     config |= {"model": MODEL, "num_stages": NUM_STAGES}
@@ -370,16 +432,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "k2_dynamic_share_splits_per_round": [splits[r] for r in sorted(splits)],
         "parallel_speedup_k2_end_to_end": paired(e2e),
         "parallel_speedup_k2_cpu": paired(cpu),
+        **_scaling(times, cores),
         "parallel_max_abs_diff": max_diff,
         "two_busy_cores_slowdown": statistics.median(max(b) / a for a, b in pairs) if pairs else None,
         "parallel_speedup_k2_ceiling": ceiling,
         "parallel_speedup_k2_of_ceiling": statistics.median(per_round["k2_exact"]) / ceiling if ceiling else None,
         "calibration_alone_vs_two_at_once_seconds": [[a, list(b)] for a, b in pairs],
         "parallel_exact_bit_identical": all(
-            _state_equal(states[k].model, states[k].optimizer, seq.model, seq.optimizer) for k in EXACT_KINDS
+            _state_equal(states[k].model, states[k].optimizer, seq.model, seq.optimizer) for k in exact_kinds
         ),
         "bit_exact": bool(bit_exact),
-        "verified": verified["seq"] and all(verified[k] for k in EXACT_KINDS),
+        "verified": verified["seq"] and all(verified[k] for k in exact_kinds),
         "approximate_verified": verified["k2_approx"],
         "live_seconds": live_s,
         "live_seconds_all_runs": [x[0] for x in lives],
@@ -411,6 +474,9 @@ def _machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cpus": os.cpu_count(),
+        "usable_cpus": _usable_cpus(),
+        "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
@@ -450,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
         "parallel_speedup_k2_cpu",
         "parallel_speedup_k2_approximate",
         "parallel_speedup_k2_end_to_end",
+        "parallel_speedup_k4",
+        "parallel_speedup_k8",
+        "parallel_efficiency",
+        "parallel_ks_measured",
         "parallel_max_abs_diff",
         "parallel_exact_bit_identical",
         "bit_exact",

@@ -5,6 +5,8 @@ One module per subcommand group (litestream's layout)::
     inspect.py     ls, stat, show, export
     maintain.py    verify, gc, flush, unregister
     recover.py     plan
+    groups.py      profile, plan-groups
+    simulate.py    simulate
     serve.py       serve
     demo.py        demo
     replay.py      replay (loaded on first use, see _app._Group)

@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from server._version import version
-from server.cli import agent, demo, groups, inspect, maintain, recover, serve
+from server.cli import agent, demo, groups, inspect, maintain, recover, serve, simulate
 
 __all__ = ["app"]
 
@@ -65,7 +65,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for _mod in (inspect, maintain, recover, groups, serve, demo, agent):
+for _mod in (inspect, maintain, recover, groups, simulate, serve, demo, agent):
     _mod.register(app)
 
 
