@@ -81,6 +81,25 @@ def test_a_dead_process_is_replaced_on_its_node(tmp_path: Path, references: Any,
     assert src.get("store", 0) > 0 and src.get("http", 0) > 0, src
 
 
+def test_a_logging_group_recovers_in_place_under_the_agents(tmp_path: Path, references: Any) -> None:
+    """Groups [2,2], stage 1 killed: only it is replaced; stage 0, its group's live member on the
+    same node, reloads its checkpoint in its own process and replays with the replacement."""
+    extra = ("--data-source", "--groups", "2,2")
+    c = LocalCluster(
+        tmp_path,
+        SCRIPT,
+        pipeline_args(tmp_path, "1f1b", extra),
+        agent_args=["--groups", "2,2", "--group-in-place"],
+        node0_args=["--inject-kill", "1:3,1,backward"],
+    ).start()
+    res = _finish(c)
+    assert_same_as(res, references.get("1f1b", extra=extra, groups=[2, 2]))
+    logs = tmp_path / "node0" / "agent-logs"
+    assert (logs / "stage1-g1.log").is_file() and not (logs / "stage0-g1.log").exists()
+    ev = res.results[0]["events"][0]
+    assert ev["replayed_in_place"] == [0, 1] and ev["replaced"] == [1], ev
+
+
 def test_node_loss_a_spare_takes_its_ranks_from_cold_and_http(tmp_path: Path, references: Any, hosts: Any) -> None:
     """Node 1 (ranks 2 and 3) is SIGKILLed with its agent and its store root deleted: the spare
     starts both replacements; they read node 0's hot tiers over its node servers and the lost

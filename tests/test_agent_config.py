@@ -41,6 +41,10 @@ def test_a_config_names_the_mesh_it_makes() -> None:
         ({"hang_timeouts": (("forward", 3.0),)}, "hang timeout forward=3.0"),
         ({"node_timeout_s": 0.3, "heartbeat_s": 0.2}, "two heartbeats"),
         ({"kills": (KillSpec(4, 1),)}, "outside the mesh"),
+        ({"groups": (2, 1)}, r"adding up to 4 stages"),
+        ({"groups": (2, 2), "group_recovery": "teleport"}, "group_recovery must be"),
+        ({"group_recovery": "in_place"}, "needs the logging groups"),
+        ({"groups": (2, 2), "nproc_per_node": 4, "dp_replicate": 2}, "dp_replicate > 1"),
     ],
 )
 def test_a_config_that_cannot_work_says_what(change: dict, message: str) -> None:

@@ -42,6 +42,10 @@ class AgentConfig:
     attempt: the job's restart count (names this attempt's processes and store roots apart).
     kills: fault injection (tests, bench): each :class:`~replay.launcher.KillSpec` goes to its rank's
         first process (``--kill-at``).
+    groups: the script's logging-group sizes (its ``ClientConfig.logging_groups``), so that a failure
+        recovers its whole group; ``group_recovery``: "kill" (the group's members are replaced and
+        each replays the group) or "in_place" (only the lost rank is replaced; the live members
+        replay with it in their own processes, ``--group-in-place``). Not with ``dp_replicate`` > 1.
     """
 
     nnodes: int
@@ -70,6 +74,8 @@ class AgentConfig:
     resume: bool = False
     attempt: int = 0
     kills: tuple[KillSpec, ...] = field(default_factory=tuple)
+    groups: tuple[int, ...] | None = None
+    group_recovery: str = "kill"
 
     def __post_init__(self) -> None:
         for name in ("nnodes", "nproc_per_node", "dp_replicate", "replay_workers"):
@@ -97,6 +103,17 @@ class AgentConfig:
             if section not in SECTIONS or not seconds > 0:
                 raise ValueError(f"hang timeout {section}={seconds}: a section of {SECTIONS} and seconds > 0")
         layout = self.layout
+        if self.group_recovery not in ("kill", "in_place"):
+            raise ValueError(f"group_recovery must be 'kill' or 'in_place', got {self.group_recovery!r}")
+        if self.groups is not None:
+            if self.dp_replicate > 1:
+                raise ValueError("logging groups with dp_replicate > 1 are not supported")
+            if any(not isinstance(g, int) or g < 1 for g in self.groups) or sum(self.groups) != layout.num_stages:
+                raise ValueError(
+                    f"groups {list(self.groups)} must be sizes >= 1 adding up to {layout.num_stages} stages"
+                )
+        elif self.group_recovery == "in_place":
+            raise ValueError("group_recovery 'in_place' needs the logging groups (groups)")
         for ks in self.kills:
             if ks.stage >= layout.num_stages or ks.replica >= layout.dp_replicate:
                 raise ValueError(f"kills: {ks} outside the mesh of {layout.num_stages} x {layout.dp_replicate}")

@@ -77,11 +77,12 @@ class AgentScheduler(_Scheduler):
             timeout_s=cfg.job_timeout_s,
             max_restarts=cfg.max_restarts,
             grace_s=cfg.grace_s,
-            groups=None,
+            groups=cfg.groups,
             script=cfg.module,
             dp_replicate=cfg.dp_replicate,
             host=host,
             out_dir=cfg.out,
+            group_recovery=cfg.group_recovery,
         )
         self.load_results = False  # the processes' results are theirs, on whatever storage ``out`` is
         self.akeys = AgentKeys(cfg.run_id)

@@ -60,6 +60,13 @@ def agent(
         list[str] | None,
         typer.Option("--inject-kill", help="fault injection: RANK:IT,MB,PHASE (the rank's first process)"),
     ] = None,
+    groups: Annotated[
+        str | None,
+        typer.Option("--groups", help="the script's logging-group sizes, e.g. 2,2 (a failure takes its group)"),
+    ] = None,
+    group_in_place: Annotated[
+        bool, typer.Option("--group-in-place", help="a group's live members replay in place (no kill)")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log what the agent does")] = False,
 ) -> None:
     """Run this node's agent: supervise its ranks one by one, replace what dies, keep survivors running."""
@@ -103,6 +110,8 @@ def agent(
             resume=resume,
             attempt=attempt,
             hang_timeouts=tuple(_section_seconds(x) for x in hang_timeout or []),
+            groups=None if groups is None else _sizes(groups),
+            group_recovery="in_place" if group_in_place else "kill",
         )
     except ValueError as e:
         raise fail(str(e), code=2) from None
@@ -124,6 +133,13 @@ def _section_seconds(text: str) -> tuple[str, float]:
         return section, float(seconds)
     except ValueError:
         raise ValueError(f"--hang-timeout {text!r}: SECTION=SECONDS, e.g. step=60") from None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--groups {text!r} must be comma-separated group sizes, e.g. 2,2") from None
 
 
 def register(app: typer.Typer) -> None:
