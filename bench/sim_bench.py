@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller model, fewer simulated runs (smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
     a = p.parse_args(argv)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     reps = 4 if a.quick else 20
     rate = store_rate()
     print(f"store: {rate:.0f} requests/s", flush=True)
@@ -331,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
         },
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2, default=str))
     for name, rows in table.items():
         print(name)
