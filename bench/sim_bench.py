@@ -47,7 +47,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures
-from replay.sim import LLAMA3_405B, REPLICATED_405B, STRATEGIES, Layout, flips, make_plan, measured_inputs, sweep
+from replay.sim import (
+    LLAMA3_405B,
+    REPLICATED_405B,
+    STRATEGIES,
+    Layout,
+    flips,
+    make_plan,
+    measured_inputs,
+    sweep,
+    wasted_series,
+)
 from replay.sim.engine import run_once
 from trainer_client.commit import loopback_store
 
@@ -267,11 +277,8 @@ def _plot(runs: dict[str, dict[int, Any]], path: Path) -> str | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, (title, by_size) in zip(axes, runs.items(), strict=True):
-        names = sorted({row.strategy for r in by_size.values() for row in r.rows})
-        for n in names:
-            xs = [s for s, r in by_size.items() if any(row.strategy == n for row in r.rows)]
-            ys = [next(row.wasted_fraction for row in by_size[s].rows if row.strategy == n) * 100 for s in xs]
-            ax.plot(xs, ys, marker="o", label=n)
+        for n, (xs, ys) in wasted_series(by_size).items():
+            ax.plot(xs, [y * 100 for y in ys], marker="o", label=n)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs")
         ax.set_title(title, fontsize=9)

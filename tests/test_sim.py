@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -32,6 +33,8 @@ from replay.sim import (
     rollback_expected_time,
     simulate,
     simulate_plan,
+    sweep,
+    wasted_series,
 )
 from replay.sim.engine import run_once
 
@@ -150,6 +153,13 @@ def test_flips_name_the_inputs_that_change_the_winner() -> None:
     assert set(ranks.values()) <= {"global_rollback", "logging"}
 
 
+def test_a_sweep_gives_one_line_per_strategy() -> None:
+    runs = sweep(SMALL, _inputs(work_s=5000.0), [128, 256], ["logging", "global_rollback"], reps=2)
+    lines = wasted_series(runs)
+    assert list(lines) == ["global_rollback", "logging"]
+    assert all(xs == [128, 256] and len(ys) == 2 and all(0 < y < 1 for y in ys) for xs, ys in lines.values())
+
+
 def test_bad_layouts_and_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="tp"):
         Layout(tp=0)
@@ -163,16 +173,19 @@ def test_bad_layouts_and_inputs_are_named() -> None:
         simulate(SMALL, _inputs(), ["nope"])
 
 
-def test_cli_simulate() -> None:
+def test_cli_simulate(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from server.cli import app
 
     runner = CliRunner()
-    out = runner.invoke(app, ["simulate", "--gpus", "1024", "--gpus", "2048", "--reps", "3", "--json"])
+    plot = tmp_path / "sim.png"
+    out = runner.invoke(
+        app, ["simulate", "--gpus", "1024", "--gpus", "2048", "--reps", "3", "--json", "--plot", str(plot)]
+    )
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
-    assert set(doc["sizes"]) == {"1024", "2048"}
+    assert set(doc["sizes"]) == {"1024", "2048"} and plot.stat().st_size > 0
     assert doc["sizes"]["2048"]["layout"]["nodes"] == 256
     table = runner.invoke(app, ["simulate", "--gpus", "1024", "--reps", "2", "--strategy", "logging"])
     assert table.exit_code == 0 and "logging" in table.stdout and "inputs:" in table.stdout

@@ -23,12 +23,13 @@ from replay.sim.engine import BUCKETS, StrategyResult, simulate_plan
 from replay.sim.inputs import LLAMA3_405B, REPLICATED_405B, Layout, ScaleInputs, measured_inputs
 from replay.sim.optimize import best_plan, expected_waste
 from replay.sim.strategies import STRATEGIES, Plan, Strategy, make_plan
-from replay.sim.study import SimulationResult, flips, simulate, sweep
+from replay.sim.study import SimulationResult, flips, simulate, sweep, wasted_series
 
 __all__ = [
     "simulate",
     "sweep",
     "flips",
+    "wasted_series",
     "SimulationResult",
     "StrategyResult",
     "simulate_plan",

@@ -20,7 +20,7 @@ from replay.sim.inputs import Layout, ScaleInputs
 from replay.sim.optimize import best_plan, expected_waste
 from replay.sim.strategies import STRATEGIES, Strategy, assumptions
 
-__all__ = ["SimulationResult", "simulate", "sweep", "flips", "FLIP_INPUTS"]
+__all__ = ["SimulationResult", "simulate", "sweep", "flips", "wasted_series", "FLIP_INPUTS"]
 
 # the inputs :func:`flips` varies (numbers that a deployment may well have different)
 FLIP_INPUTS = (
@@ -117,6 +117,18 @@ def sweep(
 ) -> dict[int, SimulationResult]:
     """:func:`simulate` at each job size in ``gpus`` (``layout`` grown in its shard degree)."""
     return {n: simulate(layout.with_gpus(n), inputs, strategies, reps=reps, seed=seed) for n in gpus}
+
+
+def wasted_series(runs: dict[int, SimulationResult]) -> dict[str, tuple[list[int], list[float]]]:
+    """Per strategy, the job sizes it was simulated at and its wasted fraction at each (a sweep's
+    lines, e.g. for a plot)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for size, res in sorted(runs.items()):
+        for row in res.rows:
+            xs, ys = out.setdefault(row.strategy, ([], []))
+            xs.append(size)
+            ys.append(row.wasted_fraction)
+    return dict(sorted(out.items()))
 
 
 def _ranking(layout: Layout, inputs: ScaleInputs, strategies: Sequence[Strategy]) -> list[tuple[str, float]]:

@@ -152,12 +152,11 @@ def _plot(runs: dict[int, Any], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         raise fail("--plot needs matplotlib", hint="pip install 'swiftlog[demo]'", code=4) from None
-    names = sorted({row.strategy for r in runs.values() for row in r.rows})
+    from replay.sim import wasted_series
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    for n in names:
-        xs = [size for size, r in runs.items() if any(row.strategy == n for row in r.rows)]
-        ys = [next(row.wasted_fraction for row in runs[s].rows if row.strategy == n) * 100 for s in xs]
-        ax.plot(xs, ys, marker="o", label=n)
+    for n, (xs, ys) in wasted_series(runs).items():
+        ax.plot(xs, [y * 100 for y in ys], marker="o", label=n)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("wasted %")
