@@ -28,9 +28,10 @@ Modules: ``plan`` (recovery planning; ``plan_types``, ``_plan_index``, ``_plan_f
 (reading from node servers over HTTP), ``errors``, ``job`` (jobs, sources, progress, results),
 ``states`` (building the stages, writing the outputs), ``engine`` (``replay``), ``parallel`` (K
 workers over gloo, exact or approximate gradient reduction), ``replacement`` (a failed stage's
-replacement), ``helpers`` (its replay helpers), ``checkpoints`` (finding checkpoints),
-``launcher`` (the scheduler on one machine), ``processes`` (its process plumbing), ``compare``
-(``states_equal``). The ``swiftlog replay`` command lives in ``server/cli/replay.py``.
+replacement), ``survivors`` (what it learns from the survivors and reports to them), ``helpers``
+(its replay helpers), ``checkpoints`` (finding checkpoints), ``launcher`` (the scheduler on one
+machine), ``processes`` (its process plumbing), ``compare`` (``states_equal``), ``sim`` (a large
+job's training time under failures, per recovery strategy). The ``swiftlog replay`` command lives in ``server/cli/replay.py``.
 
 Never imported by logstore/ or trainer_client/ (its examples excepted); imports server/ nowhere.
 """

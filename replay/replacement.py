@@ -37,9 +37,7 @@ Never: modifies the survivors' stores or the checkpoints; waits without a deadli
 from __future__ import annotations
 
 import datetime
-import json
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -55,8 +53,19 @@ from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from replay.helpers import release_helpers, replay_with_helpers
 from replay.job import ReplayJob, ReplayResult, SourceSpec
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
+from replay.survivors import (
+    CountingSource,
+    agreed_resume,
+    as_text,
+    committed_metas,
+    measured_rates,
+    record_rates,
+    report_fallback,
+    report_ready,
+    sources_from_reports,
+    wait_for_survivors,
+)
 from trainer_client.checkpoint import load_checkpoint
-from trainer_client.config import ENV_NODE
 from trainer_client.errors import CheckpointError, RecoveryFailedError
 from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths, replica_run
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
@@ -153,28 +162,6 @@ def prepare_states(
     )
 
 
-class _CountingSource:
-    """A record source that counts what is read through it (decoded tensor bytes) and the time
-    its successful reads took (concurrent prefetches each count: a lower bound of the rate)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.bytes = 0
-        self.records = 0
-        self.seconds = 0.0
-
-    def get(self, key: Any) -> torch.Tensor:
-        t0 = time.perf_counter()
-        t = self.inner.get(key)
-        self.seconds += time.perf_counter() - t0
-        self.records += 1
-        self.bytes += t.numel() * t.element_size()
-        return t
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def recover_stage(
     store: dist.Store,
     *,
@@ -258,8 +245,8 @@ def recover_stage(
     prepared = prepare() if dp_replicate == 1 else None
     try:
         t0 = time.monotonic()
-        failed, docs = _wait_for_survivors(store, keys, generation, layout, rank, timeout)
-        resume = _agreed_resume(docs, generation)
+        failed, docs = wait_for_survivors(store, keys, generation, layout, rank, timeout)
+        resume = agreed_resume(docs, generation)
         t_survivors = time.monotonic()
         path = recovery_paths(layout, failed)[rank]
         if path.path == "replica":
@@ -270,7 +257,7 @@ def recover_stage(
         docs = {layout.coord(r).stage: d for r, d in docs.items() if layout.coord(r).replica == replica}
         failed = [layout.coord(r).stage for r in failed if layout.coord(r).replica == replica]
         if sources is None:
-            sources = _sources_from_reports(docs)
+            sources = sources_from_reports(docs)
         members = _unit_of(stage, members, failed, group_in_place)
         if group_in_place and len(members) == num_stages:
             raise ReplacementFallback(
@@ -286,7 +273,7 @@ def recover_stage(
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
-        metas = _committed_metas(store, keys, members, range(ck_it, resume), [layout.rank(k, replica) for k in members])
+        metas = committed_metas(store, keys, members, range(ck_it, resume), [layout.rank(k, replica) for k in members])
         if metas is not None:  # first: the dead stage's own log may not have shipped its last META
             sources = [metas, *sources]
         t_ck = time.monotonic()
@@ -335,7 +322,7 @@ def recover_stage(
             )
         if workers > 1 and helpers <= 0:  # spawned workers: the recovered state comes back as a checkpoint
             job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{stage}-"))
-        opened = [_CountingSource(s.open(log_run)) for s in job.sources]
+        opened = [CountingSource(s.open(log_run)) for s in job.sources]
         try:
             if len(path.replay_group) > 1:  # every replica lost: replayed together, their average repeated
                 res = _replay_replicas(
@@ -397,7 +384,7 @@ def recover_stage(
                 for spec, s in zip(job.sources, opened, strict=True)
             ],
         )
-        _record_rates(store, keys, job.sources, opened)
+        record_rates(store, keys, job.sources, opened)
     finally:
         if helpers > 0:
             release_helpers(store, keys.replay_job(generation, stage))
@@ -473,44 +460,6 @@ def _for_copy(built: Any, path: RankRecovery, resume: int, waited_s: float) -> R
     )
 
 
-def _wait_for_survivors(
-    store: dist.Store, keys: RecoveryKeys, g: int, layout: MeshLayout, rank: int, timeout: datetime.timedelta
-) -> tuple[list[int], dict[int, dict[str, Any]]]:
-    """Step 1: the ranks the scheduler replaces after generation ``g``, and every survivor's report
-    (by rank; with one replica the ranks are the stages)."""
-    who = f"replacement of {layout.describe(rank)}"
-    v = wait_for_keys(
-        store,
-        [keys.failed_stages(g)],
-        timeout=timeout,
-        what=f"{who}: waiting for the failed-rank list",
-    )
-    failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
-    if rank not in failed:
-        raise RecoveryFailedError(f"{who}: the scheduler replaces ranks {failed}, not {rank}")
-    survivors = [k for k in range(layout.world_size) if k not in failed]
-    reports = wait_for_keys(
-        store,
-        [keys.survivor(g, k) for k in survivors],
-        timeout=timeout,
-        what=f"{who}: waiting for the survivors' reports",
-    )
-    return failed, {k: json.loads(reports[keys.survivor(g, k)]) for k in survivors}
-
-
-def _agreed_resume(docs: dict[int, dict[str, Any]], g: int) -> int:
-    """The iteration every survivor resumes at (the commit step makes them agree)."""
-    resumes = {k: d["resume"] for k, d in docs.items()}
-    if len(set(resumes.values())) > 1:
-        raise RecoveryFailedError(
-            f"survivors disagree on the resume iteration: {resumes} (was the commit step disabled?)"
-        )
-    resume = next(iter(resumes.values())) if resumes else None
-    if resume is None:
-        raise ReplacementFallback(f"no survivor of generation {g}: nothing to replay against")
-    return resume
-
-
 def _unit_of(stage: int, members: list[int], failed: list[int], in_place: bool = False) -> list[int]:
     """The stages replayed together with ``stage``: its logging group, grown by the adjacent failed
     stages (a failed neighbour took the records of what it sent this stage with it, and vice versa:
@@ -560,7 +509,7 @@ def _replay_replicas(
         timeout=datetime.timedelta(seconds=120),
         what=f"replacement of {layout.describe(rank)}: the other lost replicas' checkpoints",
     )
-    its = sorted({int(_s(v)) for v in others.values()})
+    its = sorted({int(as_text(v)) for v in others.values()})
     if its != [ck_it]:
         raise ReplayError(f"the lost replicas of stage {c.stage} have checkpoints at different iterations: {its}")
     dist.init_process_group(
@@ -650,108 +599,3 @@ def _recovered_objects(
     st_mod, st_opt, st_sched = stage_factory(model, factory)(stage, job.num_stages, rck, **(model_args or {}))
     rck.apply(st_mod, st_opt, st_sched)
     return st_mod, st_opt, st_sched
-
-
-def _committed_metas(
-    store: dist.Store, keys: RecoveryKeys, stages: Sequence[int], iterations: range, ranks: Sequence[int]
-) -> SourceSpec | None:
-    """The META documents of ``stages`` over ``iterations`` that the commit step stored (see
-    ``trainer_client.commit``), as a source; None when there are none (no commit store, a run
-    without META). A store error is logged, never raised: the logs may still hold them."""
-    try:
-        return SourceSpec.from_commit_store(store, keys.commit_prefix, stages, iterations, ranks=ranks)
-    except Exception as e:
-        logger.warning("reading the stored META documents of stages %s failed: %s", list(stages), e)
-        return None
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-#: the tier a source kind reads, for the plan's estimate
-_TIER = {"store": "hot", "http": "hot", "cold": "cold"}
-
-
-def _record_rates(store: dist.Store, keys: RecoveryKeys, specs: Sequence[SourceSpec], opened: list[Any]) -> None:
-    """Add what this replay read, per tier (bytes, seconds), to the job's measured rates. Never raises."""
-    try:
-        read: dict[str, list[float]] = {}
-        for spec, s in zip(specs, opened, strict=True):
-            if (tier := _TIER.get(spec.kind)) is not None:
-                got = read.setdefault(tier, [0.0, 0.0])
-                got[0] += s.bytes
-                got[1] += s.seconds
-        doc = json.loads(store.get(keys.rates())) if store.check([keys.rates()]) else {}
-        for tier, (nbytes, seconds) in read.items():
-            if nbytes >= 1 << 20 and seconds > 0:  # under 1 MB says little about a rate
-                doc[tier] = {"bytes": nbytes, "seconds": seconds, "mb_per_s": nbytes / seconds / 1e6}
-        store.set(keys.rates(), json.dumps(doc))
-    except Exception as e:  # noqa: BLE001 - a measurement must not fail a recovery
-        logger.warning("recording the fetch rates failed: %s", e)
-
-
-def measured_rates(store: dist.Store, run_id: str) -> dict[str, float]:
-    """The fetch rates (MB/s) per tier (``"hot"``, ``"cold"``) the job's last replays measured:
-    what :func:`replay.plan_recovery` takes as ``rates``. Empty when none was measured."""
-    keys = RecoveryKeys(run_id)
-    if not store.check([keys.rates()]):
-        return {}
-    doc = json.loads(store.get(keys.rates()))
-    return {tier: float(v["mb_per_s"]) for tier, v in doc.items() if isinstance(v, dict) and "mb_per_s" in v}
-
-
-def _sources_from_reports(docs: dict[int, dict[str, Any]]) -> list[SourceSpec]:
-    """The survivors' hot tiers, then each cold tier once.
-
-    A survivor on another node (its report names a node, not this process's ``SWIFTLOG_NODE``, and
-    a node server) is read over HTTP from that server; one on this node (or one no agent placed)
-    from its store root. The same records either way (a hot entry whose segment went to the cold
-    tier is found in the cold source), but a cold tier is listed once per key window instead of
-    once per survivor.
-    """
-    here = os.environ.get(ENV_NODE)
-    out = []
-    for _, d in sorted(docs.items()):
-        if d.get("node_url") and d.get("node") != here:
-            url = d["node_url"]  # the token (this process's SWIFTLOG_TOKEN) only ever over TLS
-            token = os.environ.get("SWIFTLOG_TOKEN") if url.startswith("https://") else None
-            out.append(SourceSpec(kind="http", location=url, token=token))
-        elif d.get("store_root"):
-            out.append(SourceSpec(kind="store", location=d["store_root"]))
-    for cold in dict.fromkeys(d["cold_url"] for d in docs.values() if d.get("cold_url")):
-        out.append(SourceSpec(kind="cold", location=cold))
-    return out
-
-
-def report_ready(
-    store: dist.Store,
-    run_id: str,
-    generation: int,
-    stage: int,
-    info: dict[str, Any],
-    commit_prefix: str | None = None,
-) -> None:
-    """Tell the survivors that ``stage`` is recovered (they then join generation + 1).
-
-    The last replacement of the generation to report also sets the generation's wake-up key,
-    which the survivors block on (no polling while the replay runs)."""
-    keys = RecoveryKeys(run_id, commit_prefix)
-    store.set(keys.ready(generation, stage), json.dumps({"t": time.time(), **info}, default=str))
-    reported = store.add(keys.ready_count(generation), 1)
-    failed = json.loads(_s(store.get(keys.failed_stages(generation))))
-    if reported >= len(failed):
-        store.set(keys.wake(generation), "ready")
-
-
-def report_fallback(
-    store: dist.Store,
-    run_id: str,
-    generation: int,
-    reason: str,
-    commit_prefix: str | None = None,
-) -> None:
-    """Tell the survivors and the scheduler that in-place recovery is impossible (global rollback)."""
-    keys = RecoveryKeys(run_id, commit_prefix)
-    store.set(keys.fallback(generation), reason)
-    store.set(keys.wake(generation), "fallback")

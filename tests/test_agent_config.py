@@ -80,15 +80,15 @@ def test_measured_fetch_rates_reach_the_plan_estimate(tmp_path) -> None:
     """A replay's per-tier read rates go into the job's store; measured_rates gives them to
     plan_recovery, whose estimate then uses them and says so (the other tier stays assumed)."""
     from replay import SourceSpec, measured_rates
-    from replay.replacement import _CountingSource, _record_rates
+    from replay.survivors import CountingSource, record_rates
     from trainer_client import RecoveryKeys, loopback_store
 
     host = loopback_store()
-    http, cold = _CountingSource(None), _CountingSource(None)
+    http, cold = CountingSource(None), CountingSource(None)
     http.bytes, http.seconds = 50_000_000, 0.5  # 100 MB/s
     cold.bytes, cold.seconds = 1000, 1.0  # too little to tell a rate
     specs = [SourceSpec(kind="http", location="http://127.0.0.2:1"), SourceSpec(kind="cold", location="file:///x")]
-    _record_rates(host, RecoveryKeys("r"), specs, [http, cold])
+    record_rates(host, RecoveryKeys("r"), specs, [http, cold])
     assert measured_rates(host, "r") == {"hot": 100.0}
     assert measured_rates(host, "other") == {}
 
