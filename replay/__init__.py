@@ -31,7 +31,8 @@ workers over gloo, exact or approximate gradient reduction), ``replacement`` (a 
 replacement), ``survivors`` (what it learns from the survivors and reports to them), ``helpers``
 (its replay helpers), ``checkpoints`` (finding checkpoints), ``launcher`` (the scheduler on one
 machine), ``processes`` (its process plumbing), ``compare`` (``states_equal``), ``sim`` (a large
-job's training time under failures, per recovery strategy). The ``swiftlog replay`` command lives in ``server/cli/replay.py``.
+job's training time under failures, per recovery strategy). The ``swiftlog replay`` command lives
+in ``server/cli/replay.py``.
 
 Never imported by logstore/ or trainer_client/ (its examples excepted); imports server/ nowhere.
 """

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from replay.errors import ReplacementFallback, ReplayError
 from replay.group_replay import member_group, replay_member
-from replay.job import ReplayJob, open_sources
+from replay.job import ReplayJob, close_sources, open_sources
 from replay.report import ReplayReport
 from replay.stage import StageState
 from replay.states import loss_and_data
@@ -54,17 +54,22 @@ def replay_as_member(
     lead: bool,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     timeout: datetime.timedelta,
+    sources: Sequence[Any] | None = None,
 ) -> ReplayReport:
     """Step 2 and 3 for ``state`` (loaded from ``job``'s checkpoint): replay it as a member of the
-    group ``job.stages``; ``lead`` publishes the job first. Returns this member's report once every
-    member's is in and the group verified; raises ReplayError otherwise."""
+    group ``job.stages``; ``lead`` publishes the job first. ``sources``: ``job.sources`` opened by
+    the caller (who closes them), e.g. to count what is read; default: opened and closed here.
+    Returns this member's report once every member's is in and the group verified; raises
+    ReplayError otherwise."""
     members, first = list(job.stages), job.stages[0]
     if lead:
         store.set(keys.group_job(generation, first), json.dumps(job.to_dict()))
     group = member_group(
         store, keys.group_rendezvous(generation, first), members.index(state.stage), len(members), timeout
     )
-    sources = open_sources(job.sources, job.run)
+    mine = sources is None
+    if sources is None:
+        sources = open_sources(job.sources, job.run)
     seed = state.checkpoint.seed if state.checkpoint is not None else 0
     loss_fn, data_source = loss_and_data(job, seed, loss_fn, None)
     try:
@@ -84,11 +89,8 @@ def replay_as_member(
         store.set(keys.group_report(generation, state.stage), json.dumps({"ok": False, "why": f"{e}"[:500]}))
         raise
     finally:
-        for s in sources:
-            try:
-                s.close()
-            except Exception:
-                logger.debug("closing a source failed", exc_info=True)
+        if mine:
+            close_sources(sources)
     store.set(keys.group_report(generation, state.stage), json.dumps(doc))
     ok, why = group_verified(store, keys, generation, members, timeout)
     if not ok:

@@ -51,7 +51,7 @@ from replay.checkpoints import newest_common
 from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from replay.helpers import release_helpers, replay_with_helpers
-from replay.job import ReplayJob, ReplayResult, SourceSpec
+from replay.job import ReplayJob, ReplayResult, SourceSpec, close_sources
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from replay.survivors import (
     CountingSource,
@@ -412,12 +412,18 @@ def _member_recovery(
 
     lead = stage == min(k for k in failed if k in job.stages)
     mine = job.replace(stages=[stage], checkpoints={stage: job.checkpoints[stage]})
+    opened: list[CountingSource] = []
     try:
         (state,) = build_states(mine, factory, prepared)
         t_built = time.monotonic()
-        rep = replay_as_member(store, keys, generation, state, job, lead=lead, loss_fn=loss_fn, timeout=timeout)
+        opened = [CountingSource(s.open(job.run)) for s in job.sources]
+        rep = replay_as_member(
+            store, keys, generation, state, job, lead=lead, loss_fn=loss_fn, timeout=timeout, sources=opened
+        )
     except (ReplayError, CheckpointError) as e:
         raise ReplacementFallback(f"the in-place replay of group {job.stages} failed: {e}") from e
+    finally:
+        close_sources([s.inner for s in opened])
     ck_it = state.checkpoint.iteration if state.checkpoint is not None else job.stop_iteration
     timings = {"setup_s": t_built - t0, "replay_s": rep.seconds, "fetch_s": rep.fetch_seconds}
     return RecoveredStage(
@@ -430,10 +436,14 @@ def _member_recovery(
         True,
         rep.digests_checked,
         rep.records_fetched,
-        0,
+        sum(s.bytes for s in opened),
         {**timings, "workers": 1, "total_s": time.monotonic() - t0},
         list(rep.warnings),
         why=f"{why}; replayed in place with group {job.stages}",
+        sources=[
+            {"kind": spec.kind, "location": spec.location, "records": s.records, "bytes": s.bytes, "seconds": s.seconds}
+            for spec, s in zip(job.sources, opened, strict=True)
+        ],
     )
 
 

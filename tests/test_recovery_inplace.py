@@ -280,6 +280,8 @@ def test_a_group_recovers_in_place_without_killing_its_live_members(
         if k != kill.stage:  # a live member: same process, replayed with the group
             ev = r.results[k]["events"][0]
             assert ev["replayed_in_place"] == members and ev["replaced"] == [kill.stage], ev
+    rec = r.results[kill.stage]["recovered"]  # the replacement read the group's edges from the logs
+    assert rec["bytes_fetched"] > 0 and sum(s["records"] for s in rec["sources"]) == rec["records_fetched"] > 0
     assert_same_as(r, references.get(schedule, extra=extra, groups=sizes))
 
 
