@@ -25,7 +25,7 @@ from replay.sim.strategies import Plan, Strategy, make_plan
 
 __all__ = ["expected_waste", "best_plan", "disk_interval_s"]
 
-_SAMPLES = 400
+_SAMPLES = 200
 
 
 def expected_waste(plan: Plan, samples: int = _SAMPLES, seed: int = 7) -> float:

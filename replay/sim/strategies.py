@@ -23,6 +23,7 @@ Never: draws random numbers itself (the caller's generator draws incidents).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,7 +93,13 @@ class Plan:
         commit = x.commit_s(lay) / x.iteration_s if (self.strategy.logging or self.strategy.replicas) else 0.0
         self.slowdown = (x.logging_overhead if self.strategy.logging else 1.0) + commit
         self.rate = x.incidents_per_s(lay)
-        self._group_of = _group_index(self.groups, lay.pp)
+        self.set_groups(self.groups)
+
+    def set_groups(self, groups: tuple[int, ...] | None) -> None:
+        """Log at the edges of these groups (None: nothing logged)."""
+        self.groups = groups
+        index = _group_index(groups, self.layout.pp)
+        self._members = {p: [k for k in range(self.layout.pp) if index[k] == index[p]] for p in range(self.layout.pp)}
 
     # -- one incident ---------------------------------------------------------------------------
     def incident_nodes(self, node: int, correlated: bool) -> set[int]:
@@ -111,7 +118,7 @@ class Plan:
         it = x.iteration_s
         at_iteration = math.floor(done / it + 1e-9) * it  # the iteration in flight is lost
         state = x.node_state_bytes(self.layout)
-        units = set().union(*(self.layout.units_of_node(n) for n in failed))
+        units = set().union(*(_units_of(self.layout, n) for n in failed))
         memory_ok = s.memory_checkpoints and self.memory_s is not None and self._peers_survive(failed)
         rollback_to = max(ck_p, ck_m) if memory_ok else ck_p
         rollback = {
@@ -142,8 +149,7 @@ class Plan:
         compute_one = x.iteration_s * x.replay_ratio(lay) / x.parallel_speedup(x.replay_workers)
         worst = 0.0
         for r, f, p in lost:
-            g = self._group_of[p]
-            members = [k for k in range(lay.pp) if self._group_of[k] == g]
+            members = self._members[p]
             cold = False
             for edge_sender in (members[0] - 1, members[-1] + 1):  # the group's edges come from the logs
                 if 0 <= edge_sender < lay.pp and (r, f, edge_sender) in lost:
@@ -166,6 +172,11 @@ class Plan:
         return all(((k + d) % n) not in failed for k in failed) if n > 1 else False
 
 
+@functools.lru_cache(maxsize=65536)
+def _units_of(layout: Layout, node: int) -> frozenset[tuple[int, int, int]]:
+    return frozenset(layout.units_of_node(node))
+
+
 def _group_index(groups: Sequence[int] | None, pp: int) -> list[int]:
     sizes = list(groups) if groups else [1] * pp
     out: list[int] = []
@@ -184,8 +195,7 @@ def make_plan(
 ) -> Plan:
     """A :class:`Plan` (its intervals clamped to what the storage allows; the clamps are noted)."""
     plan = Plan(strategy, layout, inputs, persistent_s, memory_s if strategy.memory_checkpoints else None)
-    plan.groups = tuple(groups) if groups else ((1,) * layout.pp if strategy.logging else None)
-    plan._group_of = _group_index(plan.groups, layout.pp)
+    plan.set_groups(tuple(groups) if groups else ((1,) * layout.pp if strategy.logging else None))
     if persistent_s < plan.min_persistent_s:
         plan.persistent_s = plan.min_persistent_s
         plan.notes.append(f"checkpoint interval raised to the upload time {plan.min_persistent_s:.0f} s")
