@@ -74,7 +74,7 @@ def _extras_allowed(rel: str) -> tuple[str, ...]:
     """The extras whose packages the shipped module ``rel`` may import."""
     if "/testing" in rel or rel == "server/pytest_fixtures.py":
         return ("server", "demo", "dev")  # test tooling shipped with the packages: used by the test suite only
-    if rel == "server/cli/demo.py":
+    if rel in ("server/cli/demo.py", "server/cli/simulate.py"):  # their plots: the demo extra, imported on use
         return ("server", "demo")
     if rel.startswith("server/"):
         return ("server",)
@@ -84,7 +84,7 @@ def _extras_allowed(rel: str) -> tuple[str, ...]:
 def test_every_imported_package_is_declared_in_its_layer() -> None:
     """Each third-party import of the shipped packages maps to a declared distribution: the base
     dependencies for logstore, trainer_client and replay, the server extra for server/, the demo
-    extra for the demo's plot."""
+    extra for the plots of ``swiftlog demo`` and ``swiftlog simulate --plot``."""
     first_party = set(PACKAGES)
     dists = importlib.metadata.packages_distributions()
     missing: list[str] = []
