@@ -359,6 +359,7 @@ def recover_stage(
             "workers": res.job.workers,  # processes that replayed (the replacement and its helpers)
             "total_s": time.monotonic() - t0,
         }
+        record_rates(store, keys, job.sources, opened)  # for later plans' estimates
         return RecoveredStage(
             st_mod,
             st_opt,
@@ -373,18 +374,8 @@ def recover_stage(
             timings,
             list(rep.warnings),
             why=path.why,
-            sources=[
-                {
-                    "kind": spec.kind,
-                    "location": spec.location,
-                    "records": s.records,
-                    "bytes": s.bytes,
-                    "seconds": s.seconds,
-                }
-                for spec, s in zip(job.sources, opened, strict=True)
-            ],
+            sources=_read_per_source(job.sources, opened),
         )
-        record_rates(store, keys, job.sources, opened)
     finally:
         if helpers > 0:
             release_helpers(store, keys.replay_job(generation, stage))
@@ -424,6 +415,7 @@ def _member_recovery(
         raise ReplacementFallback(f"the in-place replay of group {job.stages} failed: {e}") from e
     finally:
         close_sources([s.inner for s in opened])
+    record_rates(store, keys, job.sources, opened)
     ck_it = state.checkpoint.iteration if state.checkpoint is not None else job.stop_iteration
     timings = {"setup_s": t_built - t0, "replay_s": rep.seconds, "fetch_s": rep.fetch_seconds}
     return RecoveredStage(
@@ -440,11 +432,16 @@ def _member_recovery(
         {**timings, "workers": 1, "total_s": time.monotonic() - t0},
         list(rep.warnings),
         why=f"{why}; replayed in place with group {job.stages}",
-        sources=[
-            {"kind": spec.kind, "location": spec.location, "records": s.records, "bytes": s.bytes, "seconds": s.seconds}
-            for spec, s in zip(job.sources, opened, strict=True)
-        ],
+        sources=_read_per_source(job.sources, opened),
     )
+
+
+def _read_per_source(specs: Sequence[SourceSpec], opened: Sequence[CountingSource]) -> list[dict[str, Any]]:
+    """What a replay read from each source, in the order asked: kind, location, records, bytes, seconds."""
+    return [
+        {"kind": spec.kind, "location": spec.location, "records": s.records, "bytes": s.bytes, "seconds": s.seconds}
+        for spec, s in zip(specs, opened, strict=True)
+    ]
 
 
 def _for_copy(built: Any, path: RankRecovery, resume: int, waited_s: float) -> RecoveredStage:

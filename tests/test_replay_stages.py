@@ -190,6 +190,7 @@ def test_replacement_replays_alone_when_its_helper_never_comes(f1b_run, tmp_path
     assert rec.verified and rec.resume == ITERS and rec.checkpoint_iteration == CKPT
     assert rec.timings["workers"] == 1  # replayed alone after the helper did not come
     assert json.loads(store.get(keys.replay_job(0, 1)))["world"] == 2  # the job was published for it
+    assert store.check([keys.rates()])  # what it read, per tier, kept for later plans' estimates
     live = f1b_run.results[1]
     assert (
         state_bytes_differ(rec.module.state_dict(), rec.optimizer.state_dict(), live["model"], live["optimizer"]) == []
