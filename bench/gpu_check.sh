@@ -21,5 +21,6 @@ t0=$(date +%s)
 echo "== tests: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 [[ $steps == *" cuda "* ]] && timeout 170 python3 bench/cuda_bench.py --out "$OUT/cuda.json" 2>&1 | tee "$OUT/cuda_bench.log" | tail -14
 echo "== cuda_bench: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-[[ $steps == *" replay "* ]] && timeout "${REPLAY_S:-200}" python3 bench/replay_bench.py --rounds "${ROUNDS:-5}" --max-wait-s 10 --out "$OUT/replay.json" 2>&1 | tee "$OUT/replay_bench.log" | tail -30
+[[ $steps == *" replay "* ]] && timeout "${REPLAY_S:-200}" python3 bench/replay_bench.py --rounds "${ROUNDS:-5}" \
+    --max-wait-s 10 --out "$OUT/replay.json" 2>&1 | tee "$OUT/replay_bench.log" | tail -30
 echo "== replay_bench: $(( $(date +%s) - t0 )) s"

@@ -56,8 +56,8 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "parallel_speedup_k2_ceiling", "(2 / slowdown of two busy cores)", None, None),
     ("replay", "parallel_speedup_k2_of_ceiling", "(speedup / ceiling)", None, None),
     ("replay", "parallel_max_abs_diff", "(approximate mode)", None, None),
-    ("replay", "parallel_speedup_k4", "(K = 4 exact; needs 4 cores, else not measured)", None, None),
-    ("replay", "parallel_speedup_k8", "(K = 8 exact; needs 8 cores, else not measured)", None, None),
+    ("replay", "parallel_speedup_k4", "(K = 4 exact; needs 4 cores)", None, None),
+    ("replay", "parallel_speedup_k8", "(K = 8 exact; needs 8 cores)", None, None),
     ("replay", "bit_exact", "true", "eq", True),
     # the same replay bench on a lent GPU host's 16 idle cores (torch 2.11; bench/gpu_check.sh)
     ("replay_h200", "parallel_speedup_k2", ">= 1.6 (16 idle cores)", "ge", 1.6),

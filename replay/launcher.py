@@ -43,7 +43,7 @@ from replay._timings import recovery_timings
 from replay.checkpoints import mesh_common_checkpoint
 from replay.errors import EXIT_FALLBACK
 from replay.processes import StoreHost, forkserver_context, run_module_main, start_process, stop_all
-from trainer_client.config import group_of
+from trainer_client.config import group_of, logging_group_sizes
 from trainer_client.mesh import MeshLayout
 from trainer_client.recovery_keys import RecoveryKeys
 
@@ -218,6 +218,8 @@ def run_with_failures(
         raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
     if dp_replicate > 1 and (groups or replay_workers > 1):
         raise ValueError("logging groups and replay helpers with dp_replicate > 1 are not supported")
+    if groups:
+        logging_group_sizes(groups, num_stages)
     outside = sorted({ks.stage for ks in kills if ks.stage >= num_stages})
     if outside:  # such a kill would never fire: the run would pass as a failure-free one
         raise ValueError(f"kills: stage(s) {outside} outside the pipeline of {num_stages} stages")

@@ -335,11 +335,7 @@ def recover_stage(
         except (ReplayError, CheckpointError) as e:
             raise ReplacementFallback(f"replay of stage {stage} over [{ck_it}, {resume}) failed: {e}") from e
         finally:
-            for s in opened:
-                try:
-                    s.inner.close()
-                except Exception:
-                    logger.debug("closing a source failed", exc_info=True)
+            close_sources([s.inner for s in opened])
         if not res.verified:
             raise ReplacementFallback(
                 f"replay of stage {stage} over [{ck_it}, {resume}) did not verify: {res.report.unverified_reason}"

@@ -82,6 +82,18 @@ def _group_sizes(groups: Any) -> Sequence[Any]:
     return sizes
 
 
+def logging_group_sizes(groups: Any, num_stages: int) -> tuple[int, ...]:
+    """The group sizes of ``groups`` (sizes, a group plan or its JSON document), checked: positive
+    ints adding up to ``num_stages``. Raises ConfigError naming what is wrong."""
+    sizes = list(_group_sizes(groups))
+    if not sizes or not all(_is_int(g) and g >= 1 for g in sizes) or sum(sizes) != num_stages:
+        raise ConfigError(
+            f"logging_groups must be positive group sizes adding up to {num_stages} stages, got {groups!r}",
+            hint="e.g. [2, 2] for 4 stages, or None to log every boundary",
+        )
+    return tuple(sizes)
+
+
 def group_of(logging_groups: Sequence[int] | None, stage: int, num_stages: int) -> list[int]:
     """The stages of ``stage``'s logging group (``[stage]`` without groups)."""
     starts = sorted(group_starts(logging_groups, num_stages) | {num_stages})
@@ -431,14 +443,7 @@ class ClientConfig(_MeshPosition):
                 hint="e.g. file:///data/cold or s3://bucket/prefix",
             )
         if self.logging_groups is not None:
-            groups = list(_group_sizes(self.logging_groups))
-            if not groups or not all(_is_int(g) and g >= 1 for g in groups) or sum(groups) != self.num_stages:
-                raise ConfigError(
-                    f"logging_groups must be positive group sizes summing to num_stages={self.num_stages}, "
-                    f"got {self.logging_groups!r}",
-                    hint="e.g. [2, 2] for 4 stages, or None to log every boundary",
-                )
-            self.logging_groups = tuple(groups)
+            self.logging_groups = logging_group_sizes(self.logging_groups, self.num_stages)
         for name, kind in (
             ("writer", WriterConfig),
             ("commit", CommitConfig),

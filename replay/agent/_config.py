@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from replay.launcher import KillSpec
+from trainer_client.config import logging_group_sizes
 from trainer_client.mesh import MeshLayout
 from trainer_client.progress import SECTIONS
 
@@ -108,10 +109,7 @@ class AgentConfig:
         if self.groups is not None:
             if self.dp_replicate > 1:
                 raise ValueError("logging groups with dp_replicate > 1 are not supported")
-            if any(not isinstance(g, int) or g < 1 for g in self.groups) or sum(self.groups) != layout.num_stages:
-                raise ValueError(
-                    f"groups {list(self.groups)} must be sizes >= 1 adding up to {layout.num_stages} stages"
-                )
+            logging_group_sizes(self.groups, layout.num_stages)
         elif self.group_recovery == "in_place":
             raise ValueError("group_recovery 'in_place' needs the logging groups (groups)")
         for ks in self.kills:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from replay.sim.inputs import Layout, ScaleInputs
+from trainer_client.config import group_of
 
 __all__ = ["Strategy", "Plan", "STRATEGIES", "make_plan", "assumptions"]
 
@@ -98,8 +99,7 @@ class Plan:
     def set_groups(self, groups: tuple[int, ...] | None) -> None:
         """Log at the edges of these groups (None: nothing logged)."""
         self.groups = groups
-        index = _group_index(groups, self.layout.pp)
-        self._members = {p: [k for k in range(self.layout.pp) if index[k] == index[p]] for p in range(self.layout.pp)}
+        self._members = {p: group_of(groups, p, self.layout.pp) for p in range(self.layout.pp)}
 
     # -- one incident ---------------------------------------------------------------------------
     def incident_nodes(self, node: int, correlated: bool) -> set[int]:
@@ -175,14 +175,6 @@ class Plan:
 @functools.lru_cache(maxsize=65536)
 def _units_of(layout: Layout, node: int) -> frozenset[tuple[int, int, int]]:
     return frozenset(layout.units_of_node(node))
-
-
-def _group_index(groups: Sequence[int] | None, pp: int) -> list[int]:
-    sizes = list(groups) if groups else [1] * pp
-    out: list[int] = []
-    for i, g in enumerate(sizes):
-        out += [i] * g
-    return out
 
 
 def make_plan(
