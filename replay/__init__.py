@@ -62,6 +62,7 @@ from replay.replacement import measured_rates, recover_stage, report_fallback, r
 from replay.replica_plan import ReplicaLoggingPlan, plan_replica_logging
 from replay.report import ReplayReport
 from replay.restart import RestartDecision, recover_on_restart
+from replay.shard_recovery import replay_shard_in_place
 from replay.stage import ReplayHooks, StageState
 
 __all__ = [
@@ -98,6 +99,7 @@ __all__ = [
     "HttpRecordSource",
     # the replacement of a failed stage
     "recover_stage",
+    "replay_shard_in_place",
     "report_ready",
     "report_fallback",
     "serve_replay_helper",

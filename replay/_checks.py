@@ -39,6 +39,7 @@ from replay.reader import LogReader
 from replay.report import ReplayReport
 from replay.stage import StageState
 from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests, tensor_digest
+from trainer_client.fsdp import local_tensor
 from trainer_client.meta import decode_meta, hparam_changes, optimizer_hparams
 from trainer_client.replicas import average_gradients_
 
@@ -286,7 +287,7 @@ def average_as_live(ctx: Context, st: StageState, it: int, op: dict[str, Any], r
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     # checked after it, with every step: META's grad_digests are those the average left
-    average_gradients_([p.grad for p in params], group, int(op["bucket_bytes"]))
+    average_gradients_([local_tensor(p.grad) for p in params], group, int(op["bucket_bytes"]))  # FSDP: shards
 
 
 def reduce_as_logged(ctx: Context, st: StageState, it: int, op: dict[str, Any], report: ReplayReport) -> None:

@@ -49,6 +49,7 @@ from replay.reader import LogReader
 from replay.report import ReplayReport
 from replay.stage import StageState
 from replay.user_code import user_code
+from trainer_client import fsdp
 from trainer_client.data import data_inputs, on_device
 from trainer_client.determinism import autocast_as, seed_micro_batch
 
@@ -76,6 +77,8 @@ class IterationReplay:
         self.losses: list[float] = []  # the last stage's, in forward order
         self.loss_mbs: list[int] = []
         self.passes = passes(plan)
+        #: the replayed stages that are ``fully_shard``-ed: torch's schedules drive their gradient sync
+        self.sharded = {st.stage for st in ctx.states if fsdp.is_sharded(st.module)}
 
     def run(self) -> None:
         """The planned passes, then the micro-batches a dynamic share claims, then the step."""
@@ -237,6 +240,8 @@ class IterationReplay:
         last stage, None: read from the logs)."""
         ctx, it = self.ctx, self.it
         autocast = self.plan.logged(st.stage, "autocast")
+        if st.stage in self.sharded:  # as the live schedule: accumulate, reduce-scatter once in step()
+            fsdp.backward_without_sync(st.module)
         if st.stage == ctx.num_stages - 1:
             with user_code("stage's backward", st.stage, it, mb), autocast_as(autocast):
                 torch.autograd.backward([out])
@@ -265,6 +270,8 @@ class IterationReplay:
         t_step = time.perf_counter()
         report.reduce_seconds += t_step - t_reduce
         for st in ctx.states:
+            if st.stage in self.sharded:  # the live schedule's reduce-scatter, before its scale
+                fsdp.reduce_gradients(st.module)
             if plan.scale != 1:
                 for p in st.module.parameters():
                     if p.grad is not None:

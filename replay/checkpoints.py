@@ -74,8 +74,9 @@ def latest_checkpoint(
 
 
 def mesh_common_checkpoint(base: str, num_stages: int, dp_replicate: int) -> int | None:
-    """The newest checkpoint every rank of a ``pp`` x ``dp_replicate`` mesh has (each replica's are
-    under ``{base}/dp{r}`` when there are several): where a global rollback restarts."""
+    """The newest checkpoint every rank of a mesh of ``dp_replicate`` data-parallel pipelines has
+    (each pipeline's are under ``{base}/dp{i}`` when there are several): where a global rollback
+    restarts."""
     if dp_replicate == 1:
         return common_checkpoint(base, num_stages, 1 << 40)
     found = [common_checkpoint(f"{base.rstrip('/')}/dp{r}", num_stages, 1 << 40) for r in range(dp_replicate)]

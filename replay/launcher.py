@@ -77,7 +77,7 @@ KILL_PHASES = (
 
 @dataclass(frozen=True, slots=True)
 class KillSpec:
-    """SIGKILL ``stage`` (its ``replica`` in a mesh with replicas) at ``iteration`` (micro-batch
+    """SIGKILL ``stage`` (its ``replica`` and ``shard`` in a data-parallel mesh) at ``iteration`` (micro-batch
     ``micro_batch`` for forward/backward) in ``phase``.
 
     Phases (:data:`KILL_PHASES`, all of which the example ``train_resilient`` injects): forward,
@@ -94,9 +94,10 @@ class KillSpec:
     micro_batch: int = 0
     phase: str = "forward"
     replica: int = 0
+    shard: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("stage", "iteration", "micro_batch", "replica"):
+        for name in ("stage", "iteration", "micro_batch", "replica", "shard"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"KillSpec.{name} must be an int >= 0, got {v!r}")
@@ -180,6 +181,7 @@ def run_with_failures(
     script: str = DEFAULT_SCRIPT,
     dp_replicate: int = 1,
     group_recovery: str = "kill",
+    dp_shard: int = 1,
 ) -> RecoveryRun:
     """Run the pipeline (``args``: the training script's arguments without --stage/--num-stages/
     --store-port/--out/--store-root/--run-id/--checkpoint-url/--kill-at, which the launcher sets)
@@ -203,6 +205,9 @@ def run_with_failures(
     ``dp_replicate``: R > 1 runs a ``pp`` x ``dp_replicate`` mesh of ``num_stages * R`` ranks
     (the script also gets ``--replica r --dp-replicate R``; rank = stage * R + replica, and the
     results are keyed by rank); a lost rank whose stage has a live replica is copied from it.
+    ``dp_shard``: D > 1 shards every stage over D ranks (FSDP2; ``--shard s --dp-shard D``; rank =
+    (stage * R + replica) * D + shard): a lost shard without a replica is replayed by its shard
+    group, the live members in place.
     """
     if mode not in ("swift", "rollback"):
         raise ValueError(f"mode must be 'swift' or 'rollback', got {mode!r}")
@@ -214,10 +219,11 @@ def run_with_failures(
         raise ValueError(f"replay_workers must be an int >= 1 (the replacement itself), got {replay_workers!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if not isinstance(dp_replicate, int) or dp_replicate < 1:
-        raise ValueError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
-    if dp_replicate > 1 and (groups or replay_workers > 1):
-        raise ValueError("logging groups and replay helpers with dp_replicate > 1 are not supported")
+    for name, v in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if dp_replicate * dp_shard > 1 and (groups or replay_workers > 1):
+        raise ValueError("logging groups and replay helpers with dp_replicate or dp_shard > 1 are not supported")
     if groups:
         logging_group_sizes(groups, num_stages)
     outside = sorted({ks.stage for ks in kills if ks.stage >= num_stages})
@@ -226,9 +232,11 @@ def run_with_failures(
     outside = sorted({ks.replica for ks in kills if ks.replica >= dp_replicate})
     if outside:
         raise ValueError(f"kills: replica(s) {outside} outside the {dp_replicate} replica(s) of each stage")
-    twice = sorted(
-        {ks.stage for ks in kills if sum(1 for o in kills if (o.stage, o.replica) == (ks.stage, ks.replica)) > 1}
-    )
+    outside = sorted({ks.shard for ks in kills if ks.shard >= dp_shard})
+    if outside:
+        raise ValueError(f"kills: shard(s) {outside} outside the {dp_shard} shard(s) of each stage")
+    where = [(ks.stage, ks.replica, ks.shard) for ks in kills]
+    twice = sorted({ks.stage for ks, w in zip(kills, where, strict=True) if where.count(w) > 1})
     if (
         twice
     ):  # one kill per stage: the stage's first process takes it (a replacement none); the rest were dropped silently
@@ -252,6 +260,7 @@ def run_with_failures(
         script=script,
         dp_replicate=dp_replicate,
         group_recovery=group_recovery,
+        dp_shard=dp_shard,
     ).run()
 
 
@@ -272,6 +281,8 @@ def stage_argv(
     checkpoints and results go, then ``args`` (the user's, then the role's)."""
     c = layout.coord(rank)
     mesh = [] if layout.dp_replicate == 1 else ["--replica", str(c.replica), "--dp-replicate", str(layout.dp_replicate)]
+    if layout.dp_shard > 1:
+        mesh += ["--shard", str(c.shard), "--dp-shard", str(layout.dp_shard)]
     return [
         "--resilient",
         "--stage",
@@ -318,11 +329,12 @@ class _Scheduler:
         host: Any = None,
         out_dir: str | None = None,
         group_recovery: str = "kill",
+        dp_shard: int = 1,
     ) -> None:
         self.args, self.run_id, self.base_dir, self.checkpoint_url = args, run_id, base_dir, checkpoint_url
         self.group_recovery = group_recovery
         self.mode, self.num_stages, self.replay_workers = mode, num_stages, replay_workers
-        self.layout = MeshLayout(num_stages, dp_replicate)
+        self.layout = MeshLayout(num_stages, dp_replicate, dp_shard)
         self.world = self.layout.world_size  # the ranks; each "stage process" below is one rank
         self.timeout_s, self.max_restarts, self.grace_s, self.groups, self.script = (
             timeout_s,
@@ -343,7 +355,7 @@ class _Scheduler:
         self.current: dict[int, str] = {}  # stage -> name of its live process
         self.roots: dict[int, str] = {}
         self.timeline: list[dict[str, Any]] = []
-        self.kill_of = {self.layout.rank(ks.stage, ks.replica): ks for ks in kills}
+        self.kill_of = {self.layout.rank(ks.stage, ks.replica, ks.shard): ks for ks in kills}
         self.t0 = time.time()
         self.gen = 0
         self.fallback: str | None = None  # a replacement's (set once: the loop acts on the first)
@@ -360,9 +372,10 @@ class _Scheduler:
 
     # -- starting processes ---------------------------------------------------------------
     def name(self, k: int) -> str:
-        """Rank ``k``'s process name prefix: ``stage{k}``, or ``stage{s}-dp{r}`` with replicas."""
+        """Rank ``k``'s process name prefix: ``stage{k}``, or ``stage{s}-dp{i}`` in a data-parallel
+        mesh (``i``: its pipeline, ``MeshLayout.dp_index``)."""
         c = self.layout.coord(k)
-        return f"stage{k}" if self.layout.dp_replicate == 1 else f"stage{c.stage}-dp{c.replica}"
+        return f"stage{k}" if self.layout.dp_size == 1 else f"stage{c.stage}-dp{self.layout.dp_index(k)}"
 
     def start(self, k: int, g: int, extra: Sequence[str], *, name: str, helper: bool = False) -> None:
         if self.group_recovery == "in_place" and self.groups and not helper:
@@ -430,8 +443,8 @@ class _Scheduler:
             self.start(k, self.gen, extra, name=f"{self.name(k)}-g{self.gen}")
 
     def _common_checkpoint(self) -> int | None:
-        """The newest checkpoint every rank has (each replica's are under ``{url}/dp{r}``)."""
-        return mesh_common_checkpoint(self.checkpoint_url, self.num_stages, self.layout.dp_replicate)
+        """The newest checkpoint every rank has (each pipeline's are under ``{url}/dp{i}``)."""
+        return mesh_common_checkpoint(self.checkpoint_url, self.num_stages, self.layout.dp_size)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> RecoveryRun:

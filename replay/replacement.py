@@ -47,11 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replay import shard_recovery as sr
 from replay.checkpoints import newest_common
 from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from replay.helpers import release_helpers, replay_with_helpers
 from replay.job import ReplayJob, ReplayResult, SourceSpec, close_sources
+from replay.stage import StageState
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from replay.survivors import (
     CountingSource,
@@ -65,9 +67,10 @@ from replay.survivors import (
     sources_from_reports,
     wait_for_survivors,
 )
+from trainer_client import fsdp
 from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError, RecoveryFailedError
-from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths, replica_run
+from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths
 from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
@@ -189,6 +192,8 @@ def recover_stage(
     replica: int = 0,
     dp_replicate: int = 1,
     group_in_place: bool = False,
+    shard: int = 0,
+    dp_shard: int = 1,
 ) -> RecoveredStage:
     """Rebuild ``stage`` after generation ``generation`` failed (steps 1-3 of the module docstring).
 
@@ -198,6 +203,11 @@ def recover_stage(
     ``ResilientLoop`` joins the next generation. ``checkpoint_url`` is then this replica's own
     (``ClientConfig.resolved_checkpoint_url``), and the logs are those of its run
     (``f"{run_id}.dp{replica}"``).
+
+    With sharding (``dp_shard`` > 1, FSDP2; this process is ``shard``), a lost shard without a
+    live replica is replayed by its whole shard group (``replay.shard_recovery``): the factory is
+    called with ``shard_mesh=``, the ``DeviceMesh`` of that group to ``fully_shard`` over, and the
+    checkpoint must be this rank's own (DCP); the live members replay in place meanwhile.
 
     Returns the recovered stage. Raises ReplacementFallback when the replay is impossible or does
     not verify, RecoveryTimeoutError when the survivors do not report within ``timeout``,
@@ -223,9 +233,9 @@ def recover_stage(
     """
     require_factory(model, factory)  # a usage error, not a reason to roll every stage back
     keys = RecoveryKeys(run_id, commit_prefix)
-    layout = MeshLayout(num_stages, dp_replicate)
-    rank = layout.rank(stage, replica)
-    log_run = replica_run(run_id, replica, dp_replicate)
+    layout = MeshLayout(num_stages, dp_replicate, dp_shard)
+    rank = layout.rank(stage, replica, shard)
+    log_run = layout.log_run(run_id, rank)
     members = sorted(set(group or [stage]) | {stage})
 
     def prepare() -> PreparedStates:
@@ -242,20 +252,43 @@ def recover_stage(
 
     # the checkpoint load and model build overlap the wait for the survivors (and the checkpoint
     # listing); with replicas, a copy from a live one is likelier: built once the path is known
-    prepared = prepare() if dp_replicate == 1 else None
+    prepared = prepare() if layout.dp_size == 1 else None
     try:
         t0 = time.monotonic()
         failed, docs = wait_for_survivors(store, keys, generation, layout, rank, timeout)
         resume = agreed_resume(docs, generation)
         t_survivors = time.monotonic()
-        path = recovery_paths(layout, failed)[rank]
+        try:
+            path = recovery_paths(layout, failed)[rank]
+        except ValueError as e:
+            raise ReplacementFallback(f"replacement of {layout.describe(rank)}: {e}") from e
+        if path.path == "shard":
+            return _recover_shard(
+                store,
+                keys,
+                generation,
+                layout,
+                rank,
+                docs,
+                path,
+                run_id=run_id,
+                checkpoint_url=checkpoint_url,
+                checkpoint_options=checkpoint_options,
+                builder=lambda ck, mesh: stage_factory(model, factory)(
+                    stage, num_stages, ck, shard_mesh=mesh, **(model_args or {})
+                ),
+                loss_fn=loss_fn,
+                timeout=timeout,
+                t0=t0,
+            )
         if path.path == "replica":
             built = stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
             return _for_copy(built, path, resume, t_survivors - t0)
         if prepared is None:
             prepared = prepare()
-        docs = {layout.coord(r).stage: d for r, d in docs.items() if layout.coord(r).replica == replica}
-        failed = [layout.coord(r).stage for r in failed if layout.coord(r).replica == replica]
+        dp = layout.dp_index(rank)
+        docs = {layout.coord(r).stage: d for r, d in docs.items() if layout.dp_index(r) == dp}
+        failed = [layout.coord(r).stage for r in failed if layout.dp_index(r) == dp]
         if sources is None:
             sources = sources_from_reports(docs)
         members = _unit_of(stage, members, failed, group_in_place)
@@ -429,6 +462,96 @@ def _member_recovery(
         list(rep.warnings),
         why=f"{why}; replayed in place with group {job.stages}",
         sources=_read_per_source(job.sources, opened),
+    )
+
+
+def _recover_shard(
+    store: dist.Store,
+    keys: RecoveryKeys,
+    generation: int,
+    layout: MeshLayout,
+    rank: int,
+    docs: dict[int, dict[str, Any]],
+    path: RankRecovery,
+    *,
+    run_id: str,
+    checkpoint_url: str,
+    checkpoint_options: dict[str, Any] | None,
+    builder: Callable[[Any, Any], Any],
+    loss_fn: Callable[..., Any] | None,
+    timeout: datetime.timedelta,
+    t0: float,
+) -> RecoveredStage:
+    """A lost shard's replacement: its shard group agrees on a checkpoint, meets, and replays, the
+    live members in place (``replay.shard_recovery``); ``builder(checkpoint, mesh)`` builds the
+    stage's objects ``fully_shard``-ed over the group's mesh."""
+    c = layout.coord(rank)
+    opened: list[CountingSource] = []
+    try:
+        plan = sr.plan_shard_replay(
+            store,
+            keys,
+            generation,
+            layout,
+            rank,
+            docs,
+            run_id=run_id,
+            checkpoint_url=checkpoint_url,
+            storage_options=checkpoint_options,
+            timeout=timeout,
+        )
+        t_plan = time.monotonic()
+        group = sr.join_shard_group(store, keys, generation, layout, rank, timeout)
+        try:
+            ck = load_checkpoint(plan.checkpoint_uri, storage_options=checkpoint_options)
+            mesh = fsdp.shard_mesh(layout.shard_group(c.stage, c.replica), group, rank)
+            module, optimizer, lr_scheduler = builder(ck, mesh)
+            state = StageState.from_checkpoint(ck, module, optimizer, lr_scheduler)
+            t_built = time.monotonic()
+            opened = plan.open()
+            rep = sr.replay_shard_member(
+                store,
+                keys,
+                generation,
+                layout,
+                rank,
+                state,
+                opened,
+                resume=plan.resume,
+                loss_fn=loss_fn,
+                timeout=timeout,
+            )
+        finally:
+            dist.destroy_process_group()
+    except (ReplayError, CheckpointError) as e:
+        raise ReplacementFallback(f"the replay of {layout.describe(rank)}'s shard group failed: {e}") from e
+    finally:
+        close_sources([s.inner for s in opened])
+    record_rates(store, keys, plan.sources, opened)
+    timings = {
+        "find_checkpoint_s": t_plan - t0,
+        "setup_s": t_built - t_plan,
+        "replay_s": rep.seconds,
+        "fetch_s": rep.fetch_seconds,
+        "workers": 1,
+        "total_s": time.monotonic() - t0,
+    }
+    return RecoveredStage(
+        state.module,
+        state.optimizer,
+        state.lr_scheduler,
+        plan.resume,
+        plan.checkpoint_iteration,
+        plan.checkpoint_uri,
+        True,
+        rep.digests_checked,
+        rep.records_fetched,
+        sum(s.bytes for s in opened),
+        timings,
+        list(rep.warnings),
+        path="shard",
+        why=path.why,
+        sources=_read_per_source(plan.sources, opened),
     )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "report_fallback",
     "report_ready",
     "sources_from_reports",
+    "survivor_reports",
     "wait_for_survivors",
 ]
 
@@ -73,8 +74,20 @@ def wait_for_survivors(
     store: dist.Store, keys: RecoveryKeys, g: int, layout: MeshLayout, rank: int, timeout: datetime.timedelta
 ) -> tuple[list[int], dict[int, dict[str, Any]]]:
     """Step 1: the ranks the scheduler replaces after generation ``g``, and every survivor's report
-    (by rank; with one replica the ranks are the stages)."""
+    (by rank; with one replica the ranks are the stages). Raises RecoveryFailedError when ``rank``
+    is not among the replaced."""
     who = f"replacement of {layout.describe(rank)}"
+    failed, docs = survivor_reports(store, keys, g, layout, timeout, who=who)
+    if rank not in failed:
+        raise RecoveryFailedError(f"{who}: the scheduler replaces ranks {failed}, not {rank}")
+    return failed, docs
+
+
+def survivor_reports(
+    store: dist.Store, keys: RecoveryKeys, g: int, layout: MeshLayout, timeout: datetime.timedelta, *, who: str
+) -> tuple[list[int], dict[int, dict[str, Any]]]:
+    """The ranks replaced after generation ``g`` and every survivor's report, by rank (waits at
+    most ``timeout`` for each; ``who`` names the waiter in a timeout's message)."""
     v = wait_for_keys(
         store,
         [keys.failed_stages(g)],
@@ -82,8 +95,6 @@ def wait_for_survivors(
         what=f"{who}: waiting for the failed-rank list",
     )
     failed = sorted(int(x) for x in json.loads(v[keys.failed_stages(g)]))
-    if rank not in failed:
-        raise RecoveryFailedError(f"{who}: the scheduler replaces ranks {failed}, not {rank}")
     survivors = [k for k in range(layout.world_size) if k not in failed]
     reports = wait_for_keys(
         store,

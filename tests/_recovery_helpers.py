@@ -145,10 +145,11 @@ class References:
         groups: Sequence[int] | None = None,
         timeout_s: float = 150.0,
         dp_replicate: int = 1,
+        dp_shard: int = 1,
     ) -> Reference:
         """The failure-free run of ``script`` with ``args(base)`` (``base``: the run's directory);
-        with ``dp_replicate`` > 1 a mesh, its results keyed by rank."""
-        key = self._key(list(args(Path("/BASE"))), run_id, num_stages, script, groups, dp_replicate)
+        with ``dp_replicate`` or ``dp_shard`` > 1 a mesh, its results keyed by rank."""
+        key = self._key(list(args(Path("/BASE"))), run_id, num_stages, script, groups, dp_replicate, dp_shard)
         if key in self._runs:
             return self._runs[key]
         ref = self._load(key)
@@ -166,6 +167,7 @@ class References:
                 groups=groups,
                 script=script,
                 dp_replicate=dp_replicate,
+                dp_shard=dp_shard,
             )
             assert r.ok, r.describe()
             ref = Reference({k: {p: res.get(p) for p in _STATE_PARTS} for k, res in r.results.items()})
@@ -182,9 +184,11 @@ class References:
         script: str,
         groups: Sequence[int] | None,
         dp_replicate: int = 1,
+        dp_shard: int = 1,
     ) -> str:
         what = {
             **({"dp_replicate": dp_replicate} if dp_replicate > 1 else {}),
+            **({"dp_shard": dp_shard} if dp_shard > 1 else {}),
             "args": args,
             "run_id": run_id,
             "num_stages": num_stages,

@@ -44,6 +44,42 @@ def test_a_lost_rank_is_copied_from_its_lowest_live_replica_or_replayed_with_the
         recovery_paths(m, [6])
 
 
+def test_a_sharded_mesh_puts_dp_shard_innermost_and_gives_each_pipeline_a_run() -> None:
+    """pp x dp_replicate x dp_shard: rank = (stage * R + replica) * D + shard; each (replica,
+    shard) is a pipeline with its own data-parallel index, logs and checkpoints."""
+    m = MeshLayout(2, 2, 3)
+    assert m.world_size == 12 and m.dp_size == 6 and m.shape() == "2 x 2 x 3"
+    assert [m.coord(r) for r in range(12)] == [MeshCoord(k, r, s) for k in range(2) for r in range(2) for s in range(3)]
+    assert all(m.rank(c.stage, c.replica, c.shard) == r for r in range(12) for c in [m.coord(r)])
+    assert m.shard_group(1, 0) == [6, 7, 8] and m.replicas_of(1, shard=2) == [8, 11]
+    assert m.pipeline_of(1, 2) == [5, 11] and m.stage_ranks(0) == list(range(6))
+    assert [m.dp_index(r) for r in (0, 4, 11)] == [0, 4, 5] and m.log_run("job", 11) == "job.dp5"
+    assert m.describe(7) == "rank 7 (stage 1 replica 0 shard 1)"
+    c = ClientConfig(
+        run_id="job", stage=1, num_stages=2, store_root="/x", replica=1, dp_replicate=2, shard=2, dp_shard=3
+    )
+    assert (c.rank, c.dp_index, c.log_run, c.world_size) == (11, 5, "job.dp5", 12)
+    with pytest.raises(ConfigError, match="shard must be an int in 0..2"):
+        ClientConfig(run_id="job", stage=0, num_stages=2, store_root="/x", shard=3, dp_shard=3)
+    with pytest.raises(ValueError):
+        m.rank(0, 0, 3)
+
+
+def test_a_lost_shard_is_copied_from_its_replica_else_its_shard_group_replays_in_place() -> None:
+    """HSDP: a shard with a live replica is copied; FSDP (no replica): the whole shard group
+    replays, its live members in place; HSDP with a shard lost in every replica is refused."""
+    hsdp = MeshLayout(2, 2, 2)  # stage 1: replica 0 = ranks 4,5; replica 1 = ranks 6,7
+    p = recovery_paths(hsdp, [5])[5]
+    assert (p.path, p.donor, p.shard) == ("replica", 7, 1) and "stage 1 shard 1" in p.why
+    fsdp = MeshLayout(2, 1, 3)  # stage 1: ranks 3,4,5
+    q = recovery_paths(fsdp, [4])[4]
+    assert (q.path, q.replay_group, q.in_place, q.shard) == ("shard", (3, 4, 5), (3, 5), 1)
+    both = recovery_paths(fsdp, [3, 5])
+    assert both[3].in_place == both[5].in_place == (4,)
+    with pytest.raises(ValueError, match="lost in every replica"):
+        recovery_paths(hsdp, [5, 7])
+
+
 def test_a_replicas_config_names_its_run_checkpoints_and_rank() -> None:
     c = ClientConfig(run_id="job", stage=1, num_stages=2, store_root="/tmp/x", replica=1, dp_replicate=3)
     assert (c.rank, c.log_run) == (4, "job.dp1")
@@ -67,7 +103,7 @@ def test_a_replicas_config_names_its_run_checkpoints_and_rank() -> None:
         ClientConfig(run_id="job", stage=0, num_stages=2, store_root="/tmp/x", replica=2, dp_replicate=2)
     with pytest.raises(ConfigError, match="dp_replicate must be an int >= 1"):
         RecoveryConfig(run_id="job", stage=0, num_stages=2, dp_replicate=0)
-    with pytest.raises(ConfigError, match="logging_groups with dp_replicate > 1"):
+    with pytest.raises(ConfigError, match="logging_groups with dp_replicate or dp_shard > 1"):
         ClientConfig(run_id="j", stage=0, num_stages=2, store_root="/x", dp_replicate=2, logging_groups=[2])
     assert RecoveryConfig(run_id="job", stage=1, num_stages=2, replica=1, dp_replicate=2).rank == 3
 
@@ -227,7 +263,7 @@ def test_a_client_refuses_groups_that_do_not_fit_its_mesh(tmp_path) -> None:
     try:
         with pytest.raises(ConfigError, match="the pp group has 1 ranks, the pipeline 2 stages"):
             client.set_groups(dist.group.WORLD, dist.group.WORLD)
-        with pytest.raises(ConfigError, match="dp_replicate=2 but the replicas' group has no group"):
+        with pytest.raises(ConfigError, match="dp_replicate=2 but the dp_replicate group has no group"):
             client.set_groups(None)
         with pytest.raises(ConfigError, match="not 'pp'"):
             client.set_mesh(object())

@@ -92,6 +92,7 @@ def test_trainer_client_public_api() -> None:
             "loopback_store",
             "ResilientLoop",
             "RecoveryKeys",
+            "form_mesh",
             "MeshLayout",
             "build_mesh",
             "recovery_paths",
@@ -157,6 +158,7 @@ def test_replay_public_api() -> None:
             "HttpRecordSource",
             # the replacement of a failed stage
             "recover_stage",
+            "replay_shard_in_place",
             "report_ready",
             "report_fallback",
             "serve_replay_helper",

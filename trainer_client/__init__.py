@@ -79,7 +79,7 @@ from trainer_client.errors import (
 from trainer_client.mesh import MeshLayout, build_mesh, recovery_paths
 from trainer_client.recovery_keys import RecoveryKeys
 from trainer_client.reports import CommitReport, FlushReport
-from trainer_client.survivor import ResilientLoop
+from trainer_client.survivor import ResilientLoop, form_mesh
 from trainer_client.writer import Fault
 
 __all__ = [
@@ -102,6 +102,7 @@ __all__ = [
     # in-place recovery
     "ResilientLoop",
     "RecoveryKeys",
+    "form_mesh",
     # a data-parallel x pipeline mesh
     "MeshLayout",
     "build_mesh",

@@ -41,8 +41,8 @@ class StageCheckpoints:
         self.config, self.writer = config, writer
         shared = None
         if commit_store is not None:
-            # registrations govern one pipeline's logs: each replica's pipeline shares its own
-            prefix = config.commit_prefix + ("" if config.dp_replicate == 1 else f"/dp{config.replica}")
+            # registrations govern one pipeline's logs: each data-parallel pipeline shares its own
+            prefix = config.commit_prefix + ("" if config.dp_size == 1 else f"/dp{config.dp_index}")
             shared = SharedRegistrations(commit_store, prefix=prefix, stage=config.stage, num_stages=config.num_stages)
         elif config.cold_url is None and config.num_stages > 1:
             logger.warning(

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from logstore import Channel
 from trainer_client.digest import hex_digests
+from trainer_client.fsdp import local_tensor
 from trainer_client.replicas import average_gradients_
 from trainer_client.stage import StageRecorder
 from trainer_client.writer import AsyncLogWriter
@@ -74,7 +75,7 @@ class GradOps:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [cast("torch.Tensor", p.grad) for p in params]
+        grads = [local_tensor(cast("torch.Tensor", p.grad)) for p in params]  # FSDP: this rank's shards
         # no digests before it: they differ per replica, and the replicas of a stage share one
         # META; the gradients after it (META grad_digests) are the same on every replica
         self.averages.append({"seq": self._seq(), **average_gradients_(grads, group, bucket_bytes)})

@@ -306,8 +306,15 @@ def saved_kinds(optimizer: Any | None, lr_scheduler: Any | None) -> dict[str, An
     }
 
 
-def checkpoint_uri(base: str, stage: int, iteration: int) -> str:
-    """The file name a checkpoint of (stage, iteration) gets under directory/URL ``base``."""
+def checkpoint_uri(base: str, stage: int, iteration: int, format: str = "torch") -> str:
+    """The name a checkpoint of (stage, iteration) gets under directory/URL ``base``: the file in
+    the ``"torch"`` format, the pointer in the ``"dcp"`` one. ValueError for another format."""
+    if format == "dcp":
+        from trainer_client.dcp_checkpoint import pointer_uri
+
+        return pointer_uri(base, stage, iteration)
+    if format != "torch":
+        raise ValueError(f"a checkpoint format is 'torch' or 'dcp', got {format!r}")
     return f"{base.rstrip('/')}/stage{stage:05d}/it{iteration:012d}.pt"
 
 

@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
+from trainer_client import fsdp
 from trainer_client._checkpointing import StageCheckpoints
 from trainer_client._declarations import Declarations, example_tensors
 from trainer_client._grad_ops import GradOps
@@ -140,6 +141,7 @@ class SwiftlogClient:
         self._grad_ops = GradOps(config.stage, self.writer, self.recorder, lambda: self.stage_module)
         self._pp_group: dist.ProcessGroup | None = None  # from set_mesh: the pipeline's sends
         self._dp_group: dist.ProcessGroup | None = None  # from set_mesh: the replicas' gradient average
+        self._shard_group: dist.ProcessGroup | None = None  # from set_mesh: FSDP's shard group
         #: called with the iteration on the training thread just before the replicas' gradient
         #: average in ``step`` (tracing, fault injection); None: nothing
         self.before_replica_average: Callable[[int], None] | None = None
@@ -163,28 +165,51 @@ class SwiftlogClient:
     def set_mesh(self, mesh: Any) -> None:
         """Use a ``DeviceMesh`` with torchtitan's dimension names: ``mesh["pp"]`` carries the
         pipeline's sends (the default group of :meth:`pipeline_stage`), ``mesh["dp_replicate"]``
-        the replicas' gradient average in :meth:`step`. Call it again with the mesh of every new
-        process-group generation (``ResilientLoop`` does): the groups are swapped underneath, no
-        module is wrapped. Raises ConfigError when the mesh's sizes or this rank's coordinate are
-        not the config's."""
+        the replicas' gradient average in :meth:`step`, ``mesh["dp_shard"]`` the stage's FSDP
+        shard group (:attr:`shard_mesh`). Call it again with the mesh of every new process-group
+        generation (``ResilientLoop`` does): the groups are swapped underneath (a
+        ``fully_shard``-ed stage is rebound by :meth:`pipeline_stage`). Raises ConfigError when
+        the mesh's sizes or this rank's coordinate are not the config's."""
         c = self.config
         try:
-            pp, dp = mesh_groups(mesh, c.layout, c.stage, c.replica)
+            pp, dp, shard = mesh_groups(mesh, c.layout, c.stage, c.replica, c.shard)
         except ValueError as e:
             raise ConfigError(str(e), hint="build it with trainer_client.build_mesh") from None
-        self.set_groups(pp, dp)
+        self.set_groups(pp, dp, shard)
 
-    def set_groups(self, pp: dist.ProcessGroup | None, dp_replicate: dist.ProcessGroup | None = None) -> None:
+    def set_groups(
+        self,
+        pp: dist.ProcessGroup | None,
+        dp_replicate: dist.ProcessGroup | None = None,
+        dp_shard: dist.ProcessGroup | None = None,
+    ) -> None:
         """The process groups :meth:`set_mesh` takes from a mesh, given directly: ``pp``, this
-        rank's pipeline (None: the default group), and ``dp_replicate``, this stage's replicas in
-        replica order (required with ``dp_replicate > 1``). Raises ConfigError when a group's size
-        is not the config's."""
+        rank's pipeline (None: the default group), ``dp_replicate``, this stage's replicas in
+        replica order (required with ``dp_replicate > 1``), and ``dp_shard``, the stage's shard
+        group in shard order (required with ``dp_shard > 1``). Raises ConfigError when a group's
+        size is not the config's."""
         try:
-            check_groups(self.config.layout, pp, dp_replicate)
+            check_groups(self.config.layout, pp, dp_replicate, dp_shard)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._pp_group = pp
         self._dp_group = dp_replicate if self.config.dp_replicate > 1 else None
+        self._shard_group = dp_shard if self.config.dp_shard > 1 else None
+
+    @property
+    def shard_mesh(self) -> Any:
+        """A one-dimensional ``DeviceMesh`` of this stage's shard group (``"dp_shard"``) to give
+        ``fully_shard`` (after :meth:`set_mesh`). A new generation's group replaces the old one
+        under the mesh the module holds (:func:`trainer_client.fsdp.rebind`, by
+        :meth:`pipeline_stage`). Raises RuntimeError without ``dp_shard > 1`` or before
+        :meth:`set_mesh`."""
+        c = self.config
+        if self._shard_group is None:
+            raise RuntimeError(
+                f"dp_shard={c.dp_shard}: a shard mesh needs dp_shard > 1 and client.set_mesh(mesh) first "
+                "(trainer_client.form_mesh or ResilientLoop.join does it)"
+            )
+        return fsdp.shard_mesh(c.layout.shard_group(c.stage, c.replica), self._shard_group, c.rank)
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -209,8 +234,18 @@ class SwiftlogClient:
         Raises ConfigError when the example tensors cannot carry gradients where torch's schedules
         need them (they fail later, in backward, with an error that does not say why): floating
         ``output_args`` of a stage before the last, or ``input_args`` of a stage after the first,
-        none of which requires grad."""
+        none of which requires grad. A ``fully_shard``-ed module is rebound to the shard group of
+        the last :meth:`set_mesh` (ConfigError when the config has no ``dp_shard > 1`` or no mesh
+        was set)."""
         c = self.config
+        if fsdp.is_sharded(module):
+            if self._shard_group is None:
+                raise ConfigError(
+                    f"stage {c.stage}: the module is fully_shard-ed but the client has no shard group "
+                    f"(dp_shard={c.dp_shard})",
+                    hint="configure dp_shard/shard and call client.set_mesh(mesh) first (ResilientLoop.join does)",
+                )
+            fsdp.rebind(module, self._shard_group)
         for what, args, needed in (
             ("output_args", output_args, not c.is_last),
             ("input_args", input_args, not c.is_first),
@@ -314,6 +349,7 @@ class SwiftlogClient:
         self._stepped = None
         self._pp_group = None  # the mesh's groups too (set_mesh gives the next generation's)
         self._dp_group = None
+        self._shard_group = None
 
     # ================================================================ per iteration
     def begin_iteration(self, iteration: int) -> None:

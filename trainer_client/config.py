@@ -310,28 +310,41 @@ class MetricsConfig:
 
 class _MeshPosition:
     """Where a config's rank stands in the mesh, derived from ``num_stages``, ``dp_replicate``,
-    ``stage`` and ``replica`` (shared by :class:`ClientConfig` and :class:`RecoveryConfig`)."""
+    ``dp_shard``, ``stage``, ``replica`` and ``shard`` (shared by :class:`ClientConfig` and
+    :class:`RecoveryConfig`)."""
 
     __slots__ = ()
     num_stages: int
     dp_replicate: int
+    dp_shard: int
     stage: int
     replica: int
+    shard: int
 
     @property
     def layout(self) -> MeshLayout:
-        """The mesh: ``num_stages`` x ``dp_replicate``."""
-        return MeshLayout(self.num_stages, self.dp_replicate)
+        """The mesh: ``num_stages`` x ``dp_replicate`` x ``dp_shard``."""
+        return MeshLayout(self.num_stages, self.dp_replicate, self.dp_shard)
 
     @property
     def rank(self) -> int:
-        """This rank's global rank in the mesh: ``stage * dp_replicate + replica`` (the stage,
-        with one replica)."""
-        return self.layout.rank(self.stage, self.replica)
+        """This rank's global rank in the mesh: ``(stage * dp_replicate + replica) * dp_shard +
+        shard`` (the stage, in a mesh of one pipeline)."""
+        return self.layout.rank(self.stage, self.replica, self.shard)
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.dp_replicate
+        return self.layout.world_size
+
+    @property
+    def dp_index(self) -> int:
+        """This rank's data-parallel pipeline: ``replica * dp_shard + shard``."""
+        return self.replica * self.dp_shard + self.shard
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel pipelines the mesh runs."""
+        return self.dp_replicate * self.dp_shard
 
 
 @dataclass(kw_only=True, slots=True)
@@ -351,6 +364,11 @@ class ClientConfig(_MeshPosition):
             ``pp`` x ``dp_replicate`` mesh is ``(stage, replica)`` (``trainer_client.mesh``):
             each replica's pipeline logs under a run of its own (:attr:`log_run`), the commit
             step spans the whole mesh, and ``step`` averages the gradients over the replicas.
+        shard / dp_shard: this rank's shard and how many ranks shard each stage in a replica
+            (FSDP2's ``fully_shard`` over the mesh's ``dp_shard`` group, default 0 of 1). Every
+            ``(replica, shard)`` pair is a data-parallel pipeline of its own, with its own logs
+            (``dp_index``). With replicas too (HSDP) ``step`` averages the gradients' shards over
+            the replicas.
         replica_bucket_bytes: the bucket of that average (default 25 MiB, torch DDP's); part of
             the layout a replay repeats.
         node_map: rank -> the machine it runs on (``trainer_client.mesh.node_map``: a list by
@@ -396,6 +414,8 @@ class ClientConfig(_MeshPosition):
     writer_name: str | None = None
     replica: int = 0
     dp_replicate: int = 1
+    shard: int = 0
+    dp_shard: int = 1
     replica_bucket_bytes: int = 25 << 20
     node_map: Any = None
     replica_logging: str = "always"
@@ -422,12 +442,13 @@ class ClientConfig(_MeshPosition):
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise ConfigError(f"seed must be an int in 0..2**64-1, got {self.seed!r}")
         _check_replica(self.replica, self.dp_replicate)
+        _check_replica(self.shard, self.dp_shard, "shard", "dp_shard")
         if not _is_int(self.replica_bucket_bytes) or self.replica_bucket_bytes < 1024:
             raise ConfigError(f"replica_bucket_bytes must be an int >= 1024, got {self.replica_bucket_bytes!r}")
-        if self.dp_replicate > 1 and self.logging_groups is not None:
+        if self.dp_size > 1 and self.logging_groups is not None:
             raise ConfigError(
-                "logging_groups with dp_replicate > 1 are not supported yet",
-                hint="log every boundary (logging_groups=None) in a mesh with replicas",
+                "logging_groups with dp_replicate or dp_shard > 1 are not supported yet",
+                hint="log every boundary (logging_groups=None) in a data-parallel mesh",
             )
         if self.writer_name is None:
             self.writer_name = f"stage{self.stage}"
@@ -485,8 +506,8 @@ class ClientConfig(_MeshPosition):
     @property
     def log_run(self) -> str:
         """The run this rank's logs and checkpoints go under: ``run_id``, or with several
-        replicas ``f"{run_id}.dp{replica}"`` (each replica's pipeline is logged on its own)."""
-        return replica_run(self.run_id, self.replica, self.dp_replicate)
+        data-parallel pipelines ``f"{run_id}.dp{dp_index}"`` (each pipeline is logged on its own)."""
+        return replica_run(self.run_id, self.dp_index, self.dp_size)
 
     @property
     def is_first(self) -> bool:
@@ -537,7 +558,7 @@ class ClientConfig(_MeshPosition):
         """Where checkpoints go when ``checkpoints.url`` is None (see :class:`CheckpointConfig`)."""
         if self.checkpoints.url:
             base = self.checkpoints.url.rstrip("/")
-            return base if self.dp_replicate == 1 else f"{base}/dp{self.replica}"
+            return base if self.dp_size == 1 else f"{base}/dp{self.dp_index}"
         if self.cold_url:
             base = self.cold_url.rstrip("/")
             if "://" not in base:
@@ -550,7 +571,8 @@ class ClientConfig(_MeshPosition):
 class RecoveryConfig(_MeshPosition):
     """How one stage takes part in in-place recovery (:class:`~trainer_client.ResilientLoop`).
 
-    run_id / stage / num_stages / replica / dp_replicate: as in :class:`ClientConfig`. The
+    run_id / stage / num_stages / replica / dp_replicate / shard / dp_shard: as in
+        :class:`ClientConfig`. The
         recovery protocol's keys and the process groups are per rank (``rank``, ``world_size``).
     generation: the process-group generation the stage starts in (default 0; the new one for a
         replacement).
@@ -579,6 +601,8 @@ class RecoveryConfig(_MeshPosition):
     num_stages: int
     replica: int = 0
     dp_replicate: int = 1
+    shard: int = 0
+    dp_shard: int = 1
     generation: int = 0
     backend: str = "gloo"
     pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
@@ -595,6 +619,7 @@ class RecoveryConfig(_MeshPosition):
         if not 0 <= self.stage < self.num_stages:
             raise ConfigError(f"stage {self.stage} is not in [0, {self.num_stages})")
         _check_replica(self.replica, self.dp_replicate)
+        _check_replica(self.shard, self.dp_shard, "shard", "dp_shard")
         if self.generation < 0:
             raise ConfigError(f"generation must be >= 0, got {self.generation}")
         if self.rejoin_timeout.total_seconds() <= 0:
@@ -603,11 +628,11 @@ class RecoveryConfig(_MeshPosition):
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
 
 
-def _check_replica(replica: object, dp_replicate: object) -> None:
+def _check_replica(replica: object, dp_replicate: object, name: str = "replica", dim: str = "dp_replicate") -> None:
     if not _is_int(dp_replicate) or dp_replicate < 1:  # type: ignore[operator]
-        raise ConfigError(f"dp_replicate must be an int >= 1, got {dp_replicate!r}")
+        raise ConfigError(f"{dim} must be an int >= 1, got {dp_replicate!r}")
     if not _is_int(replica) or not 0 <= replica < dp_replicate:  # type: ignore[operator]
-        raise ConfigError(f"replica must be an int in 0..{dp_replicate - 1}, got {replica!r}")  # type: ignore[operator]
+        raise ConfigError(f"{name} must be an int in 0..{dp_replicate - 1}, got {replica!r}")  # type: ignore[operator]
 
 
 def _default_commit_prefix(run_id: str) -> str:

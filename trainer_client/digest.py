@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from logstore import codec
+from trainer_client.fsdp import local_tensor
 
 __all__ = ["tensor_digest", "digest_record", "digest_from_record", "hex_digests", "grad_digests", "grad_digest_changes"]
 
@@ -29,11 +30,13 @@ _U64 = 2**64
 
 
 def tensor_digest(t: torch.Tensor) -> int:
-    """xxh3_64 of the raw bytes of ``t`` (a CPU tensor; any strides, dtype or requires_grad).
+    """xxh3_64 of the raw bytes of ``t`` (a CPU tensor; any strides, dtype or requires_grad; of
+    a DTensor, its local part).
 
     Equals ``codec.read_header(codec.encode_tensor(t)).checksum``. Copies only when ``t`` is not
     contiguous (or has a lazy conj/neg bit). Raises ValueError for a non-CPU tensor.
     """
+    t = local_tensor(t)
     if t.device.type != "cpu":
         raise ValueError(f"tensor_digest needs a CPU tensor, got one on {t.device}; copy it to host first")
     h = t.detach().resolve_conj().resolve_neg().contiguous()

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer_client import fsdp
 from trainer_client.buffers import BufferSnapshot, named_buffers
 from trainer_client.client import SwiftlogClient
 from trainer_client.config import ENV_NODE, ENV_NODE_URL, RecoveryConfig, group_of
@@ -74,6 +75,7 @@ from trainer_client.snapshots import save_snapshot
 __all__ = [
     "RecoveryEvent",
     "ResilientLoop",
+    "form_mesh",
     "is_pipeline_failure",
 ]
 
@@ -144,7 +146,8 @@ class _GroupTeardown:
 
 
 def is_pipeline_failure(e: BaseException) -> bool:
-    """True for errors that mean "the pipeline lost a peer": aborted commits, c10d/gloo errors."""
+    """True for errors that mean "the pipeline lost a peer": aborted commits, c10d/gloo errors,
+    also as the cause of another error (a stage's forward wraps what its FSDP all-gather raised)."""
     if isinstance(e, IterationAbortedError):
         return True
     if isinstance(e, CommitStoreError):
@@ -153,7 +156,10 @@ def is_pipeline_failure(e: BaseException) -> bool:
     if dist_error is not None and isinstance(e, dist_error):
         return True
     text = f"{type(e).__name__}: {e}".lower()
-    return isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+    if isinstance(e, RuntimeError) and any(m in text for m in _COMM_MARKERS):
+        return True
+    cause = e.__cause__
+    return isinstance(e, RuntimeError) and cause is not None and cause is not e and is_pipeline_failure(cause)
 
 
 class _Heartbeat:
@@ -214,6 +220,56 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
+#: (run id, generation) of the default group :func:`form_mesh` formed, until a loop adopts it
+_formed: tuple[str, int] | None = None
+
+
+def _form_group(store: dist.Store, cfg: RecoveryConfig, g: int, who: str) -> None:
+    """The default process group of generation ``g`` over the whole mesh (an older one destroyed)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store.set_timeout(cfg.rejoin_timeout)
+    try:
+        dist.init_process_group(
+            cfg.backend,
+            store=dist.PrefixStore(pg_prefix(cfg.run_id, g), store),
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            timeout=cfg.pg_timeout,
+        )
+    except Exception as e:
+        raise RecoveryTimeoutError(
+            f"{who}: process group generation {g} did not form: {e}",
+            hint="a rank of the new generation never joined (check the replacement's log)",
+        ) from e
+
+
+def _adopt_formed(cfg: RecoveryConfig, g: int) -> bool:
+    """Whether :func:`form_mesh` formed generation ``g``'s group for this run (taken once)."""
+    global _formed
+    if _formed == (cfg.run_id, g) and dist.is_initialized():
+        _formed = None
+        return True
+    return False
+
+
+def form_mesh(store: dist.Store, config: RecoveryConfig, client: SwiftlogClient | None = None) -> Any:
+    """Form generation ``config.generation``'s process group before the loop exists, e.g. to
+    ``fully_shard`` a stage over ``client.shard_mesh`` before its optimizer is built; the
+    :class:`ResilientLoop`'s first ``join`` of that generation adopts it. Returns the generation's
+    ``DeviceMesh`` (given to ``client`` too), None in a mesh of one pipeline. Raises
+    RecoveryTimeoutError when the group does not form."""
+    global _formed
+    _form_group(store, config, config.generation, config.layout.describe(config.rank))
+    _formed = (config.run_id, config.generation)
+    if config.layout.dp_size == 1:
+        return None
+    mesh = build_mesh(config.layout)
+    if client is not None:
+        client.set_mesh(mesh)
+    return mesh
+
+
 class ResilientLoop:
     """A training loop that survives the loss of other stages (see the module docstring).
 
@@ -234,6 +290,11 @@ class ResilientLoop:
             replaced with it. It must load this stage's checkpoint into the live objects, replay
             with the group (``replay.group_recovery.replay_in_place``) and return the iteration
             reached (the resume iteration). None (default): the scheduler replaces the whole group.
+        replay_shards: FSDP (``dp_shard`` > 1): called as ``replay_shards(generation)`` when a
+            member of this rank's shard group was lost without a replica, once the failed group is
+            down. It must load this rank's shard of the group's checkpoint into the live objects
+            and replay with the group (``replay.replay_shard_in_place``), and return the iteration
+            reached. Required to survive such a loss (RecoveryFailedError without it).
     """
 
     def __init__(
@@ -247,6 +308,7 @@ class ResilientLoop:
         lr_scheduler: Any | None = None,
         on_event: Callable[[RecoveryEvent], None] | None = None,
         replay_group: Callable[[int, list[int]], int] | None = None,
+        replay_shards: Callable[[int], int] | None = None,
     ) -> None:
         if client.coordinator is None:
             raise ValueError(
@@ -255,6 +317,8 @@ class ResilientLoop:
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
         self.replay_group = replay_group
+        self.replay_shards = replay_shards
+        self._teardown: _GroupTeardown | None = None  # the failed group's, during a recovery
         self.lr_scheduler = lr_scheduler
         client.track_optimizer(optimizer)  # META says what each step uses, and a step that differs is caught
         client.track_lr_scheduler(lr_scheduler)
@@ -289,24 +353,10 @@ class ResilientLoop:
         replaced from a live replica (:meth:`_heal`); returns the seconds it took."""
         g = self.generation if generation is None else generation
         t0 = time.monotonic()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.store.set_timeout(self.cfg.rejoin_timeout)
-        try:
-            dist.init_process_group(
-                self.cfg.backend,
-                store=dist.PrefixStore(pg_prefix(self.cfg.run_id, g), self.store),
-                rank=self.cfg.rank,
-                world_size=self.cfg.world_size,
-                timeout=self.cfg.pg_timeout,
-            )
-        except Exception as e:
-            raise RecoveryTimeoutError(
-                f"{self._who}: process group generation {g} did not form: {e}",
-                hint="a rank of the new generation never joined (check the replacement's log)",
-            ) from e
+        if not _adopt_formed(self.cfg, g):
+            _form_group(self.store, self.cfg, g, self._who)
         self.generation = g
-        if self.cfg.dp_replicate > 1:  # new groups under the client: nothing wrapped holds the old ones
+        if self.cfg.layout.dp_size > 1:  # new groups under the client (an FSDP module is rebound to them)
             self.mesh = None
             self.mesh = build_mesh(self.cfg.layout)
             self.client.set_mesh(self.mesh)
@@ -538,7 +588,11 @@ class ResilientLoop:
         )
         if cfg.snapshot_dir is not None:  # torchrun: nobody replaces the lost rank in place
             self._snapshot_and_stop(it, g, teardown)
-        self._await_replacements(ev)
+        self._teardown = teardown
+        try:
+            self._await_replacements(ev)
+        finally:
+            self._teardown = None
         ev.t_ready = time.time()
         teardown.wait(cfg.rejoin_timeout.total_seconds())
         self.join(g + 1)
@@ -610,6 +664,8 @@ class ResilientLoop:
         if decision == "commit":  # cannot happen: we never reported done for `it` without raising before
             raise RecoveryFailedError(f"{self._who}: iteration {it} was committed but this rank did not apply it")
         if discard:  # 3. discard the unfinished iteration: its gradients and its buffer updates
+            if self._buffers_of is not None:
+                fsdp.discard_unfinished(self._buffers_of)  # FSDP: unsharded parameters, pending reductions
             self.optimizer.zero_grad(set_to_none=True)
             if self._buffers_of is not None:
                 self._buffers.restore(self._buffers_of)
@@ -633,6 +689,33 @@ class ResilientLoop:
             )
         ev.replayed_in_place = members
 
+    def _replay_shard_group(self, ev: RecoveryEvent) -> None:
+        """FSDP: a member of this rank's shard group was lost without a replica, so the group
+        replays together (``replay_shards``) once the failed group is down. Raises
+        RecoveryFailedError when it could not."""
+        cfg = self.cfg
+        if cfg.dp_shard == 1 or cfg.rank in ev.replaced:
+            return
+        try:
+            paths = recovery_paths(cfg.layout, ev.replaced)
+        except ValueError as e:
+            raise RecoveryFailedError(f"{self._who}: {e}") from e
+        if not any(p.path == "shard" and cfg.rank in p.in_place for p in paths.values()):
+            return
+        if self.replay_shards is None:
+            raise RecoveryFailedError(
+                f"{self._who}: a member of this rank's shard group was lost and the loop has no replay_shards",
+                hint="ResilientLoop(..., replay_shards=lambda g: replay.replay_shard_in_place(...))",
+            )
+        if self._teardown is not None:  # the shard group's replay forms a default group of its own
+            self._teardown.wait(cfg.rejoin_timeout.total_seconds())
+        reached = self.replay_shards(self.generation)
+        if reached != ev.resume:
+            raise RecoveryFailedError(
+                f"{self._who}: the in-place replay of its shard group reached iteration {reached}, not {ev.resume}"
+            )
+        ev.replayed_in_place = cfg.layout.shard_group(cfg.stage, cfg.replica)
+
     def _await_replacements(self, ev: RecoveryEvent) -> None:
         """Step 4: wait for the scheduler to name the replaced stages (``ev.replaced``) and for them
         to be ready. Raises RecoveryFailedError on a fallback, RecoveryTimeoutError after
@@ -647,6 +730,7 @@ class ResilientLoop:
         )
         ev.replaced = [int(x) for x in json.loads(v[keys.failed_stages(g)])]
         self._replay_with_group(ev)
+        self._replay_shard_group(ev)
         wait_until_woken(
             self.store,
             keys,

@@ -19,7 +19,8 @@ API only:
 Who starts which process, with which arguments, is the scheduler's part:
 ``replay.run_with_failures(args, script="trainer_client.examples.minimal_resilient", ...)``
 on one machine (it also injects ``--kill-at IT,MB,PHASE``; this script honours the phases
-"forward" and "optimizer" of iteration IT), a cluster's job controller in production
+"forward" (as iteration IT starts), "backward" (in micro-batch MB's backward), "commit" (after the
+schedule's step, before the commit) and "optimizer" of iteration IT), a cluster's job controller in production
 (``docs/recovery.md``). Arguments: ``--stage --num-stages --run-id --store-host --store-port
 --store-root --checkpoint-url --out`` (set by the scheduler), ``--iters N --ckpt-at I,J --cold-url URL``.
 The script writes ``{out}/stage{k}.pt`` with its final state.
@@ -47,6 +48,7 @@ from trainer_client import (
     ResilientLoop,
     SwiftlogClient,
     checkpoint_uri,
+    form_mesh,
     load_checkpoint,
 )
 
@@ -67,10 +69,19 @@ def build_stage(stage: int, num_stages: int) -> nn.Module:
 
 
 def factory(
-    stage: int, num_stages: int, checkpoint: Any = None, **_: Any
+    stage: int, num_stages: int, checkpoint: Any = None, shard_mesh: Any = None, **_: Any
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """The stage factory of the training and of a replay: (module, optimizer, lr scheduler), fresh."""
+    """The stage factory of the training and of a replay: (module, optimizer, lr scheduler), fresh.
+    With ``shard_mesh`` (FSDP2: ``--dp-shard`` > 1) every linear layer and the stage are
+    ``fully_shard``-ed over it before the optimizer is built."""
     module = build_stage(stage, num_stages)
+    if shard_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in module:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=shard_mesh)
+        fully_shard(module, mesh=shard_mesh)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
     return module, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 
@@ -103,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-stages", type=int, required=True)
     a("--replica", type=int, default=0, help="this rank's data-parallel replica")
     a("--dp-replicate", type=int, default=1, help="replicas of every stage (a pp x dp_replicate mesh)")
+    a("--shard", type=int, default=0, help="this rank's FSDP shard")
+    a("--dp-shard", type=int, default=1, help="ranks sharding every stage (FSDP2 fully_shard; DCP checkpoints)")
     a("--run-id", required=True)
     a("--store-host", default="127.0.0.1")
     a("--store-port", type=int, required=True)
@@ -122,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--replay-helpers", type=int, default=0)
     a("--replay-helper-rank", type=int, default=0)
     a("--resume-from", type=int, default=None)
-    a("--kill-at", default="", help="fault injection: IT,MB,PHASE (phase forward or optimizer)")
+    a("--kill-at", default="", help="fault injection: IT,MB,PHASE (phase forward, backward, commit or optimizer)")
     a("--resilient", action="store_true", help="(implied)")
     return p
 
@@ -132,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         EXIT_FALLBACK,
         ReplacementFallback,
         recover_stage,
+        replay_shard_in_place,
         report_fallback,
         report_ready,
         serve_replay_helper,
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
-    k, S, r, R = args.stage, args.num_stages, args.replica, args.dp_replicate
+    k, S, r, R, sh, D = args.stage, args.num_stages, args.replica, args.dp_replicate, args.shard, args.dp_shard
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
     config = ClientConfig(
         run_id=args.run_id,
@@ -147,10 +161,25 @@ def main(argv: list[str] | None = None) -> int:
         num_stages=S,
         replica=r,
         dp_replicate=R,
+        shard=sh,
+        dp_shard=D,
         seed=SEED,
         store_root=args.store_root,
         cold_url=args.cold_url,
-        checkpoints=CheckpointConfig(url=args.checkpoint_url),
+        # sharded stages checkpoint through DCP: each rank writes and loads its own shard
+        checkpoints=CheckpointConfig(url=args.checkpoint_url, format="dcp" if D > 1 else "torch"),
+    )
+    recovery = RecoveryConfig(
+        run_id=args.run_id,
+        stage=k,
+        num_stages=S,
+        replica=r,
+        dp_replicate=R,
+        shard=sh,
+        dp_shard=D,
+        generation=args.generation + 1 if args.replacement else args.generation,
+        store_host=args.store_host,
+        store_port=args.store_port,
     )
     if args.replay_helper_rank:
         from logstore import SwiftlogError
@@ -163,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_FALLBACK
         return 0
     t_main = time.time()
-    generation, start, recovered = args.generation, 0, None
+    start, recovered = 0, None
     if args.replacement:
         t_recover = time.time()
         try:
@@ -179,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 helpers=args.replay_helpers,
                 replica=r,
                 dp_replicate=R,
+                shard=sh,
+                dp_shard=D,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, args.generation, str(e))
@@ -186,35 +217,46 @@ def main(argv: list[str] | None = None) -> int:
         model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
         report_ready(store, args.run_id, args.generation, config.rank, recovered)
-        start, generation = rec.resume, args.generation + 1
+        start = rec.resume
+        client = SwiftlogClient(config, commit_store=store)
     else:
-        model, optimizer, lr_scheduler = factory(k, S)
+        client = SwiftlogClient(config, commit_store=store)
+        # sharded: the first generation's group forms now, so the stage can be sharded over it
+        mesh = form_mesh(store, recovery, client) if D > 1 else None
+        model, optimizer, lr_scheduler = factory(k, S, shard_mesh=None if mesh is None else client.shard_mesh)
         if args.resume_from is not None:  # a global rollback
-            load_checkpoint(checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from)).apply(
-                model, optimizer, lr_scheduler
-            )
+            ck_uri = checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from, config.checkpoints.format)
+            load_checkpoint(ck_uri).apply(model, optimizer, lr_scheduler)
             start = args.resume_from
-    client = SwiftlogClient(config, commit_store=store)
     inp, out = example_io(k, S)
 
     def rebuild() -> None:  # after every (re)join: a stage and schedule over the new process group
         stage = client.pipeline_stage(model, "cpu", input_args=inp, output_args=out)
         client.schedule(stage, "1f1b", n_microbatches=N_MICROBATCHES, loss_fn=loss)
 
-    kill = None
-    if args.kill_at:  # IT,MB,PHASE (the micro-batch is not used here)
-        it_s, _, phase_s = args.kill_at.split(",")
+    kill, kill_mb, backwards = None, 0, [-1, 0]  # backwards: (iteration, count) of the module's backward calls
+    if args.kill_at:  # IT,MB,PHASE
+        it_s, mb_s, phase_s = args.kill_at.split(",")
         # a phase this script does not inject must not pass as a failure-free run
-        if phase_s not in ("forward", "optimizer"):
+        if phase_s not in ("forward", "backward", "commit", "optimizer"):
             raise SystemExit(
-                f"--kill-at {args.kill_at}: this script injects the phases forward and optimizer, not {phase_s!r}"
+                f"--kill-at {args.kill_at}: this script injects the phases forward, backward, commit and optimizer, "
+                f"not {phase_s!r}"
             )
-        kill = (int(it_s), phase_s)
+        kill, kill_mb = (int(it_s), phase_s), int(mb_s)
 
     def die_if(it: int, phase: str) -> None:
         if kill == (it, phase):
             store.set(RecoveryKeys(args.run_id).kill_time(config.rank), repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_backward(*_: Any) -> None:  # the "backward" phase: in micro-batch kill_mb's backward
+        if kill is not None and kill[1] == "backward" and backwards[0] == kill[0]:
+            if backwards[1] == kill_mb:
+                die_if(kill[0], "backward")
+            backwards[1] += 1
+
+    model.register_full_backward_pre_hook(on_backward)
 
     ckpt_at = {int(x) for x in args.ckpt_at.split(",") if x}
 
@@ -224,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def forward_backward(it: int) -> None:
         die_if(it, "forward")
-        x, y = batch(it, r)
+        backwards[:] = [it, 0]
+        x, y = batch(it, config.dp_index)  # each data-parallel pipeline its own data
         client.step(it, x, target=y)  # with replicas, it also averages the gradients over them
+        die_if(it, "commit")
 
     def apply(it: int) -> None:
         die_if(it, "optimizer")
@@ -233,22 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def replay_shards(g: int) -> int:  # a shard of this stage was lost: the shard group replays
+        return replay_shard_in_place(store, config, g, model, optimizer, lr_scheduler)
+
     loop = ResilientLoop(
         client,
         store,
-        RecoveryConfig(
-            run_id=args.run_id,
-            stage=k,
-            num_stages=S,
-            replica=r,
-            dp_replicate=R,
-            generation=generation,
-            store_host=args.store_host,
-            store_port=args.store_port,
-        ),
+        recovery,
         rebuild=rebuild,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
+        replay_shards=replay_shards if D > 1 else None,
     )
     loop.join()
     if args.replacement:
@@ -262,16 +301,25 @@ def main(argv: list[str] | None = None) -> int:
             "stage": k,
             "replica": r,
             "transfers": [t.to_dict() for t in loop.transfers],
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": _local(model.state_dict()),  # sharded: this rank's shards
+            "optimizer": _local(optimizer.state_dict()),
             "lr_scheduler": lr_scheduler.state_dict(),
             "events": [e.to_dict() for e in loop.events],
             "recovered": recovered,
             "close_ok": report.ok,
         },
-        os.path.join(args.out, f"stage{k}.pt" if R == 1 else f"stage{k}-dp{r}.pt"),
+        os.path.join(args.out, f"stage{k}.pt" if R * D == 1 else f"stage{k}-dp{config.dp_index}.pt"),
     )
     return 0
+
+
+def _local(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local part (what this rank holds)."""
+    if isinstance(state, dict):
+        return {key: _local(v) for key, v in state.items()}
+    if isinstance(state, list):
+        return [_local(v) for v in state]
+    return state.to_local() if hasattr(state, "to_local") else state
 
 
 if __name__ == "__main__":
