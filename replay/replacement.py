@@ -89,8 +89,11 @@ logger = logging.getLogger(__name__)
 class RecoveredStage:
     """A replayed stage ready to join: live objects at ``resume``, where it came from, timings (s)."""
 
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    #: None for a sharded stage copied from its replica (``path`` "replica", ``dp_shard`` > 1):
+    #: its objects need the next generation's shard group, so the caller builds them after
+    #: ``trainer_client.form_mesh`` (over ``client.shard_mesh``) and the loop's join copies into them
+    module: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     resume: int
     checkpoint_iteration: int
@@ -282,7 +285,11 @@ def recover_stage(
                 t0=t0,
             )
         if path.path == "replica":
-            built = stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
+            built = (
+                (None, None, None)  # sharded: built by the caller over the next generation's shard group
+                if dp_shard > 1
+                else stage_factory(model, factory)(stage, num_stages, None, **(model_args or {}))
+            )
             return _for_copy(built, path, resume, t_survivors - t0)
         if prepared is None:
             prepared = prepare()

@@ -1,10 +1,11 @@
-"""In-place recovery of sharded stages (FSDP2 ``fully_shard`` over ``dp_shard``) x pipeline, real processes.
+"""In-place recovery of sharded stages (FSDP2 / HSDP) x pipeline, real processes.
 
 The template script (``trainer_client.examples.minimal_resilient`` with ``--dp-shard D``: every
 linear layer and the stage ``fully_shard``-ed over the stage's shard group, DCP checkpoints, each
 data-parallel pipeline its own data) runs as a ``pp`` x ``dp_shard`` mesh under
 :mod:`replay.launcher`; a rank is SIGKILLed in a phase; its shard group replays from the
-checkpoint, the live members in their own processes; every rank's final state (its shards) must
+checkpoint, the live members in their own processes; with replicas too (HSDP, ``--dp-replicate
+2``) the lost shard is copied from its replica instead. Every rank's final state (its shards) must
 equal a failure-free run's bit for bit.
 """
 
@@ -98,3 +99,31 @@ def test_a_lost_shard_is_replayed_by_its_shard_group_in_place(
         assert ev["replayed_in_place"] == layout.shard_group(stage) and ev["resume"] == resume
     for k in set(range(layout.world_size)) - set(layout.shard_group(stage)):
         assert [e["replayed_in_place"] for e in r.results[k]["events"]] == [[]]  # the others kept their state
+
+
+HSDP = [
+    pytest.param(1, 1, 0, "backward", id="hsdp-stage1-replica1-shard0-backward"),
+    pytest.param(0, 0, 1, "forward", marks=pytest.mark.slow, id="hsdp-stage0-replica0-shard1-forward"),
+    pytest.param(1, 0, 1, "optimizer", marks=pytest.mark.slow, id="hsdp-stage1-replica0-shard1-optimizer"),
+]
+
+
+@pytest.mark.parametrize(("stage", "replica", "shard", "phase"), HSDP)
+def test_a_lost_shard_with_a_live_replica_is_copied_from_it(
+    references: object, tmp_path: Path, stage: int, replica: int, shard: int, phase: str
+) -> None:
+    """HSDP 2 x 2 x pp=2 (8 ranks): the replacement is built over the next generation's shard
+    group and receives its shard's state from the same shard of the other replica (no replay);
+    bit-exact, and the replicas of each shard equal."""
+    layout = MeshLayout(2, 2, 2)
+    ref = _reference(references, layout)
+    r = _run(tmp_path, [KillSpec(stage, 4, 1, phase, replica=replica, shard=shard)], layout)
+    _same_as(r, ref, layout)
+    lost, donor = layout.rank(stage, replica, shard), layout.rank(stage, 1 - replica, shard)
+    rec = r.results[lost]["recovered"]
+    assert (rec["path"], rec["donor"], rec["resume"]) == ("replica", donor, 4 + (phase == "optimizer"))
+    assert [t["role"] for t in r.results[lost]["transfers"]] == ["received"]
+    for k in range(layout.world_size):
+        c = layout.coord(k)
+        twin = layout.rank(c.stage, 1 - c.replica, c.shard)
+        assert states_equal(r.results[k], r.results[twin]) == [], f"rank {k} differs from its replica {twin}"

@@ -36,8 +36,11 @@ __all__ = [
     "discard_unfinished",
     "fsdp_modules",
     "is_sharded",
+    "local_state",
     "local_tensor",
+    "reshard_optimizer_state_",
     "rebind",
+    "release",
     "reduce_gradients",
     "shard_mesh",
 ]
@@ -60,6 +63,33 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_state(state: Any) -> Any:
+    """``state`` (nested dicts and lists, e.g. a state dict) with every DTensor replaced by its
+    local part: what this rank holds, to send or save. Other values are kept as they are."""
+    if isinstance(state, dict):
+        return {k: local_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [local_state(v) for v in state]
+    return local_tensor(state) if isinstance(state, torch.Tensor) else state
+
+
+def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict`` of a :func:`local_state`: every state tensor shaped like
+    its parameter's local shard becomes a DTensor laid out as that parameter (an optimizer step
+    mixes no plain tensor with a DTensor). Scalars (``step``) stay as they are."""
+    from torch.distributed.tensor import DTensor
+
+    for p, st in optimizer.state.items():
+        if not isinstance(p, DTensor):
+            continue
+        local = p.to_local()
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local.shape and v.dim() > 0:
+                st[k] = DTensor.from_local(
+                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
 
 
 def shard_mesh(ranks: Sequence[int], group: dist.ProcessGroup, rank: int, device_type: str = "cpu") -> Any:
@@ -102,6 +132,21 @@ def rebind(module: torch.nn.Module, group: dist.ProcessGroup) -> int:
     for info in infos.values():
         info.__post_init__()  # FSDP's shard group, its size and this rank's place in it, read again
     return len(meshes)
+
+
+def release(module: torch.nn.Module) -> None:
+    """Drop every reference ``module``'s FSDP states hold to their process group (after a
+    failure): a gloo group's sockets close only when its last reference is gone, and until then a
+    peer blocked on this rank waits. :func:`rebind` gives the next generation's."""
+    for m in fsdp_modules(module):
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            for info in (pg.mesh_info, pg.post_forward_mesh_info):
+                if info is None:
+                    continue
+                info.mesh._pg_registry.clear()
+                for name in ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group"):
+                    if hasattr(info, name):
+                        setattr(info, name, None)
 
 
 def _point(mesh: Any, group: dist.ProcessGroup) -> None:

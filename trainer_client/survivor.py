@@ -220,8 +220,8 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
-#: (run id, generation) of the default group :func:`form_mesh` formed, until a loop adopts it
-_formed: tuple[str, int] | None = None
+#: (run id, generation, mesh) of the default group :func:`form_mesh` formed, until a loop adopts it
+_formed: tuple[str, int, Any] | None = None
 
 
 def _form_group(store: dist.Store, cfg: RecoveryConfig, g: int, who: str) -> None:
@@ -244,30 +244,29 @@ def _form_group(store: dist.Store, cfg: RecoveryConfig, g: int, who: str) -> Non
         ) from e
 
 
-def _adopt_formed(cfg: RecoveryConfig, g: int) -> bool:
-    """Whether :func:`form_mesh` formed generation ``g``'s group for this run (taken once)."""
+def _adopt_formed(cfg: RecoveryConfig, g: int) -> tuple[bool, Any]:
+    """Whether :func:`form_mesh` formed generation ``g``'s group for this run, and its mesh (taken
+    once: every rank builds a generation's mesh once, its sub-groups are collectives)."""
     global _formed
-    if _formed == (cfg.run_id, g) and dist.is_initialized():
-        _formed = None
-        return True
-    return False
+    if _formed is not None and _formed[:2] == (cfg.run_id, g) and dist.is_initialized():
+        mesh, _formed = _formed[2], None
+        return True, mesh
+    return False, None
 
 
-def form_mesh(store: dist.Store, config: RecoveryConfig, client: SwiftlogClient | None = None) -> Any:
-    """Form generation ``config.generation``'s process group before the loop exists, e.g. to
-    ``fully_shard`` a stage over ``client.shard_mesh`` before its optimizer is built; the
-    :class:`ResilientLoop`'s first ``join`` of that generation adopts it. Returns the generation's
-    ``DeviceMesh`` (given to ``client`` too), None in a mesh of one pipeline. Raises
-    RecoveryTimeoutError when the group does not form."""
+def form_mesh(store: dist.Store, config: RecoveryConfig, client: SwiftlogClient) -> None:
+    """Form generation ``config.generation``'s process group before the loop exists and give its
+    mesh to ``client``, e.g. to ``fully_shard`` a stage over ``client.shard_mesh`` before its
+    optimizer is built; the :class:`ResilientLoop`'s first ``join`` of that generation adopts both.
+    The mesh is not returned: a failed generation's sockets close only once nothing refers to its
+    groups, and a peer blocked on this rank waits until then. Raises RecoveryTimeoutError when the
+    group does not form."""
     global _formed
     _form_group(store, config, config.generation, config.layout.describe(config.rank))
-    _formed = (config.run_id, config.generation)
-    if config.layout.dp_size == 1:
-        return None
-    mesh = build_mesh(config.layout)
-    if client is not None:
+    mesh = None if config.layout.dp_size == 1 else build_mesh(config.layout)
+    _formed = (config.run_id, config.generation, mesh)
+    if mesh is not None:
         client.set_mesh(mesh)
-    return mesh
 
 
 class ResilientLoop:
@@ -353,12 +352,13 @@ class ResilientLoop:
         replaced from a live replica (:meth:`_heal`); returns the seconds it took."""
         g = self.generation if generation is None else generation
         t0 = time.monotonic()
-        if not _adopt_formed(self.cfg, g):
+        adopted, mesh = _adopt_formed(self.cfg, g)
+        if not adopted:
             _form_group(self.store, self.cfg, g, self._who)
         self.generation = g
         if self.cfg.layout.dp_size > 1:  # new groups under the client (an FSDP module is rebound to them)
             self.mesh = None
-            self.mesh = build_mesh(self.cfg.layout)
+            self.mesh = mesh if mesh is not None else build_mesh(self.cfg.layout)
             self.client.set_mesh(self.mesh)
         self.client.set_generation(g)
         if self._hb is not None:
@@ -388,20 +388,23 @@ class ResilientLoop:
             if module is None:
                 raise RecoveryFailedError(f"{self._who}: rebuild() built no stage, so there is no state to copy")
             if p.donor == me:
-                state = {
+                state = {  # sharded (HSDP): this rank's shards; the receiver holds the same ones
                     "stage": self.cfg.stage,
-                    "model": module.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
+                    "model": fsdp.local_state(module.state_dict()),
+                    "optimizer": fsdp.local_state(self.optimizer.state_dict()),
                     "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
                 }
                 self.transfers.append(send_state(state, p.rank))
                 continue
             # parameters and buffers arrive in place; the optimizer's state is new memory
-            state, report = receive_state(p.donor, into={f"model/{k}": v for k, v in module.state_dict().items()})
+            into = {f"model/{k}": fsdp.local_tensor(v) for k, v in module.state_dict().items()}
+            state, report = receive_state(p.donor, into=into)
             if state["stage"] != self.cfg.stage:
                 raise RecoveryFailedError(f"{self._who}: rank {p.donor} sent the state of stage {state['stage']}")
-            module.load_state_dict(state["model"])
+            if not fsdp.is_sharded(module):  # a sharded module's shards arrived in place already
+                module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            fsdp.reshard_optimizer_state_(self.optimizer)
             if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             self.transfers.append(report)
@@ -658,6 +661,8 @@ class ResilientLoop:
         # (stage, schedule, pending work, the mesh) is gone. A non-neighbour blocked on us waits until then.
         self.client.release_pipeline()
         self.mesh = None
+        if self._buffers_of is not None:
+            fsdp.release(self._buffers_of)  # a sharded stage's module holds its shard group too
         gc.collect()
         t_b = time.monotonic()
         decision = self.client.coordinator.decision(it, g) if self.client.coordinator else None

@@ -214,16 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, args.generation, str(e))
             return EXIT_FALLBACK
-        model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
         report_ready(store, args.run_id, args.generation, config.rank, recovered)
         start = rec.resume
         client = SwiftlogClient(config, commit_store=store)
+        if rec.module is None:  # a shard copied from its replica: built over the next generation's shard group
+            form_mesh(store, recovery, client)
+            model, optimizer, lr_scheduler = factory(k, S, shard_mesh=client.shard_mesh)
+        else:
+            model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
     else:
         client = SwiftlogClient(config, commit_store=store)
         # sharded: the first generation's group forms now, so the stage can be sharded over it
-        mesh = form_mesh(store, recovery, client) if D > 1 else None
-        model, optimizer, lr_scheduler = factory(k, S, shard_mesh=None if mesh is None else client.shard_mesh)
+        if D > 1:
+            form_mesh(store, recovery, client)
+        model, optimizer, lr_scheduler = factory(k, S, shard_mesh=client.shard_mesh if D > 1 else None)
         if args.resume_from is not None:  # a global rollback
             ck_uri = checkpoint_uri(config.resolved_checkpoint_url(), k, args.resume_from, config.checkpoints.format)
             load_checkpoint(ck_uri).apply(model, optimizer, lr_scheduler)
