@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/replay_bench.py
 	$(PY) bench/recovery_bench.py
 	$(PY) bench/hybrid_bench.py
+	$(PY) bench/fsdp_bench.py
 	$(PY) bench/multihost_bench.py
 	$(PY) bench/groups_bench.py
 	$(PY) bench/api_bench.py

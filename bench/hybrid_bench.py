@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
+from bench._runs import logging_overhead  # noqa: E402
 from replay.compare import states_equal
 from replay.launcher import KillSpec, RecoveryRun, resumed_after_rollback, run_with_failures
 from trainer_client import loopback_store
@@ -118,53 +119,6 @@ def _run(
 
 def _exact(r: RecoveryRun, ref: RecoveryRun) -> bool:
     return not any(states_equal(r.results[k], ref.results[k]) for k in ref.results)
-
-
-def _iteration_times(r: RecoveryRun) -> dict[int, float]:
-    """Iteration i's time: the slowest rank's (end of i - end of i - 1)."""
-    out: dict[int, float] = {}
-    for res in r.results.values():
-        ends = {it: t for it, t, _ in res["iteration_end"]}
-        for it in ends:
-            if it - 1 in ends:
-                out[it] = max(out.get(it, 0.0), ends[it] - ends[it - 1])
-    return out
-
-
-def _overhead(r: RecoveryRun, block: int) -> dict[str, Any]:
-    times = _iteration_times(r)
-    logged = lambda i: (i // block) % 2 == 0  # noqa: E731
-    ratios = []
-    for i, t in times.items():
-        if logged(i) or i - 1 not in times or i + 1 not in times:
-            continue
-        # the nearest logged iterations on both sides (block 2: i - 1 or i - 2, i + 1 or i + 2)
-        left = next((times[j] for j in range(i - 1, i - block - 1, -1) if j in times and logged(j)), None)
-        right = next((times[j] for j in range(i + 1, i + block + 1) if j in times and logged(j)), None)
-        if left is not None and right is not None:
-            ratios.append((left + right) / 2 / t)
-    on = [t for i, t in times.items() if logged(i)]
-    off = [t for i, t in times.items() if not logged(i)]
-    q = statistics.quantiles(ratios, n=4)
-    client = {}
-    for k, res in sorted(r.results.items()):
-        w, c = res["client_stats"]["writer"], res["client_stats"]["commit"]
-        client[k] = {
-            "training_thread_s": w["submit_s"] + w["digest_s"],
-            "encode_cpu_s": w["encode_cpu_s"],
-            "write_cpu_s": w["write_cpu_s"],
-            "ship_wait_s": c["ship_wait_s"],
-            "commit_wait_s": c["wait_s"],
-        }
-    return {
-        "overhead_ratio": statistics.median(ratios),
-        "ratio_iqr": [q[0], q[2]],
-        "client": client,
-        "overhead_ratio_medians": statistics.median(on) / statistics.median(off),
-        "iteration_s_logged": statistics.median(on),
-        "iteration_s_unlogged": statistics.median(off),
-        "pairs": len(ratios),
-    }
 
 
 # ------------------------------------------------------------------ the state transfer
@@ -246,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             exact["rollback"] &= _exact(g, ref)
             rollback.append({"resumed_s": resumed_after_rollback(g, FAIL_IT)})
         alternate = ["--alternate-logging", "2"]
-        over = _overhead(_run(work / "overhead", model, [], "swift", alternate, OVERHEAD_ITERS, cold=False), 2)
-        over_cold = _overhead(_run(work / "overhead-cold", model, [], "swift", alternate, OVERHEAD_ITERS), 2)
+        over = logging_overhead(_run(work / "overhead", model, [], "swift", alternate, OVERHEAD_ITERS, cold=False), 2)
+        over_cold = logging_overhead(_run(work / "overhead-cold", model, [], "swift", alternate, OVERHEAD_ITERS), 2)
         transfer = _transfer(200_000_000 if a.quick else TRANSFER_BYTES)
         med = statistics.median
         rb = med([r["resumed_s"] for r in rollback])

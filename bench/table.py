@@ -78,6 +78,10 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("hybrid", "all_replicas_lost_recovery_vs_global_rollback", "<= 0.35 (both replicas replayed)", "le", 0.35),
     ("hybrid", "overhead_ratio", "<= 1.05 (logging on every stage / off, hot tier)", "le", 1.05),
     ("hybrid", "overhead_ratio_file_cold_tier", "(and a file:// cold tier on the same disk)", None, None),
+    ("fsdp", "fsdp_recovery_vs_global_rollback", "<= 0.5 (dp_shard2 x pp2, the shard group replays)", "le", 0.5),
+    ("fsdp", "hsdp_recovery_vs_global_rollback", "<= 0.1 (dp2 x shard2 x pp2, a shard copied)", "le", 0.1),
+    ("fsdp", "overhead_ratio", "<= 1.05 (the sharded job, logging on / off, hot tier)", "le", 1.05),
+    ("fsdp", "bit_exact", "true", "eq", True),
     ("multihost", "node_loss_recovery_vs_global_rollback", "<= 0.4 (a node + its hot tier lost, spare)", "le", 0.4),
     (
         "multihost",

@@ -39,7 +39,7 @@ from replay.reader import LogReader
 from replay.report import ReplayReport
 from replay.stage import StageState
 from trainer_client.digest import grad_digest_changes, grad_digests, hex_digests, tensor_digest
-from trainer_client.fsdp import local_tensor
+from trainer_client.fsdp import clip_grads_with_norm_, local_tensor
 from trainer_client.meta import decode_meta, hparam_changes, optimizer_hparams
 from trainer_client.replicas import average_gradients_
 
@@ -346,7 +346,7 @@ def clip_as_logged(st: StageState, it: int, clip: dict[str, Any], dev: torch.dev
             f"stage {st.stage} iteration {it}: META's grad_clip entry {clip!r} does not fit the stage's {len(params)} "
             f"parameters ({e})"
         ) from e
-    torch.nn.utils.clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))
+    clip_grads_with_norm_(chosen, max_norm, total, clip.get("foreach"))  # sharded gradients too
 
 
 def check_sends(

@@ -127,3 +127,35 @@ def test_a_lost_shard_with_a_live_replica_is_copied_from_it(
         c = layout.coord(k)
         twin = layout.rank(c.stage, 1 - c.replica, c.shard)
         assert states_equal(r.results[k], r.results[twin]) == [], f"rank {k} differs from its replica {twin}"
+
+
+def _gpt_args(base: Path) -> list[str]:
+    return [
+        *["--iters", "8", "--ckpt-at", "0,4", "--cold-url", f"file://{base / 'cold'}", "--checkpoint-format", "dcp"],
+        *["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4", "--clip-grad-norm", "0.05"],
+    ]
+
+
+def test_the_example_gpt_sharded_and_clipped_to_a_global_norm_recovers_bit_for_bit(
+    references: object, tmp_path: Path
+) -> None:
+    """The example GPT (``train_resilient --dp-shard 2``: every block and the stage sharded) with
+    its gradients clipped to the pipeline's global norm (a norm over sharded gradients, a clip of
+    DTensors, replayed from the logged norm): a shard killed in its backward is replayed by its
+    shard group in place; bit-exact."""
+    ref = references.failure_free(_gpt_args, run_id="gfsdp", num_stages=2, dp_shard=2)  # type: ignore[attr-defined]
+    base = tmp_path / "kill"
+    base.mkdir()
+    r = run_with_failures(
+        _gpt_args(base),
+        run_id="gfsdp",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        num_stages=2,
+        dp_shard=2,
+        kills=[KillSpec(1, 5, 1, "backward", shard=1)],
+        timeout_s=200,
+    )
+    assert r.ok, r.describe()
+    _same_as(r, ref, MeshLayout(2, 1, 2))
+    assert r.results[3]["recovered"]["path"] == "shard"

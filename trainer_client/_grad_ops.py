@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from logstore import Channel
 from trainer_client.digest import hex_digests
-from trainer_client.fsdp import local_tensor
+from trainer_client.fsdp import clip_grads_with_norm_, full_value, local_tensor
 from trainer_client.replicas import average_gradients_
 from trainer_client.stage import StageRecorder
 from trainer_client.writer import AsyncLogWriter
@@ -95,7 +95,8 @@ class GradOps:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         index = self._param_positions("clip_grad_norm_", params, module)
         grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        # sharded gradients: the stage's whole norm (over its shard group), a plain tensor
+        total = full_value(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach))
         if group is not None:
             # in float64: every rank's part has one dtype whatever its parameters' dtype
             # (a float64 stage among float32 ones)
@@ -103,7 +104,7 @@ class GradOps:
             part = (total if inf else total.pow(norm_type)).to(torch.float64)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
             total = (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
         self.clips.append(
             {

@@ -33,8 +33,10 @@ import torch.distributed as dist
 
 __all__ = [
     "backward_without_sync",
+    "clip_grads_with_norm_",
     "discard_unfinished",
     "fsdp_modules",
+    "full_value",
     "is_sharded",
     "local_state",
     "local_tensor",
@@ -63,6 +65,29 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value as a plain tensor (a collective over its mesh: every member calls
+    it), e.g. the norm of sharded gradients; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grads_with_norm_(
+    parameters: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None
+) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``, also for sharded (DTensor) gradients: a plain
+    ``total`` becomes a replicated DTensor on their mesh (torch refuses to mix the two). The same
+    arithmetic on every shard, so the same bits as the unsharded clip's."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    sharded = next((p.grad for p in parameters if isinstance(p.grad, DTensor)), None)
+    if sharded is not None and not isinstance(total, DTensor):
+        mesh = sharded.device_mesh
+        total = DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach)
 
 
 def local_state(state: Any) -> Any:

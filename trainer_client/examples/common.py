@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-stages", type=int, default=4)
     a("--replica", type=int, default=0, help="this rank's data-parallel replica (a pp x dp_replicate mesh)")
     a("--dp-replicate", type=int, default=1, help="replicas of every stage; each replica has its own data")
+    a("--shard", type=int, default=0, help="this rank's FSDP shard (a pp x dp_replicate x dp_shard mesh)")
+    a("--dp-shard", type=int, default=1, help="ranks sharding every stage (FSDP2); each has its own data")
     a("--store-host", default="127.0.0.1")
     a("--store-port", type=int, required=True, help="TCPStore (hosted outside the stages) for rendezvous and commit")
     a("--run-id", default="example")
@@ -212,6 +214,8 @@ def config_from_args(args: argparse.Namespace) -> ClientConfig:
         num_stages=args.num_stages,
         replica=args.replica,
         dp_replicate=args.dp_replicate,
+        shard=args.shard,
+        dp_shard=args.dp_shard,
         store_root=args.store_root,
         cold_url=args.cold_url,
         seed=args.seed,

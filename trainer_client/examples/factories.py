@@ -29,6 +29,7 @@ from trainer_client.examples.gpt import (
     build_stage_module,
     make_lr_scheduler,
     make_optimizer,
+    shard_stage_module,
 )
 
 __all__ = ["gpt_stage", "gpt_data", "gpt_config"]
@@ -44,13 +45,15 @@ def gpt_config(checkpoint: Checkpoint | None = None, **model_args: Any) -> GPTCo
 
 
 def gpt_stage(
-    stage: int, num_stages: int, checkpoint: Checkpoint | None, **model_args: Any
+    stage: int, num_stages: int, checkpoint: Checkpoint | None, shard_mesh: Any = None, **model_args: Any
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """Stage ``stage`` of the example GPT with AdamW and its LinearLR scheduler (fresh, in train
     mode). ``checkpoint`` None: objects whose values a live replica's replace (``model_args``
-    then hold the whole config)."""
+    then hold the whole config). ``shard_mesh``: FSDP2 over it (``gpt.shard_stage_module``)."""
     cfg = gpt_config(checkpoint, **model_args)
     module = build_stage_module(cfg, stage, num_stages, seed=checkpoint.seed if checkpoint is not None else 0)
+    if shard_mesh is not None:
+        module = shard_stage_module(module, shard_mesh)
     optimizer = make_optimizer(module)
     return module, optimizer, make_lr_scheduler(optimizer)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,17 @@ def build_stage_module(cfg: GPTConfig, stage: int, num_stages: int, seed: int = 
         torch.manual_seed(1_000_003 * seed + 7919 * stage + 17)
         mod = StageModule(cfg, stage, num_stages)
     mod.train()
+    return mod
+
+
+def shard_stage_module(mod: StageModule, mesh: Any) -> StageModule:
+    """FSDP2 as torchtitan applies it: every block ``fully_shard``-ed over ``mesh`` (the stage's
+    shard group), then the stage (the embeddings and the head with it). Returns ``mod``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for b in mod.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(mod, mesh=mesh)
     return mod
 
 

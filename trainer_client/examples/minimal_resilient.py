@@ -51,6 +51,7 @@ from trainer_client import (
     form_mesh,
     load_checkpoint,
 )
+from trainer_client.fsdp import local_state
 
 __all__ = ["build_parser", "factory", "loss", "main"]
 
@@ -306,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             "stage": k,
             "replica": r,
             "transfers": [t.to_dict() for t in loop.transfers],
-            "model": _local(model.state_dict()),  # sharded: this rank's shards
-            "optimizer": _local(optimizer.state_dict()),
+            "model": local_state(model.state_dict()),  # sharded: this rank's shards
+            "optimizer": local_state(optimizer.state_dict()),
             "lr_scheduler": lr_scheduler.state_dict(),
             "events": [e.to_dict() for e in loop.events],
             "recovered": recovered,
@@ -316,15 +317,6 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(args.out, f"stage{k}.pt" if R * D == 1 else f"stage{k}-dp{config.dp_index}.pt"),
     )
     return 0
-
-
-def _local(state: Any) -> Any:
-    """``state`` with every DTensor replaced by its local part (what this rank holds)."""
-    if isinstance(state, dict):
-        return {key: _local(v) for key, v in state.items()}
-    if isinstance(state, list):
-        return [_local(v) for v in state]
-    return state.to_local() if hasattr(state, "to_local") else state
 
 
 if __name__ == "__main__":

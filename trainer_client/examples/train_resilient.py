@@ -49,6 +49,7 @@ from trainer_client import (
     ResilientLoop,
     RestartRequired,
     SwiftlogClient,
+    form_mesh,
     load_checkpoint,
 )
 from trainer_client.config import ENV_RESTART_COUNT, group_of
@@ -61,7 +62,9 @@ from trainer_client.examples.gpt import (
     loss_fn,
     make_lr_scheduler,
     make_optimizer,
+    shard_stage_module,
 )
+from trainer_client.fsdp import local_state
 
 __all__ = ["build_parser", "main", "run_stage"]
 
@@ -164,11 +167,15 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         timeout=datetime.timedelta(seconds=120),
     )
     keys = RecoveryKeys(args.run_id)
-    # each data-parallel replica reads its own data (a function of the iteration: its data position)
-    data = SyntheticTokens(cfg, seed=args.seed + 7919 * r)
     config = config_from_args(args)
-    if args.dp_replicate > 1 and (args.data_source or args.tie_embeddings or args.groups):
-        raise SystemExit("--dp-replicate > 1: --data-source, --tie-embeddings and --groups are not supported")
+    # each data-parallel pipeline reads its own data (a function of the iteration: its data position)
+    data = SyntheticTokens(cfg, seed=args.seed + 7919 * config.dp_index)
+    if config.dp_size > 1 and (args.data_source or args.tie_embeddings or args.groups):
+        raise SystemExit(
+            "--dp-replicate/--dp-shard > 1: --data-source, --tie-embeddings and --groups are not supported"
+        )
+    if args.dp_shard > 1 and args.checkpoint_format == "torch":
+        raise SystemExit("--dp-shard > 1 checkpoints each rank's shards through DCP: --checkpoint-format dcp")
     rank = config.rank  # the mesh coordinate's rank: the recovery protocol's keys
 
     def make_client() -> SwiftlogClient:
@@ -217,6 +224,8 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
                 replica=r,
                 dp_replicate=args.dp_replicate,
                 group_in_place=args.group_in_place,
+                shard=args.shard,
+                dp_shard=args.dp_shard,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, generation, str(e))
@@ -227,13 +236,22 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             opening.result().close(flush=False)
             raise SystemExit(EXIT_FALLBACK) from e
         client = opening.result()  # raises what opening the client raised
-        model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
         recovered = {**rec.summary(), "t_main": t_main, "t_recover": t_recover}
         report_ready(store, args.run_id, generation, rank, recovered)
         start, generation = rec.resume, generation + 1
+        if rec.module is None:  # a shard copied from its replica: built over the next generation's shard group
+            form_mesh(store, _recovery_config(args, generation), client)
+            model = shard_stage_module(build_stage_module(cfg, k, S, seed=args.seed), client.shard_mesh)
+            optimizer = make_optimizer(model)
+            lr_scheduler = make_lr_scheduler(optimizer)
+        else:
+            model, optimizer, lr_scheduler = rec.module, rec.optimizer, rec.lr_scheduler
     else:
         client = make_client()
         model = build_stage_module(cfg, k, S, seed=args.seed)
+        if args.dp_shard > 1:  # the first generation forms now: the stage is sharded over its shard group
+            form_mesh(store, _recovery_config(args, generation), client)
+            model = shard_stage_module(model, client.shard_mesh)
         optimizer = make_optimizer(model)
         lr_scheduler = make_lr_scheduler(optimizer)
         if args.resume_from is not None:
@@ -378,20 +396,7 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
         if k == S - 1 and r == 0:  # progress of the whole job (survives this process): "iteration:time:generation;"
             store.append(keys.progress(), f"{it}:{time.time()!r}:{loop.generation};")
 
-    rcfg = RecoveryConfig(
-        run_id=args.run_id,
-        stage=k,
-        num_stages=S,
-        replica=r,
-        dp_replicate=args.dp_replicate,
-        generation=generation,
-        pg_timeout=datetime.timedelta(seconds=args.pg_timeout),
-        rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
-        heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
-        store_host=args.store_host,
-        store_port=args.store_port,
-        snapshot_dir=args.snapshot_dir,
-    )
+    rcfg = _recovery_config(args, generation)
     replay_group = None
     if args.group_in_place:  # another member of this stage's logging group failed: replay with it here
         from replay.group_recovery import replay_in_place
@@ -400,8 +405,24 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
             timeout = datetime.timedelta(seconds=args.rejoin_timeout)
             return replay_in_place(store, args.run_id, g, k, members, model, optimizer, lr_scheduler, timeout=timeout)
 
+    replay_shards = None
+    if args.dp_shard > 1:  # a shard of this stage was lost without a replica: its shard group replays here
+
+        def replay_shards(g: int) -> int:
+            from replay import replay_shard_in_place
+
+            timeout = datetime.timedelta(seconds=args.rejoin_timeout)
+            return replay_shard_in_place(store, config, g, model, optimizer, lr_scheduler, timeout=timeout)
+
     loop = ResilientLoop(
-        client, store, rcfg, rebuild=rebuild, optimizer=optimizer, lr_scheduler=lr_scheduler, replay_group=replay_group
+        client,
+        store,
+        rcfg,
+        rebuild=rebuild,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        replay_group=replay_group,
+        replay_shards=replay_shards,
     )
     t_join = time.time()
     loop.join()
@@ -448,12 +469,12 @@ def run_stage(args: argparse.Namespace) -> dict[str, Any]:
     torch.save(
         {
             **result,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": local_state(model.state_dict()),  # sharded: this rank's shards
+            "optimizer": local_state(optimizer.state_dict()),
             "lr_scheduler": lr_scheduler.state_dict(),
             "gpt": cfg.to_dict(),
         },
-        os.path.join(args.out, f"stage{k}.pt" if args.dp_replicate == 1 else f"stage{k}-dp{r}.pt"),
+        os.path.join(args.out, f"stage{k}.pt" if config.dp_size == 1 else f"stage{k}-dp{config.dp_index}.pt"),
     )
     return result
 
@@ -491,6 +512,26 @@ def run_replay_helper(args: argparse.Namespace) -> int:
         info |= {"took_part": True, "error": f"{type(e).__name__}: {e}"}
     print("HELPER " + json.dumps(info), flush=True)
     return EXIT_FALLBACK if "error" in info else 0
+
+
+def _recovery_config(args: argparse.Namespace, generation: int) -> RecoveryConfig:
+    """How this rank takes part in in-place recovery, from the script's arguments."""
+    return RecoveryConfig(
+        run_id=args.run_id,
+        stage=args.stage,
+        num_stages=args.num_stages,
+        replica=args.replica,
+        dp_replicate=args.dp_replicate,
+        shard=args.shard,
+        dp_shard=args.dp_shard,
+        generation=generation,
+        pg_timeout=datetime.timedelta(seconds=args.pg_timeout),
+        rejoin_timeout=datetime.timedelta(seconds=args.rejoin_timeout),
+        heartbeat_timeout=datetime.timedelta(seconds=args.heartbeat_timeout) if args.heartbeat_timeout > 0 else None,
+        store_host=args.store_host,
+        store_port=args.store_port,
+        snapshot_dir=args.snapshot_dir,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
