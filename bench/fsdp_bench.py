@@ -1,7 +1,7 @@
 """Sharded benchmark: FSDP2 / HSDP x pipeline recovering a lost shard, against a global rollback.
 
-Fixed workload: the example GPT (hidden 256, 4 heads, one block per stage, sequence 64,
-vocabulary 2048, 4 micro-batches of 2, AdamW), every block and every stage ``fully_shard``-ed
+Fixed workload: the example GPT of ``bench/hybrid_bench.py`` (hidden 512, 8 heads, one block per
+stage, sequence 64, vocabulary 4096, 4 micro-batches of 2, AdamW), every block and every stage ``fully_shard``-ed
 (FSDP2, gloo on CPU, one thread per process), DCP checkpoints at 10 and 30 of 30 iterations, the
 failure at iteration 20 (10 iterations after the checkpoint), mid-forward of micro-batch 1, in
 stage 1.
@@ -51,7 +51,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "fsdp.json"
 ITERS, CKPTS, FAIL_IT, CKPT_BEFORE, OVERHEAD_ITERS = 30, "10,30", 20, 10, 40
 STAGES = 2
 MESHES = {"fsdp": (1, 2), "hsdp": (2, 2)}  # (dp_replicate, dp_shard)
-MODEL = ["--hidden", "256", "--heads", "4", "--layers", "1", "--seq", "64", "--n-microbatches", "4", "--vocab", "2048"]
+MODEL = ["--hidden", "512", "--heads", "8", "--layers", "1", "--seq", "64", "--n-microbatches", "4", "--vocab", "4096"]
 QUICK = ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"]
 
 

@@ -53,7 +53,6 @@ from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError, ReplayOrderError
 from replay.helpers import release_helpers, replay_with_helpers
 from replay.job import ReplayJob, ReplayResult, SourceSpec, close_sources
-from replay.stage import StageState
 from replay.states import PreparedStates, build_states, require_factory, stage_factory
 from replay.survivors import (
     CountingSource,
@@ -67,7 +66,6 @@ from replay.survivors import (
     sources_from_reports,
     wait_for_survivors,
 )
-from trainer_client import fsdp
 from trainer_client.checkpoint import load_checkpoint
 from trainer_client.errors import CheckpointError, RecoveryFailedError
 from trainer_client.mesh import MeshLayout, RankRecovery, recovery_paths
@@ -313,7 +311,9 @@ def recover_stage(
             )
         ck_it, ck_uris = found
         ck_uri = ck_uris[stage]
-        metas = committed_metas(store, keys, members, range(ck_it, resume), [layout.rank(k, replica) for k in members])
+        metas = committed_metas(
+            store, keys, members, range(ck_it, resume), [layout.rank(k, replica, shard) for k in members]
+        )
         if metas is not None:  # first: the dead stage's own log may not have shipped its last META
             sources = [metas, *sources]
         t_ck = time.monotonic()
@@ -492,10 +492,8 @@ def _recover_shard(
     """A lost shard's replacement: its shard group agrees on a checkpoint, meets, and replays, the
     live members in place (``replay.shard_recovery``); ``builder(checkpoint, mesh)`` builds the
     stage's objects ``fully_shard``-ed over the group's mesh."""
-    c = layout.coord(rank)
-    opened: list[CountingSource] = []
     try:
-        plan = sr.plan_shard_replay(
+        done = sr.replay_shard_group(
             store,
             keys,
             generation,
@@ -505,48 +503,25 @@ def _recover_shard(
             run_id=run_id,
             checkpoint_url=checkpoint_url,
             storage_options=checkpoint_options,
+            objects=builder,
+            loss_fn=loss_fn,
             timeout=timeout,
         )
-        t_plan = time.monotonic()
-        group = sr.join_shard_group(store, keys, generation, layout, rank, timeout)
-        try:
-            ck = load_checkpoint(plan.checkpoint_uri, storage_options=checkpoint_options)
-            mesh = fsdp.shard_mesh(layout.shard_group(c.stage, c.replica), group, rank)
-            module, optimizer, lr_scheduler = builder(ck, mesh)
-            state = StageState.from_checkpoint(ck, module, optimizer, lr_scheduler)
-            t_built = time.monotonic()
-            opened = plan.open()
-            rep = sr.replay_shard_member(
-                store,
-                keys,
-                generation,
-                layout,
-                rank,
-                state,
-                opened,
-                resume=plan.resume,
-                loss_fn=loss_fn,
-                timeout=timeout,
-            )
-        finally:
-            dist.destroy_process_group()
     except (ReplayError, CheckpointError) as e:
         raise ReplacementFallback(f"the replay of {layout.describe(rank)}'s shard group failed: {e}") from e
-    finally:
-        close_sources([s.inner for s in opened])
+    plan, rep, opened = done.plan, done.report, done.opened
     record_rates(store, keys, plan.sources, opened)
     timings = {
-        "find_checkpoint_s": t_plan - t0,
-        "setup_s": t_built - t_plan,
+        "setup_s": done.t_built - t0,  # the survivors, the agreed checkpoint, the group, the load and build
         "replay_s": rep.seconds,
         "fetch_s": rep.fetch_seconds,
         "workers": 1,
         "total_s": time.monotonic() - t0,
     }
     return RecoveredStage(
-        state.module,
-        state.optimizer,
-        state.lr_scheduler,
+        done.state.module,
+        done.state.optimizer,
+        done.state.lr_scheduler,
         plan.resume,
         plan.checkpoint_iteration,
         plan.checkpoint_uri,

@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from replay.checkpoints import _checkpoint_iterations
 from replay.core import replay_stages
 from replay.errors import ReplayError
-from replay.job import SourceSpec, close_sources
+from replay.job import DEFAULT_PREFETCH, SourceSpec, close_sources
 from replay.report import ReplayReport
 from replay.stage import StageState
 from replay.survivors import (
@@ -57,8 +58,10 @@ from trainer_client.recovery_keys import RecoveryKeys, wait_for_keys
 
 __all__ = [
     "ShardPlan",
+    "ShardReplay",
     "join_shard_group",
     "plan_shard_replay",
+    "replay_shard_group",
     "replay_shard_in_place",
     "replay_shard_member",
     "shard_checkpoint",
@@ -144,8 +147,13 @@ def replay_shard_member(
     me = layout.coord(rank).shard
     fsdp.rebind(state.module, dist.group.WORLD)
     try:
-        report = replay_stages(
-            [state], list(sources), num_stages=layout.num_stages, stop_iteration=resume, loss_fn=loss_fn
+        report = replay_stages(  # records fetched ahead, beside the compute, as a replacement's replay does
+            [state],
+            list(sources),
+            num_stages=layout.num_stages,
+            stop_iteration=resume,
+            loss_fn=loss_fn,
+            prefetch=DEFAULT_PREFETCH,
         )
         doc = {"ok": report.ok, "digests_checked": report.digests_checked, "why": report.unverified_reason}
     except Exception as e:
@@ -209,6 +217,69 @@ def plan_shard_replay(
     return ShardPlan(resume, ck_it, uri, sources, layout.log_run(run_id, rank))
 
 
+@dataclass(slots=True)
+class ShardReplay:
+    """What :func:`replay_shard_group` did for one member: its plan, its replayed state, its report,
+    the sources it read (closed; their counts stay), and when its objects were ready."""
+
+    plan: ShardPlan
+    state: StageState
+    report: ReplayReport
+    opened: list[CountingSource]
+    t_built: float
+
+
+def replay_shard_group(
+    store: dist.Store,
+    keys: RecoveryKeys,
+    g: int,
+    layout: MeshLayout,
+    rank: int,
+    docs: dict[int, dict[str, Any]],
+    *,
+    run_id: str,
+    checkpoint_url: str,
+    storage_options: dict[str, Any] | None,
+    objects: Callable[[Any, Any], tuple[torch.nn.Module, torch.optim.Optimizer, Any]],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    timeout: datetime.timedelta,
+) -> ShardReplay:
+    """Steps 1-3 for ``rank``, a member of a lost shard's group, live or replacement:
+    ``objects(checkpoint, mesh)`` gives the stage's module, optimizer and scheduler (a live
+    member's own; a replacement's built ``fully_shard``-ed over ``mesh``, the group's), into which
+    the agreed checkpoint is loaded before the replay. The group is destroyed before returning.
+    Raises what the plan, the load and the replay raise (ReplayError, CheckpointError, ...)."""
+    plan = plan_shard_replay(
+        store,
+        keys,
+        g,
+        layout,
+        rank,
+        docs,
+        run_id=run_id,
+        checkpoint_url=checkpoint_url,
+        storage_options=storage_options,
+        timeout=timeout,
+    )
+    opened: list[CountingSource] = []
+    group = join_shard_group(store, keys, g, layout, rank, timeout)
+    try:
+        ck = load_checkpoint(plan.checkpoint_uri, storage_options=storage_options)
+        c = layout.coord(rank)
+        state = StageState.from_checkpoint(
+            ck, *objects(ck, fsdp.shard_mesh(layout.shard_group(c.stage, c.replica), group, rank))
+        )
+        t_built = time.monotonic()
+        opened = plan.open()
+        rep = replay_shard_member(
+            store, keys, g, layout, rank, state, opened, resume=plan.resume, loss_fn=loss_fn, timeout=timeout
+        )
+    finally:
+        close_sources([s.inner for s in opened])
+        dist.destroy_process_group()
+    return ShardReplay(plan, state, rep, opened, t_built)
+
+
 def replay_shard_in_place(
     store: dist.Store,
     config: ClientConfig,
@@ -227,10 +298,10 @@ def replay_shard_in_place(
     the caller's state is then not usable and the scheduler rolls every stage back."""
     layout, rank = config.layout, config.rank
     keys = RecoveryKeys(config.run_id, config.commit_prefix)
-    opened: list[CountingSource] = []
+    t0 = time.monotonic()
     try:
         _, docs = survivor_reports(store, keys, generation, layout, timeout, who=layout.describe(rank))
-        plan = plan_shard_replay(
+        done = replay_shard_group(
             store,
             keys,
             generation,
@@ -240,38 +311,19 @@ def replay_shard_in_place(
             run_id=config.run_id,
             checkpoint_url=config.resolved_checkpoint_url(),
             storage_options=config.checkpoint_options(),
+            objects=lambda ck, mesh: (module, optimizer, lr_scheduler),
+            loss_fn=loss_fn,
             timeout=timeout,
         )
-        join_shard_group(store, keys, generation, layout, rank, timeout)
-        try:
-            ck = load_checkpoint(plan.checkpoint_uri, storage_options=config.checkpoint_options())
-            state = StageState.from_checkpoint(ck, module, optimizer, lr_scheduler)
-            opened = plan.open()
-            rep = replay_shard_member(
-                store,
-                keys,
-                generation,
-                layout,
-                rank,
-                state,
-                opened,
-                resume=plan.resume,
-                loss_fn=loss_fn,
-                timeout=timeout,
-            )
-        finally:
-            dist.destroy_process_group()
     except (ReplayError, CheckpointError, OSError) as e:
         raise RecoveryFailedError(f"{layout.describe(rank)}: the in-place replay of its shard group failed: {e}") from e
-    finally:
-        close_sources([s.inner for s in opened])
     logger.warning(
         "%s: replayed in place with its shard group from checkpoint %d to %d in %.2f s (%d records, %d digests)",
         layout.describe(rank),
-        plan.checkpoint_iteration,
-        plan.resume,
-        time.monotonic() - plan.t0,
-        rep.records_fetched,
-        rep.digests_checked,
+        done.plan.checkpoint_iteration,
+        done.plan.resume,
+        time.monotonic() - t0,
+        done.report.records_fetched,
+        done.report.digests_checked,
     )
-    return plan.resume
+    return done.plan.resume

@@ -249,3 +249,28 @@ def test_a_node_holding_every_replica_of_a_stage_is_replayed_on_the_spare(
     got = _mesh_results(c)
     _same_as_mesh_reference(got, references)
     assert {got[k]["recovered"]["path"] for k in (2, 3)} == {"replay"}
+
+
+def test_a_lost_shard_is_replayed_in_place_by_its_shard_group_under_the_agents(tmp_path: Path, references: Any) -> None:
+    """FSDP2, dp_shard=2 x pp=2 on 2 nodes: rank 3 (stage 1, shard 1) dies; its replacement on its
+    node and rank 2, live in its own process, replay their shard group from the checkpoint."""
+    c = LocalCluster(
+        tmp_path,
+        MESH_SCRIPT,
+        _mesh_args(tmp_path),
+        run_id="fsdp",
+        agent_args=["--dp-shard", "2"],
+        node0_args=["--inject-kill", "3:4,1,backward"],
+    ).start()
+    rc = c.wait(timeout_s=300)
+    assert rc == 0, "\n".join(f"--- {p.log.name}\n{p.output()[-4000:]}" for p in c.nodes)
+    layout = MeshLayout(2, 1, 2)
+    got = {
+        k: torch.load(c.out / f"stage{layout.coord(k).stage}-dp{layout.dp_index(k)}.pt", weights_only=False)
+        for k in range(4)
+    }
+    ref = references.failure_free(_mesh_args, run_id="fsdp", num_stages=2, script=MESH_SCRIPT, dp_shard=2)
+    diffs = {k: states_equal(got[k], ref.results[k]) for k in range(4)}
+    assert not any(diffs.values()), {k: v[:5] for k, v in diffs.items() if v}
+    assert got[3]["recovered"]["path"] == "shard" and "ranks 2 in place" in got[3]["recovered"]["why"]
+    assert [e["replayed_in_place"] for e in got[2]["events"]] == [[2, 3]]

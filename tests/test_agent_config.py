@@ -44,7 +44,9 @@ def test_a_config_names_the_mesh_it_makes() -> None:
         ({"groups": (2, 1)}, r"adding up to 4 stages"),
         ({"groups": (2, 2), "group_recovery": "teleport"}, "group_recovery must be"),
         ({"group_recovery": "in_place"}, "needs the logging groups"),
-        ({"groups": (2, 2), "nproc_per_node": 4, "dp_replicate": 2}, "dp_replicate > 1"),
+        ({"groups": (2, 2), "nproc_per_node": 4, "dp_replicate": 2}, "dp_replicate or dp_shard > 1"),
+        ({"nproc_per_node": 4, "dp_shard": 2, "replay_workers": 2}, "replay helpers with dp_shard > 1"),
+        ({"nproc_per_node": 1, "dp_shard": 2}, "2 shard\\(s\\)"),
     ],
 )
 def test_a_config_that_cannot_work_says_what(change: dict, message: str) -> None:

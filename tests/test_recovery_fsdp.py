@@ -105,6 +105,7 @@ HSDP = [
     pytest.param(1, 1, 0, "backward", id="hsdp-stage1-replica1-shard0-backward"),
     pytest.param(0, 0, 1, "forward", marks=pytest.mark.slow, id="hsdp-stage0-replica0-shard1-forward"),
     pytest.param(1, 0, 1, "optimizer", marks=pytest.mark.slow, id="hsdp-stage1-replica0-shard1-optimizer"),
+    pytest.param(0, 1, 0, "commit", marks=pytest.mark.slow, id="hsdp-stage0-replica1-shard0-commit"),
 ]
 
 

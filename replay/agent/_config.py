@@ -18,7 +18,8 @@ class AgentConfig:
     """One node agent's configuration (torchrun's flags where torchrun has one).
 
     nnodes / nproc_per_node: the job's regular nodes and processes (ranks) per node; the world is
-        their product, a ``pp`` x ``dp_replicate`` mesh (rank = stage * dp_replicate + replica).
+        their product, a ``pp`` x ``dp_replicate`` x ``dp_shard`` mesh (rank = (stage *
+        dp_replicate + replica) * dp_shard + shard; ``dp_shard`` > 1: FSDP2-sharded stages).
     node_rank: this node's rank (0..nnodes-1; node 0 hosts the job's store at ``rdzv_endpoint``
         and leads), or None for a spare node, which takes the ranks of a lost node.
     rdzv_endpoint: ``HOST:PORT`` of the job's store (a TCPStore, outside the training ranks).
@@ -46,7 +47,8 @@ class AgentConfig:
     groups: the script's logging-group sizes (its ``ClientConfig.logging_groups``), so that a failure
         recovers its whole group; ``group_recovery``: "kill" (the group's members are replaced and
         each replays the group) or "in_place" (only the lost rank is replaced; the live members
-        replay with it in their own processes, ``--group-in-place``). Not with ``dp_replicate`` > 1.
+        replay with it in their own processes, ``--group-in-place``). Not with ``dp_replicate`` or
+        ``dp_shard`` > 1.
     """
 
     nnodes: int
@@ -61,6 +63,7 @@ class AgentConfig:
     args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     dp_replicate: int = 1
+    dp_shard: int = 1
     replay_workers: int = 1
     max_restarts: int = 4
     grace_s: float = 3.0
@@ -79,17 +82,20 @@ class AgentConfig:
     group_recovery: str = "kill"
 
     def __post_init__(self) -> None:
-        for name in ("nnodes", "nproc_per_node", "dp_replicate", "replay_workers"):
+        for name in ("nnodes", "nproc_per_node", "dp_replicate", "dp_shard", "replay_workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (or None for a spare), got {self.node_rank!r}")
-        if self.world_size % self.dp_replicate or self.world_size // self.dp_replicate < 2:
+        dp = self.dp_replicate * self.dp_shard
+        if self.world_size % dp or self.world_size // dp < 2:
             raise ValueError(
                 f"{self.nnodes} node(s) x {self.nproc_per_node} process(es) = {self.world_size} ranks do not make "
-                f"a pipeline of >= 2 stages x {self.dp_replicate} replica(s)"
+                f"a pipeline of >= 2 stages x {self.dp_replicate} replica(s) x {self.dp_shard} shard(s)"
             )
+        if self.dp_shard > 1 and self.replay_workers > 1:
+            raise ValueError("replay helpers with dp_shard > 1 are not supported: a shard group replays together")
         if self.mode not in ("swift", "rollback"):
             raise ValueError(f"mode must be 'swift' or 'rollback', got {self.mode!r}")
         host, _, port = self.rdzv_endpoint.rpartition(":")
@@ -107,14 +113,14 @@ class AgentConfig:
         if self.group_recovery not in ("kill", "in_place"):
             raise ValueError(f"group_recovery must be 'kill' or 'in_place', got {self.group_recovery!r}")
         if self.groups is not None:
-            if self.dp_replicate > 1:
-                raise ValueError("logging groups with dp_replicate > 1 are not supported")
+            if dp > 1:
+                raise ValueError("logging groups with dp_replicate or dp_shard > 1 are not supported")
             logging_group_sizes(self.groups, layout.num_stages)
         elif self.group_recovery == "in_place":
             raise ValueError("group_recovery 'in_place' needs the logging groups (groups)")
         for ks in self.kills:
-            if ks.stage >= layout.num_stages or ks.replica >= layout.dp_replicate:
-                raise ValueError(f"kills: {ks} outside the mesh of {layout.num_stages} x {layout.dp_replicate}")
+            if ks.stage >= layout.num_stages or ks.replica >= layout.dp_replicate or ks.shard >= layout.dp_shard:
+                raise ValueError(f"kills: {ks} outside the mesh of {layout.shape()}")
 
     @property
     def world_size(self) -> int:
@@ -122,7 +128,8 @@ class AgentConfig:
 
     @property
     def layout(self) -> MeshLayout:
-        return MeshLayout(self.world_size // self.dp_replicate, self.dp_replicate)
+        dp = self.dp_replicate * self.dp_shard
+        return MeshLayout(self.world_size // dp, self.dp_replicate, self.dp_shard)
 
     @property
     def store_address(self) -> tuple[str, int]:

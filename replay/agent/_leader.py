@@ -80,6 +80,7 @@ class AgentScheduler(_Scheduler):
             groups=cfg.groups,
             script=cfg.module,
             dp_replicate=cfg.dp_replicate,
+            dp_shard=cfg.dp_shard,
             host=host,
             out_dir=cfg.out,
             group_recovery=cfg.group_recovery,
@@ -253,8 +254,8 @@ def _checkpoint_bytes(url: str, layout: MeshLayout, rank: int) -> int:
     """The size of rank ``rank``'s newest local checkpoint file (0 where the URL is not a local path)."""
     c = layout.coord(rank)
     base = url[len("file://") :] if url.startswith("file://") else url
-    if layout.dp_replicate > 1:
-        base = os.path.join(base, f"dp{c.replica}")
+    if layout.dp_size > 1:
+        base = os.path.join(base, f"dp{layout.dp_index(rank)}")
     path = os.path.join(base, f"stage{c.stage:05d}")
     if "://" in base or not os.path.isdir(path):
         return 0

@@ -36,6 +36,7 @@ def agent(
     spare: Annotated[bool, typer.Option("--spare", help="a spare node: takes the ranks of a lost node")] = False,
     host: Annotated[str, typer.Option("--host", help="address this node's servers bind")] = "127.0.0.1",
     dp_replicate: Annotated[int, typer.Option("--dp-replicate", min=1, help="replicas of every stage")] = 1,
+    dp_shard: Annotated[int, typer.Option("--dp-shard", min=1, help="ranks sharding every stage (FSDP2)")] = 1,
     replay_workers: Annotated[int, typer.Option("--replay-workers", min=1, help="K: replay helpers + 1")] = 1,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="recoveries before giving up")] = 4,
     node_timeout: Annotated[float, typer.Option("--node-timeout", help="seconds without heartbeat: node lost")] = 3.0,
@@ -79,7 +80,8 @@ def agent(
     logging.getLogger("replay").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
         world = nnodes * nproc_per_node
-        layout = MeshLayout(world // dp_replicate, dp_replicate) if world % dp_replicate == 0 else None
+        dp = dp_replicate * dp_shard
+        layout = MeshLayout(world // dp, dp_replicate, dp_shard) if world % dp == 0 and world // dp else None
         kills = []
         for spec in inject_kill or []:
             rank, _, at = spec.partition(":")
@@ -87,7 +89,7 @@ def agent(
             if layout is None or not rank.isdigit() or int(rank) >= world:
                 raise ValueError(f"--inject-kill {spec!r}: RANK must be a rank of the {world}")
             c = layout.coord(int(rank))
-            kills.append(KillSpec(c.stage, int(it), int(mb), phase, replica=c.replica))
+            kills.append(KillSpec(c.stage, int(it), int(mb), phase, replica=c.replica, shard=c.shard))
         cfg = AgentConfig(
             nnodes=nnodes,
             nproc_per_node=nproc_per_node,
@@ -101,6 +103,7 @@ def agent(
             args=tuple(args or ()),
             host=host,
             dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
             replay_workers=replay_workers,
             max_restarts=max_restarts,
             node_timeout_s=node_timeout,
