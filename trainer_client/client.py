@@ -38,10 +38,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
-from trainer_client import fsdp
 from trainer_client._checkpointing import StageCheckpoints
 from trainer_client._declarations import Declarations, example_tensors
 from trainer_client._grad_ops import GradOps
+from trainer_client._groups import MeshGroups
 from trainer_client._meta_log import MetaLog
 from trainer_client._shipping import DataShipper
 from trainer_client._step_watch import StepWatcher
@@ -50,7 +50,6 @@ from trainer_client.config import ClientConfig
 from trainer_client.data import DataSource, data_inputs, on_device
 from trainer_client.determinism import seed_micro_batch
 from trainer_client.errors import IterationAbortedError, UnsupportedScheduleError
-from trainer_client.mesh import check_groups, mesh_groups
 from trainer_client.meta import importable_name, script_name
 from trainer_client.metrics import MetricsExporter
 from trainer_client.progress import Progress
@@ -139,9 +138,7 @@ class SwiftlogClient:
         # the iteration whose schedule step finished and is not yet committed or aborted
         self._stepped: int | None = None
         self._grad_ops = GradOps(config.stage, self.writer, self.recorder, lambda: self.stage_module)
-        self._pp_group: dist.ProcessGroup | None = None  # from set_mesh: the pipeline's sends
-        self._dp_group: dist.ProcessGroup | None = None  # from set_mesh: the replicas' gradient average
-        self._shard_group: dist.ProcessGroup | None = None  # from set_mesh: FSDP's shard group
+        self._groups = MeshGroups(config)  # from set_mesh: the generation's pp, dp_replicate, dp_shard groups
         #: called with the iteration on the training thread just before the replicas' gradient
         #: average in ``step`` (tracing, fault injection); None: nothing
         self.before_replica_average: Callable[[int], None] | None = None
@@ -170,12 +167,7 @@ class SwiftlogClient:
         generation (``ResilientLoop`` does): the groups are swapped underneath (a
         ``fully_shard``-ed stage is rebound by :meth:`pipeline_stage`). Raises ConfigError when
         the mesh's sizes or this rank's coordinate are not the config's."""
-        c = self.config
-        try:
-            pp, dp, shard = mesh_groups(mesh, c.layout, c.stage, c.replica, c.shard)
-        except ValueError as e:
-            raise ConfigError(str(e), hint="build it with trainer_client.build_mesh") from None
-        self.set_groups(pp, dp, shard)
+        self._groups.set_mesh(mesh)
 
     def set_groups(
         self,
@@ -188,13 +180,7 @@ class SwiftlogClient:
         replica order (required with ``dp_replicate > 1``), and ``dp_shard``, the stage's shard
         group in shard order (required with ``dp_shard > 1``). Raises ConfigError when a group's
         size is not the config's."""
-        try:
-            check_groups(self.config.layout, pp, dp_replicate, dp_shard)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self._pp_group = pp
-        self._dp_group = dp_replicate if self.config.dp_replicate > 1 else None
-        self._shard_group = dp_shard if self.config.dp_shard > 1 else None
+        self._groups.set(pp, dp_replicate, dp_shard)
 
     @property
     def shard_mesh(self) -> Any:
@@ -203,19 +189,13 @@ class SwiftlogClient:
         under the mesh the module holds (:func:`trainer_client.fsdp.rebind`, by
         :meth:`pipeline_stage`). Raises RuntimeError without ``dp_shard > 1`` or before
         :meth:`set_mesh`."""
-        c = self.config
-        if self._shard_group is None:
-            raise RuntimeError(
-                f"dp_shard={c.dp_shard}: a shard mesh needs dp_shard > 1 and client.set_mesh(mesh) first "
-                "(trainer_client.form_mesh or ResilientLoop.join does it)"
-            )
-        return fsdp.shard_mesh(c.layout.shard_group(c.stage, c.replica), self._shard_group, c.rank)
+        return self._groups.shard_mesh()
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
         """The group of this rank's pipeline: the mesh's ``pp`` group, or the default group
         without a mesh (e.g. for ``clip_grad_norm_(..., group=client.pipeline_group)``)."""
-        return self._pp_group if self._pp_group is not None else dist.group.WORLD
+        return self._groups.pp if self._groups.pp is not None else dist.group.WORLD
 
     def pipeline_stage(
         self,
@@ -238,14 +218,7 @@ class SwiftlogClient:
         the last :meth:`set_mesh` (ConfigError when the config has no ``dp_shard > 1`` or no mesh
         was set)."""
         c = self.config
-        if fsdp.is_sharded(module):
-            if self._shard_group is None:
-                raise ConfigError(
-                    f"stage {c.stage}: the module is fully_shard-ed but the client has no shard group "
-                    f"(dp_shard={c.dp_shard})",
-                    hint="configure dp_shard/shard and call client.set_mesh(mesh) first (ResilientLoop.join does)",
-                )
-            fsdp.rebind(module, self._shard_group)
+        self._groups.bind(module)
         for what, args, needed in (
             ("output_args", output_args, not c.is_last),
             ("input_args", input_args, not c.is_first),
@@ -271,7 +244,7 @@ class SwiftlogClient:
             recorder=self.recorder,
             input_args=input_args,
             output_args=output_args,
-            group=group if group is not None else self._pp_group,
+            group=group if group is not None else self._groups.pp,
             **kwargs,
         )
         return self._stage
@@ -347,9 +320,7 @@ class SwiftlogClient:
         self._stage = None
         self._schedule = None
         self._stepped = None
-        self._pp_group = None  # the mesh's groups too (set_mesh gives the next generation's)
-        self._dp_group = None
-        self._shard_group = None
+        self._groups.release()  # the mesh's groups too (set_mesh gives the next generation's)
 
     # ================================================================ per iteration
     def begin_iteration(self, iteration: int) -> None:
@@ -407,14 +378,14 @@ class SwiftlogClient:
         self._stepped = iteration
         self._watch.after_schedule_step()  # what the coming optimizer step should find
         if c.dp_replicate > 1:
-            if self._dp_group is None:
+            if self._groups.dp_replicate is None:
                 raise RuntimeError(
                     f"dp_replicate={c.dp_replicate}: call client.set_mesh(mesh) or set_groups(...) before client.step "
                     "(ResilientLoop does)"
                 )
             if self.before_replica_average is not None:
                 self.before_replica_average(iteration)
-            self._grad_ops.average_replicas_(self._dp_group, c.replica_bucket_bytes)
+            self._grad_ops.average_replicas_(self._groups.dp_replicate, c.replica_bucket_bytes)
             self._watch.note_replayed_change()
         return out
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate  # loaded with torch's pipelining anyway
 
 __all__ = [
     "backward_without_sync",
@@ -62,16 +63,12 @@ def is_sharded(module: torch.nn.Module | None) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (a view: writing to it writes the DTensor), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value as a plain tensor (a collective over its mesh: every member calls
     it), e.g. the norm of sharded gradients; any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -81,8 +78,6 @@ def clip_grads_with_norm_(
     """``torch.nn.utils.clip_grads_with_norm_``, also for sharded (DTensor) gradients: a plain
     ``total`` becomes a replicated DTensor on their mesh (torch refuses to mix the two). The same
     arithmetic on every shard, so the same bits as the unsharded clip's."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     sharded = next((p.grad for p in parameters if isinstance(p.grad, DTensor)), None)
     if sharded is not None and not isinstance(total, DTensor):
         mesh = sharded.device_mesh
@@ -104,8 +99,6 @@ def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
     """After ``optimizer.load_state_dict`` of a :func:`local_state`: every state tensor shaped like
     its parameter's local shard becomes a DTensor laid out as that parameter (an optimizer step
     mixes no plain tensor with a DTensor). Scalars (``step``) stay as they are."""
-    from torch.distributed.tensor import DTensor
-
     for p, st in optimizer.state.items():
         if not isinstance(p, DTensor):
             continue
