@@ -175,19 +175,20 @@ def replay_shard_member(
     return report
 
 
+@dataclass(frozen=True, slots=True)
 class ShardPlan:
     """What a member of a lost shard's group replays: from ``checkpoint_uri`` (at
     ``checkpoint_iteration``) to ``resume``, reading ``sources`` (its pipeline's survivors, its
     cold tier, the committed META), under the run ``log_run``."""
 
-    def __init__(
-        self, resume: int, checkpoint_iteration: int, checkpoint_uri: str, sources: list[SourceSpec], log_run: str
-    ) -> None:
-        self.resume, self.checkpoint_iteration, self.checkpoint_uri = resume, checkpoint_iteration, checkpoint_uri
-        self.sources, self.log_run = sources, log_run
-        self.t0 = time.monotonic()
+    resume: int
+    checkpoint_iteration: int
+    checkpoint_uri: str
+    sources: list[SourceSpec]
+    log_run: str
 
     def open(self) -> list[CountingSource]:
+        """The sources opened for ``log_run``, counting what is read."""
         return [CountingSource(s.open(self.log_run)) for s in self.sources]
 
 
