@@ -56,6 +56,7 @@ from replay.job import ReplayJob, ReplayProgress, ReplayResult, SourceSpec, jobs
 from replay.launcher import KillSpec, run_with_failures
 from replay.plan import FetchItem, RecoveryPlan, ReplayUnit, plan_recovery
 from replay.profile import JobProfile, load_profile, profile_run, save_profile
+from replay.rank_recovery import RecoveredRank, plan_rank, recover_rank
 from replay.reader import LogReader, RecordSource
 from replay.remote import HttpRecordSource, RemoteLogReader
 from replay.replacement import measured_rates, recover_stage, report_fallback, report_ready
@@ -99,6 +100,9 @@ __all__ = [
     "HttpRecordSource",
     # the replacement of a failed stage
     "recover_stage",
+    "recover_rank",
+    "plan_rank",
+    "RecoveredRank",
     "replay_shard_in_place",
     "report_ready",
     "report_fallback",

@@ -111,11 +111,14 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
                 logger.warning("replay: %s (further iterations alike are not reported)", note)
     if m0.get("seed_scheme") != SEED_SCHEME:
         raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
-    if m0.get("split_backward"):
-        raise ReplayError(
-            f"iteration {it}: the live schedule split backward into input/weight passes, which this replay cannot "
-            "reproduce"
-        )
+    for k, m in present.items():  # a split backward replays whole when its W passes kept the B order
+        weights = [mb for kind, mb in m["order"] if kind == "W"]
+        inputs = [mb for kind, mb in m["order"] if kind == "B"]
+        if m.get("split_backward") and weights != inputs:
+            raise ReplayError(
+                f"iteration {it}: stage {k} ran its weight-gradient passes in micro-batch order {weights}, not in the "
+                f"order of its input-gradient passes {inputs}; this replay accumulates weight gradients in one order"
+            )
     n = ctx.n_mb_arg or int(m0["n_microbatches"])
     if present:
         bwd = {k: [mb for kind, mb in m["order"] if kind == "B"] for k, m in present.items()}
@@ -165,7 +168,10 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         and ctx.hooks.claim is None
         and not shadow
     ):
-        orders = {tuple((str(kind), int(mb)) for kind, mb in present[st.stage]["order"]) for st in states}
+        # a split backward's W passes are in the B passes: the replay runs whole backwards
+        orders = {
+            tuple((str(kind), int(mb)) for kind, mb in present[st.stage]["order"] if kind != "W") for st in states
+        }
         if len(orders) == 1:  # one stage, or a group whose stages ran one order (GPipe)
             live_order = list(orders.pop())
     return IterationPlan(

@@ -64,6 +64,7 @@ DEFAULT_SCRIPT = "trainer_client.examples.train_resilient"
 KILL_PHASES = (
     "forward",
     "backward",
+    "weight",
     "reduce",
     "commit",
     "optimizer",

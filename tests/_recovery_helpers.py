@@ -107,7 +107,8 @@ def run(
 
 @dataclass(frozen=True)
 class Reference:
-    """A failure-free run's final states (stage -> model, optimizer and lr scheduler state dicts)."""
+    """A failure-free run's final states (stage -> model, optimizer and lr scheduler state dicts; a rank
+    holding several stages: under "stages", by stage)."""
 
     results: dict[int, dict[str, Any]]
 
@@ -170,7 +171,8 @@ class References:
                 dp_shard=dp_shard,
             )
             assert r.ok, r.describe()
-            ref = Reference({k: {p: res.get(p) for p in _STATE_PARTS} for k, res in r.results.items()})
+            kept = (*_STATE_PARTS, "stages")  # "stages": a multi-stage rank's states, by stage
+            ref = Reference({k: {p: res.get(p) for p in kept} for k, res in r.results.items()})
             self.ran.append(key)
             self._save(key, ref)
         self._runs[key] = ref

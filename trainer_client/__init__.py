@@ -76,7 +76,8 @@ from trainer_client.errors import (
     RestartRequired,
     UnsupportedScheduleError,
 )
-from trainer_client.mesh import MeshLayout, build_mesh, recovery_paths
+from trainer_client.mesh import MeshLayout, build_mesh, rank_stages, recovery_paths
+from trainer_client.multi_stage import MULTI_STAGE_SCHEDULES, MultiStageClient
 from trainer_client.recovery_keys import RecoveryKeys
 from trainer_client.reports import CommitReport, FlushReport
 from trainer_client.survivor import ResilientLoop, form_mesh
@@ -93,6 +94,8 @@ __all__ = [
     "RecoveryConfig",
     # the client and what it reports
     "SwiftlogClient",
+    "MultiStageClient",
+    "MULTI_STAGE_SCHEDULES",
     "CommitReport",
     "CommitResult",
     "FlushReport",
@@ -107,6 +110,7 @@ __all__ = [
     "MeshLayout",
     "build_mesh",
     "recovery_paths",
+    "rank_stages",
     # checkpoints
     "Checkpoint",
     "checkpoint_uri",

@@ -80,6 +80,11 @@ class SwiftlogClient:
     def __init__(
         self, config: ClientConfig, *, commit_store: dist.Store | None = None, data_source: DataSource | None = None
     ) -> None:
+        if config.stages_per_rank > 1:
+            raise ConfigError(
+                f"stages_per_rank={config.stages_per_rank}: a rank with several stages needs a MultiStageClient",
+                hint="trainer_client.MultiStageClient(config, commit_store=store)",
+            )
         self.metrics: MetricsExporter | None = None  # bound first: a port in use fails before anything is opened
         if config.metrics.port is not None:
             labels = {"run": config.log_run, "stage": str(config.stage), "writer": str(config.writer_name)}
@@ -96,8 +101,26 @@ class SwiftlogClient:
                 self.metrics.close()
             raise
 
-    def _open(self, config: ClientConfig, commit_store: dist.Store | None, data_source: DataSource | None) -> None:
+    @classmethod
+    def _part(
+        cls, config: ClientConfig, commit_store: dist.Store | None, store: LogStore, writer: AsyncLogWriter
+    ) -> SwiftlogClient:
+        """The client of one stage of a multi-stage rank (``config.stage_view``): it logs through
+        the rank's ``store`` and ``writer``, which it neither drains nor closes."""
+        part = cls.__new__(cls)
+        part.metrics = None
+        part._open(config, commit_store, None, shared=(store, writer))
+        return part
+
+    def _open(
+        self,
+        config: ClientConfig,
+        commit_store: dist.Store | None,
+        data_source: DataSource | None,
+        shared: tuple[LogStore, AsyncLogWriter] | None = None,
+    ) -> None:
         self.config = config
+        self._owns_store = shared is None
         self.data_source = data_source
         if not config.log_data and data_source is None:
             logger.warning(
@@ -113,9 +136,13 @@ class SwiftlogClient:
                 config.replica,
                 config.logging_off_reason,
             )
-        self.store = LogStore(config.store_config())
         name = f"swiftlog-{config.writer_name}"
-        self.writer = AsyncLogWriter(self.store, config.writer, name=name)
+        if shared is None:
+            self.store = LogStore(config.store_config())
+            self.writer = AsyncLogWriter(self.store, config.writer, name=name)
+        else:
+            self.store, self.writer = shared
+            name = f"{name}-s{config.stage}"
         self.recorder = StageRecorder(config, self.writer)
         self.coordinator: CommitCoordinator | None = None
         if commit_store is not None:
@@ -355,12 +382,7 @@ class SwiftlogClient:
                 "the schedule more micro-batches (n_microbatches) instead, or commit each step as its own iteration "
                 "with its own optimizer step"
             )
-        self._watch.check_apply(iteration)
-        if not self._declarations.checked:
-            self._declarations.check()
-        carried = self._watch.grads_carried()
-        self.begin_iteration(iteration)
-        self._watch.carried = carried
+        self._begin_step(iteration)
         c = self.config
         if self.data_source is not None and not args and target is None and (c.is_first or c.is_last):
             inputs, target = self.data_source(iteration)
@@ -375,8 +397,7 @@ class SwiftlogClient:
         if not c.is_last:
             target, losses = None, None
         out = self._schedule.step(*args, target=target, losses=losses, **kwargs)
-        self._stepped = iteration
-        self._watch.after_schedule_step()  # what the coming optimizer step should find
+        self._end_step(iteration)
         if c.dp_replicate > 1:
             if self._groups.dp_replicate is None:
                 raise RuntimeError(
@@ -388,6 +409,19 @@ class SwiftlogClient:
             self._grad_ops.average_replicas_(self._groups.dp_replicate, c.replica_bucket_bytes)
             self._watch.note_replayed_change()
         return out
+
+    def _begin_step(self, iteration: int) -> None:
+        """What precedes the schedule's step: the checks of the last one, then ``begin_iteration``."""
+        self._watch.check_apply(iteration)
+        if not self._declarations.checked:
+            self._declarations.check()
+        carried = self._watch.grads_carried()
+        self.begin_iteration(iteration)
+        self._watch.carried = carried
+
+    def _end_step(self, iteration: int) -> None:
+        self._stepped = iteration
+        self._watch.after_schedule_step()  # what the coming optimizer step should find
 
     def clip_grad_norm_(
         self,
@@ -466,6 +500,31 @@ class SwiftlogClient:
         IterationAbortedError when the decision is "abort" (zero the gradients, skip the
         optimizer step, recover) and ValueError if ``iteration`` is not the current one.
         """
+        doc, meta, faults = self._seal(iteration)
+        decision = None
+        if self.coordinator is not None:
+            decision = self._decide(iteration, meta)
+        self._settle(iteration, doc)
+        return CommitReport(iteration, decision, faults)
+
+    def _decide(self, iteration: int, meta: torch.Tensor | None, also: Sequence[tuple[Any, Any]] = ()) -> Any:
+        """The commit decision (this stage's done mark, and ``also`` the rank's other stages')."""
+        assert self.coordinator is not None
+        try:
+            # META goes to the decision store too: it outlives this machine, unlike a log not yet shipped
+            decision = self.coordinator.commit(
+                iteration, meta=None if meta is None else meta.numpy().tobytes(), also=also
+            )
+        except IterationAbortedError:
+            self._aborts += 1
+            raise
+        self._commits += 1
+        self._commit_wait_s += decision.wait_s
+        return decision
+
+    def _seal(self, iteration: int) -> tuple[dict[str, Any] | None, torch.Tensor | None, list[Any]]:
+        """The commit up to the decision: the iteration's META queued, its own data shipped (or
+        waited for), the faults taken. Returns (META document, its encoded record, faults)."""
         if self._iteration is None or iteration != self._iteration:
             raise ValueError(
                 f"commit({iteration}) but the current iteration is {self._iteration}; call begin_iteration/step first"
@@ -504,22 +563,15 @@ class SwiftlogClient:
                 faults[0].kind,
                 faults[0].message,
             )
-        decision = None
-        if self.coordinator is not None:
-            try:
-                # META goes to the decision store too: it outlives this machine, unlike a log not yet shipped
-                decision = self.coordinator.commit(iteration, meta=None if meta is None else meta.numpy().tobytes())
-            except IterationAbortedError:
-                self._aborts += 1
-                raise
-            self._commits += 1
-            self._commit_wait_s += decision.wait_s
+        return doc, meta, faults
+
+    def _settle(self, iteration: int, doc: dict[str, Any] | None) -> None:
+        """After a "commit" decision: the next iteration is current, the optimizer step is expected."""
         self._iteration = iteration + 1
         if doc is not None:
             self._meta.note_committed(iteration, doc)
             if doc["lrs"] is not None:  # the coming optimizer step is checked against it
                 self._watch.step_expect = (iteration, doc)
-        return CommitReport(iteration, decision, faults)
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Record ``optimizer``'s learning rates and other hyperparameters in every META (what the
@@ -739,6 +791,8 @@ class SwiftlogClient:
 
         if self._meta.committed is not None:  # the last iteration's optimizer / scheduler steps are made by now
             self._watch.check_apply(self._meta.committed[0] + 1)
+        if not self._owns_store:  # a stage of a multi-stage rank: the rank's client closes the store
+            return self._close_part(left())
         drained = self.writer.drain(left())
         self._maint.wait_idle(left())
         if self._maint.registered and self.config.checkpoints.gc_after:
@@ -776,6 +830,17 @@ class SwiftlogClient:
         if self.metrics is not None:
             self.metrics.close()
         return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
+
+    def _close_part(self, timeout: float | None) -> FlushReport:
+        """Close a stage of a multi-stage rank: its checkpoint work and GC, its step watch."""
+        self._maint.wait_idle(timeout)
+        if self._maint.registered and self.config.checkpoints.gc_after:
+            self._maint.submit(("gc",))
+            self._maint.wait_idle(timeout)
+        self._maint.close(timeout)
+        self._watch.close()
+        self._closed = True
+        return FlushReport(True, 0, None, [], 0)
 
     @property
     def metrics_address(self) -> tuple[str, int] | None:

@@ -49,6 +49,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -299,27 +300,45 @@ class CommitCoordinator:
         self.generation = generation
 
     # -- protocol --------------------------------------------------------------------------
-    def commit(self, iteration: int, meta: bytes | None = None) -> CommitResult:
+    def _done_items(self, iteration: int, meta: bytes | None) -> tuple[list[str], list[bytes]]:
+        """The keys and values that report this participant done with ``iteration`` (its META first)."""
+        done = f"{self._it_key(iteration)}/done/{self.stage}"
+        if meta is None:
+            return [done], [b"1"]
+        if not self._floor_known:  # the lowest META key of this stage (kept if a predecessor set it)
+            self.store.compare_set(self._floor_key(), "", str(iteration))
+            self._floor_known = True
+        keys, values = self._meta_items(iteration, meta)
+        return [*keys, done], [*values, b"1"]
+
+    def commit(
+        self,
+        iteration: int,
+        meta: bytes | None = None,
+        *,
+        also: Sequence[tuple[CommitCoordinator, bytes | None]] = (),
+    ) -> CommitResult:
         """Report this stage done with ``iteration`` and wait for the decision.
 
         ``meta``: the iteration's META document, stored with the done mark in one request (see
-        the module docstring). Returns when the decision is "commit". Raises IterationAbortedError when it is "abort"
-        (a stage failed, the generation was marked failed, or the wait timed out), and
-        CommitStoreError when the store cannot be reached (outcome unknown: treat as a failure).
+        the module docstring). ``also``: the other participants this process reports for, with
+        their META (the other stages of a rank in a multi-stage schedule; coordinators over the
+        same store, prefix and generation): every done mark goes in the same request. Returns
+        when the decision is "commit". Raises IterationAbortedError when it is "abort" (a stage
+        failed, the generation was marked failed, or the wait timed out), and CommitStoreError
+        when the store cannot be reached (outcome unknown: treat as a failure).
         """
         key = self._it_key(iteration)
         dec = key + "/decision"
         t0 = time.monotonic()
         try:
-            if meta is None:
-                self.store.set(f"{key}/done/{self.stage}", "1")
-            else:  # one request: the META is in the store before this stage counts as done
-                if not self._floor_known:  # the lowest META key of this stage (kept if a predecessor set it)
-                    self.store.compare_set(self._floor_key(), "", str(iteration))
-                    self._floor_known = True
-                keys, values = self._meta_items(iteration, meta)
-                self.store.multi_set([*keys, f"{key}/done/{self.stage}"], [*values, b"1"])
-            last_to_report = self.store.add(key + "/done", 1) >= self.num_stages
+            # one request: every META is in the store before its stage counts as done
+            keys, values = self._done_items(iteration, meta)
+            for other, other_meta in also:
+                k, v = other._done_items(iteration, other_meta)
+                keys, values = [*keys, *k], [*values, *v]
+            self.store.multi_set(keys, values)
+            last_to_report = self.store.add(key + "/done", 1 + len(also)) >= self.num_stages
             if last_to_report and _parse(self._str(self.store.compare_set(dec, "", f"{COMMIT}:{self.stage}"))) == (
                 COMMIT,
                 self.stage,

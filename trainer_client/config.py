@@ -27,6 +27,7 @@ Environment: the client reads one variable, :data:`ENV_RESTART_COUNT`, once, whe
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from typing import Any
 
 from logstore import StoreConfig, validate_name, validate_run
 from logstore.errors import ConfigError, InvalidNameError
-from trainer_client.mesh import MeshLayout, exposed_stages, node_map, replica_run
+from trainer_client.mesh import STAGE_STYLES, MeshLayout, exposed_stages, node_map, rank_stages, replica_run
 
 __all__ = [
     "ClientConfig",
@@ -320,6 +321,29 @@ class _MeshPosition:
     stage: int
     replica: int
     shard: int
+    stages_per_rank: int
+    stage_style: str
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The pipeline stages this rank holds (``(stage,)`` with one stage per rank)."""
+        return rank_stages(self.stage, self.num_stages, self.stages_per_rank, self.stage_style)
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        """Stages of the whole pipeline: ``num_stages * stages_per_rank``."""
+        return self.num_stages * self.stages_per_rank
+
+    def _check_stages(self) -> None:
+        if not _is_int(self.stages_per_rank) or self.stages_per_rank < 1:
+            raise ConfigError(f"stages_per_rank must be an int >= 1, got {self.stages_per_rank!r}")
+        if self.stage_style not in STAGE_STYLES:
+            raise ConfigError(f"stage_style must be one of {STAGE_STYLES}, got {self.stage_style!r}")
+        if self.stages_per_rank > 1 and self.dp_size > 1:
+            raise ConfigError(
+                "stages_per_rank > 1 with dp_replicate or dp_shard > 1 is not supported yet",
+                hint="a multi-stage schedule runs one pipeline (dp_replicate = dp_shard = 1)",
+            )
 
     @property
     def layout(self) -> MeshLayout:
@@ -364,6 +388,12 @@ class ClientConfig(_MeshPosition):
             ``pp`` x ``dp_replicate`` mesh is ``(stage, replica)`` (``trainer_client.mesh``):
             each replica's pipeline logs under a run of its own (:attr:`log_run`), the commit
             step spans the whole mesh, and ``step`` averages the gradients over the replicas.
+        stages_per_rank / stage_style: a multi-stage schedule (``SwiftlogClient.schedule``:
+            Interleaved1F1B, ZBVZeroBubble, ...) puts ``stages_per_rank`` stages on every rank,
+            placed in torch's ``"loop"`` or ``"v"`` style (``trainer_client.mesh.rank_stages``).
+            Then ``stage`` and ``num_stages`` are the rank's position in the ``pp`` dimension and
+            the number of ranks; :attr:`stages` are the pipeline stages it holds. Default 1,
+            "loop". Not yet with ``dp_replicate`` / ``dp_shard`` > 1 or logging groups.
         shard / dp_shard: this rank's shard and how many ranks shard each stage in a replica
             (FSDP2's ``fully_shard`` over the mesh's ``dp_shard`` group, default 0 of 1). Every
             ``(replica, shard)`` pair is a data-parallel pipeline of its own, with its own logs
@@ -416,6 +446,8 @@ class ClientConfig(_MeshPosition):
     dp_replicate: int = 1
     shard: int = 0
     dp_shard: int = 1
+    stages_per_rank: int = 1
+    stage_style: str = "loop"
     replica_bucket_bytes: int = 25 << 20
     node_map: Any = None
     replica_logging: str = "always"
@@ -443,6 +475,12 @@ class ClientConfig(_MeshPosition):
             raise ConfigError(f"seed must be an int in 0..2**64-1, got {self.seed!r}")
         _check_replica(self.replica, self.dp_replicate)
         _check_replica(self.shard, self.dp_shard, "shard", "dp_shard")
+        self._check_stages()
+        if self.stages_per_rank > 1 and self.logging_groups is not None:
+            raise ConfigError(
+                "logging_groups with stages_per_rank > 1 are not supported",
+                hint="log every boundary (logging_groups=None) with a multi-stage schedule",
+            )
         if not _is_int(self.replica_bucket_bytes) or self.replica_bucket_bytes < 1024:
             raise ConfigError(f"replica_bucket_bytes must be an int >= 1024, got {self.replica_bucket_bytes!r}")
         if self.dp_size > 1 and self.logging_groups is not None:
@@ -533,6 +571,22 @@ class ClientConfig(_MeshPosition):
         nxt = [x for x in starts if x > s]
         return first, (nxt[0] - 1 if nxt else self.num_stages - 1)
 
+    def stage_view(self, stage: int) -> ClientConfig:
+        """The config of pipeline stage ``stage`` of this rank (a multi-stage schedule): the same
+        run, store and components, with ``stage`` / ``num_stages`` the pipeline's and one stage per
+        rank, and no metrics port (the rank's client serves one). Raises ConfigError for a stage
+        this rank does not hold."""
+        if stage not in self.stages:
+            raise ConfigError(f"rank at pp position {self.stage} holds stages {list(self.stages)}, not {stage}")
+        return dataclasses.replace(
+            self,
+            stage=stage,
+            num_stages=self.num_pipeline_stages,
+            stages_per_rank=1,
+            stage_style="loop",
+            metrics=MetricsConfig(),
+        )
+
     def store_config(self) -> StoreConfig:
         """The configuration of this stage's :class:`~logstore.LogStore`."""
         s = self.storage
@@ -571,7 +625,8 @@ class ClientConfig(_MeshPosition):
 class RecoveryConfig(_MeshPosition):
     """How one stage takes part in in-place recovery (:class:`~trainer_client.ResilientLoop`).
 
-    run_id / stage / num_stages / replica / dp_replicate / shard / dp_shard: as in
+    run_id / stage / num_stages / replica / dp_replicate / shard / dp_shard / stages_per_rank /
+        stage_style: as in
         :class:`ClientConfig`. The
         recovery protocol's keys and the process groups are per rank (``rank``, ``world_size``).
     generation: the process-group generation the stage starts in (default 0; the new one for a
@@ -603,6 +658,8 @@ class RecoveryConfig(_MeshPosition):
     dp_replicate: int = 1
     shard: int = 0
     dp_shard: int = 1
+    stages_per_rank: int = 1
+    stage_style: str = "loop"
     generation: int = 0
     backend: str = "gloo"
     pg_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
@@ -620,6 +677,7 @@ class RecoveryConfig(_MeshPosition):
             raise ConfigError(f"stage {self.stage} is not in [0, {self.num_stages})")
         _check_replica(self.replica, self.dp_replicate)
         _check_replica(self.shard, self.dp_shard, "shard", "dp_shard")
+        self._check_stages()
         if self.generation < 0:
             raise ConfigError(f"generation must be >= 0, got {self.generation}")
         if self.rejoin_timeout.total_seconds() <= 0:

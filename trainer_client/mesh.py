@@ -13,6 +13,8 @@ stage, as before meshes existed). Every ``(replica, shard)`` pair is one data-pa
 - :func:`recovery_paths`: for every lost rank, how it comes back: a copy from a live replica of
   its shard of its stage, a replay from the logs when every replica of it was lost, and with
   sharding a replay of the whole shard group (the live members in place); and why.
+- :func:`rank_stages` / :func:`stage_position`: which pipeline stages a rank holds in a schedule
+  with several stages per rank (torch's "loop" and "v" styles), and the rank of a stage.
 - :func:`node_map` / :func:`exposed_stages`: which machine holds each rank, and the stages one
   machine's loss takes whole (every replica on it): only those need the logs; where there is
   none, logging can be switched off for the run (``ClientConfig.replica_logging``).
@@ -38,12 +40,44 @@ __all__ = [
     "exposed_stages",
     "mesh_groups",
     "node_map",
+    "rank_stages",
+    "stage_position",
     "recovery_paths",
     "replica_run",
 ]
 
 #: torchtitan's names of the mesh dimensions swiftlog uses
 PP, DP_REPLICATE, DP_SHARD = "pp", "dp_replicate", "dp_shard"
+#: how a multi-stage schedule places stages on ranks (torch's ``generate_stage_to_rank_mapping``)
+STAGE_STYLES = ("loop", "v")
+
+
+def rank_stages(position: int, num_ranks: int, stages_per_rank: int = 1, style: str = "loop") -> tuple[int, ...]:
+    """The pipeline stages that the rank at ``position`` of the ``pp`` dimension holds, ascending.
+
+    "loop" (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble): stages ``position + i * num_ranks``.
+    "v" (ZBVZeroBubble, DualPipeV): the stages zigzag, ``position + i * num_ranks`` for even
+    ``i`` and ``(i + 1) * num_ranks - 1 - position`` for odd ``i``; with two stages per rank the last
+    rank holds the two middle stages. Raises ValueError for anything else.
+    """
+    if style not in STAGE_STYLES:
+        raise ValueError(f"stage style must be one of {STAGE_STYLES}, got {style!r}")
+    if not 0 <= position < num_ranks or stages_per_rank < 1:
+        raise ValueError(f"position {position} of {num_ranks} ranks with {stages_per_rank} stage(s) each")
+    if style == "v":
+        return tuple(
+            position + i * num_ranks if i % 2 == 0 else (i + 1) * num_ranks - 1 - position
+            for i in range(stages_per_rank)
+        )
+    return tuple(position + i * num_ranks for i in range(stages_per_rank))
+
+
+def stage_position(stage: int, num_ranks: int, stages_per_rank: int = 1, style: str = "loop") -> int:
+    """The ``pp`` position of the rank that holds pipeline ``stage`` (see :func:`rank_stages`)."""
+    for position in range(num_ranks):
+        if stage in rank_stages(position, num_ranks, stages_per_rank, style):
+            return position
+    raise ValueError(f"stage {stage} is not in a pipeline of {num_ranks * stages_per_rank} stages")
 
 
 @dataclass(frozen=True, slots=True, order=True)

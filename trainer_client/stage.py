@@ -16,6 +16,8 @@ The stage overrides four public methods and delegates the bookkeeping to a
   hashing it any time before the next step sees exactly what was received.
 - ``get_fwd_send_ops(mb)``: logs the activations sent to ``stage + 1`` (kept by reference on CPU:
   PipelineStage never mutates a sent output).
+- ``backward_weight_one_chunk(mb)`` (zero-bubble schedules): records "W mb", the weight-gradient
+  half of a backward whose input-gradient half was "B mb".
 - ``backward_one_chunk(mb)``: records "B mb"; queues the received gradient buffers
   (``grad_recv_info[mb]``) for hashing likewise.
 - ``get_bwd_send_ops(mb)``: logs the gradients sent to ``stage - 1`` (``input.grad``, which the
@@ -176,6 +178,11 @@ class StageRecorder:
             self._check_data_complete()
         except Exception as e:
             self._hook_fault("forward", e, micro_batch)
+
+    def on_weight(self, micro_batch: int) -> None:
+        """A zero-bubble schedule's weight-gradient pass ("W") of ``micro_batch``: recorded in the
+        order, after the input-gradient pass ("B") that split it off."""
+        self.order.append(("W", micro_batch))
 
     def on_fwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
         try:
@@ -451,6 +458,13 @@ class LoggingPipelineStage(PipelineStage):
         if self.has_backward:
             self.recorder.on_backward(self, bwd_chunk_id, full_backward)
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.recorder.progress.waiting()
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        self.recorder.progress.busy()
+        if self.has_backward:
+            self.recorder.on_weight(bwd_chunk_id)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self.recorder.progress.waiting()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[torch.distributed.P2POp]:

@@ -48,7 +48,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,7 @@ from trainer_client.errors import (
     RestartRequired,
 )
 from trainer_client.mesh import build_mesh, recovery_paths
+from trainer_client.multi_stage import MultiStageClient
 from trainer_client.progress import Progress
 from trainer_client.recovery_keys import RecoveryKeys, as_str, pg_prefix, wait_for_keys, wait_until_woken
 from trainer_client.replicas import TransferReport, receive_state, send_state
@@ -281,6 +282,8 @@ class ResilientLoop:
         rebuild: called after every (re-)formation of the process group: build the stage and the
             schedule over the new default group (``client.pipeline_stage`` + ``client.schedule``).
         optimizer: zeroed when an iteration is discarded; the client tracks it (``SwiftlogClient.track_optimizer``).
+            With a :class:`~trainer_client.MultiStageClient`: one per stage, in the order of its ``stages``
+            (and ``lr_scheduler`` likewise).
         lr_scheduler: optional; the client counts its steps (``SwiftlogClient.track_lr_scheduler``; ``checkpoint``
             does that too), so that one not stepped once per iteration is replayed as it ran.
         on_event: called with each :class:`RecoveryEvent` once the pipeline re-formed.
@@ -298,12 +301,12 @@ class ResilientLoop:
 
     def __init__(
         self,
-        client: SwiftlogClient,
+        client: SwiftlogClient | MultiStageClient,
         store: dist.Store,
         config: RecoveryConfig,
         *,
         rebuild: Callable[[], None],
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         lr_scheduler: Any | None = None,
         on_event: Callable[[RecoveryEvent], None] | None = None,
         replay_group: Callable[[int, list[int]], int] | None = None,
@@ -313,6 +316,10 @@ class ResilientLoop:
             raise ValueError(
                 "ResilientLoop needs a SwiftlogClient with commit_store (the commit decides the resume iteration)"
             )
+        if config.stages_per_rank != client.config.stages_per_rank or config.stage != client.config.stage:
+            raise ValueError("the RecoveryConfig and the client's config place this rank differently")
+        if config.stages_per_rank > 1 and (config.snapshot_dir is not None or replay_group or replay_shards):
+            raise ValueError("snapshots, group and shard replays are not supported with several stages per rank")
         self.client, self.store, self.cfg = client, store, config
         self.rebuild, self.optimizer, self.on_event = rebuild, optimizer, on_event
         self.replay_group = replay_group
@@ -671,7 +678,8 @@ class ResilientLoop:
         if discard:  # 3. discard the unfinished iteration: its gradients and its buffer updates
             if self._buffers_of is not None:
                 fsdp.discard_unfinished(self._buffers_of)  # FSDP: unsharded parameters, pending reductions
-            self.optimizer.zero_grad(set_to_none=True)
+            for opt in self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]:
+                opt.zero_grad(set_to_none=True)
             if self._buffers_of is not None:
                 self._buffers.restore(self._buffers_of)
         drained = self.client.writer.drain(cfg.rejoin_timeout.total_seconds())

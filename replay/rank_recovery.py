@@ -1,0 +1,257 @@
+"""The replacement of a failed rank that held several pipeline stages (multi-stage schedules).
+
+With Interleaved 1F1B or a V schedule a rank holds ``stages_per_rank`` stages
+(``trainer_client.mesh.rank_stages``), so a lost rank loses all of them, and they are rarely
+adjacent. :func:`recover_rank` is :func:`replay.recover_stage` for such a rank:
+
+1. it waits for the survivors' reports (per rank, as with one stage per rank) and takes the
+   resume iteration they agree on;
+2. it turns the failed ranks into failed stages and cuts the rank's stages into replay units: a
+   stage alone, or grown by the adjacent failed stages (a V schedule's last rank holds the two
+   middle stages, whose exchange never left the rank and so was never logged: they replay
+   together, their inner sends regenerated);
+3. it replays the units one after another, each from the newest checkpoint its stages share, with
+   ``workers`` processes each (SWIFT's parallel replay) or alone, every regenerated send verified
+   against its receiver's digest;
+4. it returns the recovered objects of every stage of the rank.
+
+:func:`plan_rank` says the same without replaying: the units, their checkpoints and iterations.
+Never: modifies the survivors' stores or the checkpoints; waits without a deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from replay.checkpoints import newest_common
+from replay.engine import replay
+from replay.errors import ReplacementFallback, ReplayError
+from replay.job import ReplayJob, SourceSpec, close_sources
+from replay.replacement import RecoveredStage, _recovered_objects, _unit_of
+from replay.states import require_factory
+from replay.survivors import (
+    CountingSource,
+    agreed_resume,
+    committed_metas,
+    record_rates,
+    sources_from_reports,
+    wait_for_survivors,
+)
+from trainer_client.errors import CheckpointError
+from trainer_client.mesh import MeshLayout, rank_stages
+from trainer_client.recovery_keys import RecoveryKeys
+
+__all__ = ["RankUnit", "RecoveredRank", "plan_rank", "recover_rank"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankUnit:
+    """Stages replayed together (``stages``), of which the rank keeps ``kept``, from the checkpoint
+    at ``checkpoint_iteration`` to ``resume``."""
+
+    stages: tuple[int, ...]
+    kept: tuple[int, ...]
+    checkpoint_iteration: int
+    checkpoints: dict[int, str]
+    resume: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stages": list(self.stages),
+            "kept": list(self.kept),
+            "checkpoint_iteration": self.checkpoint_iteration,
+            "resume": self.resume,
+        }
+
+
+@dataclass(slots=True)
+class RecoveredRank:
+    """Every stage of a rank, recovered (by stage), the units it replayed, timings (s)."""
+
+    position: int
+    resume: int
+    stages: dict[int, RecoveredStage]
+    units: list[RankUnit]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "resume": self.resume,
+            "path": "replay",
+            "stages": {s: r.summary() for s, r in self.stages.items()},
+            "units": [u.to_dict() for u in self.units],
+            "timings": self.timings,
+            "verified": all(r.verified for r in self.stages.values()),
+        }
+
+
+def plan_rank(
+    position: int,
+    failed_positions: Sequence[int],
+    *,
+    num_stages: int,
+    stages_per_rank: int,
+    stage_style: str,
+    resume: int,
+    checkpoint_url: str,
+    checkpoint_options: dict[str, Any] | None = None,
+) -> list[RankUnit]:
+    """The replay units of the rank at ``position`` when the ranks at ``failed_positions`` were
+    lost (``num_stages``: the number of ranks), each with the newest checkpoint its stages share at
+    or below ``resume``. Raises ReplacementFallback when a unit has no common checkpoint."""
+    lost = sorted(s for p in failed_positions for s in rank_stages(p, num_stages, stages_per_rank, stage_style))
+    units: list[RankUnit] = []
+    for s in rank_stages(position, num_stages, stages_per_rank, stage_style):
+        if any(s in u.stages for u in units):
+            continue
+        members = _unit_of(s, [s], lost)
+        found = newest_common(checkpoint_url, members, resume, checkpoint_options)
+        if found is None:
+            raise ReplacementFallback(
+                f"stage(s) {members} have no common durable checkpoint at or below iteration {resume} under "
+                f"{checkpoint_url}"
+            )
+        mine = rank_stages(position, num_stages, stages_per_rank, stage_style)
+        kept = tuple(k for k in members if k in mine)
+        units.append(RankUnit(tuple(members), kept, found[0], found[1], resume))
+    return units
+
+
+def recover_rank(
+    store: dist.Store,
+    *,
+    run_id: str,
+    stage: int,
+    num_stages: int,
+    stages_per_rank: int,
+    stage_style: str = "loop",
+    generation: int,
+    checkpoint_url: str,
+    sources: Sequence[SourceSpec] | None = None,
+    factory: Callable[..., Any] | None = None,
+    model: str | None = None,
+    model_args: dict[str, Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    workers: int = 1,
+    threads: int | None = 1,
+    output: str | None = None,
+    checkpoint_options: dict[str, Any] | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=120),
+    commit_prefix: str | None = None,
+) -> RecoveredRank:
+    """Rebuild every stage of the rank at ``pp`` position ``stage`` (of ``num_stages`` ranks, each
+    holding ``stages_per_rank`` stages in ``stage_style``) after generation ``generation`` failed.
+
+    ``factory`` / ``model`` build a pipeline stage as for :func:`replay.recover_stage`
+    (``factory(stage, num_pipeline_stages, checkpoint, **model_args)``); ``workers`` > 1 replays
+    each unit with that many processes (their state comes back through checkpoint files under
+    ``output``, default a temporary directory). ``sources``: where the records are (default: the
+    survivors' reported store roots and cold tiers). Returns the recovered rank. Raises
+    ReplacementFallback when a replay is impossible or does not verify, RecoveryTimeoutError when
+    the survivors do not report within ``timeout``.
+    """
+    require_factory(model, factory)
+    keys = RecoveryKeys(run_id, commit_prefix)
+    layout = MeshLayout(num_stages)
+    t0 = time.monotonic()
+    failed, docs = wait_for_survivors(store, keys, generation, layout, stage, timeout)
+    resume = agreed_resume(docs, generation)
+    t_survivors = time.monotonic()
+    units = plan_rank(
+        stage,
+        failed,
+        num_stages=num_stages,
+        stages_per_rank=stages_per_rank,
+        stage_style=stage_style,
+        resume=resume,
+        checkpoint_url=checkpoint_url,
+        checkpoint_options=checkpoint_options,
+    )
+    base = list(sources) if sources is not None else sources_from_reports(docs)
+    recovered: dict[int, RecoveredStage] = {}
+    for unit in units:
+        metas = committed_metas(store, keys, unit.stages, range(unit.checkpoint_iteration, resume), unit.stages)
+        job = ReplayJob(
+            run=run_id,
+            num_stages=num_stages * stages_per_rank,
+            stages=list(unit.stages),
+            stop_iteration=resume,
+            checkpoints=unit.checkpoints,
+            sources=[metas, *base] if metas is not None else list(base),
+            checkpoint_options=dict(checkpoint_options or {}),
+            model=model,
+            model_args=dict(model_args or {}),
+            workers=workers,
+            threads=threads,
+        )
+        recovered.update(_replay_unit(job, unit, factory, model, model_args, loss_fn, output, store, keys))
+    timings = {"wait_survivors_s": t_survivors - t0, "total_s": time.monotonic() - t0}
+    return RecoveredRank(stage, resume, recovered, units, timings)
+
+
+def _replay_unit(
+    job: ReplayJob,
+    unit: RankUnit,
+    factory: Callable[..., Any] | None,
+    model: str | None,
+    model_args: dict[str, Any] | None,
+    loss_fn: Callable[..., Any] | None,
+    output: str | None,
+    store: dist.Store,
+    keys: RecoveryKeys,
+) -> dict[int, RecoveredStage]:
+    """One unit's replay (alone, or with ``job.workers`` spawned workers); the kept stages' objects."""
+    first = unit.stages[0]
+    if job.workers > 1:
+        job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{first}-"))
+    t0 = time.monotonic()
+    opened = [CountingSource(s.open(job.run)) for s in job.sources]
+    try:
+        res = replay(job, factory=factory, loss_fn=loss_fn, sources=opened)
+    except (ReplayError, CheckpointError) as e:
+        raise ReplacementFallback(
+            f"replay of stage(s) {list(unit.stages)} over [{unit.checkpoint_iteration}, {unit.resume}) failed: {e}"
+        ) from e
+    finally:
+        close_sources([s.inner for s in opened])
+    if not res.verified:
+        raise ReplacementFallback(
+            f"replay of stage(s) {list(unit.stages)} over [{unit.checkpoint_iteration}, {unit.resume}) did not "
+            f"verify: {res.report.unverified_reason}"
+        )
+    record_rates(store, keys, job.sources, opened)
+    rep = res.report
+    timings = {
+        "setup_s": res.setup_seconds,
+        "fetch_s": rep.fetch_seconds,
+        "replay_s": res.replay_seconds,
+        "workers": res.job.workers,
+        "unit_s": time.monotonic() - t0,
+    }
+    out = {}
+    for s in unit.kept:
+        mod, opt, sched = _recovered_objects(res, job, s, model, model_args, factory)
+        out[s] = RecoveredStage(
+            mod,
+            opt,
+            sched,
+            unit.resume,
+            unit.checkpoint_iteration,
+            unit.checkpoints[s],
+            True,
+            rep.digests_checked,
+            rep.records_fetched,
+            sum(o.bytes for o in opened),
+            timings,
+            list(rep.warnings),
+            why=f"replayed with stage(s) {list(unit.stages)}",
+        )
+    return out

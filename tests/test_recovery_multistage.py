@@ -1,0 +1,119 @@
+"""In-place recovery of ranks that hold several stages (multi-stage schedules), real processes.
+
+The template ``trainer_client.examples.multi_stage_resilient`` runs 2 ranks of 2 stages each
+under :mod:`replay.launcher` with Interleaved 1F1B (rank r holds stages r and r + 2), ZBV
+zero-bubble (a V: rank 0 holds stages 0 and 3, rank 1 the middle stages 1 and 2, whose exchange
+never leaves it, and every backward is split into input- and weight-gradient passes) and
+interleaved zero-bubble. A rank is SIGKILLed in a phase; its replacement replays all its stages
+(``replay.recover_rank``) while the other rank keeps its state. Every stage's final state must
+equal a failure-free run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replay.compare import states_equal
+from replay.launcher import KillSpec, RecoveryRun, run_with_failures
+
+SCRIPT = "trainer_client.examples.multi_stage_resilient"
+ITERS = 7
+
+
+def _args(schedule: str, workers: int = 1) -> object:
+    def args(base: Path) -> list[str]:
+        extra = ["--replay-workers", str(workers)] if workers > 1 else []
+        return ["--iters", str(ITERS), "--ckpt-at", "0,3", "--cold-url", f"file://{base / 'cold'}", "--schedule",
+                schedule, *extra]  # fmt: skip
+
+    return args
+
+
+def _run(tmp_path: Path, schedule: str, kills: list[KillSpec], workers: int = 1) -> RecoveryRun:
+    base = tmp_path / "kill"
+    base.mkdir()
+    r = run_with_failures(
+        _args(schedule, workers)(base),  # type: ignore[operator]
+        run_id="multi",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        num_stages=2,
+        kills=kills,
+        timeout_s=200,
+        script=SCRIPT,
+    )
+    assert r.ok, r.describe()
+    return r
+
+
+def _same_as_failure_free(references: object, r: RecoveryRun, schedule: str) -> None:
+    ref = references.failure_free(  # type: ignore[attr-defined]
+        _args(schedule), run_id="multi", num_stages=2, script=SCRIPT, timeout_s=200
+    )
+    for k in (0, 1):
+        got, want = r.results[k]["stages"], ref.results[k]["stages"]
+        assert sorted(got) == sorted(want)
+        diffs = {s: states_equal(got[s], want[s]) for s in want}
+        assert not any(diffs.values()), {s: v[:5] for s, v in diffs.items() if v}
+
+
+CASES = [
+    pytest.param("interleaved1f1b", 0, "backward", id="interleaved-rank0-backward"),
+    pytest.param("interleaved1f1b", 1, "forward", marks=pytest.mark.slow, id="interleaved-rank1-forward"),
+    pytest.param("interleaved1f1b", 1, "backward", marks=pytest.mark.slow, id="interleaved-rank1-backward"),
+    pytest.param("interleaved1f1b", 0, "commit", marks=pytest.mark.slow, id="interleaved-rank0-commit"),
+    pytest.param("interleaved1f1b", 1, "optimizer", marks=pytest.mark.slow, id="interleaved-rank1-optimizer"),
+    pytest.param("interleaved1f1b", 0, "forward", marks=pytest.mark.slow, id="interleaved-rank0-forward"),
+    pytest.param("interleaved1f1b", 1, "commit", marks=pytest.mark.slow, id="interleaved-rank1-commit"),
+    pytest.param("interleaved1f1b", 0, "optimizer", marks=pytest.mark.slow, id="interleaved-rank0-optimizer"),
+    pytest.param("zbvzerobubble", 1, "weight", id="zbv-rank1-weight"),
+    pytest.param("zbvzerobubble", 0, "weight", marks=pytest.mark.slow, id="zbv-rank0-weight"),
+    pytest.param("zbvzerobubble", 0, "backward", marks=pytest.mark.slow, id="zbv-rank0-backward"),
+    pytest.param("zbvzerobubble", 1, "backward", marks=pytest.mark.slow, id="zbv-rank1-backward"),
+    pytest.param("zbvzerobubble", 0, "forward", marks=pytest.mark.slow, id="zbv-rank0-forward"),
+    pytest.param("zbvzerobubble", 1, "forward", marks=pytest.mark.slow, id="zbv-rank1-forward"),
+    pytest.param("zbvzerobubble", 0, "commit", marks=pytest.mark.slow, id="zbv-rank0-commit"),
+    pytest.param("zbvzerobubble", 1, "commit", marks=pytest.mark.slow, id="zbv-rank1-commit"),
+    pytest.param("zbvzerobubble", 0, "optimizer", marks=pytest.mark.slow, id="zbv-rank0-optimizer"),
+    pytest.param("zbvzerobubble", 1, "optimizer", marks=pytest.mark.slow, id="zbv-rank1-optimizer"),
+    pytest.param("interleavedzerobubble", 1, "weight", marks=pytest.mark.slow, id="interleaved-zb-rank1-weight"),
+    pytest.param("interleavedzerobubble", 0, "backward", marks=pytest.mark.slow, id="interleaved-zb-rank0-backward"),
+]
+
+#: the stages each rank holds, and the replay units of its replacement
+STAGES = {"interleaved1f1b": {0: [0, 2], 1: [1, 3]}, "zbvzerobubble": {0: [0, 3], 1: [1, 2]}}
+STAGES["interleavedzerobubble"] = STAGES["interleaved1f1b"]
+UNITS = {("zbvzerobubble", 1): [[1, 2]]}  # the V's middle stages: one rank, never logged between them
+
+
+@pytest.mark.parametrize(("schedule", "rank", "phase"), CASES)
+def test_a_lost_rank_replays_every_stage_it_held(
+    references: object, tmp_path: Path, schedule: str, rank: int, phase: str
+) -> None:
+    """Only the killed rank is replaced; its replacement replays each of its stages (the V's middle
+    stages together) from the checkpoint at 3 to the resume iteration; bit-exact everywhere."""
+    r = _run(tmp_path, schedule, [KillSpec(rank, 4, 1, phase)])
+    _same_as_failure_free(references, r, schedule)
+    assert r.fallback is None and [t["failed_stages"] for t in r.timings] == [[rank]]
+    rec = r.results[rank]["recovered"]
+    resume = 4 + (phase == "optimizer")
+    assert (rec["resume"], rec["verified"]) == (resume, True)
+    mine = STAGES[schedule][rank]
+    assert sorted(rec["stages"]) == mine
+    units = UNITS.get((schedule, rank), [[s] for s in mine])
+    assert [u["stages"] for u in rec["units"]] == units
+    assert all(u["checkpoint_iteration"] == 3 for u in rec["units"])
+    assert all(st["digests_checked"] > 0 for st in rec["stages"].values())
+    (ev,) = r.results[1 - rank]["events"]  # the other rank kept its state and resumed there
+    assert ev["resume"] == resume
+
+
+@pytest.mark.slow
+def test_a_lost_rank_replays_with_parallel_workers(references: object, tmp_path: Path) -> None:
+    """Each stage of the lost rank is replayed by 2 worker processes (SWIFT's parallel replay)."""
+    r = _run(tmp_path, "interleaved1f1b", [KillSpec(1, 5, 0, "backward")], workers=2)
+    _same_as_failure_free(references, r, "interleaved1f1b")
+    rec = r.results[1]["recovered"]
+    assert [st["timings"]["workers"] for st in rec["stages"].values()] == [2, 2]
