@@ -56,6 +56,7 @@ from replay._plan_fetch import DEFAULT_COLD_MBPS, DEFAULT_HOT_MBPS, check_record
 from replay._plan_index import LogIndex, cold_only_store
 from replay.core import needed_channels
 from replay.plan_types import FetchItem, RecoveryPlan, ReplayUnit
+from trainer_client.mesh import STAGE_STYLES, rank_stages
 
 __all__ = [
     "plan_recovery",
@@ -105,8 +106,12 @@ def plan_recovery(
     replay_seconds_per_iteration: float | None = None,
     check_records: bool = False,
     rates: dict[str, float] | None = None,
+    failed_ranks: Sequence[int] = (),
+    stages_per_rank: int = 1,
+    stage_style: str = "loop",
 ) -> RecoveryPlan:
-    """Plan the recovery of ``failed_stages`` from what ``stores`` hold.
+    """Plan the recovery of ``failed_stages`` (and of every stage of ``failed_ranks``) from what
+    ``stores`` hold.
 
     Args:
         stores: one LogStore per reachable node root (each reads every writer's hot tier there and
@@ -125,6 +130,10 @@ def plan_recovery(
         replay_seconds_per_iteration: compute time of one stage-iteration (default: from META).
         check_records: also read every record the replay needs and check its checksums (costs
             the bytes); a corrupt one makes the unit impossible, naming the key.
+        failed_ranks / stages_per_rank / stage_style: with a multi-stage schedule, the lost ranks
+            (their ``pp`` positions) and how the schedule placed stages on them
+            (``trainer_client.mesh.rank_stages``): every stage of each is planned, and the plan's
+            ``failed_ranks`` names them.
 
     Returns a :class:`RecoveryPlan`; never raises for an impossible recovery. Raises ValueError for
     unusable arguments and lets store errors that prevent any planning (e.g. the cold tier is
@@ -139,8 +148,13 @@ def plan_recovery(
     if len(runs) != 1:
         raise ValueError(f"stores of different runs given: {sorted(runs)}")
     failed = sorted({int(f) for f in failed_stages})
-    if not failed or failed[0] < 0:
-        raise ValueError(f"failed_stages must name at least one stage >= 0, got {list(failed_stages)}")
+    if (not failed and not failed_ranks) or (failed and failed[0] < 0) or any(r < 0 for r in failed_ranks):
+        raise ValueError(
+            f"failed_stages / failed_ranks must name at least one stage or rank >= 0, got {list(failed_stages)} / "
+            f"{list(failed_ranks)}"
+        )
+    if stages_per_rank < 1 or stage_style not in STAGE_STYLES:
+        raise ValueError(f"stages_per_rank must be >= 1 and stage_style one of {STAGE_STYLES}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if bandwidth_mbps is not None and bandwidth_mbps <= 0:
@@ -149,6 +163,7 @@ def plan_recovery(
         srcs, failed, num_stages, target_iteration, bandwidth_mbps, workers, replay_seconds_per_iteration, check_records
     )
     planner.rates = dict(rates or {})
+    planner.ranks = (sorted(set(failed_ranks)), stages_per_rank, stage_style)
     try:
         return planner.plan()
     finally:
@@ -198,6 +213,7 @@ class _Planner:
         self.replay_s = replay_s
         self.check_records = check_records
         self.rates: dict[str, float] = {}  # measured per-tier fetch rates (MB/s)
+        self.ranks: tuple[list[int], int, str] = ([], 1, "loop")  # failed ranks, stages per rank, stage style
         self.warnings: list[str] = []
         self.logs = LogIndex(stores, self.warnings)  # what the stores hold, listed once
 
@@ -245,6 +261,19 @@ class _Planner:
                     ]
         return []
 
+    def _rank_stages(self, S: int) -> dict[int, list[int]]:
+        """The stages of every failed rank (``self.ranks``) in a pipeline of ``S`` stages."""
+        ranks, per_rank, style = self.ranks
+        if not ranks:
+            return {}
+        if S % per_rank:
+            raise ValueError(f"{S} stages cannot be held {per_rank} per rank")
+        P = S // per_rank
+        bad = [r for r in ranks if r >= P]
+        if bad:
+            raise ValueError(f"failed ranks {bad} are outside the {P} ranks of {per_rank} stages each")
+        return {r: list(rank_stages(r, P, per_rank, style)) for r in ranks}
+
     def plan(self) -> RecoveryPlan:
         self.logs.hot_only_where_the_cold_tier_is_down()
         ckpts = self.logs.checkpoints()
@@ -252,6 +281,8 @@ class _Planner:
         self.logs.channel_set = channels
         gaps = self.logs.gaps()
         S = self._num_stages(ckpts, channels)
+        by_rank = self._rank_stages(S)
+        self.failed = sorted({*self.failed, *(k for ks in by_rank.values() for k in ks)})
         bad = [f for f in self.failed if f >= S]
         if bad:
             raise ValueError(f"failed stages {bad} are outside the pipeline of {S} stages (0..{S - 1})")
@@ -311,6 +342,7 @@ class _Planner:
             run=self.run,
             num_stages=S,
             failed_stages=list(self.failed),
+            failed_ranks=by_rank,
             target_iteration=target,
             possible=possible,
             recommended="replay" if possible else "global_rollback",

@@ -103,6 +103,8 @@ class RecoveryPlan:
     assumptions: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
     planned_at: float = 0.0
+    #: with a multi-stage schedule: every failed rank (its ``pp`` position) and the stages it held
+    failed_ranks: dict[int, list[int]] = field(default_factory=dict)
 
     def unit_of(self, stage: int) -> ReplayUnit:
         """The unit that replays ``stage``; KeyError if the stage is in none."""
@@ -116,6 +118,7 @@ class RecoveryPlan:
         d = asdict(self)
         for u in d["units"]:
             u["checkpoints"] = {str(k): v for k, v in u["checkpoints"].items()}
+        d["failed_ranks"] = {str(k): v for k, v in d["failed_ranks"].items()}
         return d
 
     @classmethod
@@ -127,4 +130,5 @@ class RecoveryPlan:
             ud["checkpoints"] = {int(k): v for k, v in ud["checkpoints"].items()}
             ud["fetch"] = [FetchItem(**f) for f in ud.get("fetch", [])]
             units.append(ReplayUnit(**ud))
-        return cls(**{**d, "units": units})
+        ranks = {int(k): list(v) for k, v in d.get("failed_ranks", {}).items()}
+        return cls(**{**d, "units": units, "failed_ranks": ranks})

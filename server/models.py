@@ -460,6 +460,9 @@ class RecoveryPlanDetail(_Model):
     assumptions: dict[str, Any]
     warnings: list[str] = Field(default_factory=list)
     planned_at: float = 0.0
+    failed_ranks: dict[str, list[int]] = Field(
+        default_factory=dict, description="multi-stage schedules: each failed rank's pp position -> its stages"
+    )
 
 
 class RecoveryPlan(_Model):

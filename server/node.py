@@ -513,16 +513,20 @@ class Node:
         target_iteration: int | None = None,
         bandwidth_mbps: float | None = None,
         workers: int | None = None,
+        failed_ranks: list[int] | None = None,
+        stages_per_rank: int | None = None,
+        stage_style: str | None = None,
     ) -> RecoveryPlan:
         """The recovery plan of the pluggable planner; NotAvailableError until it is installed.
 
         ``target_iteration`` (where the survivors stand), ``bandwidth_mbps`` (for the fetch time
-        estimate) and ``workers`` (parallel replay) are passed to the planner only when given,
+        estimate), ``workers`` (parallel replay) and, for a multi-stage schedule, ``failed_ranks``
+        with ``stages_per_rank`` and ``stage_style`` are passed to the planner only when given,
         so a planner without them keeps working.
         """
         st = self.store(run)
-        if not failed_stages:
-            raise BadRequestError("no failed stage given", hint="name at least one failed stage")
+        if not failed_stages and not failed_ranks:
+            raise BadRequestError("no failed stage given", hint="name at least one failed stage (or rank)")
         fn = load_planner(self.planner)
         options = {
             k: v
@@ -530,6 +534,9 @@ class Node:
                 ("target_iteration", target_iteration),
                 ("bandwidth_mbps", bandwidth_mbps),
                 ("workers", workers),
+                ("failed_ranks", sorted(set(failed_ranks)) if failed_ranks else None),
+                ("stages_per_rank", stages_per_rank),
+                ("stage_style", stage_style),
             )
             if v is not None
         }
@@ -539,9 +546,8 @@ class Node:
             raise
         except (ValueError, KeyError) as e:
             raise BadRequestError(f"recovery planner refused the request: {e}") from e
-        return RecoveryPlan(
-            run=run, failed_stages=sorted(set(failed_stages)), planner=self.planner, plan=to_jsonable(plan)
-        )
+        stages = getattr(plan, "failed_stages", None) or sorted(set(failed_stages))
+        return RecoveryPlan(run=run, failed_stages=stages, planner=self.planner, plan=to_jsonable(plan))
 
     # ------------------------------------------------------------------ logging groups
     def profile(self, run: str) -> dict[str, Any]:

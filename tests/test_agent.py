@@ -274,3 +274,35 @@ def test_a_lost_shard_is_replayed_in_place_by_its_shard_group_under_the_agents(t
     assert not any(diffs.values()), {k: v[:5] for k, v in diffs.items() if v}
     assert got[3]["recovered"]["path"] == "shard" and "ranks 2 in place" in got[3]["recovered"]["why"]
     assert [e["replayed_in_place"] for e in got[2]["events"]] == [[2, 3]]
+
+
+MULTI_SCRIPT = "trainer_client.examples.multi_stage_resilient"
+
+
+def _multi_args(base: Path) -> list[str]:
+    return ["--iters", "7", "--ckpt-at", "0,3", "--cold-url", f"file://{base / 'cold'}", "--schedule", "zbvzerobubble"]
+
+
+def test_a_rank_holding_two_stages_is_replaced_under_the_agents(tmp_path: Path, references: Any, hosts: Any) -> None:
+    """ZBV zero-bubble, 2 nodes x 1 rank of 2 stages each: node 1 (the V's middle stages 1 and 2)
+    is lost with its store root; the replacement on the spare replays both stages together from the
+    cold tier and node 0's node server, bit-exact."""
+    c = LocalCluster(
+        tmp_path, MULTI_SCRIPT, _multi_args(tmp_path), nproc_per_node=1, run_id="multi",
+        agent_args=["--node-timeout", "1.0"], hosts=hosts,
+    ).start()  # fmt: skip
+    ckpt = tmp_path / "ckpt" / "stage00002" / "it000000000003.pt"
+    deadline = time.monotonic() + 120
+    while not ckpt.is_file():
+        assert time.monotonic() < deadline and c.node(0).proc.poll() is None
+        time.sleep(0.05)
+    c.lose_node(1)
+    rc = c.wait(timeout_s=300)
+    assert rc == 0, "\n".join(f"--- {p.log.name}\n{p.output()[-4000:]}" for p in c.nodes)
+    got = {k: torch.load(c.out / f"stage{k}.pt", weights_only=False) for k in (0, 1)}
+    ref = references.failure_free(_multi_args, run_id="multi", num_stages=2, script=MULTI_SCRIPT)
+    for k in (0, 1):
+        diffs = {s: states_equal(got[k]["stages"][s], ref.results[k]["stages"][s]) for s in ref.results[k]["stages"]}
+        assert not any(diffs.values()), {s: v[:5] for s, v in diffs.items() if v}
+    rec = got[1]["recovered"]
+    assert [u["stages"] for u in rec["units"]] == [[1, 2]] and rec["verified"]

@@ -117,3 +117,41 @@ def test_a_lost_rank_replays_with_parallel_workers(references: object, tmp_path:
     _same_as_failure_free(references, r, "interleaved1f1b")
     rec = r.results[1]["recovered"]
     assert [st["timings"]["workers"] for st in rec["stages"].values()] == [2, 2]
+
+
+def test_the_plan_of_a_lost_rank_names_every_stage_it_held(tmp_path: Path) -> None:
+    """A ZBV run's logs: planning rank 1's loss replays its stages 1 and 2 as one unit (their
+    exchange never left the rank); rank 0's, stages 0 and 3 apart. The CLI says the same."""
+    from logstore import LogStore, StoreConfig
+    from replay import plan_recovery
+    from tests._cli_helpers import ok, swiftlog
+
+    base = tmp_path / "run"
+    base.mkdir()
+    r = run_with_failures(
+        _args("zbvzerobubble")(base),  # type: ignore[operator]
+        run_id="multi",
+        base_dir=str(base),
+        checkpoint_url=f"file://{base / 'ckpt'}",
+        num_stages=2,
+        timeout_s=200,
+        script=SCRIPT,
+    )
+    assert r.ok, r.describe()
+    roots = sorted((base / "nodes").iterdir())
+    stores = [LogStore(StoreConfig(root=str(p), run="multi", cold_url=f"file://{base / 'cold'}")) for p in roots]
+    try:
+        plan = plan_recovery(stores, failed_ranks=[1], stages_per_rank=2, stage_style="v", target_iteration=ITERS)
+        assert plan.possible and plan.failed_stages == [1, 2] and plan.failed_ranks == {1: [1, 2]}
+        assert [u.stages for u in plan.units] == [[1, 2]]
+        plan = plan_recovery(stores, failed_ranks=[0], stages_per_rank=2, stage_style="v", target_iteration=ITERS)
+        assert plan.failed_ranks == {0: [0, 3]} and [u.stages for u in plan.units] == [[0], [3]]
+        with pytest.raises(ValueError, match="failed ranks \\[2\\] are outside the 2 ranks"):
+            plan_recovery(stores, failed_ranks=[2], stages_per_rank=2, stage_style="v")
+    finally:
+        for st in stores:
+            st.close()
+    cold = f"file://{base / 'cold'}"
+    p = ok(swiftlog("plan", "--root", roots[0], "--cold-url", cold, "--run", "multi", "-r", "1",
+                    "--stages-per-rank", "2", "--stage-style", "v", "-t", str(ITERS)))  # fmt: skip
+    assert "rank 1 held stages [1, 2]" in p.stdout and "stages [1, 2]: replay [3, 7)" in p.stdout

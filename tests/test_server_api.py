@@ -174,7 +174,12 @@ def test_recovery_plan_from_the_replay_planner(client: httpx.Client) -> None:
     assert plan["possible"] is False and plan["recommended"] == "global_rollback"
     assert "no registered checkpoint" in plan["reasons"][0] and plan["fallback"]["iteration"] is None
     assert client.get("/v1/runs/run-a/recovery-plan", params={"failed": [9]}).status_code == 400  # outside the pipeline
-    assert client.get("/v1/runs/run-a/recovery-plan").status_code == 422  # failed stage is required
+    missing = client.get("/v1/runs/run-a/recovery-plan")  # a failed stage (or rank) is required
+    assert missing.status_code == 400 and "no failed stage given" in missing.text
+    by_rank = client.get("/v1/runs/run-a/recovery-plan", params={"rank": [1], "stages_per_rank": 1})
+    assert by_rank.status_code == 200 and by_rank.json()["plan"]["failed_ranks"] == {"1": [1]}
+    bad_style = client.get("/v1/runs/run-a/recovery-plan", params={"rank": [1], "stage_style": "w"})
+    assert bad_style.status_code == 422
     # the planner's options pass through
     r = client.get(
         "/v1/runs/run-a/recovery-plan",

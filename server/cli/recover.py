@@ -50,6 +50,16 @@ def plan(
         list[int] | None,
         typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)", show_default=False),
     ] = None,
+    rank: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--rank", "-r", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"
+        ),
+    ] = None,
+    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")] = 1,
+    stage_style: Annotated[
+        str, typer.Option("--stage-style", help="how stages are placed on ranks: loop or v")
+    ] = "loop",
     # the old spelling of --stage: hidden, still works, says it is deprecated
     failed: Annotated[list[int] | None, typer.Option("--failed", "-f", min=0, max=0xFFFF, hidden=True)] = None,
     planner: Annotated[
@@ -89,12 +99,15 @@ def plan(
     if node_map_file is not None and not stages:
         _replica_logging(root, run, dp_replicate, node_map_file, num_stages, cold_url, cold_option, json_out)
         return
-    if not stages:
+    if not stages and not rank:
         raise fail(
             "missing option '--stage' / '-s'",
-            hint="name the failed stage: -s 2 (repeat for several)",
+            hint="name the failed stage: -s 2 (repeat for several), or a multi-stage rank: -r 1 --stages-per-rank 2",
             error_type="usage",
         )
+    if stage_style not in ("loop", "v"):
+        raise fail(f"--stage-style must be loop or v, got {stage_style!r}", error_type="usage")
+    ranks = {"failed_ranks": rank, "stages_per_rank": stages_per_rank, "stage_style": stage_style} if rank else {}
     if len(root) != 1:  # a plain option would keep the last of several silently
         raise fail(
             f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",
@@ -103,7 +116,14 @@ def plan(
     with handle_errors():
         node = make_node(root[0], cold_url, cold_option)
         node.planner = planner
-        p = node.plan(run, stages, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers)
+        p = node.plan(
+            run,
+            list(stages or []),
+            target_iteration=target_iteration,
+            bandwidth_mbps=bandwidth_mbps,
+            workers=workers,
+            **ranks,
+        )
     # the default planner's plan is a model, another planner's a plain JSON object
     doc = p.plan if isinstance(p.plan, dict) else p.plan.model_dump(mode="json")
     impossible = doc.get("possible") is False  # exit 1, as swiftlog replay --plan-only

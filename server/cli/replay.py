@@ -492,6 +492,8 @@ def print_plan(plan: Any, json_out: bool) -> None:
         f"recovery of run {plan.run}, failed stages {plan.failed_stages} ({plan.num_stages} stages, logging groups "
         f"{plan.logging_groups}):"
     )
+    for r, held in sorted(getattr(plan, "failed_ranks", {}).items()):
+        typer.echo(f"  rank {r} held stages {held}")
     for u in plan.units:
         head = f"  stages {u.stages}" + (f" (rolled back with them: {u.rolled_back})" if u.rolled_back else "")
         if u.possible:

@@ -31,8 +31,13 @@ def build(settings: Settings) -> APIRouter:
     async def recovery_plan(
         run: RunId,
         failed: list[Annotated[int, Field(ge=0, le=0xFFFF)]] = Query(
-            ..., min_length=1, max_length=64, description="failed stage (repeat for several)"
+            [], max_length=64, description="failed stage (repeat for several; or name failed ranks)"
         ),
+        rank: list[Annotated[int, Field(ge=0, le=0xFFFF)]] = Query(
+            [], max_length=64, description="multi-stage schedules: a failed rank's pp position (repeat for several)"
+        ),
+        stages_per_rank: int | None = Query(None, ge=1, le=64, description="stages each rank holds (with rank)"),
+        stage_style: Literal["loop", "v"] | None = Query(None, description="how stages are placed on ranks"),
         target_iteration: int | None = Query(
             None,
             ge=0,
@@ -48,7 +53,14 @@ def build(settings: Settings) -> APIRouter:
     ) -> RecoveryPlan:
         return await run_in_threadpool(
             lambda: node.plan(
-                run, failed, target_iteration=target_iteration, bandwidth_mbps=bandwidth_mbps, workers=workers
+                run,
+                failed,
+                target_iteration=target_iteration,
+                bandwidth_mbps=bandwidth_mbps,
+                workers=workers,
+                failed_ranks=rank,
+                stages_per_rank=stages_per_rank,
+                stage_style=stage_style,
             )
         )
 
