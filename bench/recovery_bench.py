@@ -26,6 +26,11 @@ this 2-core machine the idle survivors leave the second core to the helper.
 ``--reps`` repetitions (each a SWIFT run then a rollback run); ``..._per_rep`` lists the paired
 ratios, which show how much the shared machine moves it.
 
+Interleaved case (``interleaved`` in the results; ``bench/_interleaved.py``): the same comparison
+for a rank that holds two stages of an Interleaved 1F1B pipeline (4 ranks x 2 stages). Rank 1
+(stages 1 and 5) is killed at iteration 30; its replacement replays both stages, one after the
+other, from the checkpoint at 20 (``replay.recover_rank``); the rollback restarts all 4 ranks.
+
 Writes bench/results/recovery.json. ``python bench/recovery_bench.py [--reps N] [--quick] [--replay-workers K]``.
 """
 
@@ -40,11 +45,13 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._interleaved import recovery_case  # noqa: E402
 from replay.compare import states_equal
-from replay.launcher import KillSpec, resumed_after_rollback, run_with_failures
+from replay.launcher import DEFAULT_SCRIPT, KillSpec, resumed_after_rollback, run_with_failures
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 
@@ -69,7 +76,9 @@ def _args(base: Path, iters: int, ckpt_every: int, model: list[str]) -> list[str
     ]
 
 
-def _run(base: Path, args: list[str], kills: list[KillSpec], mode: str, workers: int = 1) -> object:
+def _run(
+    base: Path, args: list[str], kills: list[KillSpec], mode: str, workers: int = 1, script: str = DEFAULT_SCRIPT
+) -> Any:
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     r = run_with_failures(
@@ -81,10 +90,102 @@ def _run(base: Path, args: list[str], kills: list[KillSpec], mode: str, workers:
         mode=mode,
         timeout_s=600,
         replay_workers=workers,
+        script=script,
     )
     if not r.ok:
         raise SystemExit(f"{mode} run failed:\n{r.describe()}")
     return r
+
+
+def gpt_case(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """SWIFT vs a global rollback for the example GPT, one stage per rank (the module docstring)."""
+    iters, every, fail_it = 40, 20, 30
+    model = (
+        ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"]
+        if a.quick
+        else ["--hidden", "128", "--layers", "2", "--seq", "32", "--n-microbatches", "8", "--heads", "4"]
+    )
+    ref = _run(work / "ref", _args(work / "ref", iters, every, model), [], "swift")
+    kill = [KillSpec(a.stage, fail_it, 1, "forward")]
+    swift, rollback = [], []
+    exact = True
+    for rep in range(a.reps):
+        s = _run(
+            work / f"swift{rep}",
+            _args(work / f"swift{rep}", iters, every, model),
+            kill,
+            "swift",
+            a.replay_workers,
+        )
+        diffs = [states_equal(s.results[k], ref.results[k]) for k in range(4)]
+        exact = exact and not any(diffs)
+        swift.append(s.timings[0])
+        g = _run(
+            work / f"rollback{rep}",
+            _args(work / f"rollback{rep}", iters, every, model),
+            kill,
+            "rollback",
+        )
+        rollback.append(
+            {
+                "resumed_s": resumed_after_rollback(g, fail_it),
+                "bit_exact": not any(states_equal(g.results[k], ref.results[k]) for k in range(4)),
+            }
+        )
+    iter_s = statistics.median(
+        t2 - t1
+        for (_, t1, _), (_, t2, _) in zip(
+            ref.results[0]["iteration_end"], ref.results[0]["iteration_end"][1:], strict=False
+        )
+    )
+    med = statistics.median
+    rec = med([t["resumed_s"] for t in swift])
+    rb = med([r["resumed_s"] for r in rollback])
+    out = {
+        "recovery_vs_global_rollback": rec / rb,
+        "recovery_vs_global_rollback_per_rep": [
+            t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)
+        ],
+        "replay_workers": a.replay_workers,
+        "recovery_s": rec,
+        "global_rollback_s": rb,
+        "detect_s": med([t["detect_s"] for t in swift]),
+        "fetch_s": med([t["fetch_s"] for t in swift]),
+        "replay_s": med([t["replay_s"] for t in swift]),
+        "rejoin_s": med([t["rejoin_s"] for t in swift]),
+        "wait_survivors_s": med([t["wait_survivors_s"] for t in swift]),
+        "bytes_fetched": swift[0]["bytes_fetched"],
+        "records_fetched": swift[0]["records_fetched"],
+        "verified": all(t["verified"] for t in swift),
+        "bit_exact": exact,
+        "rollback_bit_exact": all(r["bit_exact"] for r in rollback),
+        "pipeline_iteration_s": iter_s,
+        "setup": {
+            "stages": 4,
+            "failed_stage": a.stage,
+            "iterations": iters,
+            "checkpoint_every": every,
+            "failed_at_iteration": fail_it,
+            "iterations_redone_or_replayed": fail_it - every,
+            "schedule": "1f1b",
+            "model_args": model,
+            "reps": a.reps,
+            "replay_workers": a.replay_workers,
+            "process_start": "fork server with torch preloaded (both modes)",
+            "machine": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "runs": {"swift": swift, "rollback": rollback},
+        "notes": (
+            "recovery_s: SIGKILL -> every stage in the new process group at the failed iteration "
+            "(detect + survivors report + replacement start + checkpoint load + fetch + replay + verify + rejoin). "
+            "global_rollback_s: SIGKILL -> restarted pipeline finished the failed iteration - 1 again "
+            "(kill all + restart 4 processes + rejoin + checkpoint load + redo). "
+            "fetch_s includes the replacement's checkpoint load and stage build; "
+            "it overlaps replay_s through prefetching."
+        ),
+    }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smaller model (smoke test)")
+    p.add_argument("--only", choices=["gpt", "interleaved"], default=None, help="run one case (default: both)")
     p.add_argument(
         "--replay-workers",
         type=int,
@@ -99,103 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         help="replay processes: the replacement plus (K - 1) helpers the scheduler starts with it",
     )
     a = p.parse_args(argv)
-    iters, every, fail_it = 40, 20, 30
-    model = (
-        ["--hidden", "64", "--layers", "1", "--seq", "16", "--n-microbatches", "4"]
-        if a.quick
-        else ["--hidden", "128", "--layers", "2", "--seq", "32", "--n-microbatches", "8", "--heads", "4"]
-    )
     work = Path(tempfile.mkdtemp(prefix="swiftlog-recovery-bench-"))
     try:
-        ref = _run(work / "ref", _args(work / "ref", iters, every, model), [], "swift")
-        kill = [KillSpec(a.stage, fail_it, 1, "forward")]
-        swift, rollback = [], []
-        exact = True
-        for rep in range(a.reps):
-            s = _run(
-                work / f"swift{rep}",
-                _args(work / f"swift{rep}", iters, every, model),
-                kill,
-                "swift",
-                a.replay_workers,
-            )
-            diffs = [states_equal(s.results[k], ref.results[k]) for k in range(4)]
-            exact = exact and not any(diffs)
-            swift.append(s.timings[0])
-            g = _run(
-                work / f"rollback{rep}",
-                _args(work / f"rollback{rep}", iters, every, model),
-                kill,
-                "rollback",
-            )
-            rollback.append(
-                {
-                    "resumed_s": resumed_after_rollback(g, fail_it),
-                    "bit_exact": not any(states_equal(g.results[k], ref.results[k]) for k in range(4)),
-                }
-            )
-        iter_s = statistics.median(
-            t2 - t1
-            for (_, t1, _), (_, t2, _) in zip(
-                ref.results[0]["iteration_end"], ref.results[0]["iteration_end"][1:], strict=False
-            )
-        )
-        med = statistics.median
-        rec = med([t["resumed_s"] for t in swift])
-        rb = med([r["resumed_s"] for r in rollback])
-        out = {
-            "recovery_vs_global_rollback": rec / rb,
-            "recovery_vs_global_rollback_per_rep": [
-                t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)
-            ],
-            "replay_workers": a.replay_workers,
-            "recovery_s": rec,
-            "global_rollback_s": rb,
-            "detect_s": med([t["detect_s"] for t in swift]),
-            "fetch_s": med([t["fetch_s"] for t in swift]),
-            "replay_s": med([t["replay_s"] for t in swift]),
-            "rejoin_s": med([t["rejoin_s"] for t in swift]),
-            "wait_survivors_s": med([t["wait_survivors_s"] for t in swift]),
-            "bytes_fetched": swift[0]["bytes_fetched"],
-            "records_fetched": swift[0]["records_fetched"],
-            "verified": all(t["verified"] for t in swift),
-            "bit_exact": exact,
-            "rollback_bit_exact": all(r["bit_exact"] for r in rollback),
-            "pipeline_iteration_s": iter_s,
-            "setup": {
-                "stages": 4,
-                "failed_stage": a.stage,
-                "iterations": iters,
-                "checkpoint_every": every,
-                "failed_at_iteration": fail_it,
-                "iterations_redone_or_replayed": fail_it - every,
-                "schedule": "1f1b",
-                "model_args": model,
-                "reps": a.reps,
-                "replay_workers": a.replay_workers,
-                "process_start": "fork server with torch preloaded (both modes)",
-                "machine": platform.platform(),
-                "cpus": os.cpu_count(),
-            },
-            "runs": {"swift": swift, "rollback": rollback},
-            "notes": (
-                "recovery_s: SIGKILL -> every stage in the new process group at the failed iteration "
-                "(detect + survivors report + replacement start + checkpoint load + fetch + replay + verify + rejoin). "
-                "global_rollback_s: SIGKILL -> restarted pipeline finished the failed iteration - 1 again "
-                "(kill all + restart 4 processes + rejoin + checkpoint load + redo). "
-                "fetch_s includes the replacement's checkpoint load and stage build; "
-                "it overlaps replay_s through prefetching."
-            ),
-        }
+        old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+        out = gpt_case(a, work) if a.only != "interleaved" else {k: v for k, v in old.items() if k != "interleaved"}
+        out["interleaved"] = recovery_case(work, a.reps, a.quick) if a.only != "gpt" else old.get("interleaved")
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(out, indent=2, default=str))
-        print(
-            json.dumps(
-                {k: v for k, v in out.items() if k not in ("runs",)},
-                indent=2,
-                default=str,
-            )
-        )
+        shown = {k: v for k, v in out.items() if k != "runs"}
+        if isinstance(shown.get("interleaved"), dict):
+            shown["interleaved"] = {k: v for k, v in shown["interleaved"].items() if k != "runs"}
+        print(json.dumps(shown, indent=2, default=str))
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -94,6 +94,8 @@ if str(_ROOT) not in sys.path:  # runnable as a plain script from a checkout
 
 import torch  # noqa: E402
 
+from bench._interleaved import replay_case  # noqa: E402
+
 RESULTS = _ROOT / "bench" / "results" / "replay.json"
 NOTES = [
     (
@@ -503,8 +505,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-wait-s", type=float, default=120.0, help="longest wait for a quiet machine per measurement")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--interleaved-rounds", type=int, default=3, help="rounds of the interleaved case")
+    p.add_argument("--only", choices=["gpt", "interleaved"], default=None, help="run one case (default: both)")
     args = p.parse_args(argv)
-    res = bench(args)
+    old = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    res = bench(args) if args.only != "interleaved" else {k: v for k, v in old.items() if k != "interleaved"}
+    if args.only != "gpt":
+        res["interleaved"] = replay_case(args.interleaved_rounds)
+        shown = {k: v for k, v in res["interleaved"].items() if k not in ("config", "replay_seconds")}
+        print(json.dumps(shown, indent=2), flush=True)
+    else:
+        res["interleaved"] = old.get("interleaved")
+    if args.only == "interleaved":
+        args.out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+        return 0
     res["machine"] = _machine()
     res["timestamp"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     for k in (

@@ -59,6 +59,9 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("replay", "parallel_speedup_k4", "(K = 4 exact; needs 4 cores)", None, None),
     ("replay", "parallel_speedup_k8", "(K = 8 exact; needs 8 cores)", None, None),
     ("replay", "bit_exact", "true", "eq", True),
+    ("replay", "interleaved.rank_replay_vs_live", "<= 0.5 (a rank of 2 Interleaved 1F1B stages)", "le", 0.5),
+    ("replay", "interleaved.parallel_speedup_k2", "(the same rank, 2 workers per stage)", None, None),
+    ("replay", "interleaved.bit_exact", "true", "eq", True),
     # the same replay bench on a lent GPU host's 16 idle cores (torch 2.11; bench/gpu_check.sh)
     ("replay_h200", "parallel_speedup_k2", ">= 1.6 (16 idle cores)", "ge", 1.6),
     ("replay_h200", "parallel_speedup_k2_ceiling", "(2 / slowdown of two busy cores)", None, None),
@@ -72,6 +75,9 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("recovery", "rejoin_s", "", None, None),
     ("recovery", "replay_workers", "(replacement + helpers)", None, None),
     ("recovery", "bit_exact", "true", "eq", True),
+    ("recovery", "interleaved.recovery_vs_global_rollback", "<= 0.3 (a rank of 2 interleaved stages lost)", "le", 0.3),
+    ("recovery", "interleaved.replay_s", "(s; both stages, one after the other)", None, None),
+    ("recovery", "interleaved.bit_exact", "true", "eq", True),
     ("hybrid", "replica_recovery_vs_global_rollback", "<= 0.1 (dp2 x pp4, a replica copied)", "le", 0.1),
     ("hybrid", "replica_replacement_start_s", "(the replacement's process start, fork server)", None, None),
     ("hybrid", "transfer_gb_per_s", "(2.1 GB state, digest-checked, gloo on loopback)", None, None),
@@ -144,7 +150,9 @@ def table(*, headline: bool = False) -> str:
             p = RESULTS / f"{f}.json"
             cache[f] = json.loads(p.read_text()) if p.exists() else None
         data = cache[f]
-        v = None if data is None else data.get(key)
+        v: object = data
+        for part in key.split("."):  # "case.key": a key of a case's own results
+            v = v.get(part) if isinstance(v, dict) else None
         if key == "enqueue_over_copy" and data and data.get("copy_us_per_mb"):
             v = data["enqueue_us_per_mb"] / data["copy_us_per_mb"]
         if headline and op == "eq" and bound is True:

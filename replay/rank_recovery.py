@@ -73,23 +73,36 @@ class RankUnit:
 
 @dataclass(slots=True)
 class RecoveredRank:
-    """Every stage of a rank, recovered (by stage), the units it replayed, timings (s)."""
+    """Every stage of a rank, recovered (by stage), the units it replayed, timings (s).
+
+    ``replays``: per unit, what its replay fetched and how long its phases took (``setup_s``,
+    ``fetch_s``, ``replay_s``, ``workers``, ``records``, ``bytes``, ``digests``)."""
 
     position: int
     resume: int
     stages: dict[int, RecoveredStage]
     units: list[RankUnit]
+    replays: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
+        """What a replacement reports as ready: the rank's totals over its units (the fields of
+        ``RecoveredStage.summary`` that a scheduler reads) and every stage's own summary."""
+        total = {k: sum(r[k] for r in self.replays) for k in ("setup_s", "fetch_s", "replay_s")}
         return {
             "position": self.position,
             "resume": self.resume,
             "path": "replay",
+            "why": f"every stage of the rank replayed, in units {[list(u.stages) for u in self.units]}",
+            "checkpoint_iteration": min((u.checkpoint_iteration for u in self.units), default=self.resume),
+            "verified": all(r.verified for r in self.stages.values()),
+            "digests_checked": sum(r["digests"] for r in self.replays),
+            "records_fetched": sum(r["records"] for r in self.replays),
+            "bytes_fetched": sum(r["bytes"] for r in self.replays),
+            "timings": {**self.timings, **total, "workers": max((r["workers"] for r in self.replays), default=0)},
+            "warnings": [w for r in self.stages.values() for w in r.warnings],
             "stages": {s: r.summary() for s, r in self.stages.items()},
             "units": [u.to_dict() for u in self.units],
-            "timings": self.timings,
-            "verified": all(r.verified for r in self.stages.values()),
         }
 
 
@@ -177,6 +190,7 @@ def recover_rank(
     )
     base = list(sources) if sources is not None else sources_from_reports(docs)
     recovered: dict[int, RecoveredStage] = {}
+    replays: list[dict[str, Any]] = []
     for unit in units:
         metas = committed_metas(store, keys, unit.stages, range(unit.checkpoint_iteration, resume), unit.stages)
         job = ReplayJob(
@@ -192,9 +206,11 @@ def recover_rank(
             workers=workers,
             threads=threads,
         )
-        recovered.update(_replay_unit(job, unit, factory, model, model_args, loss_fn, output, store, keys))
+        kept, stats = _replay_unit(job, unit, factory, model, model_args, loss_fn, output, store, keys)
+        recovered.update(kept)
+        replays.append(stats)
     timings = {"wait_survivors_s": t_survivors - t0, "total_s": time.monotonic() - t0}
-    return RecoveredRank(stage, resume, recovered, units, timings)
+    return RecoveredRank(stage, resume, recovered, units, replays, timings)
 
 
 def _replay_unit(
@@ -207,8 +223,9 @@ def _replay_unit(
     output: str | None,
     store: dist.Store,
     keys: RecoveryKeys,
-) -> dict[int, RecoveredStage]:
-    """One unit's replay (alone, or with ``job.workers`` spawned workers); the kept stages' objects."""
+) -> tuple[dict[int, RecoveredStage], dict[str, Any]]:
+    """One unit's replay (alone, or with ``job.workers`` spawned workers): the kept stages'
+    objects, and the replay's figures."""
     first = unit.stages[0]
     if job.workers > 1:
         job = job.replace(output=output or tempfile.mkdtemp(prefix=f"swiftlog-recovered-{first}-"))
@@ -236,6 +253,8 @@ def _replay_unit(
         "workers": res.job.workers,
         "unit_s": time.monotonic() - t0,
     }
+    nbytes = sum(o.bytes for o in opened)
+    stats = {**timings, "records": rep.records_fetched, "bytes": nbytes, "digests": rep.digests_checked}
     out = {}
     for s in unit.kept:
         mod, opt, sched = _recovered_objects(res, job, s, model, model_args, factory)
@@ -249,9 +268,9 @@ def _replay_unit(
             True,
             rep.digests_checked,
             rep.records_fetched,
-            sum(o.bytes for o in opened),
+            nbytes,
             timings,
             list(rep.warnings),
             why=f"replayed with stage(s) {list(unit.stages)}",
         )
-    return out
+    return out, stats

@@ -7,6 +7,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 
@@ -91,3 +92,52 @@ def test_a_rank_reports_all_its_stages_done_in_one_commit() -> None:
     t.join(20)
     assert {k: r.iteration for k, r in results.items()} == {"rank": 5, "other": 5}  # type: ignore[attr-defined]
     assert [store.get(meta_key("p", s, 5)) for s in range(3)] == [b"meta0", b"meta1", b"meta2"]
+
+
+@pytest.fixture
+def world_of_one() -> object:
+    """A gloo world of this process alone (a rank holding every stage)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp(stage: int) -> torch.nn.Module:
+    torch.manual_seed(stage)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+
+
+def test_one_rank_logs_each_of_its_stages_with_the_weight_passes_in_meta(tmp_path: Path, world_of_one: object) -> None:
+    """ZBV over one rank (stages 0 and 1, the V's tip): each stage's META records its forwards, its
+    input-gradient passes and its weight-gradient passes; the commit reports both stages."""
+    config = ClientConfig(run_id="r", stage=0, num_stages=1, store_root=tmp_path, stages_per_rank=2, stage_style="v")
+    store = dist.HashStore()
+    with MultiStageClient(config, commit_store=store) as client:
+        io = torch.zeros(2, 8, requires_grad=True)
+        stages = [client.pipeline_stage(_mlp(s), "cpu", stage=s, input_args=io, output_args=io) for s in (0, 1)]
+        client.schedule(stages, "zbvzerobubble", n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
+        g = torch.Generator().manual_seed(0)
+        client.step(0, torch.randn(4, 8, generator=g), target=torch.randn(4, 8, generator=g))
+        report = client.commit(0)
+        assert report.decision is not None and report.decision.iteration == 0
+        client.flush()
+        docs = {s: client.part(s)._meta.committed[1] for s in (0, 1)}
+    for s, doc in docs.items():
+        kinds = [k for k, _ in doc["order"]]
+        assert (doc["stage"], doc["num_stages"], doc["schedule"]) == (s, 2, "ScheduleZBVZeroBubble")
+        assert doc["split_backward"] and kinds.count("F") == kinds.count("B") == kinds.count("W") == 2
+        assert [mb for k, mb in doc["order"] if k == "W"] == [mb for k, mb in doc["order"] if k == "B"]
+        assert store.check([meta_key(config.commit_prefix, s, 0)])
+
+
+def test_a_zero_bubble_schedule_refuses_a_module_with_backward_hooks(tmp_path: Path, world_of_one: object) -> None:
+    config = ClientConfig(run_id="r", stage=0, num_stages=1, store_root=tmp_path, stages_per_rank=2, stage_style="v")
+    with MultiStageClient(config) as client:
+        io = torch.zeros(2, 8, requires_grad=True)
+        modules = [_mlp(0), _mlp(1)]
+        modules[1][0].register_full_backward_pre_hook(lambda *_: None)
+        stages = [
+            client.pipeline_stage(m, "cpu", stage=s, input_args=io, output_args=io) for s, m in enumerate(modules)
+        ]
+        with pytest.raises(UnsupportedScheduleError, match="full backward hook of stage 1's module '0'"):
+            client.schedule(stages, "zbvzerobubble", n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)

@@ -767,12 +767,7 @@ class SwiftlogClient:
         upload every segment to the cold tier. Blocks the caller; never raises a logging fault."""
         drained = self.writer.drain(timeout)
         self._maint.wait_idle(timeout)
-        uploaded, error = 0, None
-        try:
-            uploaded = self.store.flush()
-        except SwiftlogError as e:
-            error = f"{type(e).__name__}: {e}"
-            self.writer.note_fault("flush", error)
+        uploaded, error = upload_all(self.store, self.writer)
         return FlushReport(drained, uploaded, error, self.writer.take_faults(), self.writer.stats().faults)
 
     def close(self, *, flush: bool = True, timeout: float | None = 60.0) -> FlushReport:
@@ -800,11 +795,7 @@ class SwiftlogClient:
             self._maint.wait_idle(left())
         uploaded, error = 0, None
         if flush and self.store.cold is not None:
-            try:
-                uploaded = self.store.flush(left())
-            except SwiftlogError as e:
-                error = f"{type(e).__name__}: {e}"
-                self.writer.note_fault("flush", error)
+            uploaded, error = upload_all(self.store, self.writer, left())
             if uploaded and self._maint.registered and self.config.checkpoints.gc_after:
                 # the flush sealed and shipped the open segments, older iterations among them:
                 # garbage in the cold tier now
@@ -813,11 +804,7 @@ class SwiftlogClient:
         self.writer.close(left())
         self._maint.close(left())
         faults = self.writer.take_faults()
-        try:
-            rest = left()
-            self.store.close(timeout=30.0 if rest is None else max(rest, 1.0))
-        except SwiftlogError as e:
-            error = error or f"{type(e).__name__}: {e}"
+        error = error or close_store(self.store, left())
         self._closed = True
         self._watch.close()
         if faults or error:
@@ -852,6 +839,26 @@ class SwiftlogClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def upload_all(store: LogStore, writer: AsyncLogWriter, timeout: float | None = None) -> tuple[int, str | None]:
+    """Upload every segment to the cold tier: (segments uploaded, None), or (0, why) after noting
+    a "flush" fault. Never raises a logging fault."""
+    try:
+        return store.flush(timeout), None
+    except SwiftlogError as e:
+        error = f"{type(e).__name__}: {e}"
+        writer.note_fault("flush", error)
+        return 0, error
+
+
+def close_store(store: LogStore, timeout: float | None) -> str | None:
+    """Close ``store`` within ``timeout`` (at least 1 s; None: 30 s); why it failed, or None."""
+    try:
+        store.close(timeout=30.0 if timeout is None else max(timeout, 1.0))
+    except SwiftlogError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _stats_of(client: weakref.ref[SwiftlogClient]) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from torch.distributed.pipelining import (
 
 from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
-from trainer_client.client import SwiftlogClient
+from trainer_client.client import SwiftlogClient, close_store, upload_all
 from trainer_client.config import ClientConfig
 from trainer_client.errors import UnsupportedScheduleError
 from trainer_client.meta import importable_name, script_name
@@ -58,6 +58,18 @@ MULTI_STAGE_SCHEDULES: dict[str, tuple[type, str]] = {
     "interleavedzerobubble": (ScheduleInterleavedZeroBubble, "loop"),
     "zbvzerobubble": (ScheduleZBVZeroBubble, "v"),
 }
+
+
+#: the schedules that split a backward into input- and weight-gradient passes
+SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+
+
+def _backward_hooked(module: torch.nn.Module) -> str | None:
+    """The name of the first submodule with a full backward (pre-)hook; None without."""
+    for name, m in module.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            return name or type(m).__name__
+    return None
 
 
 class MultiStageClient:
@@ -166,6 +178,15 @@ class MultiStageClient:
             return loss_fn(output, target, **kw)
 
         ordered = sorted(stages, key=lambda st: st.stage_index)
+        if cls in SPLIT_BACKWARD:
+            for st in ordered:
+                hooked = _backward_hooked(st.submod)
+                if hooked is not None:
+                    raise UnsupportedScheduleError(
+                        f"{cls.__name__} splits backward, which fails under the full backward hook of stage "
+                        f"{st.stage_index}'s module {hooked!r}",
+                        hint="hook tensors (output.register_hook in a forward hook) instead of module backwards",
+                    )
         self._schedule = cls(
             ordered, n_microbatches=n_microbatches, loss_fn=logged_loss, scale_grads=scale_grads, **kwargs
         )
@@ -319,12 +340,7 @@ class MultiStageClient:
         drained = self.writer.drain(timeout)
         for part in self.parts.values():
             part._maint.wait_idle(timeout)
-        uploaded, error = 0, None
-        try:
-            uploaded = self.store.flush()
-        except SwiftlogError as e:
-            error = f"{type(e).__name__}: {e}"
-            self.writer.note_fault("flush", error)
+        uploaded, error = upload_all(self.store, self.writer)
         return FlushReport(drained, uploaded, error, self.writer.take_faults(), self.writer.stats().faults)
 
     def close(self, *, flush: bool = True, timeout: float | None = 60.0) -> FlushReport:
@@ -338,22 +354,14 @@ class MultiStageClient:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         drained = self.writer.drain(left())
-        uploaded, error = 0, None
-        if flush and self.store.cold is not None:
-            try:
-                uploaded = self.store.flush(left())
-            except SwiftlogError as e:
-                error = f"{type(e).__name__}: {e}"
-                self.writer.note_fault("flush", error)
+        uploaded, error = (
+            upload_all(self.store, self.writer, left()) if flush and self.store.cold is not None else (0, None)
+        )
         for part in self.parts.values():  # GC after the upload: what it shipped is garbage in both tiers
             part.close(timeout=left())
         self.writer.close(left())
         faults = self.writer.take_faults()
-        try:
-            rest = left()
-            self.store.close(timeout=30.0 if rest is None else max(rest, 1.0))
-        except SwiftlogError as e:
-            error = error or f"{type(e).__name__}: {e}"
+        error = error or close_store(self.store, left())
         self._closed = True
         return FlushReport(drained, uploaded, error, faults, self.writer.stats().faults)
 

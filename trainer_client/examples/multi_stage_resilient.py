@@ -1,9 +1,10 @@
 """A training script whose ranks hold several pipeline stages, with in-place recovery.
 
 The template for Interleaved 1F1B, LoopedBFS, interleaved zero-bubble and ZBV zero-bubble
-schedules (``--schedule``; ``--stages-per-rank``). It trains :mod:`minimal_resilient`'s MLP cut
-into ``num_stages * stages_per_rank`` stages, one SGD optimizer and step scheduler per stage. The
-contract is minimal_resilient's, per rank instead of per stage:
+schedules (``--schedule``; ``--stages-per-rank``). It trains an MLP classifier (``--width``,
+``--depth`` blocks per stage) cut into ``num_stages * stages_per_rank`` stages, one SGD optimizer
+and step scheduler per stage (the functions under "yours"). The contract is
+:mod:`minimal_resilient`'s, per rank instead of per stage:
 
 - a rank: :class:`~trainer_client.MultiStageClient` + :class:`~trainer_client.ResilientLoop`
   (optimizers and schedulers given in the order of ``client.stages``);
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainer_client import (
     CheckpointConfig,
@@ -42,22 +44,58 @@ from trainer_client import (
     checkpoint_uri,
     load_checkpoint,
 )
-from trainer_client.examples.minimal_resilient import N_MICROBATCHES, batch, example_io, factory, loss
+from trainer_client.examples.minimal_resilient import CLASSES, loss
 from trainer_client.examples.minimal_resilient import build_parser as single_stage_parser
 from trainer_client.multi_stage import MULTI_STAGE_SCHEDULES
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "factory", "main"]
 
 SEED = 7
 PHASES = ("forward", "backward", "weight", "commit", "optimizer")
 
 
+# ================================================================================ yours
+def factory(
+    stage: int, num_stages: int, checkpoint: Any = None, *, width: int = 32, depth: int = 1, **_: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """Pipeline stage ``stage`` of ``num_stages`` (all ranks' stages), fresh: ``depth`` blocks of
+    Linear-Tanh-Dropout of ``width``, the last stage a classifier head too; SGD with momentum and
+    a step schedule. A module-level function: a replay's spawned workers import it."""
+    torch.manual_seed(100 + stage)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1)]
+    if stage == num_stages - 1:
+        layers.append(nn.Linear(width, CLASSES))
+    module = nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    return module, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def batch(iteration: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The iteration's inputs and targets (every rank makes the same call)."""
+    g = torch.Generator().manual_seed(1000 + iteration)
+    return torch.randn(size, width, generator=g), torch.randint(0, CLASSES, (size,), generator=g)
+
+
+def example_io(stage: int, num_stages: int, micro_batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's input and output of the stage, as the pipeline sends them."""
+    out = torch.zeros(micro_batch, CLASSES if stage == num_stages - 1 else width, requires_grad=True)
+    return torch.zeros(micro_batch, width, requires_grad=stage > 0), out
+
+
+# ================================================================================ the contract
 def build_parser() -> argparse.ArgumentParser:
     p = single_stage_parser()
     p.description = __doc__.split("\n\n")[0]
-    p.add_argument("--stages-per-rank", type=int, default=2)
-    p.add_argument("--schedule", default="interleaved1f1b", choices=sorted(MULTI_STAGE_SCHEDULES))
-    p.add_argument("--replay-workers", type=int, default=1, help="a replacement replays each stage with K workers")
+    a = p.add_argument
+    a("--stages-per-rank", type=int, default=2)
+    a("--schedule", default="interleaved1f1b", choices=sorted(MULTI_STAGE_SCHEDULES))
+    a("--replay-workers", type=int, default=1, help="a replacement replays each unit of stages with K workers")
+    a("--width", type=int, default=32, help="the MLP's width")
+    a("--depth", type=int, default=1, help="blocks per stage")
+    a("--batch", type=int, default=16, help="samples per iteration")
+    a("--n-microbatches", type=int, default=4)
     return p
 
 
@@ -86,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         store_port=args.store_port,
     )
     S = config.num_pipeline_stages
+    shape = {"width": args.width, "depth": args.depth}
     start, recovered = 0, None
     if args.replacement:
         try:
@@ -96,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 generation=args.generation,
                 checkpoint_url=config.resolved_checkpoint_url(),
                 factory=factory,
+                model_args=shape,
                 workers=args.replay_workers,
             )
         except ReplacementFallback as e:
@@ -106,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         start = rec.resume
         built = {s: (r.module, r.optimizer, r.lr_scheduler) for s, r in rec.stages.items()}
     else:
-        built = {s: factory(s, S) for s in config.stages}
+        built = {s: factory(s, S, **shape) for s in config.stages}
         if args.resume_from is not None:  # a global rollback
             for s, objs in built.items():
                 uri = checkpoint_uri(config.resolved_checkpoint_url(), s, args.resume_from, config.checkpoints.format)
@@ -120,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     def rebuild() -> None:  # after every (re)join: the stages and the schedule over the new process group
         stages = []
         for s, model in zip(config.stages, models, strict=True):
-            inp, out = example_io(s, S)
+            inp, out = example_io(s, S, args.batch // args.n_microbatches, args.width)
             stage = client.pipeline_stage(model, "cpu", stage=s, input_args=inp, output_args=out)
             stages.append(inject_weight_kill(stage) if kill is not None and kill[1] == "weight" else stage)
-        client.schedule(stages, args.schedule, n_microbatches=N_MICROBATCHES, loss_fn=loss)
+        client.schedule(stages, args.schedule, n_microbatches=args.n_microbatches, loss_fn=loss)
 
     kill, kill_n, count = None, 0, {"backward": [-1, 0], "weight": [-1, 0]}
     if args.kill_at:
@@ -174,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         die_if(it, "forward")
         count["backward"][:] = [it, 0]
         count["weight"][:] = [it, 0]
-        x, y = batch(it)
+        x, y = batch(it, args.batch, args.width)
         client.step(it, x, target=y)
         die_if(it, "commit")
 
@@ -197,7 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         s: {"model": m.state_dict(), "optimizer": o.state_dict(), "lr_scheduler": sc.state_dict()}
         for s, m, o, sc in zip(config.stages, models, optimizers, schedulers, strict=True)
     }
-    out = {"position": k, "stages": state, "events": [e.to_dict() for e in loop.events], "recovered": recovered}
+    events = [e.to_dict() for e in loop.events]
+    out = {
+        "position": k,
+        "stages": state,
+        "events": events,
+        "recovered": recovered,
+        "iteration_end": loop.iteration_end,
+    }
     torch.save({**out, "close_ok": report.ok}, os.path.join(args.out, f"stage{k}.pt"))
     return 0
 
