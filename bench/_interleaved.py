@@ -9,7 +9,9 @@ thread each (gloo, CPU). Rank 1 (stages 1 and 5) is the one lost.
   of a live run, one unit after the other, with one process (``seq``) and with 2 workers per unit
   (``k2``), in alternating rounds; against the live run's time for the same iterations.
 - :func:`recovery_case` (``recovery.json`` "interleaved"): the rank killed at iteration 30, SWIFT
-  (its replacement replays both stages from the checkpoint at 20) against a global rollback.
+  (its replacement replays both stages from the checkpoint at 20, one after the other, and in a
+  second run of each repetition at the same time: ``--replay-concurrent``) against a global
+  rollback.
 """
 
 from __future__ import annotations
@@ -40,11 +42,19 @@ def _args(base: Path, model: dict[str, int], iters: int, ckpts: str) -> list[str
             "--cold-url", f"file://{base / 'cold'}", *shape]  # fmt: skip
 
 
-def _run(base: Path, model: dict[str, int], iters: int, ckpts: str, kills: list[KillSpec], mode: str) -> Any:
+def _run(
+    base: Path,
+    model: dict[str, int],
+    iters: int,
+    ckpts: str,
+    kills: list[KillSpec],
+    mode: str,
+    extra: tuple[str, ...] = (),
+) -> Any:
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     r = run_with_failures(
-        _args(base, model, iters, ckpts),
+        [*_args(base, model, iters, ckpts), *extra],
         run_id="bench",
         base_dir=str(base),
         checkpoint_url=f"file://{base / 'ckpt'}",
@@ -141,20 +151,30 @@ def recovery_case(work: Path, reps: int, quick: bool) -> dict[str, Any]:
     iters, fail_it, ckpts = 40, 30, "20,40"
     ref = _run(work / "multi-ref", model, iters, ckpts, [], "swift")
     kill = [KillSpec(LOST, fail_it, 1, "forward")]
-    swift, rollback, bit_exact = [], [], True
+    swift, together, rollback, bit_exact = [], [], [], True
     for rep in range(reps):
         s = _run(work / f"multi-swift{rep}", model, iters, ckpts, kill, "swift")
         bit_exact = bit_exact and _same_stages(s, ref)
         swift.append({**s.timings[0], "units": s.results[LOST]["recovered"]["units"]})
+        c = _run(work / f"multi-concurrent{rep}", model, iters, ckpts, kill, "swift", ("--replay-concurrent",))
+        bit_exact = bit_exact and _same_stages(c, ref)
+        together.append(c.timings[0])
         g = _run(work / f"multi-rollback{rep}", model, iters, ckpts, kill, "rollback")
         rollback.append({"resumed_s": resumed_after_rollback(g, fail_it), "bit_exact": _same_stages(g, ref)})
     med = statistics.median
     rec, rb = med([t["resumed_s"] for t in swift]), med([r["resumed_s"] for r in rollback])
+    conc = med([t["resumed_s"] for t in together])
     return {
         "recovery_vs_global_rollback": rec / rb,
         "recovery_vs_global_rollback_per_rep": [
             t["resumed_s"] / r["resumed_s"] for t, r in zip(swift, rollback, strict=True)
         ],
+        "concurrent_recovery_vs_global_rollback": conc / rb,
+        "concurrent_recovery_vs_global_rollback_per_rep": [
+            t["resumed_s"] / r["resumed_s"] for t, r in zip(together, rollback, strict=True)
+        ],
+        "concurrent_recovery_s": conc,
+        "concurrent_replay_s": med([t["replay_s"] for t in together]),
         "recovery_s": rec,
         "global_rollback_s": rb,
         **{k: med([t[k] for t in swift]) for k in ("detect_s", "fetch_s", "replay_s", "rejoin_s")},
@@ -172,5 +192,5 @@ def recovery_case(work: Path, reps: int, quick: bool) -> dict[str, Any]:
             "model": model,
             "reps": reps,
         },  # fmt: skip
-        "runs": {"swift": swift, "rollback": rollback},
+        "runs": {"swift": swift, "concurrent": together, "rollback": rollback},
     }

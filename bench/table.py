@@ -77,6 +77,7 @@ ROWS: list[tuple[str, str, str, str | None, object]] = [
     ("recovery", "bit_exact", "true", "eq", True),
     ("recovery", "interleaved.recovery_vs_global_rollback", "<= 0.3 (a rank of 2 interleaved stages lost)", "le", 0.3),
     ("recovery", "interleaved.replay_s", "(s; both stages, one after the other)", None, None),
+    ("recovery", "interleaved.concurrent_recovery_vs_global_rollback", "(both stages at the same time)", None, None),
     ("recovery", "interleaved.bit_exact", "true", "eq", True),
     ("hybrid", "replica_recovery_vs_global_rollback", "<= 0.1 (dp2 x pp4, a replica copied)", "le", 0.1),
     ("hybrid", "replica_replacement_start_s", "(the replacement's process start, fork server)", None, None),

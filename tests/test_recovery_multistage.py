@@ -1,12 +1,12 @@
 """In-place recovery of ranks that hold several stages (multi-stage schedules), real processes.
 
 The template ``trainer_client.examples.multi_stage_resilient`` runs 2 ranks of 2 stages each
-under :mod:`replay.launcher` with Interleaved 1F1B (rank r holds stages r and r + 2), ZBV
-zero-bubble (a V: rank 0 holds stages 0 and 3, rank 1 the middle stages 1 and 2, whose exchange
-never leaves it, and every backward is split into input- and weight-gradient passes) and
-interleaved zero-bubble. A rank is SIGKILLed in a phase; its replacement replays all its stages
-(``replay.recover_rank``) while the other rank keeps its state. Every stage's final state must
-equal a failure-free run's, bit for bit.
+under :mod:`replay.launcher` with each accepted schedule: Interleaved 1F1B and LoopedBFS (rank r
+holds stages r and r + 2), interleaved zero-bubble (the same, every backward split into input- and
+weight-gradient passes) and ZBV zero-bubble (a V: rank 0 holds stages 0 and 3, rank 1 the middle
+stages 1 and 2, whose exchange never leaves it; split backwards too). A rank is SIGKILLed in a
+phase; its replacement replays all its stages (``replay.recover_rank``) while the other rank keeps
+its state. Every stage's final state must equal a failure-free run's, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,20 +22,24 @@ SCRIPT = "trainer_client.examples.multi_stage_resilient"
 ITERS = 7
 
 
-def _args(schedule: str, workers: int = 1) -> object:
+def _args(schedule: str, workers: int = 1, concurrent: bool = False) -> object:
     def args(base: Path) -> list[str]:
-        extra = ["--replay-workers", str(workers)] if workers > 1 else []
+        extra = (["--replay-workers", str(workers)] if workers > 1 else []) + (
+            ["--replay-concurrent"] if concurrent else []
+        )
         return ["--iters", str(ITERS), "--ckpt-at", "0,3", "--cold-url", f"file://{base / 'cold'}", "--schedule",
                 schedule, *extra]  # fmt: skip
 
     return args
 
 
-def _run(tmp_path: Path, schedule: str, kills: list[KillSpec], workers: int = 1) -> RecoveryRun:
+def _run(
+    tmp_path: Path, schedule: str, kills: list[KillSpec], workers: int = 1, concurrent: bool = False
+) -> RecoveryRun:
     base = tmp_path / "kill"
     base.mkdir()
     r = run_with_failures(
-        _args(schedule, workers)(base),  # type: ignore[operator]
+        _args(schedule, workers, concurrent)(base),  # type: ignore[operator]
         run_id="multi",
         base_dir=str(base),
         checkpoint_url=f"file://{base / 'ckpt'}",
@@ -59,32 +63,30 @@ def _same_as_failure_free(references: object, r: RecoveryRun, schedule: str) -> 
         assert not any(diffs.values()), {s: v[:5] for s, v in diffs.items() if v}
 
 
+#: every accepted schedule: each rank killed in each phase (the W pass where the schedule splits backward)
+PHASES = {
+    "interleaved1f1b": ("forward", "backward", "commit", "optimizer"),
+    "loopedbfs": ("forward", "backward", "commit", "optimizer"),
+    "interleavedzerobubble": ("forward", "backward", "weight", "commit", "optimizer"),
+    "zbvzerobubble": ("forward", "backward", "weight", "commit", "optimizer"),
+}
+FAST = {("interleaved1f1b", 0, "backward"), ("zbvzerobubble", 1, "weight"), ("loopedbfs", 1, "forward")}
 CASES = [
-    pytest.param("interleaved1f1b", 0, "backward", id="interleaved-rank0-backward"),
-    pytest.param("interleaved1f1b", 1, "forward", marks=pytest.mark.slow, id="interleaved-rank1-forward"),
-    pytest.param("interleaved1f1b", 1, "backward", marks=pytest.mark.slow, id="interleaved-rank1-backward"),
-    pytest.param("interleaved1f1b", 0, "commit", marks=pytest.mark.slow, id="interleaved-rank0-commit"),
-    pytest.param("interleaved1f1b", 1, "optimizer", marks=pytest.mark.slow, id="interleaved-rank1-optimizer"),
-    pytest.param("interleaved1f1b", 0, "forward", marks=pytest.mark.slow, id="interleaved-rank0-forward"),
-    pytest.param("interleaved1f1b", 1, "commit", marks=pytest.mark.slow, id="interleaved-rank1-commit"),
-    pytest.param("interleaved1f1b", 0, "optimizer", marks=pytest.mark.slow, id="interleaved-rank0-optimizer"),
-    pytest.param("zbvzerobubble", 1, "weight", id="zbv-rank1-weight"),
-    pytest.param("zbvzerobubble", 0, "weight", marks=pytest.mark.slow, id="zbv-rank0-weight"),
-    pytest.param("zbvzerobubble", 0, "backward", marks=pytest.mark.slow, id="zbv-rank0-backward"),
-    pytest.param("zbvzerobubble", 1, "backward", marks=pytest.mark.slow, id="zbv-rank1-backward"),
-    pytest.param("zbvzerobubble", 0, "forward", marks=pytest.mark.slow, id="zbv-rank0-forward"),
-    pytest.param("zbvzerobubble", 1, "forward", marks=pytest.mark.slow, id="zbv-rank1-forward"),
-    pytest.param("zbvzerobubble", 0, "commit", marks=pytest.mark.slow, id="zbv-rank0-commit"),
-    pytest.param("zbvzerobubble", 1, "commit", marks=pytest.mark.slow, id="zbv-rank1-commit"),
-    pytest.param("zbvzerobubble", 0, "optimizer", marks=pytest.mark.slow, id="zbv-rank0-optimizer"),
-    pytest.param("zbvzerobubble", 1, "optimizer", marks=pytest.mark.slow, id="zbv-rank1-optimizer"),
-    pytest.param("interleavedzerobubble", 1, "weight", marks=pytest.mark.slow, id="interleaved-zb-rank1-weight"),
-    pytest.param("interleavedzerobubble", 0, "backward", marks=pytest.mark.slow, id="interleaved-zb-rank0-backward"),
+    pytest.param(
+        sched,
+        rank,
+        phase,
+        id=f"{sched}-rank{rank}-{phase}",
+        marks=() if (sched, rank, phase) in FAST else pytest.mark.slow,
+    )  # fmt: skip
+    for sched, phases in PHASES.items()
+    for rank in (0, 1)
+    for phase in phases
 ]
 
 #: the stages each rank holds, and the replay units of its replacement
 STAGES = {"interleaved1f1b": {0: [0, 2], 1: [1, 3]}, "zbvzerobubble": {0: [0, 3], 1: [1, 2]}}
-STAGES["interleavedzerobubble"] = STAGES["interleaved1f1b"]
+STAGES["interleavedzerobubble"] = STAGES["loopedbfs"] = STAGES["interleaved1f1b"]
 UNITS = {("zbvzerobubble", 1): [[1, 2]]}  # the V's middle stages: one rank, never logged between them
 
 
@@ -117,6 +119,16 @@ def test_a_lost_rank_replays_with_parallel_workers(references: object, tmp_path:
     _same_as_failure_free(references, r, "interleaved1f1b")
     rec = r.results[1]["recovered"]
     assert [st["timings"]["workers"] for st in rec["stages"].values()] == [2, 2]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved1f1b", "zbvzerobubble"])
+def test_a_lost_rank_replays_its_units_at_the_same_time(references: object, tmp_path: Path, schedule: str) -> None:
+    """``concurrent``: rank 0's two units (stages 0 and 2 or 0 and 3) replay at once, the second in a
+    process of its own whose state comes back through a checkpoint file; bit-exact."""
+    r = _run(tmp_path, schedule, [KillSpec(0, 5, 1, "backward")], concurrent=True)
+    _same_as_failure_free(references, r, schedule)
+    rec = r.results[0]["recovered"]
+    assert [u["stages"] for u in rec["units"]] == [[s] for s in STAGES[schedule][0]] and rec["verified"]
 
 
 def test_the_plan_of_a_lost_rank_names_every_stage_it_held(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--stages-per-rank", type=int, default=2)
     a("--schedule", default="interleaved1f1b", choices=sorted(MULTI_STAGE_SCHEDULES))
     a("--replay-workers", type=int, default=1, help="a replacement replays each unit of stages with K workers")
+    a("--replay-concurrent", action="store_true", help="a replacement replays its units at the same time")
     a("--width", type=int, default=32, help="the MLP's width")
     a("--depth", type=int, default=1, help="blocks per stage")
     a("--batch", type=int, default=16, help="samples per iteration")
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 factory=factory,
                 model_args=shape,
                 workers=args.replay_workers,
+                concurrent=args.replay_concurrent,
             )
         except ReplacementFallback as e:
             report_fallback(store, args.run_id, args.generation, str(e))
