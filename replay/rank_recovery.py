@@ -40,7 +40,6 @@ from replay.engine import replay
 from replay.errors import ReplacementFallback, ReplayError
 from replay.job import ReplayJob, SourceSpec, close_sources
 from replay.processes import forkserver_context, main_module_hidden
-from replay.replacement import RecoveredStage, _recovered_objects, _unit_of
 from replay.states import require_factory
 from replay.survivors import (
     CountingSource,
@@ -50,6 +49,7 @@ from replay.survivors import (
     sources_from_reports,
     wait_for_survivors,
 )
+from replay.unit_recovery import RecoveredStage, recovered_objects, unit_of
 from trainer_client.errors import CheckpointError
 from trainer_client.mesh import MeshLayout, rank_stages
 from trainer_client.recovery_keys import RecoveryKeys
@@ -134,7 +134,7 @@ def plan_rank(
     for s in rank_stages(position, num_stages, stages_per_rank, stage_style):
         if any(s in u.stages for u in units):
             continue
-        members = _unit_of(s, [s], lost)
+        members = unit_of(s, [s], lost)
         found = newest_common(checkpoint_url, members, resume, checkpoint_options)
         if found is None:
             raise ReplacementFallback(
@@ -346,7 +346,7 @@ def _kept(
     timings = {k: run.stats[k] for k in ("setup_s", "fetch_s", "replay_s", "workers", "unit_s")}
     out = {}
     for s in unit.kept:
-        mod, opt, sched = _recovered_objects(res, job, s, model, model_args, factory)
+        mod, opt, sched = recovered_objects(res, job, s, model, model_args, factory)
         out[s] = RecoveredStage(
             mod,
             opt,
