@@ -111,17 +111,11 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
                 logger.warning("replay: %s (further iterations alike are not reported)", note)
     if m0.get("seed_scheme") != SEED_SCHEME:
         raise ReplayError(f"iteration {it}: logged seed scheme {m0.get('seed_scheme')!r} is not {SEED_SCHEME!r}")
-    for k, m in present.items():  # a split backward replays whole when its W passes kept the B order
-        weights = [mb for kind, mb in m["order"] if kind == "W"]
-        inputs = [mb for kind, mb in m["order"] if kind == "B"]
-        if m.get("split_backward") and weights != inputs:
-            raise ReplayError(
-                f"iteration {it}: stage {k} ran its weight-gradient passes in micro-batch order {weights}, not in the "
-                f"order of its input-gradient passes {inputs}; this replay accumulates weight gradients in one order"
-            )
     n = ctx.n_mb_arg or int(m0["n_microbatches"])
     if present:
-        bwd = {k: [mb for kind, mb in m["order"] if kind == "B"] for k, m in present.items()}
+        # the order the weight gradients were summed in: whole backwards ("B") and the weight halves
+        # ("W") of split ones; the replay runs whole backwards in it (the input halves' order is moot)
+        bwd = {k: [mb for kind, mb in m["order"] if kind in ("B", "W")] for k, m in present.items()}
         fwd = [mb for kind, mb in m0["order"] if kind == "F"]
         orders = {tuple(v) for v in bwd.values()}
         if len(orders) != 1:
@@ -168,9 +162,12 @@ def plan_iteration(ctx: Context, it: int, report: ReplayReport | None) -> Iterat
         and ctx.hooks.claim is None
         and not shadow
     ):
-        # a split backward's W passes are in the B passes: the replay runs whole backwards
+        # a split backward runs whole where its weight half ran (the gradients are summed in that order)
         orders = {
-            tuple((str(kind), int(mb)) for kind, mb in present[st.stage]["order"] if kind != "W") for st in states
+            tuple(
+                ("B" if kind == "W" else str(kind), int(mb)) for kind, mb in present[st.stage]["order"] if kind != "I"
+            )
+            for st in states
         }
         if len(orders) == 1:  # one stage, or a group whose stages ran one order (GPipe)
             live_order = list(orders.pop())

@@ -71,7 +71,7 @@ def test_schedules_and_a_one_stage_pipeline_replay_exactly(tmp_path, single_rank
     stage = client.pipeline_stage(mod, "cpu", input_args=inp, output_args=out)
     with pytest.raises(UnsupportedScheduleError) as ei:
         client.schedule(stage, "interleaved1f1b", n_microbatches=3, loss_fn=loss_fn)
-    assert "gpipe" in str(ei.value) and "1f1b" in str(ei.value)
+    assert "gpipe" in str(ei.value) and "1f1b" in str(ei.value) and "MultiStageClient" in str(ei.value)
     with pytest.raises(UnsupportedScheduleError):
         client.schedule(stage, "gpipe", n_microbatches=3, loss_fn=None)
     client.schedule(stage, "gpipe", n_microbatches=3, loss_fn=loss_fn)

@@ -118,6 +118,11 @@ def test_one_rank_logs_each_of_its_stages_with_the_weight_passes_in_meta(tmp_pat
         client.schedule(stages, "zbvzerobubble", n_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
         g = torch.Generator().manual_seed(0)
         client.step(0, torch.randn(4, 8, generator=g), target=torch.randn(4, 8, generator=g))
+        grads = [p.grad.clone() for st in stages for p in st.submod.parameters()]
+        total = client.clip_grad_norm_(1e-3)  # the norm of both stages' gradients, each clipped by it
+        assert torch.equal(total, torch.nn.utils.get_total_norm(grads))
+        after = [p.grad for st in stages for p in st.submod.parameters()]
+        assert torch.allclose(torch.nn.utils.get_total_norm(after), torch.tensor(1e-3), rtol=1e-3)
         report = client.commit(0)
         assert report.decision is not None and report.decision.iteration == 0
         client.flush()
@@ -125,9 +130,11 @@ def test_one_rank_logs_each_of_its_stages_with_the_weight_passes_in_meta(tmp_pat
     for s, doc in docs.items():
         kinds = [k for k, _ in doc["order"]]
         assert (doc["stage"], doc["num_stages"], doc["schedule"]) == (s, 2, "ScheduleZBVZeroBubble")
-        assert doc["split_backward"] and kinds.count("F") == kinds.count("B") == kinds.count("W") == 2
-        assert [mb for k, mb in doc["order"] if k == "W"] == [mb for k, mb in doc["order"] if k == "B"]
+        assert doc["split_backward"] and kinds.count("F") == kinds.count("I") == kinds.count("W") == 2
+        assert "B" not in kinds  # every backward split: an input half ("I"), then a weight half ("W")
         assert store.check([meta_key(config.commit_prefix, s, 0)])
+        (clip,) = doc["grad_clip"]
+        assert clip["total_norm"] == float(total) and clip["max_norm"] == 1e-3
 
 
 def test_a_zero_bubble_schedule_refuses_a_module_with_backward_hooks(tmp_path: Path, world_of_one: object) -> None:

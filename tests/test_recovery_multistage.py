@@ -3,8 +3,9 @@
 The template ``trainer_client.examples.multi_stage_resilient`` runs 2 ranks of 2 stages each
 under :mod:`replay.launcher` with each accepted schedule: Interleaved 1F1B and LoopedBFS (rank r
 holds stages r and r + 2), interleaved zero-bubble (the same, every backward split into input- and
-weight-gradient passes) and ZBV zero-bubble (a V: rank 0 holds stages 0 and 3, rank 1 the middle
-stages 1 and 2, whose exchange never leaves it; split backwards too). A rank is SIGKILLed in a
+weight-gradient passes), ZBV zero-bubble and DualPipeV (a V: rank 0 holds stages 0 and 3, rank 1
+the middle stages 1 and 2, whose exchange never leaves it; split backwards too, DualPipeV's mixed
+with whole ones). A rank is SIGKILLed in a
 phase; its replacement replays all its stages (``replay.recover_rank``) while the other rank keeps
 its state. Every stage's final state must equal a failure-free run's, bit for bit.
 """
@@ -22,11 +23,12 @@ SCRIPT = "trainer_client.examples.multi_stage_resilient"
 ITERS = 7
 
 
-def _args(schedule: str, workers: int = 1, concurrent: bool = False) -> object:
+def _args(schedule: str, workers: int = 1, concurrent: bool = False, clip: float | None = None) -> object:
     def args(base: Path) -> list[str]:
         extra = (["--replay-workers", str(workers)] if workers > 1 else []) + (
             ["--replay-concurrent"] if concurrent else []
         )
+        extra += ["--clip", str(clip)] if clip is not None else []
         return ["--iters", str(ITERS), "--ckpt-at", "0,3", "--cold-url", f"file://{base / 'cold'}", "--schedule",
                 schedule, *extra]  # fmt: skip
 
@@ -34,12 +36,17 @@ def _args(schedule: str, workers: int = 1, concurrent: bool = False) -> object:
 
 
 def _run(
-    tmp_path: Path, schedule: str, kills: list[KillSpec], workers: int = 1, concurrent: bool = False
+    tmp_path: Path,
+    schedule: str,
+    kills: list[KillSpec],
+    workers: int = 1,
+    concurrent: bool = False,
+    clip: float | None = None,
 ) -> RecoveryRun:
     base = tmp_path / "kill"
     base.mkdir()
     r = run_with_failures(
-        _args(schedule, workers, concurrent)(base),  # type: ignore[operator]
+        _args(schedule, workers, concurrent, clip)(base),  # type: ignore[operator]
         run_id="multi",
         base_dir=str(base),
         checkpoint_url=f"file://{base / 'ckpt'}",
@@ -52,9 +59,9 @@ def _run(
     return r
 
 
-def _same_as_failure_free(references: object, r: RecoveryRun, schedule: str) -> None:
+def _same_as_failure_free(references: object, r: RecoveryRun, schedule: str, clip: float | None = None) -> None:
     ref = references.failure_free(  # type: ignore[attr-defined]
-        _args(schedule), run_id="multi", num_stages=2, script=SCRIPT, timeout_s=200
+        _args(schedule, clip=clip), run_id="multi", num_stages=2, script=SCRIPT, timeout_s=200
     )
     for k in (0, 1):
         got, want = r.results[k]["stages"], ref.results[k]["stages"]
@@ -69,6 +76,7 @@ PHASES = {
     "loopedbfs": ("forward", "backward", "commit", "optimizer"),
     "interleavedzerobubble": ("forward", "backward", "weight", "commit", "optimizer"),
     "zbvzerobubble": ("forward", "backward", "weight", "commit", "optimizer"),
+    "dualpipev": ("forward", "backward", "weight", "commit", "optimizer"),
 }
 FAST = {("interleaved1f1b", 0, "backward"), ("zbvzerobubble", 1, "weight"), ("loopedbfs", 1, "forward")}
 CASES = [
@@ -87,7 +95,8 @@ CASES = [
 #: the stages each rank holds, and the replay units of its replacement
 STAGES = {"interleaved1f1b": {0: [0, 2], 1: [1, 3]}, "zbvzerobubble": {0: [0, 3], 1: [1, 2]}}
 STAGES["interleavedzerobubble"] = STAGES["loopedbfs"] = STAGES["interleaved1f1b"]
-UNITS = {("zbvzerobubble", 1): [[1, 2]]}  # the V's middle stages: one rank, never logged between them
+STAGES["dualpipev"] = STAGES["zbvzerobubble"]
+UNITS = {(v, 1): [[1, 2]] for v in ("zbvzerobubble", "dualpipev")}  # the V's middle stages: never logged between
 
 
 @pytest.mark.parametrize(("schedule", "rank", "phase"), CASES)
@@ -167,3 +176,16 @@ def test_the_plan_of_a_lost_rank_names_every_stage_it_held(tmp_path: Path) -> No
     p = ok(swiftlog("plan", "--root", roots[0], "--cold-url", cold, "--run", "multi", "-r", "1",
                     "--stages-per-rank", "2", "--stage-style", "v", "-t", str(ITERS)))  # fmt: skip
     assert "rank 1 held stages [1, 2]" in p.stdout and "stages [1, 2]: replay [3, 7)" in p.stdout
+
+
+@pytest.mark.parametrize(
+    ("schedule", "rank", "phase"), [("interleaved1f1b", 1, "backward"), ("zbvzerobubble", 0, "weight")]
+)
+def test_a_rank_clipped_to_the_pipeline_norm_replays_the_same_clip(
+    references: object, tmp_path: Path, schedule: str, rank: int, phase: str
+) -> None:
+    """``client.clip_grad_norm_`` over the whole pipeline (every stage of every rank): each stage's
+    META holds the norm, and the replay of the lost rank's stages clips by it; bit-exact."""
+    r = _run(tmp_path, schedule, [KillSpec(rank, 4, 1, phase)], clip=0.05)
+    _same_as_failure_free(references, r, schedule, clip=0.05)
+    assert r.results[rank]["recovered"]["verified"]

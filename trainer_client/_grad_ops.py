@@ -23,7 +23,19 @@ from trainer_client.replicas import average_gradients_
 from trainer_client.stage import StageRecorder
 from trainer_client.writer import AsyncLogWriter
 
-__all__ = ["GradOps"]
+__all__ = ["GradOps", "group_norm"]
+
+
+def group_norm(total: torch.Tensor, norm_type: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The norm of every rank's ``total`` over ``group`` (None: ``total``), in ``total``'s dtype.
+    Summed in float64: every rank's part has one dtype whatever its parameters' dtype (a float64
+    stage among float32 ones)."""
+    if group is None:
+        return total
+    inf = norm_type == float("inf")
+    part = (total if inf else total.pow(norm_type)).to(torch.float64)
+    dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    return (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
 
 
 class GradOps:
@@ -90,20 +102,18 @@ class GradOps:
         *,
         group: dist.ProcessGroup | None,
         module: torch.nn.Module | None,
+        total: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``SwiftlogClient.clip_grad_norm_`` once an iteration is known to be in progress."""
+        """``SwiftlogClient.clip_grad_norm_`` once an iteration is known to be in progress.
+        ``total``: the norm to clip by, taken by the caller (a multi-stage rank's, over all its
+        stages); None: this stage's, over ``group`` too."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         index = self._param_positions("clip_grad_norm_", params, module)
-        grads = [p.grad for p in params if p.grad is not None]
-        # sharded gradients: the stage's whole norm (over its shard group), a plain tensor
-        total = full_value(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach))
-        if group is not None:
-            # in float64: every rank's part has one dtype whatever its parameters' dtype
-            # (a float64 stage among float32 ones)
-            inf = norm_type == float("inf")
-            part = (total if inf else total.pow(norm_type)).to(torch.float64)
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-            total = (part if inf else part.pow(1.0 / norm_type)).to(total.dtype)
+        if total is None:
+            grads = [p.grad for p in params if p.grad is not None]
+            # sharded gradients: the stage's whole norm (over its shard group), a plain tensor
+            total = full_value(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach))
+            total = group_norm(total, norm_type, group)
         clip_grads_with_norm_(params, max_norm, total, foreach)
         positions = [index[id(p)] for p in params]
         self.clips.append(

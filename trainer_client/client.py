@@ -303,8 +303,10 @@ class SwiftlogClient:
         cls: Any = SUPPORTED_SCHEDULES.get(schedule.lower()) if isinstance(schedule, str) else schedule
         if cls is None or not isinstance(cls, type) or not issubclass(cls, (ScheduleGPipe, Schedule1F1B)):
             raise UnsupportedScheduleError(
-                f"schedule {schedule!r} is not supported",
-                hint=f"use one of {sorted(SUPPORTED_SCHEDULES)} (ScheduleGPipe, Schedule1F1B)",
+                f"schedule {schedule!r} is not supported with one stage per rank",
+                hint=f"use one of {sorted(SUPPORTED_SCHEDULES)} (ScheduleGPipe, Schedule1F1B); for a schedule that "
+                "puts several stages on a rank (Interleaved1F1B, ZBVZeroBubble, ...): ClientConfig(stages_per_rank=N) "
+                "and MultiStageClient",
             )
         if loss_fn is None:
             raise UnsupportedScheduleError(
@@ -456,6 +458,17 @@ class SwiftlogClient:
         )
         self._watch.note_replayed_change()
         return total
+
+    def _clip_by(
+        self, parameters: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None
+    ) -> None:
+        """``clip_grad_norm_`` by a norm the caller took (a multi-stage rank's, over its stages)."""
+        if self._iteration is None or self._step_t0 is None:
+            raise RuntimeError(
+                "clip_grad_norm_ belongs between client.step(it) and client.commit(it); no iteration is in progress"
+            )
+        self._grad_ops.clip_grad_norm_(parameters, max_norm, 2.0, False, foreach, group=None, module=None, total=total)
+        self._watch.note_replayed_change()
 
     def all_reduce_grads_(
         self,

@@ -9,7 +9,8 @@ Fields (version 1):
 
 - ``version``, ``run_id``, ``stage``, ``num_stages``, ``iteration``, ``generation``.
 - ``schedule``, ``n_microbatches``, ``scale_grads``, ``grad_scale_factor``.
-- ``order``: ``[["F"|"B", mb], ...]`` as executed; ``split_backward``.
+- ``order``: ``[["F"|"B", mb], ...]`` as executed (a split backward: "I" for its input-gradient
+  half, "W" for its weight-gradient half); ``split_backward``.
 - ``seed``, ``seed_scheme``, ``seeds`` (per micro-batch).
 - ``data``: "logged" or "source".
 - ``input_kwargs``: names of the step's keyword tensor inputs this stage logged under

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
+    ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
@@ -40,6 +41,7 @@ from torch.distributed.pipelining import (
 
 from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
+from trainer_client._grad_ops import group_norm
 from trainer_client.client import SwiftlogClient, close_store, upload_all
 from trainer_client.config import ClientConfig
 from trainer_client.errors import UnsupportedScheduleError
@@ -57,11 +59,12 @@ MULTI_STAGE_SCHEDULES: dict[str, tuple[type, str]] = {
     "loopedbfs": (ScheduleLoopedBFS, "loop"),
     "interleavedzerobubble": (ScheduleInterleavedZeroBubble, "loop"),
     "zbvzerobubble": (ScheduleZBVZeroBubble, "v"),
+    "dualpipev": (ScheduleDualPipeV, "v"),
 }
 
 
 #: the schedules that split a backward into input- and weight-gradient passes
-SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+SPLIT_BACKWARD = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
 def _backward_hooked(module: torch.nn.Module) -> str | None:
@@ -268,6 +271,31 @@ class MultiStageClient:
         for part, doc, _, _ in sealed:
             part._settle(iteration, doc)
         return CommitReport(iteration, decision, faults)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of every stage of the rank by one norm, of all of them (and, with
+        ``group``, of every rank of the group: e.g. ``dist.group.WORLD`` for the whole pipeline's
+        global norm), as ``torch.nn.utils.clip_grad_norm_`` would over all those parameters.
+        Each stage's META records the norm, so a replay of any stage clips the same, bit for
+        bit. Call it between :meth:`step` and :meth:`commit`; returns the total norm. Raises
+        RuntimeError outside an iteration."""
+        params = {s: list(p.stage_module.parameters()) for s, p in self.parts.items() if p.stage_module is not None}
+        if len(params) != len(self.parts):
+            raise RuntimeError("clip_grad_norm_ before every stage was built (client.pipeline_stage)")
+        grads = [p.grad for ps in params.values() for p in ps if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        total = group_norm(total, norm_type, group)
+        for s, part in self.parts.items():
+            part._clip_by(params[s], max_norm, total, foreach)
+        return total
 
     def abort(self, iteration: int, reason: str = "") -> str:
         """This rank saw a failure in ``iteration`` (see ``SwiftlogClient.abort``)."""

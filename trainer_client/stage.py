@@ -17,8 +17,8 @@ The stage overrides four public methods and delegates the bookkeeping to a
 - ``get_fwd_send_ops(mb)``: logs the activations sent to ``stage + 1`` (kept by reference on CPU:
   PipelineStage never mutates a sent output).
 - ``backward_weight_one_chunk(mb)`` (zero-bubble schedules): records "W mb", the weight-gradient
-  half of a backward whose input-gradient half was "B mb".
-- ``backward_one_chunk(mb)``: records "B mb"; queues the received gradient buffers
+  half of a backward whose input-gradient half was "I mb".
+- ``backward_one_chunk(mb)``: records "B mb" ("I mb" for an input-gradient half); queues the received gradient buffers
   (``grad_recv_info[mb]``) for hashing likewise.
 - ``get_bwd_send_ops(mb)``: logs the gradients sent to ``stage - 1`` (``input.grad``, which the
   stage releases, never mutates, after the send).
@@ -121,7 +121,7 @@ class StageRecorder:
         """An "incomplete_iteration" fault when the schedule step did not run every micro-batch's
         forward and backward (``n_microbatches``: the schedule's; None: not checked)."""
         n_fwd = sum(1 for k, _ in self.order if k == "F")
-        n_bwd = sum(1 for k, _ in self.order if k == "B")
+        n_bwd = sum(1 for k, _ in self.order if k in ("B", "I"))
         if n_microbatches is not None and (n_fwd != n_microbatches or n_bwd != n_microbatches):
             self.writer.note_fault(
                 "incomplete_iteration",
@@ -181,7 +181,7 @@ class StageRecorder:
 
     def on_weight(self, micro_batch: int) -> None:
         """A zero-bubble schedule's weight-gradient pass ("W") of ``micro_batch``: recorded in the
-        order, after the input-gradient pass ("B") that split it off."""
+        order, after the input-gradient pass ("I") that split it off."""
         self.order.append(("W", micro_batch))
 
     def on_fwd_send(self, micro_batch: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -194,7 +194,7 @@ class StageRecorder:
 
     def on_backward(self, stage: PipelineStage, micro_batch: int, full_backward: bool) -> None:
         try:
-            self.order.append(("B", micro_batch))
+            self.order.append(("B" if full_backward else "I", micro_batch))
             if not full_backward:
                 self.split_backward = True
             if not self.enabled or stage.is_last or not self._digest_from_next:

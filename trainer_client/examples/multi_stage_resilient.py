@@ -1,6 +1,6 @@
 """A training script whose ranks hold several pipeline stages, with in-place recovery.
 
-The template for Interleaved 1F1B, LoopedBFS, interleaved zero-bubble and ZBV zero-bubble
+The template for Interleaved 1F1B, LoopedBFS, interleaved zero-bubble, ZBV zero-bubble and DualPipeV
 schedules (``--schedule``; ``--stages-per-rank``). It trains an MLP classifier (``--width``,
 ``--depth`` blocks per stage) cut into ``num_stages * stages_per_rank`` stages, one SGD optimizer
 and step scheduler per stage (the functions under "yours"). The contract is
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--depth", type=int, default=1, help="blocks per stage")
     a("--batch", type=int, default=16, help="samples per iteration")
     a("--n-microbatches", type=int, default=4)
+    a("--clip", type=float, default=None, help="clip to this global norm over the whole pipeline")
     return p
 
 
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         count["weight"][:] = [it, 0]
         x, y = batch(it, args.batch, args.width)
         client.step(it, x, target=y)
+        if args.clip is not None:  # the whole pipeline's norm: every stage of every rank
+            client.clip_grad_norm_(args.clip, group=dist.group.WORLD)
         die_if(it, "commit")
 
     def apply(it: int) -> None:
