@@ -173,9 +173,16 @@ def test_the_plan_of_a_lost_rank_names_every_stage_it_held(tmp_path: Path) -> No
         for st in stores:
             st.close()
     cold = f"file://{base / 'cold'}"
-    p = ok(swiftlog("plan", "--root", roots[0], "--cold-url", cold, "--run", "multi", "-r", "1",
+    p = ok(swiftlog("plan", "--root", roots[0], "--cold-url", cold, "--run", "multi", "--rank", "1",
                     "--stages-per-rank", "2", "--stage-style", "v", "-t", str(ITERS)))  # fmt: skip
     assert "rank 1 held stages [1, 2]" in p.stdout and "stages [1, 2]: replay [3, 7)" in p.stdout
+    # and replayed offline from the survivor's node root and the cold tier: stages 0 and 3, each alone
+    out = tmp_path / "recovered"
+    p = ok(swiftlog("replay", "--root", roots[1], "--cold-url", cold, "--run", "multi", "--rank", "0",
+                    "--stages-per-rank", "2", "--stage-style", "v", "-t", str(ITERS),
+                    "--model", f"{SCRIPT}:factory", "-o", out))  # fmt: skip
+    assert p.stdout.count("verified") == 2, p.stdout
+    assert sorted(d.name for d in out.iterdir()) == ["stage00000", "stage00003"]
 
 
 @pytest.mark.parametrize(

@@ -52,9 +52,7 @@ def plan(
     ] = None,
     rank: Annotated[
         list[int] | None,
-        typer.Option(
-            "--rank", "-r", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"
-        ),
+        typer.Option("--rank", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"),
     ] = None,
     stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")] = 1,
     stage_style: Annotated[
@@ -102,7 +100,7 @@ def plan(
     if not stages and not rank:
         raise fail(
             "missing option '--stage' / '-s'",
-            hint="name the failed stage: -s 2 (repeat for several), or a multi-stage rank: -r 1 --stages-per-rank 2",
+            hint="name the failed stage: -s 2 (repeat for several), or a rank of several: --rank 1 --stages-per-rank 2",
             error_type="usage",
         )
     if stage_style not in ("loop", "v"):

@@ -42,8 +42,17 @@ __all__ = ["register", "replay_command", "print_plan"]
 def replay_command(
     run: Annotated[str, typer.Option("--run", "-r", help="run id")],
     stage: Annotated[
-        list[int], typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)")
-    ],
+        list[int] | None,
+        typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)", show_default=False),
+    ] = None,
+    rank: Annotated[
+        list[int] | None,
+        typer.Option("--rank", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"),
+    ] = None,
+    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")] = 1,
+    stage_style: Annotated[str, typer.Option("--stage-style", help="how stages are placed on ranks: loop or v")] = (
+        "loop"
+    ),
     root: Annotated[
         list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")
     ] = None,
@@ -199,11 +208,20 @@ def replay_command(
     opts, model, loss, data_source = _checked_options(
         root, server, cold_url, cold_option, output, plan_only, model, loss, data_source
     )
+    if not stage and not rank:
+        raise fail(
+            "missing option '--stage' / '-s'",
+            hint="name the failed stage: -s 2 (repeat for several), or a rank of several: --rank 1 --stages-per-rank 2",
+            error_type="usage",
+        )
+    if stage_style not in ("loop", "v"):
+        raise fail(f"--stage-style must be loop or v, got {stage_style!r}", error_type="usage")
+    ranks = {"failed_ranks": rank or [], "stages_per_rank": stages_per_rank, "stage_style": stage_style}
     try:
         job_store = _commit_store(commit_store) if commit_store else None
         plan, specs = _plan(
             run,
-            stage,
+            list(stage or []),
             root or [],
             server or [],
             token,
@@ -214,6 +232,7 @@ def replay_command(
             workers,
             check_records,
             _rates(job_store, run),
+            ranks,
         )
         if plan_only or not plan.possible:
             print_plan(plan, json_out)
@@ -452,6 +471,7 @@ def _plan(
     workers: int,
     check_records: bool,
     rates: dict[str, float] | None = None,
+    ranks: dict[str, Any] | None = None,
 ) -> tuple[Any, list[Any]]:
     from logstore import LogStore
     from replay.job import SourceSpec
@@ -476,6 +496,7 @@ def _plan(
             workers=workers,
             check_records=check_records,
             rates=rates,
+            **(ranks or {}),
         ), specs
     finally:
         for s in stores:
