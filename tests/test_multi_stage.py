@@ -74,6 +74,12 @@ def test_the_schedule_must_be_a_multi_stage_one_of_the_configured_style(tmp_path
             client.schedule([], "interleaved1f1b", n_microbatches=4, loss_fn=lambda o, t: o)
         with pytest.raises(KeyError, match="not 1"):
             client.part(1)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        with pytest.raises(ValueError, match="one SGD for the 2 stages \\[0, 2\\]: give one optimizer per stage"):
+            client.track_optimizer(opt)
+    with pytest.raises(ConfigError, match="log_data=False is not supported by MultiStageClient"):
+        MultiStageClient(ClientConfig(run_id="r", stage=0, num_stages=2, store_root=tmp_path / "b",
+                                      stages_per_rank=2, log_data=False))  # fmt: skip
 
 
 def test_a_rank_reports_all_its_stages_done_in_one_commit() -> None:

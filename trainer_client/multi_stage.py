@@ -91,6 +91,12 @@ class MultiStageClient:
             )
         if config.metrics.port is not None:
             raise ConfigError("MetricsConfig.port is not supported by MultiStageClient yet")
+        if not config.log_data:
+            raise ConfigError(
+                "log_data=False is not supported by MultiStageClient yet: a replay of its first or last stage "
+                "would need a data source it cannot be given",
+                hint="log the data (log_data=True, the default)",
+            )
         self.config = config
         self.store = LogStore(config.store_config())
         self.writer = AsyncLogWriter(self.store, config.writer, name=f"swiftlog-{config.writer_name}")
@@ -309,13 +315,14 @@ class MultiStageClient:
     def set_mesh(self, mesh: Any) -> None:
         raise ConfigError("a MultiStageClient runs one pipeline: no data-parallel mesh (dp_replicate = dp_shard = 1)")
 
-    def track_optimizer(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
-        """Track one optimizer per stage, in the order of :attr:`stages` (a single one: every
-        stage's parameters must be in it; see ``SwiftlogClient.track_optimizer``)."""
+    def track_optimizer(self, optimizer: Sequence[torch.optim.Optimizer]) -> None:
+        """Track one optimizer per stage, in the order of :attr:`stages` (see
+        ``SwiftlogClient.track_optimizer``). Raises ValueError for anything but one per stage:
+        a replay rebuilds a stage with its own optimizer, whose steps must be the live ones."""
         for part, opt in zip(self.parts.values(), self._per_stage(optimizer, "optimizer"), strict=True):
             part.track_optimizer(opt)
 
-    def track_lr_scheduler(self, lr_scheduler: Any) -> None:
+    def track_lr_scheduler(self, lr_scheduler: Sequence[Any] | None) -> None:
         """Count the steps of one scheduler per stage, in the order of :attr:`stages` (or None)."""
         if lr_scheduler is None:
             return
@@ -323,10 +330,12 @@ class MultiStageClient:
             part.track_lr_scheduler(sched)
 
     def _per_stage(self, objs: Any, what: str) -> list[Any]:
-        if not isinstance(objs, (list, tuple)):
-            return [objs] * len(self.parts)
-        if len(objs) != len(self.parts):
-            raise ValueError(f"{len(objs)} {what}(s) for the {len(self.parts)} stages {list(self.parts)}")
+        if not isinstance(objs, (list, tuple)) or len(objs) != len(self.parts):
+            got = f"{len(objs)} {what}s" if isinstance(objs, (list, tuple)) else f"one {type(objs).__name__}"
+            raise ValueError(
+                f"{got} for the {len(self.parts)} stages {list(self.parts)}: give one {what} per stage, in the "
+                "order of client.stages (a replay rebuilds each stage with its own)"
+            )
         return list(objs)
 
     def checkpoint(
