@@ -198,7 +198,10 @@ class AgentScheduler(_Scheduler):
 
     def _check_hangs(self) -> None:
         """Kill the culprit of a hang: among the ranks whose progress stood still longer than their
-        section allows, the busy one (the others wait on it), the earliest stalled if several."""
+        section allows, the busy one (the others wait on it), the earliest stalled if several.
+        While only waiting ranks stand still, the hung one may have stopped after them (it ran on
+        until it hung, they waited at once): they get twice their limit before the earliest of
+        them is taken for the culprit."""
         now, stalled = time.monotonic(), []
         for k, name in self.current.items():
             key = self.keys.heartbeat(self.gen, k)
@@ -213,6 +216,10 @@ class AgentScheduler(_Scheduler):
                 stalled.append((k, sig, prev[1]))
         if not stalled:
             return
+        if not any(s[1][3] == "busy" for s in stalled) and not any(
+            now - since > 2 * self._hang_limits[sig[2]] for _, sig, since in stalled
+        ):
+            return  # a busy rank may stall next: it is the likelier culprit
         k, (name, _, section, state), since = hang_culprit(stalled)
         why = f"rank {k} ({name}) made no progress for {now - since:.1f} s in {section} ({state})"
         logger.warning("hang: %s; the stalled: %s: killing it", why, [s[0] for s in stalled])
