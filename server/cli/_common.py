@@ -45,6 +45,10 @@ __all__ = [
     "RootOpt",
     "RunOpt",
     "OptionalRunOpt",
+    "RankOpt",
+    "StagesPerRankOpt",
+    "StageStyleOpt",
+    "failed_ranks",
     "ColdUrlOpt",
     "ColdOptionOpt",
     "JsonOpt",
@@ -93,6 +97,29 @@ def cold_url_param(value: str | None) -> str | None:
 
 RootOpt = Annotated[Path, typer.Option("--root", envvar=ENV_ROOT, help="the node's store root", show_default=False)]
 RunOpt = Annotated[str, typer.Option("--run", "-r", help="run id")]
+# a rank that holds several stages (multi-stage schedules): its pp position, and how the schedule placed them
+RankOpt = Annotated[
+    list[int] | None,
+    typer.Option("--rank", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"),
+]
+StagesPerRankOpt = Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")]
+StageStyleOpt = Annotated[str, typer.Option("--stage-style", help="how stages sit on ranks: loop or v")]
+
+
+def failed_ranks(stages: list[int] | None, ranks: list[int] | None, per_rank: int, style: str) -> dict[str, Any]:
+    """The planner's options for ``--rank`` (none without it); a usage error naming ``--stage``
+    when neither a stage nor a rank is given."""
+    if not stages and not ranks:
+        raise fail(
+            "missing option '--stage' / '-s'",
+            hint="name the failed stage: -s 2 (repeat for several), or a rank of several: --rank 1 --stages-per-rank 2",
+            error_type="usage",
+        )
+    if style not in ("loop", "v"):
+        raise fail(f"--stage-style must be loop or v, got {style!r}", error_type="usage")
+    return {"failed_ranks": ranks, "stages_per_rank": per_rank, "stage_style": style} if ranks else {}
+
+
 OptionalRunOpt = Annotated[str | None, typer.Option("--run", "-r", help="run id")]
 ColdUrlOpt = Annotated[
     str | None,

@@ -20,10 +20,14 @@ from server.cli._common import (
     ColdUrlOpt,
     Command,
     JsonOpt,
+    RankOpt,
     RunOpt,
+    StagesPerRankOpt,
+    StageStyleOpt,
     console,
     deprecated_alias,
     fail,
+    failed_ranks,
     handle_errors,
     make_node,
     print_json,
@@ -50,14 +54,9 @@ def plan(
         list[int] | None,
         typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)", show_default=False),
     ] = None,
-    rank: Annotated[
-        list[int] | None,
-        typer.Option("--rank", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"),
-    ] = None,
-    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")] = 1,
-    stage_style: Annotated[
-        str, typer.Option("--stage-style", help="how stages are placed on ranks: loop or v")
-    ] = "loop",
+    rank: RankOpt = None,
+    stages_per_rank: StagesPerRankOpt = 1,
+    stage_style: StageStyleOpt = "loop",
     # the old spelling of --stage: hidden, still works, says it is deprecated
     failed: Annotated[list[int] | None, typer.Option("--failed", "-f", min=0, max=0xFFFF, hidden=True)] = None,
     planner: Annotated[
@@ -97,15 +96,7 @@ def plan(
     if node_map_file is not None and not stages:
         _replica_logging(root, run, dp_replicate, node_map_file, num_stages, cold_url, cold_option, json_out)
         return
-    if not stages and not rank:
-        raise fail(
-            "missing option '--stage' / '-s'",
-            hint="name the failed stage: -s 2 (repeat for several), or a rank of several: --rank 1 --stages-per-rank 2",
-            error_type="usage",
-        )
-    if stage_style not in ("loop", "v"):
-        raise fail(f"--stage-style must be loop or v, got {stage_style!r}", error_type="usage")
-    ranks = {"failed_ranks": rank, "stages_per_rank": stages_per_rank, "stage_style": stage_style} if rank else {}
+    ranks = failed_ranks(stages, rank, stages_per_rank, stage_style)
     if len(root) != 1:  # a plain option would keep the last of several silently
         raise fail(
             f"swiftlog plan reads one node's store root, got {len(root)}: {', '.join(map(str, root))}",

@@ -33,7 +33,18 @@ from typing import Annotated, Any
 
 import typer
 
-from server.cli._common import Command, check_cold_url, cold_url_param, fail, parse_cold_options, parse_kv
+from server.cli._common import (
+    Command,
+    RankOpt,
+    StagesPerRankOpt,
+    StageStyleOpt,
+    check_cold_url,
+    cold_url_param,
+    fail,
+    failed_ranks,
+    parse_cold_options,
+    parse_kv,
+)
 from server.errors import EXIT_NOT_FOUND, EXIT_OK, EXIT_PROBLEMS, EXIT_UNAVAILABLE
 
 __all__ = ["register", "replay_command", "print_plan"]
@@ -45,14 +56,9 @@ def replay_command(
         list[int] | None,
         typer.Option("--stage", "-s", min=0, max=0xFFFF, help="failed stage (repeat for several)", show_default=False),
     ] = None,
-    rank: Annotated[
-        list[int] | None,
-        typer.Option("--rank", min=0, max=0xFFFF, help="multi-stage schedules: a failed rank's pp position (repeat)"),
-    ] = None,
-    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", min=1, max=64, help="stages per rank")] = 1,
-    stage_style: Annotated[str, typer.Option("--stage-style", help="how stages are placed on ranks: loop or v")] = (
-        "loop"
-    ),
+    rank: RankOpt = None,
+    stages_per_rank: StagesPerRankOpt = 1,
+    stage_style: StageStyleOpt = "loop",
     root: Annotated[
         list[Path] | None, typer.Option("--root", envvar="SWIFTLOG_ROOT", help="a node's store root (repeatable)")
     ] = None,
@@ -208,15 +214,7 @@ def replay_command(
     opts, model, loss, data_source = _checked_options(
         root, server, cold_url, cold_option, output, plan_only, model, loss, data_source
     )
-    if not stage and not rank:
-        raise fail(
-            "missing option '--stage' / '-s'",
-            hint="name the failed stage: -s 2 (repeat for several), or a rank of several: --rank 1 --stages-per-rank 2",
-            error_type="usage",
-        )
-    if stage_style not in ("loop", "v"):
-        raise fail(f"--stage-style must be loop or v, got {stage_style!r}", error_type="usage")
-    ranks = {"failed_ranks": rank or [], "stages_per_rank": stages_per_rank, "stage_style": stage_style}
+    ranks = failed_ranks(stage, rank, stages_per_rank, stage_style)
     try:
         job_store = _commit_store(commit_store) if commit_store else None
         plan, specs = _plan(
