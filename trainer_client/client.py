@@ -19,7 +19,10 @@ data before its commit (``_shipping``), the checkpoints' writing in either forma
 (``_checkpointing``), the check of the stages' declared tensors (``_declarations``) and, with
 data-parallel replicas, the mesh's groups (``mesh``, ``replicas``). Its reports are in
 ``reports``. It is over 600 lines because it is the one public surface of a stage: its methods
-are the calls a training script makes, each with the documentation that script needs.
+are the calls a training script makes, each with the documentation that script needs, plus the
+per-stage halves of ``step`` / ``commit`` / ``close`` (``_begin_step``, ``_seal``, ``_decide``,
+``_settle``, ``_close_part``) that :class:`~trainer_client.MultiStageClient` drives for each stage
+of a rank: one stage's protocol, kept in one place.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from trainer_client._groups import MeshGroups
 from trainer_client._meta_log import MetaLog
 from trainer_client._shipping import DataShipper
 from trainer_client._step_watch import StepWatcher
+from trainer_client._store_io import close_store, upload_all
 from trainer_client.commit import CommitCoordinator
 from trainer_client.config import ClientConfig
 from trainer_client.data import DataSource, data_inputs, on_device
@@ -852,26 +856,6 @@ class SwiftlogClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def upload_all(store: LogStore, writer: AsyncLogWriter, timeout: float | None = None) -> tuple[int, str | None]:
-    """Upload every segment to the cold tier: (segments uploaded, None), or (0, why) after noting
-    a "flush" fault. Never raises a logging fault."""
-    try:
-        return store.flush(timeout), None
-    except SwiftlogError as e:
-        error = f"{type(e).__name__}: {e}"
-        writer.note_fault("flush", error)
-        return 0, error
-
-
-def close_store(store: LogStore, timeout: float | None) -> str | None:
-    """Close ``store`` within ``timeout`` (at least 1 s; None: 30 s); why it failed, or None."""
-    try:
-        store.close(timeout=30.0 if timeout is None else max(timeout, 1.0))
-    except SwiftlogError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _stats_of(client: weakref.ref[SwiftlogClient]) -> dict[str, Any] | None:

@@ -42,7 +42,8 @@ from torch.distributed.pipelining import (
 from logstore import LogStore
 from logstore.errors import ConfigError, SwiftlogError
 from trainer_client._grad_ops import group_norm
-from trainer_client.client import SwiftlogClient, close_store, upload_all
+from trainer_client._store_io import close_store, upload_all
+from trainer_client.client import SwiftlogClient
 from trainer_client.config import ClientConfig
 from trainer_client.errors import UnsupportedScheduleError
 from trainer_client.meta import importable_name, script_name
